@@ -1,0 +1,143 @@
+"""The Python API: `Captioner.load(checkpoint).caption(image)` → words with their attention maps."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .checkpoint import load_checkpoint
+from .decode import beam_search
+from .decoder import ARGMAX, CONTEXT_MODES, EXPECTED, SAMPLE, AttentionDecoder, DecoderConfig
+from .encoder import EncoderSpec, build_encoder
+from .errors import CaptionerError
+from .images import load_image
+from .vocab import Vocabulary
+
+
+@dataclass
+class Caption:
+    """A caption and where the model looked for each word."""
+    text: str
+    words: list[str]
+    score: float                      # log-probability of the caption, <end> included
+    attention: np.ndarray             # (len(words), 14, 14), α used to produce each word
+    locations: list[tuple[int, int]] | None = None   # (row, col) chosen per word (hard: argmax/sample)
+    alternatives: list[tuple[str, float]] = field(default_factory=list)  # other beams, best first
+    size: tuple[int, int] = (0, 0)    # (width, height) of the upright image
+
+
+class Captioner:
+    """A trained captioning model with its encoder, ready for images."""
+
+    def __init__(self, decoder: AttentionDecoder, vocab: Vocabulary, spec: EncoderSpec, *,
+                 encoder: torch.nn.Module | None = None, max_len: int = 20, step: int = 0,
+                 info: dict | None = None, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.decoder = decoder.to(self.device).eval()
+        self.vocab, self.encoder_spec, self.max_len, self.step = vocab, spec, max_len, step
+        self.encoder = encoder.to(self.device).eval() if encoder is not None else None
+        self.info = info or {}
+
+    @property
+    def attention_type(self) -> str:
+        return self.decoder.config.attention
+
+    @property
+    def default_mode(self) -> str:
+        return EXPECTED
+
+    @classmethod
+    def load(cls, path: str, *, device: str = "cpu", build_encoder: bool = True) -> "Captioner":
+        """Load a checkpoint written by `fit` (weights_only: pickled objects are refused).
+
+        Args:
+            path: the .pt file.
+            device: where to run.
+            build_encoder: also rebuild the image encoder (not needed on cached features).
+        """
+        ck = load_checkpoint(path)
+        try:
+            decoder = AttentionDecoder.from_config(DecoderConfig(**ck["decoder"]))
+            decoder.load_state_dict(ck["model"])
+            vocab = Vocabulary(ck["vocab"])
+            spec = EncoderSpec.from_dict(ck["encoder"])
+        except (TypeError, KeyError, RuntimeError) as e:
+            raise CaptionerError(f"{path}: the checkpoint's model does not load ({str(e).splitlines()[0]})") from None
+        encoder = None
+        if build_encoder:
+            encoder, _ = _build(spec, path)
+        info = {"checkpoint": os.path.abspath(path), "metrics": ck.get("metrics", {}),
+                "train": ck.get("train", {}), "data": ck.get("data", {}), "step": ck["step"],
+                "card": ck.get("card", {})}
+        return cls(decoder, vocab, spec, encoder=encoder, max_len=int(ck.get("max_len", 20)),
+                   step=int(ck["step"]), info=info, device=device)
+
+    @torch.inference_mode()
+    def encode(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Images (paths, bytes, PIL or HxWxC arrays) → features (B, L, D) and their sizes."""
+        if self.encoder is None:
+            self.encoder, _ = _build(self.encoder_spec, "this checkpoint")
+            self.encoder.to(self.device)
+        pils = [load_image(Image.fromarray(im) if isinstance(im, np.ndarray) else im) for im in images]
+        x = torch.stack([self.encoder_spec.preprocess(p) for p in pils]).to(self.device)  # (B, 3, S, S)
+        return self.encoder(x), [p.size for p in pils]
+
+    def caption(self, image, beam_size: int = 3, **kwargs) -> Caption:
+        """Caption one image; see `caption_batch` for the options."""
+        return self.caption_batch([image], beam_size=beam_size, **kwargs)[0]
+
+    @torch.inference_mode()
+    def caption_batch(self, images: Sequence, beam_size: int = 3, *, max_len: int | None = None,
+                      length_norm: bool = False, mode: str | None = None, seed: int | None = None,
+                      batch_size: int = 16) -> list[Caption]:
+        """Caption several images with one batched beam search per chunk.
+
+        Args:
+            images: paths, bytes, PIL images or HxWxC uint8 arrays.
+            beam_size: K (1 is greedy).
+            max_len: most words (default: the training maximum).
+            length_norm: rank beams by log-probability per word.
+            mode: "expected" (soft; the default), "argmax" or "sample" for hard-attention models.
+            seed: random seed for mode="sample".
+            batch_size: images per forward pass.
+
+        Raises:
+            ImageError: an image cannot be read (the message says which and why).
+        """
+        mode = mode or self.default_mode
+        if mode not in CONTEXT_MODES:
+            raise CaptionerError(f"mode must be one of {CONTEXT_MODES}, got {mode!r}")
+        if not 1 <= int(beam_size) <= 50:
+            raise CaptionerError(f"beam size must be between 1 and 50, got {beam_size}")
+        max_len = int(max_len or self.max_len)
+        generator = None
+        if mode == SAMPLE:
+            generator = torch.Generator(device=self.device).manual_seed(0 if seed is None else int(seed))
+        out = []
+        grid = self.encoder_spec.grid
+        for i in range(0, len(images), batch_size):
+            feats, sizes = self.encode(images[i:i + batch_size])
+            for beams, size in zip(beam_search(self.decoder, feats, beam_size=int(beam_size), max_len=max_len,
+                                               length_norm=length_norm, mode=mode, generator=generator), sizes):
+                best = beams[0]
+                words = self.vocab.decode(best.tokens)
+                locs = None
+                if mode in (ARGMAX, SAMPLE):
+                    locs = [(int(l) // grid, int(l) % grid) for l in best.locations]
+                out.append(Caption(
+                    text=" ".join(words), words=words, score=best.score,
+                    attention=best.attention.reshape(len(words), grid, grid), locations=locs,
+                    alternatives=[(" ".join(self.vocab.decode(h.tokens)), h.score) for h in beams],
+                    size=size))
+        return out
+
+
+def _build(spec: EncoderSpec, source: str):
+    try:
+        return build_encoder(spec)
+    except CaptionerError as e:
+        raise CaptionerError(f"{source}: cannot rebuild its image encoder: {e}") from None

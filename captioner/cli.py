@@ -1,0 +1,227 @@
+"""Command lines: `train.py` / `captioner-train` (prepare, fit, evaluate) and `captioner caption`.
+
+Mistakes in the user's input end with one `error:` line naming the file or flag, never a
+traceback; exit status 2 for such errors, 130 on Ctrl-C (work done so far is kept).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+
+from .errors import CaptionerError
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def get_train_parser() -> argparse.ArgumentParser:
+    from .decoder import DecoderConfig
+    from .reinforce import HardAttentionConfig
+    from .training import TrainConfig
+    t, m, h = TrainConfig(), DecoderConfig(0), HardAttentionConfig()
+    p = argparse.ArgumentParser(prog="train.py", description="Train and evaluate Show, Attend and Tell.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pp = sub.add_parser("prepare", help="vocabulary + feature cache from COCO captions and images",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    pp.add_argument("--images", nargs="+", required=True, metavar="DIR",
+                    help="image directories, searched in order (e.g. train2014 val2014)")
+    pp.add_argument("--captions", nargs="+", required=True, metavar="COCO_JSON",
+                    help="COCO captions files (e.g. captions_train2014.json captions_val2014.json)")
+    pp.add_argument("--splits", metavar="KARPATHY_JSON", help="Karpathy split file (dataset_coco.json); "
+                    "default: a deterministic 90/5/5 split")
+    pp.add_argument("--out", required=True, metavar="DATA_DIR", help="data directory to write")
+    pp.add_argument("--encoder", choices=["vgg16", "vgg19"], default="vgg16", help="VGG variant")
+    pp.add_argument("--encoder-weights", default="imagenet", metavar="imagenet|none|PATH",
+                    help="ImageNet weights via torchvision, a random seeded encoder, or a state dict")
+    pp.add_argument("--encoder-seed", type=int, default=0, help="seed of --encoder-weights none")
+    pp.add_argument("--crop", action="store_true", help="resize-256/centre-crop-224 as in the paper "
+                    "instead of resizing the whole image to 224x224")
+    pp.add_argument("--min-count", type=_positive_int, default=5, help="rarer words become <unk>")
+    pp.add_argument("--max-len", type=_positive_int, default=20, help="longer training captions are left out")
+    pp.add_argument("--skip-missing", action="store_true", help="go on without images whose file is missing")
+    pp.add_argument("--skip-bad", action="store_true",
+                    help="go on without malformed annotations and unreadable images")
+    pp.add_argument("--batch-size", type=_positive_int, default=32, help="images per encoder batch")
+    pp.add_argument("--workers", type=int, default=2, help="DataLoader workers decoding images")
+    pp.add_argument("--device", default="auto", help="auto, cpu or cuda")
+
+    fp = sub.add_parser("fit", help="train the decoder on a prepared data directory",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    fp.add_argument("--data", required=True, metavar="DATA_DIR")
+    fp.add_argument("--out", required=True, metavar="RUN_DIR", help="writes last.pt, best.pt, metrics.jsonl")
+    fp.add_argument("--attention", choices=["soft", "hard"], default=m.attention)
+    fp.add_argument("--epochs", type=_positive_int, default=t.epochs)
+    fp.add_argument("--max-minutes", type=_positive_float, default=None,
+                    help="stop at a step boundary after this long, then validate and save")
+    fp.add_argument("--resume", action="store_true", help="continue from RUN_DIR/last.pt")
+    fp.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    fp.add_argument("--batch-size", type=_positive_int, default=t.batch_size)
+    fp.add_argument("--lr", type=_positive_float, default=t.lr, help="Adam learning rate")
+    fp.add_argument("--grad-clip", type=_positive_float, default=t.grad_clip)
+    fp.add_argument("--alpha-c", type=float, default=t.alpha_c, help="doubly stochastic regularisation λ")
+    fp.add_argument("--dropout", type=float, default=m.dropout)
+    fp.add_argument("--embed-dim", type=_positive_int, default=m.embed_dim)
+    fp.add_argument("--hidden-dim", type=_positive_int, default=m.hidden_dim)
+    fp.add_argument("--attention-dim", type=_positive_int, default=m.attention_dim)
+    fp.add_argument("--patience", type=_positive_int, default=t.patience,
+                    help="validations without improvement before stopping early")
+    fp.add_argument("--metric", choices=["CIDEr", "BLEU-4"], default=t.metric, help="for best.pt and early stopping")
+    fp.add_argument("--val-beam-size", type=_positive_int, default=t.val_beam_size)
+    fp.add_argument("--val-images", type=_positive_int, default=t.val_images, help="validation images per epoch")
+    fp.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every,
+                    help="also write last.pt every N steps (0: once per epoch)")
+    fp.add_argument("--seed", type=int, default=t.seed)
+    fp.add_argument("--entropy-weight", type=float, default=h.entropy_weight, help="hard attention: λ_e")
+    fp.add_argument("--reward-scale", type=float, default=h.reward_scale, help="hard attention: λ_r")
+    fp.add_argument("--semi-sampling", type=float, default=h.semi_sampling,
+                    help="hard attention: probability of the expected context instead of a sample")
+    fp.add_argument("--baseline-decay", type=float, default=h.baseline_decay, help="hard attention")
+
+    ep = sub.add_parser("evaluate", help="caption a split and score it with coco-caption",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ep.add_argument("--checkpoint", required=True, metavar="CKPT")
+    ep.add_argument("--data", required=True, metavar="DATA_DIR")
+    ep.add_argument("--split", choices=["test", "val"], default="test")
+    ep.add_argument("--out", required=True, metavar="METRICS_JSON",
+                    help="metrics; the captions go beside it in *_results.json")
+    ep.add_argument("--beam-size", type=_positive_int, default=3)
+    ep.add_argument("--max-len", type=_positive_int, default=None, help="default: the training maximum")
+    ep.add_argument("--mode", choices=["expected", "argmax", "sample"], default=None,
+                    help="context for hard-attention models (default expected)")
+    ep.add_argument("--device", default="auto")
+    return p
+
+
+def _prepare(args) -> None:
+    from .encoder import EncoderSpec
+    from .prepare import prepare
+    from .training import pick_device
+    spec = EncoderSpec(arch=args.encoder, weights=args.encoder_weights, seed=args.encoder_seed, crop=args.crop)
+    summary = prepare(args.captions, args.images, args.out, splits=args.splits, encoder=spec,
+                      min_count=args.min_count, max_len=args.max_len, skip_missing=args.skip_missing,
+                      skip_bad=args.skip_bad, batch_size=args.batch_size, workers=args.workers,
+                      device=str(pick_device(args.device)))
+    print(json.dumps(summary, indent=1))
+
+
+def _fit(args) -> None:
+    from .decoder import DecoderConfig
+    from .reinforce import HardAttentionConfig
+    from .training import TrainConfig, fit
+    model = DecoderConfig(0, embed_dim=args.embed_dim, hidden_dim=args.hidden_dim,
+                          attention_dim=args.attention_dim, dropout=args.dropout, attention=args.attention)
+    hard = HardAttentionConfig(args.entropy_weight, args.reward_scale, args.semi_sampling, args.baseline_decay)
+    cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, grad_clip=args.grad_clip,
+                      alpha_c=args.alpha_c, max_minutes=args.max_minutes, patience=args.patience,
+                      metric=args.metric, val_beam_size=args.val_beam_size, val_images=args.val_images,
+                      checkpoint_every=args.checkpoint_every, seed=args.seed, hard=hard)
+    p = fit(args.data, args.out, model, cfg, resume=args.resume, device=args.device)
+    print(f"done: {p.step} steps, {p.epoch} epochs; best {cfg.metric} {p.best:.4f} at step {p.best_step}; "
+          f"checkpoints in {args.out}")
+
+
+def _evaluate(args) -> None:
+    from .evaluation import evaluate, results_path
+    from .training import pick_device
+    m = evaluate(args.checkpoint, args.data, args.split, args.out, beam_size=args.beam_size,
+                 max_len=args.max_len, device=str(pick_device(args.device)), mode=args.mode)
+    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items() if k != "checkpoint"}
+    print(json.dumps(shown, indent=1))
+    print(f"metrics: {args.out}\ncaptions: {results_path(args.out)}")
+
+
+def get_caption_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="captioner", description="Caption images with a trained model.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    cp = sub.add_parser("caption", help="caption images, optionally drawing attention figures",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    cp.add_argument("images", nargs="+", metavar="IMG")
+    cp.add_argument("--checkpoint", required=True, metavar="CKPT")
+    cp.add_argument("--beam-size", type=_positive_int, default=3)
+    cp.add_argument("--max-len", type=_positive_int, default=None)
+    cp.add_argument("--mode", choices=["expected", "argmax", "sample"], default=None)
+    cp.add_argument("--json", metavar="OUT", help="write COCO results format [{image_id, caption}]")
+    cp.add_argument("--figures", metavar="DIR", help="write one attention figure (PNG) per image")
+    cp.add_argument("--device", default="cpu")
+    return p
+
+
+def _image_id(path: str, index: int) -> int | str:
+    # COCO file names end in the image id (COCO_val2014_000000391895.jpg); otherwise the file name.
+    stem = os.path.splitext(os.path.basename(path))[0]
+    digits = stem.rsplit("_", 1)[-1]
+    return int(digits) if digits.isdigit() else stem
+
+
+def _caption(args) -> None:
+    from .api import Captioner
+    from .data import write_json_atomic
+    from .errors import ImageError
+    from .images import load_image
+    from .viz import attention_figure, figure_png
+    cap = Captioner.load(args.checkpoint, device=args.device)
+    results, failed = [], 0
+    if args.figures:
+        os.makedirs(args.figures, exist_ok=True)
+    for i, path in enumerate(args.images):
+        try:
+            image = load_image(path)
+            out = cap.caption(image, beam_size=args.beam_size, max_len=args.max_len, mode=args.mode)
+        except ImageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{path}\t{out.text}")
+        results.append({"image_id": _image_id(path, i), "caption": out.text, "file_name": path})
+        if args.figures:
+            stem = os.path.splitext(os.path.basename(path))[0]
+            fig = attention_figure(image, out.words, out.attention, preprocess=cap.encoder_spec.preprocess,
+                                   locations=out.locations, title=out.text)
+            with open(os.path.join(args.figures, f"{stem}.png"), "wb") as f:
+                f.write(figure_png(fig))
+    if args.json:
+        write_json_atomic(args.json, results)
+    if failed:
+        raise CaptionerError(f"{failed} of {len(args.images)} images could not be read")
+
+
+def _run(handler: Callable, args) -> int:
+    try:
+        handler(args)
+        return 0
+    except CaptionerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; finished work is kept (prepare resumes, fit --resume continues)", file=sys.stderr)
+        return 130
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """Entry point of `python train.py` and `captioner-train`."""
+    args = get_train_parser().parse_args(argv)
+    handler = {"prepare": _prepare, "fit": _fit, "evaluate": _evaluate}[args.command]
+    return _run(handler, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `captioner`."""
+    args = get_caption_parser().parse_args(argv)
+    return _run(_caption, args)

@@ -1,0 +1,119 @@
+"""A prepared data directory, read back for training and evaluation.
+
+Files written by `prepare` (see prepare.py):
+    meta.json        encoder spec, image ids and paths in feature-row order, settings
+    features.npy     (N, L, D) fp16, memory-mapped; features.done marks finished rows
+    vocab.json       the vocabulary
+    captions.npz     training captions: tokens (C, max_len+2) int32, lengths (C,), rows (C,)
+    splits.json      split → [[image_id, row], ...] and split → {image_id: [raw references]}
+Features stay on disk and are paged in per batch, so memory does not grow with the dataset.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .coco import read_json
+from .encoder import EncoderSpec
+from .errors import CaptionerError
+from .features import FeatureCache
+from .vocab import Vocabulary
+
+FORMAT = "captioner-data/1"
+
+
+@dataclass
+class Batch:
+    """Training captions with their image features."""
+    features: torch.Tensor   # (B, L, D) float32
+    captions: torch.Tensor   # (B, T) long, <start> ... <end> <pad>...
+    lengths: torch.Tensor    # (B,) long, counting <start> and <end>
+
+    def to(self, device, non_blocking: bool = False) -> "Batch":
+        return Batch(*(t.to(device, non_blocking=non_blocking) for t in (self.features, self.captions, self.lengths)))
+
+
+class CaptionData:
+    """Read-only view of a prepared data directory."""
+
+    def __init__(self, data_dir: str):
+        meta_path = os.path.join(data_dir, "meta.json")
+        if not os.path.isfile(meta_path):
+            raise CaptionerError(f"{data_dir}: not a prepared data directory (no meta.json); "
+                                 "run `train.py prepare --out` to make one")
+        self.meta = read_json(meta_path, "data directory metadata")
+        if self.meta.get("format") != FORMAT:
+            raise CaptionerError(f"{meta_path}: format {self.meta.get('format')!r}, expected {FORMAT!r}")
+        if not self.meta.get("complete"):
+            raise CaptionerError(f"{data_dir}: `prepare` has not finished here; run it again to "
+                                 "complete it (finished features are kept)")
+        self.dir = data_dir
+        self.encoder = EncoderSpec.from_dict(self.meta["encoder"])
+        self.vocab = Vocabulary(read_json(os.path.join(data_dir, "vocab.json"), "vocabulary")["words"])
+        self.max_len = int(self.meta["max_len"])
+        self.cache = FeatureCache(data_dir, len(self.meta["image_ids"]), self.meta["locations"],
+                                  self.meta["feature_dim"], mode="r")
+        splits = read_json(os.path.join(data_dir, "splits.json"), "splits")
+        self.images = {s: np.asarray(v, dtype=np.int64).reshape(-1, 2) for s, v in splits["images"].items()}
+        self.references = {s: {int(k): v for k, v in refs.items()} for s, refs in splits["references"].items()}
+        with np.load(os.path.join(data_dir, "captions.npz")) as npz:
+            self.tokens, self.lengths, self.rows = npz["tokens"], npz["lengths"], npz["rows"]
+
+    def path_of(self, row: int) -> str:
+        return self.meta["paths"][row]
+
+    def split_images(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+        """(image ids, feature rows) of a split."""
+        if split not in self.images or len(self.images[split]) == 0:
+            raise CaptionerError(f"{self.dir}: the {split!r} split is empty")
+        ids_rows = self.images[split]
+        return ids_rows[:, 0], ids_rows[:, 1]
+
+    def features(self, rows) -> torch.Tensor:
+        """Features of rows, as float32 (n, L, D)."""
+        return torch.from_numpy(self.cache[np.asarray(rows)].astype(np.float32))
+
+    def num_batches(self, batch_size: int, world: int = 1) -> int:
+        return len(bucket_batches(self.lengths, batch_size, seed=0, epoch=0, world=world))
+
+    def batches(self, batch_size: int, *, seed: int, epoch: int, start: int = 0,
+                rank: int = 0, world: int = 1) -> Iterator[Batch]:
+        """Training batches of one epoch, bucketed by length; `start` skips finished ones."""
+        for idx in bucket_batches(self.lengths, batch_size, seed=seed, epoch=epoch,
+                                  rank=rank, world=world)[start:]:
+            T = int(self.lengths[idx].max())
+            yield Batch(self.features(self.rows[idx]),
+                        torch.from_numpy(self.tokens[idx, :T].astype(np.int64)),
+                        torch.from_numpy(self.lengths[idx].astype(np.int64)))
+
+
+def bucket_batches(lengths: np.ndarray, batch_size: int, *, seed: int, epoch: int,
+                   rank: int = 0, world: int = 1) -> list[np.ndarray]:
+    """Caption indices grouped into batches of similar length, in a shuffled order.
+
+    The same (seed, epoch) gives the same batches, so a resumed run replays an epoch exactly.
+    With world > 1, each global batch of batch_size * world captions is split across ranks.
+    """
+    rs = np.random.RandomState([seed, epoch])
+    # Shuffle, then stable-sort by length: equal lengths end up in random order.
+    order = rs.permutation(len(lengths))
+    order = order[np.argsort(lengths[order], kind="stable")]
+    size = batch_size * world
+    chunks = [order[i:i + size] for i in range(0, len(order), size)]
+    chunks = [chunks[i] for i in rs.permutation(len(chunks))]
+    return [c[rank::world] for c in chunks if len(c[rank::world])]
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write JSON so that the file is either the old one or the complete new one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,222 @@
+"""LSTM decoder with MLP attention, "Show, Attend and Tell" §3.1.2 and §4 (Xu et al., 2015).
+
+Symbols used in shape comments:
+    B batch, L locations (196 = 14×14), D annotation size (512), E embedding size,
+    H LSTM size, A attention size, T caption steps, V vocabulary size.
+
+Soft attention (§4.2) feeds the expected context ẑ_t = β_t Σ_i α_ti a_i; hard attention
+(§4.1) feeds one sampled annotation a_{s_t}, s_t ~ Multinoulli(α_t). The same step serves
+teacher-forced training and beam search.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# How a step turns α into the context vector.
+EXPECTED, SAMPLE, ARGMAX = "expected", "sample", "argmax"
+CONTEXT_MODES = (EXPECTED, SAMPLE, ARGMAX)
+
+
+@dataclass
+class DecoderConfig:
+    """Sizes of the decoder; travels in the checkpoint and rebuilds the model."""
+    vocab_size: int
+    encoder_dim: int = 512
+    embed_dim: int = 512
+    hidden_dim: int = 512
+    attention_dim: int = 512
+    dropout: float = 0.5
+    attention: str = "soft"  # soft | hard: how it is trained, and its default inference mode
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Attention(nn.Module):
+    """f_att, the MLP of eq. (4): e_ti = v·tanh(W_a a_i + W_h h_{t-1}); α_t = softmax(e_t), eq. (5)."""
+
+    def __init__(self, encoder_dim: int, hidden_dim: int, attention_dim: int):
+        super().__init__()
+        self.W_a = nn.Linear(encoder_dim, attention_dim)             # annotation → attention space
+        self.W_h = nn.Linear(hidden_dim, attention_dim, bias=False)  # previous state → attention space
+        self.v = nn.Linear(attention_dim, 1, bias=False)             # score per location
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """W_a a_i for all locations: once per image, not once per step."""
+        return self.W_a(features)  # (B, L, A)
+
+    def forward(self, projected: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        e = self.v(torch.tanh(projected + self.W_h(h).unsqueeze(1))).squeeze(2)  # (B, L)
+        return e.softmax(dim=1)                                                   # (B, L), sums to 1
+
+
+class AttentionDecoder(nn.Module):
+    """Caption generator over annotation vectors.
+
+    Args:
+        vocab_size: V, including <pad>, <start>, <end>, <unk>.
+        encoder_dim: D, size of an annotation vector.
+        embed_dim: E, word embedding size (also the deep output layer's width).
+        hidden_dim: H, LSTM size.
+        attention_dim: A, hidden size of the attention MLP.
+        dropout: dropout before the output layer L_o.
+        attention: "soft" or "hard" (hard is trained with REINFORCE, see `forward_hard`).
+    """
+
+    def __init__(self, *, vocab_size: int, encoder_dim: int = 512, embed_dim: int = 512,
+                 hidden_dim: int = 512, attention_dim: int = 512, dropout: float = 0.5,
+                 attention: str = "soft"):
+        super().__init__()
+        if attention not in ("soft", "hard"):
+            raise ValueError(f"attention must be 'soft' or 'hard', got {attention!r}")
+        self.config = DecoderConfig(vocab_size, encoder_dim, embed_dim, hidden_dim, attention_dim,
+                                    dropout, attention)
+        E, D, H = embed_dim, encoder_dim, hidden_dim
+        self.embedding = nn.Embedding(vocab_size, E)             # E, the word embedding matrix
+        self.attention = Attention(D, H, attention_dim)          # f_att
+        self.f_beta = nn.Linear(H, 1)                            # gating scalar β_t = σ(f_β(h_{t-1})), §4.2.1
+        self.init_h = nn.Linear(D, H)                            # f_init,h on the mean annotation
+        self.init_c = nn.Linear(D, H)                            # f_init,c on the mean annotation
+        # Eq. (1): the LSTM's affine map of [E y_{t-1}; h_{t-1}; ẑ_t], split by input so the
+        # embedding part is computed for all steps at once.
+        self.lstm_y = nn.Linear(E, 4 * H)
+        self.lstm_h = nn.Linear(H, 4 * H, bias=False)
+        self.lstm_z = nn.Linear(D, 4 * H, bias=False)
+        # Eq. (7), deep output: p(y_t) ∝ exp(L_o(E y_{t-1} + L_h h_t + L_z ẑ_t)).
+        self.L_h = nn.Linear(H, E)
+        self.L_z = nn.Linear(D, E, bias=False)
+        self.L_o = nn.Linear(E, vocab_size)
+        self.dropout = nn.Dropout(dropout)
+
+    @classmethod
+    def from_config(cls, config: DecoderConfig) -> "AttentionDecoder":
+        return cls(**asdict(config))
+
+    # pieces shared by training and decoding
+
+    def init_state(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h_0, c_0 from the mean annotation vector (§3.1.2), as in the authors' code (tanh)."""
+        mean = features.mean(dim=1)                                   # (B, D)
+        return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))  # (B, H) each
+
+    def context(self, features: torch.Tensor, alpha: torch.Tensor, h: torch.Tensor, mode: str = EXPECTED,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ẑ_t from α_t: expected (soft), sampled or argmax location (hard), gated by β_t.
+
+        Returns:
+            ẑ_t (B, D), and the chosen locations (B,) for sample/argmax (None when expected).
+        """
+        beta = torch.sigmoid(self.f_beta(h))                               # (B, 1)
+        if mode == EXPECTED:
+            z = torch.bmm(alpha.unsqueeze(1), features).squeeze(1)         # (B, D)
+            return beta * z, None
+        if mode == SAMPLE:
+            loc = torch.multinomial(alpha.float(), 1, generator=generator).squeeze(1)  # (B,)
+        elif mode == ARGMAX:
+            loc = alpha.argmax(dim=1)                                      # (B,)
+        else:
+            raise ValueError(f"context mode must be one of {CONTEXT_MODES}, got {mode!r}")
+        z = features[torch.arange(features.size(0), device=features.device), loc]  # (B, D)
+        return beta * z, loc
+
+    def lstm(self, gates_y: torch.Tensor, z: torch.Tensor, h: torch.Tensor,
+             c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eqs. (1)–(3) given the embedding's share of the gates (B, 4H)."""
+        gates = gates_y + self.lstm_h(h) + self.lstm_z(z)        # (B, 4H)
+        i, f, o, g = gates.chunk(4, dim=1)                       # (B, H) each
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return h, c
+
+    def output(self, emb: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Deep output layer, eq. (7): logits over the vocabulary (..., V)."""
+        return self.L_o(self.dropout(emb + self.L_h(h) + self.L_z(z)))
+
+    def step(self, features: torch.Tensor, projected: torch.Tensor, words: torch.Tensor,
+             h: torch.Tensor, c: torch.Tensor, mode: str = EXPECTED,
+             generator: torch.Generator | None = None):
+        """One generation step from the previous words (B,).
+
+        Returns:
+            logits (B, V), h (B, H), c (B, H), α (B, L), chosen locations (B,) or None.
+        """
+        emb = self.embedding(words)                                   # (B, E)
+        alpha = self.attention(projected, h)                          # (B, L)
+        z, loc = self.context(features, alpha, h, mode, generator)    # (B, D)
+        h, c = self.lstm(self.lstm_y(emb), z, h, c)                   # (B, H)
+        return self.output(emb, h, z), h, c, alpha, loc
+
+    # teacher forcing
+
+    def unroll(self, features: torch.Tensor, captions: torch.Tensor, sampled: torch.Tensor | None = None,
+               generator: torch.Generator | None = None):
+        """Teacher-forced pass; images flagged in `sampled` (B,) use a sampled location.
+
+        Returns:
+            logits (B, T-1, V), α (B, T-1, L), and locations (B, T-1) (-1 where expected).
+        """
+        B, T = captions.shape
+        projected = self.attention.project(features)             # (B, L, A), once per image
+        h, c = self.init_state(features)                         # (B, H)
+        emb = self.embedding(captions[:, :-1])                   # (B, T-1, E)
+        gates_y = self.lstm_y(emb)                               # (B, T-1, 4H), all steps at once
+        rows = torch.arange(B, device=features.device)
+        hs, zs, alphas, locs = [], [], [], []
+        for t in range(T - 1):
+            alpha = self.attention(projected, h)                 # (B, L)
+            z, _ = self.context(features, alpha, h)              # (B, D), expected context
+            loc = torch.full((B,), -1, dtype=torch.long, device=features.device)
+            if sampled is not None and bool(sampled.any()):
+                draw = torch.multinomial(alpha.detach().float(), 1, generator=generator).squeeze(1)  # (B,)
+                beta = torch.sigmoid(self.f_beta(h))                                          # (B, 1)
+                z = torch.where(sampled.unsqueeze(1), beta * features[rows, draw], z)          # (B, D)
+                loc = torch.where(sampled, draw, loc)
+            h, c = self.lstm(gates_y[:, t], z, h, c)
+            hs.append(h), zs.append(z), alphas.append(alpha), locs.append(loc)
+        logits = self.output(emb, torch.stack(hs, 1), torch.stack(zs, 1))  # (B, T-1, V)
+        return logits, torch.stack(alphas, 1), torch.stack(locs, 1)
+
+    def forward(self, features: torch.Tensor, captions: torch.Tensor,
+                lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced soft pass.
+
+        Args:
+            features: (B, L, D) annotation vectors.
+            captions: (B, T) <start> w1 ... <end> then <pad>=0.
+            lengths: (B,) tokens per caption including <start> and <end>.
+
+        Returns:
+            logits (B, T-1, V), where position t predicts captions[:, t+1]; α (B, T-1, L).
+        """
+        logits, alphas, _ = self.unroll(features, captions)
+        return logits, alphas
+
+
+def step_mask(lengths: torch.Tensor, steps: int) -> torch.Tensor:
+    """(B, T-1) True where position t predicts a real word or <end>, False on padding."""
+    return torch.arange(steps, device=lengths.device).unsqueeze(0) < (lengths - 1).unsqueeze(1)
+
+
+def attention_penalty(alphas: torch.Tensor, mask: torch.Tensor, alpha_c: float = 1.0) -> torch.Tensor:
+    """Doubly stochastic regularisation, eq. (14): λ Σ_i (1 − Σ_t α_ti)², averaged over images."""
+    attended = (alphas * mask.unsqueeze(2)).sum(dim=1)           # (B, L), Σ_t α_ti over real steps
+    return alpha_c * ((1.0 - attended) ** 2).sum(dim=1).mean()
+
+
+def caption_loss(logits: torch.Tensor, alphas: torch.Tensor, captions: torch.Tensor,
+                 lengths: torch.Tensor, alpha_c: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-word cross-entropy and the doubly stochastic penalty, both masked for padding.
+
+    Returns:
+        (mean negative log-likelihood per word, λ Σ_i (1 − Σ_t α_ti)² averaged over images)
+    """
+    B, T1, V = logits.shape
+    mask = step_mask(lengths, T1)                                                # (B, T-1)
+    nll = F.cross_entropy(logits.reshape(-1, V), captions[:, 1:T1 + 1].reshape(-1),
+                          reduction="none").view(B, T1)                          # (B, T-1)
+    nll = (nll * mask).sum() / mask.sum()
+    return nll, attention_penalty(alphas, mask, alpha_c)

@@ -1,0 +1,133 @@
+"""The feature cache: encoder outputs for every image, fp16, memory-mapped, resumable.
+
+Layout in the data directory:
+    features.npy    (N, L, D) float16, rows in the order of meta.json's image list
+    features.done   (N,) uint8: 0 to do, 1 written, 2 unreadable image (skipped)
+A row is marked done only after its features are flushed to disk, so a killed `prepare`
+leaves at worst rows that are redone, never a row marked done with half-written features.
+Both files are created under a temporary name and renamed, so they exist whole or not at all.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from .encoder import FEATURE_DIM
+from .errors import CaptionerError, ImageError
+from .images import Preprocess, load_image
+
+TODO, DONE, BAD = 0, 1, 2
+FP16_MAX = 65504.0
+
+
+def _create_atomically(path: str, make) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    make(tmp)
+    os.replace(tmp, path)
+
+
+class FeatureCache:
+    """(N, L, D) fp16 features on disk with a per-row done mark."""
+
+    def __init__(self, data_dir: str, n: int, locations: int = 196, dim: int = FEATURE_DIM,
+                 mode: str = "r"):
+        self.path = os.path.join(data_dir, "features.npy")
+        self.done_path = os.path.join(data_dir, "features.done")
+        self.shape = (n, locations, dim)
+        if mode == "r+":
+            self._create_missing()
+        try:
+            self.features = np.load(self.path, mmap_mode=mode)
+            self.done = np.memmap(self.done_path, dtype=np.uint8, mode=mode, shape=(n,))
+        except (OSError, ValueError) as e:
+            raise CaptionerError(f"{data_dir}: the feature cache is missing or unreadable ({e}); "
+                                 "run `train.py prepare` for this directory") from None
+        if self.features.shape != self.shape:
+            raise CaptionerError(f"{self.path}: shape {self.features.shape}, expected {self.shape}; "
+                                 "the cache was made for another image list")
+
+    def _create_missing(self) -> None:
+        if not os.path.exists(self.path):
+            def make(tmp):
+                np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=self.shape).flush()
+            _create_atomically(self.path, make)
+        if not os.path.exists(self.done_path):
+            _create_atomically(self.done_path, lambda tmp: np.zeros(self.shape[0], np.uint8).tofile(tmp))
+
+    def todo(self, rank: int = 0, world: int = 1) -> np.ndarray:
+        """Rows still to extract, this rank's share (row % world == rank)."""
+        rows = np.flatnonzero(self.done == TODO)
+        return rows[rows % world == rank]
+
+    def write(self, rows: np.ndarray, feats: np.ndarray) -> None:
+        """Store features for rows, flush them, then mark the rows done."""
+        self.features[rows] = np.clip(feats, -FP16_MAX, FP16_MAX).astype(np.float16)
+        self.features.flush()
+        self.done[rows] = DONE
+        self.done.flush()
+
+    def mark_bad(self, rows: Sequence[int]) -> None:
+        self.done[list(rows)] = BAD
+        self.done.flush()
+
+    def __getitem__(self, rows) -> np.ndarray:
+        return self.features[rows]
+
+
+class _ImageFiles(Dataset):
+    """Decodes and preprocesses images in DataLoader workers; a bad image yields its message."""
+
+    def __init__(self, paths: Sequence[str], rows: np.ndarray, preprocess: Preprocess):
+        self.paths, self.rows, self.preprocess = paths, rows, preprocess
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        row = int(self.rows[i])
+        size = self.preprocess.size
+        try:
+            return row, self.preprocess(load_image(self.paths[row])), ""
+        except ImageError as e:
+            return row, torch.zeros(3, size, size), str(e)
+
+
+def extract_features(cache: FeatureCache, paths: Sequence[str], encoder: torch.nn.Module,
+                     preprocess: Preprocess, *,
+                     batch_size: int = 32, workers: int = 2, device: str = "cpu",
+                     skip_bad: bool = False, rank: int = 0, world: int = 1,
+                     progress: bool = True) -> list[str]:
+    """Fill the cache's unfinished rows (this rank's share) with encoder features.
+
+    Returns:
+        Messages for images that could not be read (only with skip_bad; otherwise the first
+        one raises CaptionerError after the batch's good rows are saved).
+    """
+    rows = cache.todo(rank, world)
+    if len(rows) == 0:
+        return []
+    encoder = encoder.to(device)
+    loader = DataLoader(_ImageFiles(paths, rows, preprocess), batch_size=batch_size,
+                        num_workers=workers, pin_memory=device.startswith("cuda"),
+                        persistent_workers=False)
+    bad = []
+    bar = tqdm(total=len(rows), desc="features", unit="img", disable=not progress, dynamic_ncols=True)
+    with torch.inference_mode():
+        for batch_rows, images, errors in loader:
+            ok = [i for i, e in enumerate(errors) if not e]
+            if ok:
+                feats = encoder(images[ok].to(device, non_blocking=True))  # (b, L, D)
+                cache.write(batch_rows[ok].numpy(), feats.float().cpu().numpy())
+            failed = [(int(r), e) for r, e in zip(batch_rows, errors) if e]
+            if failed and not skip_bad:
+                raise CaptionerError(f"{failed[0][1]} (--skip-bad goes on without unreadable images)")
+            cache.mark_bad([r for r, _ in failed])
+            bad += [e for _, e in failed]
+            bar.update(len(batch_rows))
+    bar.close()
+    return bad

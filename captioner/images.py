@@ -1,0 +1,155 @@
+"""Image loading and preprocessing, defined once for feature extraction, the API, the app and notebooks.
+
+`load_image` turns any file Pillow can read into an upright RGB image or raises an `ImageError`
+that says what is wrong with it. `Preprocess` turns that image into the encoder's input
+tensor (3, S, S) and knows which part of the image the 14×14 attention grid covers.
+"""
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from .errors import ImageError
+
+# ImageNet statistics, which both the pretrained and the seeded random VGG expect.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# Pillow's decompression-bomb guard: images above this many pixels are refused.
+DEFAULT_MAX_PIXELS = 64_000_000
+
+def set_max_pixels(limit: int | None) -> None:
+    """Set Pillow's decompression-bomb limit (None keeps the default); never disables it."""
+    Image.MAX_IMAGE_PIXELS = int(limit or DEFAULT_MAX_PIXELS)
+
+
+set_max_pixels(None)
+
+
+def _describe(src) -> str:
+    if isinstance(src, (str, os.PathLike)):
+        return str(src)
+    return "the image"
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """Convert any Pillow mode to 8-bit RGB, keeping what the picture shows."""
+    if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        # 16/32-bit and float grayscale: stretch to 0..255 (convert("L") would clip at 255).
+        arr = np.asarray(img, dtype=np.float64)
+        lo, hi = float(arr.min()), float(arr.max())
+        arr = (arr - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(arr)
+        img = Image.fromarray(arr.round().astype(np.uint8), mode="L")
+    if img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        # Transparent pixels have no colour of their own: show them over white, as viewers do.
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        img = Image.alpha_composite(background, rgba)
+    return img.convert("RGB")
+
+
+def load_image(src, *, max_pixels: int | None = None) -> Image.Image:
+    """Open an image from a path, bytes or a PIL image; return it upright in RGB.
+
+    Applies the EXIF orientation, takes the first frame of animations and converts any mode
+    (L, RGBA, P, CMYK, I;16, ...) to RGB.
+
+    Raises:
+        ImageError: the file is missing, empty, truncated, not an image, or over the pixel limit.
+    """
+    name = _describe(src)
+    limit = max_pixels or Image.MAX_IMAGE_PIXELS
+    try:
+        if isinstance(src, Image.Image):
+            img = src
+        else:
+            if isinstance(src, (bytes, bytearray)):
+                data = bytes(src)
+            else:
+                with open(src, "rb") as f:
+                    data = f.read()
+            if not data:
+                raise ImageError(f"{name}: the file is empty (0 bytes)")
+            img = Image.open(io.BytesIO(data))
+        w, h = img.size
+        if w < 1 or h < 1:
+            raise ImageError(f"{name}: the image has no pixels ({w}x{h})")
+        if w * h > limit:
+            raise ImageError(f"{name}: {w}x{h} pixels is over the limit of {limit} "
+                             "(a possible decompression bomb)")
+        if getattr(img, "n_frames", 1) > 1:
+            img.seek(0)  # animations: caption the first frame
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img.load()
+            img = ImageOps.exif_transpose(img)
+        return _to_rgb(img)
+    except ImageError:
+        raise
+    except FileNotFoundError:
+        raise ImageError(f"{name}: no such file") from None
+    except IsADirectoryError:
+        raise ImageError(f"{name}: is a directory, not an image") from None
+    except PermissionError:
+        raise ImageError(f"{name}: permission denied") from None
+    except UnidentifiedImageError:
+        raise ImageError(f"{name}: not an image file Pillow can read") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"{name}: too many pixels, refused as a possible decompression bomb ({e})") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        raise ImageError(f"{name}: the image data is truncated or corrupt ({e})") from None
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """Image → normalised encoder input.
+
+    Args:
+        size: side of the square input (224 gives VGG's 14×14 conv5 grid).
+        crop: False resizes the whole image to size×size, so the attention grid covers all of
+            it; True is the paper's resize-shorter-side-to-256 then centre-crop-224.
+    """
+    size: int = 224
+    crop: bool = False
+
+    @property
+    def resize_to(self) -> int:
+        return round(self.size * 256 / 224)
+
+    def grid_box(self, width: int, height: int) -> tuple[float, float, float, float]:
+        """The region (left, top, right, bottom) of the original image that the encoder sees."""
+        if not self.crop:
+            return 0.0, 0.0, float(width), float(height)
+        scale = self.resize_to / min(width, height)  # original pixels → resized pixels
+        side = self.size / scale                       # the crop's side in original pixels
+        left, top = (width - side) / 2, (height - side) / 2
+        return left, top, left + side, top + side
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        """An RGB PIL image → float tensor (3, size, size), ImageNet-normalised."""
+        if self.crop:
+            w, h = img.size
+            scale = self.resize_to / min(w, h)
+            img = img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BILINEAR,
+                             reducing_gap=None)
+            w, h = img.size
+            left, top = (w - self.size) // 2, (h - self.size) // 2
+            img = img.crop((left, top, left + self.size, top + self.size))
+        else:
+            img = img.resize((self.size, self.size), Image.BILINEAR)
+        x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)  # (S, S, 3)
+        x = x.permute(2, 0, 1)                                            # (3, S, S)
+        mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+        std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
+        return (x - mean) / std
+
+    def to_dict(self) -> dict:
+        return asdict(self)

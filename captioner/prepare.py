@@ -1,0 +1,112 @@
+"""`prepare`: COCO captions + images → vocabulary, encoded captions and the feature cache.
+
+Resumable: meta.json is written first and names the images and encoder; a second run with the
+same inputs reuses every finished feature row, and a run with different inputs is refused
+rather than mixing two caches. The directory counts as prepared only once meta.json says
+"complete", after everything else is on disk.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from .coco import SPLITS, load_dataset, read_json
+from .data import FORMAT, write_json_atomic
+from .encoder import FEATURE_DIM, EncoderSpec, build_encoder
+from .errors import CaptionerError
+from .features import BAD, FeatureCache, extract_features
+from .vocab import Vocabulary, tokenize
+
+
+def _check_resumable(out_dir: str, meta: dict) -> None:
+    path = os.path.join(out_dir, "meta.json")
+    if not os.path.exists(path):
+        return
+    old = read_json(path, "data directory metadata")
+    for key in ("image_ids", "encoder", "locations", "feature_dim"):
+        if old.get(key) != meta.get(key):
+            raise CaptionerError(
+                f"{out_dir} already holds features made for different {key.replace('_', ' ')}; "
+                "pass a new --out (or delete that directory) to prepare this data")
+
+
+def prepare(captions: Sequence[str], image_dirs: Sequence[str], out_dir: str, *,
+            splits: str | None = None, encoder: EncoderSpec = EncoderSpec(),
+            min_count: int = 5, max_len: int = 20, skip_missing: bool = False,
+            skip_bad: bool = False, batch_size: int = 32, workers: int = 2,
+            device: str = "cpu", rank: int = 0, world: int = 1, progress: bool = True) -> dict:
+    """Build a data directory; returns a summary (counts per split, vocabulary size, skipped).
+
+    Args:
+        captions: COCO captions JSON files.
+        image_dirs: where the images are.
+        out_dir: the data directory to write (created; resumed if it holds the same work).
+        splits: a Karpathy split file; without it, a deterministic 90/5/5 split.
+        encoder: which encoder makes the features.
+        min_count: words seen fewer times in training captions become <unk>.
+        max_len: training captions with more words are left out.
+        rank, world: this process's share of feature extraction when run distributed.
+    """
+    records, skipped = load_dataset(captions, image_dirs, splits, skip_missing=skip_missing,
+                                    skip_bad=skip_bad)
+    enc, spec = build_encoder(encoder)
+    grid = spec.grid
+    meta = {"format": FORMAT, "encoder": spec.to_dict(), "locations": grid * grid,
+            "feature_dim": FEATURE_DIM, "max_len": max_len, "min_count": min_count,
+            "image_ids": [r.image_id for r in records], "paths": [r.path for r in records],
+            "sources": {"captions": [os.path.abspath(c) for c in captions],
+                        "splits": os.path.abspath(splits) if splits else None}}
+    os.makedirs(out_dir, exist_ok=True)
+    if rank == 0:
+        _check_resumable(out_dir, meta)
+        write_json_atomic(os.path.join(out_dir, "meta.json"), {**meta, "complete": False})
+    cache = FeatureCache(out_dir, len(records), grid * grid, FEATURE_DIM, mode="r+")
+    bad = extract_features(cache, meta["paths"], enc, spec.preprocess, batch_size=batch_size,
+                           workers=workers, device=device, skip_bad=skip_bad, rank=rank,
+                           world=world, progress=progress)
+    if rank != 0:
+        return {"rank": rank, "bad_images": bad}
+    return _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped)
+
+
+def _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped) -> dict:
+    usable = [(row, r) for row, r in enumerate(records) if cache.done[row] != BAD]
+    train_tokens = [tokenize(c) for row, r in usable if r.split == "train" for c in r.captions]
+    vocab = Vocabulary.build(train_tokens, min_count=min_count)
+    if len(vocab) <= 4:
+        raise CaptionerError(f"the training captions give an empty vocabulary at --min-count "
+                             f"{min_count}; lower it or add training data")
+    rows, tokens, lengths, too_long = [], [], [], 0
+    for row, r in usable:
+        if r.split != "train":
+            continue
+        for c in r.captions:
+            words = tokenize(c)
+            if not words:
+                continue
+            if len(words) > max_len:
+                too_long += 1
+                continue
+            ids = vocab.encode(words)
+            rows.append(row), lengths.append(len(ids))
+            tokens.append(ids + [0] * (max_len + 2 - len(ids)))
+    if not rows:
+        raise CaptionerError("no training captions: the train split is empty or every caption is "
+                             f"longer than --max-len {max_len}")
+    np_path = os.path.join(out_dir, "captions.npz")
+    tmp = f"{np_path}.tmp{os.getpid()}.npz"
+    np.savez(tmp, tokens=np.asarray(tokens, np.int32), lengths=np.asarray(lengths, np.int32),
+             rows=np.asarray(rows, np.int64))
+    os.replace(tmp, np_path)
+    images = {s: [[r.image_id, row] for row, r in usable if r.split == s] for s in SPLITS}
+    references = {s: {str(r.image_id): r.captions for row, r in usable if r.split == s}
+                  for s in ("val", "test")}
+    write_json_atomic(os.path.join(out_dir, "vocab.json"),
+                      {"words": vocab.words, "min_count": min_count, "max_len": max_len})
+    write_json_atomic(os.path.join(out_dir, "splits.json"), {"images": images, "references": references})
+    write_json_atomic(os.path.join(out_dir, "meta.json"), {**meta, "complete": True})
+    return {"images": {s: len(v) for s, v in images.items()}, "train_captions": len(rows),
+            "vocabulary": len(vocab), "too_long": too_long, "bad_images": int((cache.done == BAD).sum()),
+            "skipped": skipped.report()}

@@ -1,0 +1,216 @@
+"""`fit`: teacher-forced training on cached features, validated by generation each epoch.
+
+Checkpoints (`last.pt` every epoch and every `checkpoint_every` steps, `best.pt` on a new best
+validation score) hold everything needed to resume exactly: model, optimizer, scheduler,
+step, epoch, position in the epoch, RNG states. Batches of an epoch are a function of
+(seed, epoch), so a resumed run replays the rest of the epoch it was in.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+from tqdm import tqdm
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .data import CaptionData
+from .decoder import EXPECTED, AttentionDecoder, DecoderConfig, caption_loss
+from .errors import CaptionerError
+from .evaluation import validate
+from .reinforce import HardAttentionConfig, hard_attention_loss
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings; saved in every checkpoint."""
+    epochs: int = 30
+    batch_size: int = 32
+    lr: float = 4e-4
+    grad_clip: float = 5.0
+    alpha_c: float = 1.0                 # λ of the doubly stochastic penalty, eq. (14)
+    max_minutes: float | None = None
+    patience: int = 8                    # validations without improvement before stopping
+    metric: str = "CIDEr"                # early stopping / best.pt on this validation metric
+    val_beam_size: int = 3
+    val_images: int | None = 5000        # cap on validation images per epoch
+    checkpoint_every: int = 0            # also save last.pt every N steps (0: per epoch only)
+    log_every: int = 20
+    seed: int = 0
+    hard: HardAttentionConfig = field(default_factory=HardAttentionConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kw["hard"] = HardAttentionConfig(**d.get("hard", {}))
+        return cls(**kw)
+
+
+@dataclass
+class Progress:
+    """Where training is; part of every checkpoint."""
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    best: float = -math.inf
+    best_step: int = 0
+    stale: int = 0                       # validations since the last improvement
+    baseline: float = 0.0                # REINFORCE moving-average baseline (hard attention)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CaptionerError("--device cuda: no CUDA device is available here; use --device cpu")
+    return torch.device(name)
+
+
+def train_step(model, batch, optimizer, cfg: TrainConfig, progress: Progress, attention: str,
+               generator: torch.Generator) -> dict:
+    """One optimisation step; returns the loss terms as floats."""
+    model.train()
+    if attention == "hard":
+        loss, terms, progress.baseline = hard_attention_loss(
+            model, batch.features, batch.captions, batch.lengths, baseline=progress.baseline,
+            cfg=cfg.hard, alpha_c=cfg.alpha_c, generator=generator)
+    else:
+        logits, alphas = model(batch.features, batch.captions, batch.lengths)
+        nll, penalty = caption_loss(logits, alphas, batch.captions, batch.lengths, cfg.alpha_c)
+        loss, terms = nll + penalty, {"nll": nll.item(), "penalty": penalty.item()}
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    return {"loss": loss.item(), **terms}
+
+
+def _checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data, generator, metrics) -> dict:
+    return {"model": model.state_dict(), "decoder": model_cfg.to_dict(), "train": cfg.to_dict(),
+            "vocab": data.vocab.words, "encoder": data.encoder.to_dict(), "max_len": data.max_len,
+            "step": progress.step, "progress": asdict(progress), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "metrics": metrics,
+            "rng": {"torch": torch.get_rng_state(), "generator": generator.get_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            "data": {"dir": os.path.abspath(data.dir), "fingerprint": data.encoder.fingerprint}}
+
+
+def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
+        cfg: TrainConfig = TrainConfig(), *, resume: bool = False, device: str = "auto",
+        progress_bar: bool = True) -> Progress:
+    """Train a decoder on a prepared data directory, writing last.pt, best.pt and metrics.jsonl.
+
+    Args:
+        data_dir: made by `prepare`.
+        out_dir: the run directory.
+        model_cfg: decoder sizes (vocab_size is taken from the data); ignored on resume.
+        cfg: optimisation settings; on resume, the saved ones are used except epochs,
+            max_minutes and checkpoint_every.
+        resume: continue from out_dir/last.pt.
+    """
+    start = time.monotonic()
+    data = CaptionData(data_dir)
+    dev = pick_device(device)
+    last_path, best_path = os.path.join(out_dir, "last.pt"), os.path.join(out_dir, "best.pt")
+    ck = None
+    if resume:
+        if not os.path.exists(last_path):
+            raise CaptionerError(f"--resume: {last_path} does not exist; nothing to resume")
+        ck = load_checkpoint(last_path)
+        if ck["data"]["fingerprint"] != data.encoder.fingerprint or ck["vocab"] != data.vocab.words:
+            raise CaptionerError(f"--resume: {last_path} was trained on other data than {data_dir}")
+        model_cfg = DecoderConfig(**ck["decoder"])
+        saved = TrainConfig.from_dict(ck["train"])
+        cfg = TrainConfig.from_dict({**saved.to_dict(), "epochs": cfg.epochs, "max_minutes": cfg.max_minutes,
+                                     "checkpoint_every": cfg.checkpoint_every})
+    model_cfg = DecoderConfig(**{**(model_cfg or DecoderConfig(0)).to_dict(), "vocab_size": len(data.vocab)})
+    torch.manual_seed(cfg.seed)
+    model = AttentionDecoder.from_config(model_cfg).to(dev)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=2)
+    generator = torch.Generator(device=dev).manual_seed(cfg.seed + 1)  # hard attention's samples
+    progress = Progress()
+    if ck is not None:
+        model.load_state_dict(ck["model"])
+        optimizer.load_state_dict(ck["optimizer"])
+        scheduler.load_state_dict(ck["scheduler"])
+        progress = Progress(**ck["progress"])
+        torch.set_rng_state(ck["rng"]["torch"])
+        generator.set_state(ck["rng"]["generator"])
+        if ck["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
+    os.makedirs(out_dir, exist_ok=True)
+    log = open(os.path.join(out_dir, "metrics.jsonl"), "a", encoding="utf-8")
+
+    def write_log(record: dict) -> None:
+        log.write(json.dumps({**record, "time": round(time.monotonic() - start, 2)}) + "\n")
+        log.flush()
+
+    def save(path: str, metrics: dict) -> None:
+        save_checkpoint(_checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data,
+                                    generator, metrics), path)
+
+    budget = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
+    n_batches = data.num_batches(cfg.batch_size)
+    metrics: dict = ck["metrics"] if ck is not None else {}
+    write_log({"event": "start", "step": progress.step, "epoch": progress.epoch, "resume": resume,
+               "decoder": model_cfg.to_dict(), "train": cfg.to_dict(), "device": str(dev),
+               "train_captions": int(len(data.lengths)), "batches_per_epoch": n_batches})
+    out_of_time = False
+    while progress.epoch < cfg.epochs and not out_of_time:
+        bar = tqdm(total=n_batches, initial=progress.batch_in_epoch, desc=f"epoch {progress.epoch + 1}",
+                   disable=not progress_bar, dynamic_ncols=True, leave=False)
+        for batch in data.batches(cfg.batch_size, seed=cfg.seed, epoch=progress.epoch,
+                                  start=progress.batch_in_epoch):
+            terms = train_step(model, batch.to(dev), optimizer, cfg, progress, model_cfg.attention, generator)
+            if not all(math.isfinite(v) for v in terms.values()):
+                raise RuntimeError(f"non-finite loss at step {progress.step}: {terms}")
+            progress.step += 1
+            progress.batch_in_epoch += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{terms['loss']:.3f}")
+            if progress.step % cfg.log_every == 0:
+                write_log({"event": "train", "step": progress.step, "epoch": progress.epoch,
+                           "lr": optimizer.param_groups[0]["lr"], **terms})
+            if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0:
+                save(last_path, metrics)
+            if time.monotonic() - start > budget:
+                out_of_time = True
+                break
+        bar.close()
+        if not out_of_time:
+            progress.epoch += 1
+            progress.batch_in_epoch = 0
+        metrics = validate(model, data, data.vocab, beam_size=cfg.val_beam_size, max_len=data.max_len,
+                           device=dev, max_images=cfg.val_images,
+                           mode=EXPECTED)
+        score = metrics[cfg.metric]
+        improved = score > progress.best
+        if improved:
+            progress.best, progress.best_step, progress.stale = score, progress.step, 0
+        else:
+            progress.stale += 1
+        scheduler.step(score)
+        write_log({"event": "val", "step": progress.step, "epoch": progress.epoch, **metrics,
+                   "lr": optimizer.param_groups[0]["lr"], "best": progress.best})
+        if progress_bar:
+            tqdm.write(f"epoch {progress.epoch}: step {progress.step}, BLEU-4 {metrics['BLEU-4']:.3f}, "
+                       f"CIDEr {metrics['CIDEr']:.3f}{' (best)' if improved else ''}; "
+                       f"e.g. {metrics['example']!r}")
+        if improved:
+            save(best_path, metrics)
+        save(last_path, metrics)
+        if progress.stale >= cfg.patience:
+            write_log({"event": "early_stop", "step": progress.step, "epoch": progress.epoch})
+            break
+    if not os.path.exists(best_path):  # e.g. resumed after the run had finished
+        save(best_path, metrics)
+    write_log({"event": "end", "step": progress.step, "epoch": progress.epoch, "best": progress.best})
+    log.close()
+    return progress
