@@ -104,6 +104,8 @@ def get_train_parser() -> argparse.ArgumentParser:
     ep.add_argument("--max-len", type=_positive_int, default=None, help="default: the training maximum")
     ep.add_argument("--mode", choices=["expected", "argmax", "sample"], default=None,
                     help="context for hard-attention models (default expected)")
+    ep.add_argument("--grounding", metavar="BOXES", help="COCO instances file (instances_val2014.json or "
+                    "the synthetic boxes.json): also report attention pointing accuracy")
     ep.add_argument("--device", default="auto")
     return p
 
@@ -140,8 +142,10 @@ def _evaluate(args) -> None:
     from .evaluation import evaluate, results_path
     from .training import pick_device
     m = evaluate(args.checkpoint, args.data, args.split, args.out, beam_size=args.beam_size,
-                 max_len=args.max_len, device=str(pick_device(args.device)), mode=args.mode)
-    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items() if k != "checkpoint"}
+                 max_len=args.max_len, device=str(pick_device(args.device)), mode=args.mode,
+                 grounding=args.grounding)
+    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()
+             if k not in ("checkpoint", "grounding")}
     print(json.dumps(shown, indent=1))
     print(f"metrics: {args.out}\ncaptions: {results_path(args.out)}")
 
@@ -225,3 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `captioner`."""
     args = get_caption_parser().parse_args(argv)
     return _run(_caption, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -68,7 +68,8 @@ def read_json(path: str, what: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        hint = " (the file looks truncated)" if e.pos >= len(text.rstrip()) - 1 else ""
+        ends_open = not text.rstrip().endswith(("}", "]"))
+        hint = " (the file looks truncated: it ends before the JSON is complete)" if ends_open else ""
         raise CaptionerError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: "
                              f"{e.msg}{hint}") from None
 

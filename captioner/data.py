@@ -64,6 +64,11 @@ class CaptionData:
         with np.load(os.path.join(data_dir, "captions.npz")) as npz:
             self.tokens, self.lengths, self.rows = npz["tokens"], npz["lengths"], npz["rows"]
 
+    def feature_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel mean and std of the training features (D,), for the decoder's standardisation."""
+        return (torch.tensor(self.meta["feature_mean"], dtype=torch.float32),
+                torch.tensor(self.meta["feature_std"], dtype=torch.float32))
+
     def path_of(self, row: int) -> str:
         return self.meta["paths"][row]
 

@@ -53,6 +53,7 @@ def beam_search(decoder: AttentionDecoder, features: torch.Tensor, *, beam_size:
     K, V = beam_size, decoder.config.vocab_size
     if K < 1 or max_len < 1:
         raise ValueError(f"beam_size and max_len must be positive, got {K} and {max_len}")
+    features = decoder.normalize(features)                                # (B, L, D)
     feats = features.repeat_interleave(K, dim=0)                          # (B*K, L, D)
     projected = decoder.attention.project(features).repeat_interleave(K, dim=0)  # (B*K, L, A)
     h, c = (s.repeat_interleave(K, dim=0) for s in decoder.init_state(features))  # (B*K, H)

@@ -60,8 +60,11 @@ def results_path(metrics_path: str) -> str:
 
 def evaluate(checkpoint: str, data_dir: str, split: str, out: str, *, beam_size: int = 3,
              max_len: int | None = None, device: str = "cpu", mode: str | None = None,
-             use_java: bool | None = None) -> dict:
+             use_java: bool | None = None, grounding: str | None = None) -> dict:
     """Caption a split with a checkpoint and write the metrics JSON and the COCO results JSON.
+
+    Args:
+        grounding: a COCO instances file of object boxes: adds pointing accuracy and its chance rate.
 
     Returns:
         The metrics written (all seven coco-caption metrics; METEOR is None without Java).
@@ -80,6 +83,12 @@ def evaluate(checkpoint: str, data_dir: str, split: str, out: str, *, beam_size:
                                 max_len=max_len or cap.max_len, device=cap.device,
                                 mode=mode or cap.default_mode)
     metrics = score_captions(texts, data.references[split], metrics=ALL_METRICS, use_java=use_java)
+    if grounding:
+        from .grounding import GroundingBoxes, pointing_accuracy
+        g = cap.encoder_spec.grid
+        words = {i: (texts[i].split(), h.attention.reshape(-1, g, g)) for i, h in hyps.items()}
+        metrics["grounding"] = pointing_accuracy(words, GroundingBoxes(grounding), cap.encoder_spec.preprocess)
+        metrics["pointing"] = metrics["grounding"]["pointing"]
     lengths = [len(h.tokens) for h in hyps.values()]
     metrics.update({"split": split, "images": len(texts), "beam_size": beam_size,
                     "mean_length": float(np.mean(lengths)) if lengths else 0.0,

@@ -45,7 +45,7 @@ def _to_rgb(img: Image.Image) -> Image.Image:
         arr = np.asarray(img, dtype=np.float64)
         lo, hi = float(arr.min()), float(arr.max())
         arr = (arr - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(arr)
-        img = Image.fromarray(arr.round().astype(np.uint8), mode="L")
+        img = Image.fromarray(arr.round().astype(np.uint8))  # mode L
     if img.mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
@@ -96,4 +97,6 @@ def _nltk_bleu(gts, res, ids) -> list[float]:
     refs = [[r.split() for r in gts[i]] for i in ids]
     hyps = [res[i][0].split() for i in ids]
     weights = [tuple([1.0 / n] * n) for n in range(1, 5)]
-    return [corpus_bleu(refs, hyps, weights=w) for w in weights]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nltk warns when an n-gram order has no match: BLEU is 0 then
+        return [corpus_bleu(refs, hyps, weights=w) for w in weights]

@@ -71,6 +71,21 @@ def prepare(captions: Sequence[str], image_dirs: Sequence[str], out_dir: str, *,
     return _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped)
 
 
+def _feature_stats(cache: FeatureCache, rows: list[int], sample: int = 2000) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of training features (over a fixed sample of images)."""
+    pick = np.asarray(rows)[np.linspace(0, len(rows) - 1, min(sample, len(rows))).astype(int)]
+    D = cache.shape[2]
+    s1, s2 = np.zeros(D), np.zeros(D)
+    for i in range(0, len(pick), 256):
+        f = cache[pick[i:i + 256]].astype(np.float64).reshape(-1, D)  # (n*L, D)
+        s1 += f.sum(0)
+        s2 += (f * f).sum(0)
+    n = len(pick) * cache.shape[1]
+    mean = s1 / n
+    std = np.sqrt(np.maximum(s2 / n - mean ** 2, 0.0))
+    return mean.round(6).tolist(), std.round(6).tolist()
+
+
 def _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped) -> dict:
     usable = [(row, r) for row, r in enumerate(records) if cache.done[row] != BAD]
     train_tokens = [tokenize(c) for row, r in usable if r.split == "train" for c in r.captions]
@@ -106,7 +121,9 @@ def _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped) -
     write_json_atomic(os.path.join(out_dir, "vocab.json"),
                       {"words": vocab.words, "min_count": min_count, "max_len": max_len})
     write_json_atomic(os.path.join(out_dir, "splits.json"), {"images": images, "references": references})
-    write_json_atomic(os.path.join(out_dir, "meta.json"), {**meta, "complete": True})
+    mean, std = _feature_stats(cache, sorted(set(rows)))
+    write_json_atomic(os.path.join(out_dir, "meta.json"),
+                      {**meta, "feature_mean": mean, "feature_std": std, "complete": True})
     return {"images": {s: len(v) for s, v in images.items()}, "train_captions": len(rows),
             "vocabulary": len(vocab), "too_long": too_long, "bad_images": int((cache.done == BAD).sum()),
             "skipped": skipped.report()}

@@ -62,7 +62,7 @@ def hard_attention_loss(model, features, captions, lengths, *, baseline: float, 
     entropy = (-(alphas * log_alpha).sum(2) * mask).sum(1)                                    # (B,)
     objective = reinforce_surrogate(logp_y, logp_s, entropy, baseline, cfg.reward_scale, cfg.entropy_weight)
     words = mask.sum()
-    penalty = attention_penalty(alphas, mask, alpha_c)
+    penalty = attention_penalty(alphas, mask, alpha_c).sum() / mask.sum()
     loss = -objective.sum() / words + penalty
     if bool(sampled.any()):
         reward = logp_y.detach()[sampled].mean().item()

@@ -131,7 +131,9 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
                                      "checkpoint_every": cfg.checkpoint_every})
     model_cfg = DecoderConfig(**{**(model_cfg or DecoderConfig(0)).to_dict(), "vocab_size": len(data.vocab)})
     torch.manual_seed(cfg.seed)
-    model = AttentionDecoder.from_config(model_cfg).to(dev)
+    model = AttentionDecoder.from_config(model_cfg)
+    model.set_feature_stats(*data.feature_stats())
+    model = model.to(dev)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=2)
     generator = torch.Generator(device=dev).manual_seed(cfg.seed + 1)  # hard attention's samples

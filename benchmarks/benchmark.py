@@ -1,0 +1,183 @@
+"""Speed of the parts that matter, each printed beside its floor on this machine.
+
+    python benchmarks/benchmark.py [--only decoder,prepare,caption] [--steps 10]
+
+- decoder: one training step (forward, backward, Adam) at batch 32, all sizes 512, vocabulary
+  10,000, captions of 10–23 tokens; ours beside sgrvinod's tutorial decoder (re-projects all
+  196 locations every step) and beside the floor: the step's FLOPs at the measured matmul rate.
+- prepare: feature extraction images/s on COCO-sized JPEGs, beside the bare VGG16 forward.
+- caption: one image through `Captioner.caption` at beam 3, beside the bare VGG16 forward.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sgrvinod_decoder import TutorialDecoder, tutorial_loss  # noqa: E402
+
+from captioner.decoder import AttentionDecoder, caption_loss  # noqa: E402
+from captioner.encoder import EncoderSpec, build_encoder  # noqa: E402
+
+B, L, D, V = 32, 196, 512, 10_000
+
+
+def timed(fn, repeats: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def fmt(ts: list[float]) -> str:
+    return f"median {statistics.median(ts) * 1e3:8.1f} ms (min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})"
+
+
+def matmul_rate() -> float:
+    """FLOP/s of float32 matmuls shaped like the decoder's (best of several)."""
+    rates = []
+    for m, k, n in ((512, 512, 10_000), (6272, 512, 512), (32, 1024, 2048)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        reps = max(1, int(2e9 // (2 * m * k * n)))
+        ts = timed(lambda: [a @ b for _ in range(reps)], 5)
+        rates.append(2 * m * k * n * reps / min(ts))
+    return max(rates)
+
+
+def caption_batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(10, 24, (B,), generator=g)
+    T = int(lengths.max())
+    caps = torch.randint(4, V, (B, T), generator=g)
+    caps[:, 0] = 1
+    for b, n in enumerate(lengths):
+        caps[b, n - 1] = 2
+        caps[b, n:] = 0
+    return torch.rand(B, L, D, generator=g), caps, lengths
+
+
+def bench_decoder(steps: int) -> None:
+    feats, caps, lengths = caption_batch()
+    torch.manual_seed(0)
+    ours = AttentionDecoder(vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512, dropout=0.5)
+    theirs = TutorialDecoder(attention_dim=512, embed_dim=512, decoder_dim=512, vocab_size=V, encoder_dim=D)
+
+    def step_ours(opt=torch.optim.Adam(ours.parameters(), 4e-4)):
+        logits, alphas = ours(feats, caps, lengths)
+        nll, pen = caption_loss(logits, alphas, caps, lengths)
+        opt.zero_grad()
+        (nll + pen).backward()
+        opt.step()
+
+    def step_theirs(opt=torch.optim.Adam(theirs.parameters(), 4e-4)):
+        loss = tutorial_loss(theirs, feats, caps, lengths)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with FlopCounterMode(display=False) as fc:
+        logits, alphas = ours(feats, caps, lengths)
+        sum(caption_loss(logits, alphas, caps, lengths)).backward()
+    flops = fc.get_total_flops()
+    with FlopCounterMode(display=False) as fc2:
+        tutorial_loss(theirs, feats, caps, lengths).backward()
+    rate = matmul_rate()
+    # Interleave the two so that machine noise hits both alike.
+    t_ours, t_theirs = [], []
+    for _ in range(steps):
+        t_ours += timed(step_ours, 1, warmup=1 if not t_ours else 0)
+        t_theirs += timed(step_theirs, 1, warmup=1 if not t_theirs else 0)
+    mo, mt = statistics.median(t_ours), statistics.median(t_theirs)
+    print(f"decoder training step (B={B}, sizes 512, V={V}, captions 10-23 tokens, T={caps.shape[1]}):")
+    print(f"  captioner AttentionDecoder   {fmt(t_ours)}   {flops / 1e9:6.1f} GFLOP")
+    print(f"  sgrvinod DecoderWithAttention {fmt(t_theirs)}   {fc2.get_total_flops() / 1e9:6.1f} GFLOP")
+    print(f"  speed-up over sgrvinod: {mt / mo:.2f}x")
+    print(f"  floor: {flops / 1e9:.1f} GFLOP at the measured matmul rate {rate / 1e9:.0f} GFLOP/s = "
+          f"{flops / rate * 1e3:.1f} ms; ours is {mo / (flops / rate):.2f}x the floor")
+
+
+def vgg_forward_rate(batch: int, repeats: int = 3) -> float:
+    enc, _ = build_encoder(EncoderSpec(weights="none"))
+    x = torch.randn(batch, 3, 224, 224)
+    with torch.inference_mode():
+        ts = timed(lambda: enc(x), repeats, warmup=1)
+    return batch / statistics.median(ts)
+
+
+def bench_prepare(n: int = 96) -> None:
+    from PIL import Image
+
+    from captioner.prepare import prepare
+    bare = vgg_forward_rate(32)
+    with tempfile.TemporaryDirectory() as tmp:
+        images = os.path.join(tmp, "images")
+        os.makedirs(images)
+        rs = np.random.RandomState(0)
+        entries, anns = [], []
+        for i in range(n):  # COCO-sized photos: 640x480 JPEG with texture
+            arr = (rs.rand(480 // 8, 640 // 8, 3) * 255).astype(np.uint8)
+            Image.fromarray(arr).resize((640, 480), Image.BICUBIC).save(os.path.join(images, f"{i}.jpg"), quality=90)
+            entries.append({"id": i + 1, "file_name": f"{i}.jpg"})
+            anns.append({"id": i + 1, "image_id": i + 1, "caption": "a picture of noise"})
+        import json
+        caps = os.path.join(tmp, "captions.json")
+        with open(caps, "w") as f:
+            json.dump({"images": entries, "annotations": anns}, f)
+        t0 = time.perf_counter()
+        prepare([caps], [images], os.path.join(tmp, "data"), encoder=EncoderSpec(weights="none"), min_count=1,
+                progress=False)
+        rate = n / (time.perf_counter() - t0)
+    print(f"prepare ({n} JPEGs of 640x480, batch 32, 2 workers): {rate:6.2f} images/s")
+    print(f"  floor: bare VGG16 forward at batch 32: {bare:6.2f} images/s; prepare is {rate / bare:.2f}x of it")
+
+
+def bench_caption(repeats: int) -> None:
+    from PIL import Image
+
+    from captioner import Captioner
+    from captioner.assets import demo_checkpoint
+    cap = Captioner.load(demo_checkpoint())
+    rs = np.random.RandomState(1)
+    img = Image.fromarray((rs.rand(480, 640, 3) * 255).astype(np.uint8))
+    enc = cap.encoder
+    x = cap.encoder_spec.preprocess(img).unsqueeze(0)
+    with torch.inference_mode():
+        t_vgg = timed(lambda: enc(x), repeats)
+    t_cap = timed(lambda: cap.caption(img, beam_size=3), repeats)
+    print("one 640x480 image, beam 3:")
+    print(f"  Captioner.caption  {fmt(t_cap)}")
+    print(f"  bare VGG16 forward {fmt(t_vgg)}")
+    print(f"  ratio: {statistics.median(t_cap) / statistics.median(t_vgg):.2f}x the bare forward")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="decoder,prepare,caption", help="comma-separated sections")
+    p.add_argument("--steps", type=int, default=10, help="timed repetitions per measurement")
+    args = p.parse_args(argv)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    sections = args.only.split(",")
+    if "decoder" in sections:
+        bench_decoder(args.steps)
+    if "prepare" in sections:
+        bench_prepare()
+    if "caption" in sections:
+        bench_caption(args.steps)
+
+
+if __name__ == "__main__":
+    main()

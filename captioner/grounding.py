@@ -1,0 +1,158 @@
+"""Does attention look at what the word names? Pointing accuracy against object boxes.
+
+For each generated word that names an object present in the image, a hit is when the peak of
+that word's attention map (the centre of its highest grid cell, in image pixels) lies inside a
+box of such an object. Chance is the share of the encoder's view those boxes cover: what a
+peak dropped at random would score. Boxes come from a COCO instances file read with
+pycocotools: real COCO (`instances_val2014.json`, caption words mapped to categories by
+`SYNONYMS`) or the synthetic scenes' `boxes.json` (shape categories plus a `color` field).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+from collections import defaultdict
+from collections.abc import Mapping
+
+import numpy as np
+from pycocotools.coco import COCO
+
+from .coco import read_json
+from .errors import CaptionerError
+from .images import Preprocess
+
+# Caption word → COCO category name, for the words people use instead of the category name.
+SYNONYMS = {
+    **dict.fromkeys(["man", "men", "woman", "women", "person", "people", "persons", "boy", "boys", "girl",
+                     "girls", "child", "children", "kid", "kids", "guy", "guys", "lady", "ladies", "player",
+                     "players", "skier", "skiers", "surfer", "surfers", "skateboarder", "rider", "baby",
+                     "adult", "adults", "gentleman", "toddler"], "person"),
+    **dict.fromkeys(["bike", "bikes", "bicycles", "cyclist"], "bicycle"),
+    **dict.fromkeys(["motorbike", "motorbikes", "motorcycles", "scooter"], "motorcycle"),
+    **dict.fromkeys(["plane", "planes", "jet", "jets", "airplanes", "aircraft", "airliner"], "airplane"),
+    **dict.fromkeys(["ship", "ships", "boats", "sailboat", "canoe", "kayak"], "boat"),
+    **dict.fromkeys(["puppy", "puppies", "dogs"], "dog"),
+    **dict.fromkeys(["kitten", "kitty", "cats"], "cat"),
+    **dict.fromkeys(["cows", "cattle", "calf", "bull"], "cow"),
+    **dict.fromkeys(["lamb", "lambs"], "sheep"),
+    **dict.fromkeys(["ball", "balls", "soccer", "football"], "sports ball"),
+    **dict.fromkeys(["racket", "racquet", "rackets"], "tennis racket"),
+    **dict.fromkeys(["bat"], "baseball bat"),
+    **dict.fromkeys(["glove", "mitt"], "baseball glove"),
+    **dict.fromkeys(["sofa", "sofas", "couches"], "couch"),
+    **dict.fromkeys(["table", "tables", "desk"], "dining table"),
+    **dict.fromkeys(["plant", "plants"], "potted plant"),
+    **dict.fromkeys(["television", "tv", "tvs", "monitor"], "tv"),
+    **dict.fromkeys(["phone", "phones", "cellphone", "smartphone"], "cell phone"),
+    **dict.fromkeys(["fridge", "refrigerators"], "refrigerator"),
+    **dict.fromkeys(["doughnut", "doughnuts", "donuts"], "donut"),
+    **dict.fromkeys(["hydrant"], "fire hydrant"),
+    **dict.fromkeys(["teddy"], "teddy bear"),
+    **dict.fromkeys(["glass", "wine"], "wine glass"),
+    **dict.fromkeys(["hotdog", "hotdogs"], "hot dog"),
+    **dict.fromkeys(["laptops", "computer"], "laptop"),
+    **dict.fromkeys(["bag", "purse"], "handbag"),
+    **dict.fromkeys(["luggage", "suitcases"], "suitcase"),
+    **dict.fromkeys(["buses"], "bus"),
+    **dict.fromkeys(["trains"], "train"),
+    **dict.fromkeys(["trucks"], "truck"),
+    **dict.fromkeys(["cars", "taxi"], "car"),
+}
+
+
+class GroundingBoxes:
+    """Object boxes per image, and which caption words name which objects."""
+
+    def __init__(self, path: str):
+        data = read_json(path, "COCO instances (object boxes)")
+        if not isinstance(data, dict) or not all(isinstance(data.get(k), list)
+                                                 for k in ("images", "annotations", "categories")):
+            raise CaptionerError(f"{path}: expected a COCO instances file with 'images', "
+                                 "'annotations' and 'categories' lists")
+        for i, ann in enumerate(data["annotations"]):
+            bbox = ann.get("bbox") if isinstance(ann, dict) else None
+            if not (isinstance(bbox, list) and len(bbox) == 4 and "image_id" in ann and "category_id" in ann):
+                raise CaptionerError(f"{path}: annotations[{i}]: needs image_id, category_id and bbox [x, y, w, h]")
+            ann.setdefault("id", i + 1)
+        coco = COCO()
+        coco.dataset = data
+        with contextlib.redirect_stdout(io.StringIO()):
+            coco.createIndex()
+        self.coco = coco
+        self.category_of_word: dict[str, set[int]] = defaultdict(set)
+        names = {c["name"] for c in coco.cats.values()}
+        for cat in coco.cats.values():
+            name, last = cat["name"], cat["name"].split()[-1]
+            # "sports ball" is named by "ball", but "hot dog" must not claim "dog".
+            for word in (name, name + "s") + ((last, last + "s") if last not in names else ()):
+                self.category_of_word[word].add(cat["id"])
+        for word, name in SYNONYMS.items():
+            self.category_of_word[word] |= {c["id"] for c in coco.cats.values() if c["name"] == name}
+        self.colors = {a["color"] for a in coco.anns.values() if isinstance(a.get("color"), str)}
+
+    def __contains__(self, image_id: int) -> bool:
+        return image_id in self.coco.imgs
+
+    def size(self, image_id: int) -> tuple[int, int]:
+        img = self.coco.imgs[image_id]
+        return int(img["width"]), int(img["height"])
+
+    def names_object(self, word: str) -> bool:
+        return word in self.colors or bool(self.category_of_word.get(word))
+
+    def boxes_for(self, image_id: int, word: str) -> list[list[float]]:
+        """Boxes [x, y, w, h] of the objects in an image that `word` names."""
+        cats = self.category_of_word.get(word, set())
+        return [a["bbox"] for a in self.coco.imgToAnns.get(image_id, [])
+                if a["category_id"] in cats or a.get("color") == word]
+
+
+def _covered_share(boxes, grid_box, size) -> float:
+    """Share of the encoder's view (grid_box) covered by the union of boxes."""
+    W, H = size
+    mask = np.zeros((H, W), dtype=bool)
+    for x, y, w, h in boxes:
+        mask[max(0, int(y)):int(np.ceil(y + h)), max(0, int(x)):int(np.ceil(x + w))] = True
+    l, t, r, b = (int(round(v)) for v in grid_box)
+    view = mask[max(0, t):b, max(0, l):r]
+    return float(view.mean()) if view.size else 0.0
+
+
+def pointing_accuracy(captions: Mapping[int, tuple[list[str], np.ndarray]], boxes: GroundingBoxes,
+                      preprocess: Preprocess = Preprocess()) -> dict:
+    """Pointing accuracy of generated words.
+
+    Args:
+        captions: image id → (words, attention (len(words), g, g)).
+        boxes: the object boxes.
+        preprocess: how images were fed to the encoder (which part the grid covers).
+
+    Returns:
+        {"pointing": hit rate, "chance": mean box share, "words": words scored,
+         "unmatched": object words with no such object in the image, "by_word": {word: [hits, n]}}
+    """
+    hits, chances, unmatched = [], [], 0
+    by_word: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for image_id, (words, attention) in captions.items():
+        if image_id not in boxes:
+            continue
+        size = boxes.size(image_id)
+        l, t, r, b = preprocess.grid_box(*size)
+        for word, att in zip(words, attention):
+            if not boxes.names_object(word):
+                continue
+            found = boxes.boxes_for(image_id, word)
+            if not found:
+                unmatched += 1
+                continue
+            g = att.shape[-1]
+            row, col = divmod(int(np.argmax(att)), g)
+            px, py = l + (col + 0.5) * (r - l) / g, t + (row + 0.5) * (b - t) / g
+            hit = any(x <= px <= x + w and y <= py <= y + h for x, y, w, h in found)
+            hits.append(hit)
+            chances.append(_covered_share(found, (l, t, r, b), size))
+            by_word[word][0] += int(hit)
+            by_word[word][1] += 1
+    return {"pointing": float(np.mean(hits)) if hits else None,
+            "chance": float(np.mean(chances)) if chances else None,
+            "words": len(hits), "unmatched": unmatched, "by_word": dict(by_word)}

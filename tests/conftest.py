@@ -1,0 +1,52 @@
+"""Shared fixtures: a small synthetic COCO-format set, prepared once with the seeded random encoder."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from captioner.decoder import DecoderConfig
+from captioner.encoder import EncoderSpec
+from captioner.prepare import prepare
+from captioner.synthetic import generate
+from captioner.training import TrainConfig, fit
+
+REPO = Path(__file__).resolve().parents[1]
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def run_cli(*args: str, cwd: Path = REPO, **kw) -> subprocess.CompletedProcess:
+    """Run `python <args>` as a user would, capturing output."""
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture(scope="session")
+def scenes(tmp_path_factory) -> Path:
+    """48 synthetic scenes in COCO format (images, captions.json, splits.json, boxes.json)."""
+    out = tmp_path_factory.mktemp("scenes")
+    generate(str(out), 48, seed=11)
+    return out
+
+
+@pytest.fixture(scope="session")
+def data_dir(scenes, tmp_path_factory) -> Path:
+    """The scenes prepared: vocabulary and the feature cache of the seeded random VGG16."""
+    out = tmp_path_factory.mktemp("data")
+    prepare([str(scenes / "captions.json")], [str(scenes / "images")], str(out),
+            splits=str(scenes / "splits.json"), encoder=EncoderSpec(weights="none"), min_count=1,
+            workers=0, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_run(data_dir, tmp_path_factory) -> Path:
+    """A tiny model trained for two epochs: it writes words, though not good ones yet."""
+    out = tmp_path_factory.mktemp("run")
+    fit(str(data_dir), str(out), DecoderConfig(0, embed_dim=32, hidden_dim=48, attention_dim=24, dropout=0.1),
+        TrainConfig(epochs=2, batch_size=8, lr=3e-3, val_beam_size=2), device="cpu", progress_bar=False)
+    return out

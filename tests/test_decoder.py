@@ -1,0 +1,194 @@
+"""The decoder: shapes, attention, masking, gradients, and beam search against plain greedy."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from captioner.decode import beam_search
+from captioner.decoder import ARGMAX, EXPECTED, SAMPLE, AttentionDecoder, caption_loss
+from captioner.vocab import END_ID, PAD_ID, START_ID, UNK_ID
+
+V, L, D = 30, 196, 64
+
+
+def tiny(**kw) -> AttentionDecoder:
+    torch.manual_seed(0)
+    args = dict(vocab_size=V, encoder_dim=D, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0)
+    return AttentionDecoder(**{**args, **kw})
+
+
+def batch(B=3, T=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.rand(B, L, D, generator=g)
+    lengths = torch.tensor([T, T - 2, 3][:B])
+    caps = torch.randint(4, V, (B, T), generator=g)
+    caps[:, 0] = START_ID
+    for b, n in enumerate(lengths):
+        caps[b, n - 1] = END_ID
+        caps[b, n:] = PAD_ID
+    return feats, caps, lengths
+
+
+def test_shapes_and_attention_sums_to_one():
+    dec = tiny()
+    feats, caps, lengths = batch()
+    logits, alphas = dec(feats, caps, lengths)
+    assert logits.shape == (3, 5, V)
+    assert alphas.shape == (3, 5, L)
+    torch.testing.assert_close(alphas.sum(-1), torch.ones(3, 5))
+    assert (alphas >= 0).all()
+
+
+def test_contract_signature_with_paper_sizes():
+    dec = AttentionDecoder(vocab_size=50, encoder_dim=512, embed_dim=64, hidden_dim=64, attention_dim=32, dropout=0.0)
+    caps = torch.tensor([[1, 5, 6, 2, 0], [1, 7, 2, 0, 0], [1, 8, 9, 10, 2]])
+    logits, alphas = dec(torch.randn(3, 196, 512), caps, torch.tensor([4, 3, 5]))
+    assert logits.shape == (3, 4, 50) and alphas.shape == (3, 4, 196)
+
+
+def test_padding_is_masked():
+    """What sits in the padding changes neither the loss nor the real positions' outputs."""
+    dec = tiny()
+    feats, caps, lengths = batch()
+    other = caps.clone()
+    other[1, lengths[1]:] = 7   # garbage where padding was
+    other[2, lengths[2]:] = 9
+    l1, a1 = dec(feats, caps, lengths)
+    l2, a2 = dec(feats, other, lengths)
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(l1[b, :n - 1], l2[b, :n - 1])
+    nll1, pen1 = caption_loss(l1, a1, caps, lengths)
+    nll2, pen2 = caption_loss(l2, a2, other, lengths)
+    torch.testing.assert_close(nll1, nll2)
+    torch.testing.assert_close(pen1, pen2)
+
+
+def test_penalty_matches_paper_formula():
+    dec = tiny()
+    feats, caps, lengths = batch()
+    logits, alphas = dec(feats, caps, lengths)
+    nll, penalty = caption_loss(logits, alphas, caps, lengths, alpha_c=1.0)
+    # Eq. (14) per caption: summed log-likelihood + λ Σ_i (1 − Σ_t α_ti)²; batch total per word.
+    logp = logits.log_softmax(-1)
+    words = int((lengths - 1).sum())
+    eq14 = sum(-logp[b, torch.arange(n - 1), caps[b, 1:n]].sum() + ((1 - alphas[b, :n - 1].sum(0)) ** 2).sum()
+               for b, n in enumerate(lengths))
+    torch.testing.assert_close(nll + penalty, eq14 / words)
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_every_parameter_gets_a_gradient(attention):
+    dec = tiny(attention=attention, dropout=0.3)
+    feats, caps, lengths = batch()
+    logits, alphas = dec(feats, caps, lengths)
+    nll, penalty = caption_loss(logits, alphas, caps, lengths)
+    (nll + penalty).backward()
+    for name, p in dec.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@torch.no_grad()
+def plain_greedy(dec, feats, max_len):
+    """Greedy decoding written the obvious way, one image at a time, as the reference."""
+    out = []
+    for b in range(feats.size(0)):
+        f = feats[b:b + 1]
+        proj = dec.attention.project(f)
+        h, c = dec.init_state(f)
+        word, words, score = torch.tensor([START_ID]), [], 0.0
+        for t in range(max_len + 1):
+            logits, h, c, _, _ = dec.step(f, proj, word, h, c)
+            logp = logits.log_softmax(-1)[0]
+            logp[[PAD_ID, START_ID, UNK_ID]] = float("-inf")
+            if t == max_len:
+                best = END_ID
+            else:
+                best = int(logp.argmax())
+            score += float(logp[best])
+            if best == END_ID:
+                break
+            words.append(best)
+            word = torch.tensor([best])
+        out.append((words, score))
+    return out
+
+
+@pytest.mark.parametrize("max_len", [3, 12])
+def test_beam_one_equals_plain_greedy(max_len):
+    dec = tiny().eval()
+    feats = torch.rand(5, L, D, generator=torch.Generator().manual_seed(3))
+    beams = beam_search(dec, feats, beam_size=1, max_len=max_len)
+    for hyps, (words, score) in zip(beams, plain_greedy(dec, feats, max_len)):
+        assert hyps[0].tokens == words
+        assert hyps[0].score == pytest.approx(score, abs=1e-4)
+
+
+def test_beam_search_terminates_and_ranks():
+    """An untrained model rarely says <end>: the search must still stop at max_len."""
+    dec = tiny().eval()
+    feats = torch.rand(4, L, D, generator=torch.Generator().manual_seed(5))
+    for K in (1, 3, 7):
+        beams = beam_search(dec, feats, beam_size=K, max_len=6)
+        assert len(beams) == 4
+        for hyps in beams:
+            assert 1 <= len(hyps) <= K
+            assert all(len(h.tokens) <= 6 for h in hyps)
+            assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+            assert all(h.attention.shape == (len(h.tokens), L) for h in hyps)
+            assert len({tuple(h.tokens) for h in hyps}) == len(hyps)  # no duplicate beams
+
+
+def test_wider_beam_never_scores_worse_than_greedy():
+    dec = tiny().eval()
+    feats = torch.rand(6, L, D, generator=torch.Generator().manual_seed(8))
+    greedy = beam_search(dec, feats, beam_size=1, max_len=8)
+    wide = beam_search(dec, feats, beam_size=5, max_len=8)
+    for g, w in zip(greedy, wide):
+        assert w[0].score >= g[0].score - 1e-5
+
+
+def test_batched_search_equals_one_by_one():
+    dec = tiny().eval()
+    feats = torch.rand(3, L, D, generator=torch.Generator().manual_seed(9))
+    together = beam_search(dec, feats, beam_size=3, max_len=8)
+    for b in range(3):
+        alone = beam_search(dec, feats[b:b + 1], beam_size=3, max_len=8)[0]
+        assert [h.tokens for h in alone] == [h.tokens for h in together[b]]
+
+
+def test_hard_modes_report_locations():
+    dec = tiny(attention="hard").eval()
+    feats = torch.rand(2, L, D, generator=torch.Generator().manual_seed(4))
+    for mode in (ARGMAX, SAMPLE):
+        gen = torch.Generator().manual_seed(0)
+        hyps = beam_search(dec, feats, beam_size=2, max_len=5, mode=mode, generator=gen)
+        for h in (b[0] for b in hyps):
+            assert ((h.locations >= 0) & (h.locations < L)).all()
+    argmax = beam_search(dec, feats, beam_size=2, max_len=5, mode=ARGMAX)[0][0]
+    assert (argmax.locations == argmax.attention.argmax(1)).all()
+    expected = beam_search(dec, feats, beam_size=2, max_len=5, mode=EXPECTED)[0][0]
+    assert (expected.locations == -1).all()
+    s1 = beam_search(dec, feats, beam_size=2, max_len=5, mode=SAMPLE, generator=torch.Generator().manual_seed(1))
+    s2 = beam_search(dec, feats, beam_size=2, max_len=5, mode=SAMPLE, generator=torch.Generator().manual_seed(1))
+    assert [b[0].tokens for b in s1] == [b[0].tokens for b in s2]
+
+
+def test_attention_equals_the_paper_formula_with_gradients():
+    """The fast score (2v·σ(2z)) gives the α and the gradients of softmax(v·tanh(z))."""
+    from captioner.decoder import Attention
+    torch.manual_seed(0)
+    att = Attention(6, 5, 4).double()
+    feats = torch.randn(2, 7, 6, dtype=torch.float64)
+    h = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 7, dtype=torch.float64)
+
+    def paper():
+        e = att.v(torch.tanh(att.W_a(feats) + att.W_h(h).unsqueeze(1))).squeeze(2)
+        return e.softmax(dim=1)
+
+    params = [h, *att.parameters()]
+    ours = att(att.project(feats), h)
+    ref = paper()
+    torch.testing.assert_close(ours, ref)
+    for g1, g2 in zip(torch.autograd.grad((ours * w).sum(), params), torch.autograd.grad((ref * w).sum(), params)):
+        torch.testing.assert_close(g1, g2)

@@ -1,0 +1,89 @@
+"""The encoder: seeded reproducibility, fingerprints, weight sources, preprocessing."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+
+from captioner.encoder import EncoderSpec, build_encoder
+from captioner.errors import CaptionerError
+from captioner.images import Preprocess
+
+# The seeded random VGG16 must be the same network on every machine and library release:
+# its weights come from NumPy's frozen legacy RandomState. A change here breaks every
+# feature cache and checkpoint made with --encoder-weights none.
+VGG16_SEED0_FINGERPRINT = "e6f4db1b017eca4c"
+
+
+@pytest.fixture(scope="module")
+def vgg16():
+    return build_encoder(EncoderSpec(weights="none", seed=0))
+
+
+def test_seeded_encoder_is_reproducible(vgg16):
+    enc, spec = vgg16
+    assert spec.fingerprint == VGG16_SEED0_FINGERPRINT
+    again, spec2 = build_encoder(EncoderSpec(weights="none", seed=0))
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        f1, f2 = enc(x), again(x)
+    assert f1.shape == (2, 196, 512)
+    assert torch.equal(f1, f2)
+    assert (f1 >= 0).all()  # conv5_3 after its ReLU
+
+
+def test_other_seed_other_encoder_and_mismatch_is_refused(vgg16):
+    _, spec = build_encoder(EncoderSpec(weights="none", seed=1))
+    assert spec.fingerprint != VGG16_SEED0_FINGERPRINT
+    with pytest.raises(CaptionerError, match="fingerprint"):
+        build_encoder(EncoderSpec(weights="none", seed=1, fingerprint=VGG16_SEED0_FINGERPRINT))
+
+
+def test_vgg19_depth():
+    enc, spec = build_encoder(EncoderSpec(arch="vgg19", weights="none"))
+    assert len(enc.features) == 36
+    assert enc(torch.zeros(1, 3, 224, 224)).shape == (1, 196, 512)
+
+
+def test_state_dict_path(tmp_path, vgg16):
+    enc, spec = vgg16
+    full = {f"features.{k}": v for k, v in enc.features.state_dict().items()}
+    full["classifier.0.weight"] = torch.zeros(2, 2)  # a whole VGG state dict is accepted
+    path = tmp_path / "vgg.pth"
+    torch.save(full, path)
+    _, spec2 = build_encoder(EncoderSpec(weights=str(path)))
+    assert spec2.fingerprint == spec.fingerprint
+    torch.save({"0.weight": torch.zeros(3)}, tmp_path / "bad.pth")
+    with pytest.raises(CaptionerError, match="bad.pth"):
+        build_encoder(EncoderSpec(weights=str(tmp_path / "bad.pth")))
+    with pytest.raises(CaptionerError, match="no such file"):
+        build_encoder(EncoderSpec(weights=str(tmp_path / "missing.pth")))
+
+
+def test_imagenet_offline_says_where_to_put_the_file(monkeypatch, tmp_path):
+    old = torch.hub.get_dir()
+    torch.hub.set_dir(str(tmp_path / "hub"))
+
+    def offline(self, *a, **k):
+        raise OSError("<urlopen error [Errno -3] Temporary failure in name resolution>")
+    monkeypatch.setattr(torchvision.models.WeightsEnum, "get_state_dict", offline)
+    try:
+        with pytest.raises(CaptionerError) as e:
+            build_encoder(EncoderSpec(weights="imagenet"))
+    finally:
+        torch.hub.set_dir(old)
+    msg = str(e.value)
+    assert "vgg16-397923af.pth" in msg and str(tmp_path / "hub" / "checkpoints") in msg
+    assert "--encoder-weights" in msg
+
+
+def test_preprocess_shapes_and_grid_box():
+    from PIL import Image
+    img = Image.new("RGB", (320, 96), (255, 0, 0))
+    for crop in (False, True):
+        x = Preprocess(crop=crop)(img)
+        assert x.shape == (3, 224, 224)
+    assert Preprocess().grid_box(320, 96) == (0, 0, 320, 96)
+    l, t, r, b = Preprocess(crop=True).grid_box(320, 96)
+    assert r - l == pytest.approx(b - t) and t == pytest.approx((96 - (b - t)) / 2)
+    assert b - t == pytest.approx(96 * 224 / 256)

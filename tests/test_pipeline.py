@@ -1,0 +1,119 @@
+"""prepare → fit → evaluate → caption, end to end, and the checkpoint contract."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from captioner import Captioner, CaptionerError
+from captioner.checkpoint import load_checkpoint, save_checkpoint
+from captioner.data import CaptionData
+from captioner.viz import attention_figure, upsample
+
+from conftest import run_cli
+
+METRICS = ["BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr"]
+
+
+def test_fit_writes_plain_checkpoints_and_a_log(small_run):
+    for name in ("best.pt", "last.pt"):
+        ck = torch.load(small_run / name, map_location="cpu", weights_only=True)
+        assert isinstance(ck["step"], int) and ck["step"] > 0
+        assert ck["encoder"]["weights"] == "none" and ck["encoder"]["fingerprint"]
+        assert ck["vocab"][:4] == ["<pad>", "<start>", "<end>", "<unk>"]
+    log = [json.loads(line) for line in (small_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log if r["event"] == "val"] == [1, 2]
+    assert all(np.isfinite(r["loss"]) for r in log if r["event"] == "train")
+
+
+def test_evaluate_cli_writes_metrics_and_results(small_run, data_dir, scenes, tmp_path):
+    out = tmp_path / "eval" / "metrics.json"
+    p = run_cli("train.py", "evaluate", "--checkpoint", str(small_run / "best.pt"), "--data", str(data_dir),
+                "--split", "test", "--out", str(out), "--grounding", str(scenes / "boxes.json"))
+    assert p.returncode == 0, p.stderr
+    metrics = json.loads(out.read_text())
+    assert all(k in metrics for k in METRICS)
+    assert 0 <= metrics["pointing"] <= 1 if metrics["pointing"] is not None else True
+    results = json.loads((tmp_path / "eval" / "metrics_results.json").read_text())
+    ids, _ = CaptionData(str(data_dir)).split_images("test")
+    assert sorted(r["image_id"] for r in results) == sorted(ids.tolist())
+    assert all(isinstance(r["caption"], str) and "<" not in r["caption"] for r in results)
+
+
+def test_checkpoint_round_trip_gives_identical_outputs(small_run, scenes, tmp_path):
+    image = sorted((scenes / "images").iterdir())[0]
+    a = Captioner.load(str(small_run / "best.pt"))
+    ck = load_checkpoint(str(small_run / "best.pt"))
+    save_checkpoint({k: v for k, v in ck.items() if k != "format"}, str(tmp_path / "copy.pt"))
+    b = Captioner.load(str(tmp_path / "copy.pt"))
+    oa, ob = a.caption(image, beam_size=3), b.caption(image, beam_size=3)
+    assert oa.words == ob.words and oa.score == ob.score
+    np.testing.assert_array_equal(oa.attention, ob.attention)
+
+
+def test_api_contract(small_run, scenes):
+    cap = Captioner.load(str(small_run / "best.pt"))
+    paths = sorted((scenes / "images").iterdir())[:3]
+    out = cap.caption(Image.open(paths[0]), beam_size=3)
+    assert isinstance(out.text, str) and out.text == " ".join(out.words)
+    assert out.attention.shape == (len(out.words), 14, 14)
+    assert out.words
+    np.testing.assert_allclose(out.attention.reshape(len(out.words), 196).sum(1), 1.0, rtol=1e-4)
+    assert not {"<start>", "<end>", "<pad>"} & set(out.words)
+    batch = cap.caption_batch([str(p) for p in paths], beam_size=2)
+    assert len(batch) == 3
+    single = cap.caption(str(paths[1]), beam_size=2)
+    assert batch[1].words == single.words
+
+
+def test_pickled_checkpoint_is_refused_without_running(tmp_path, small_run):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            import os
+            return (os.system, (f"touch {marker}",))
+
+    ck = torch.load(small_run / "best.pt", map_location="cpu", weights_only=True)
+    ck["evil"] = Payload()
+    torch.save(ck, tmp_path / "evil.pt")
+    with pytest.raises(CaptionerError, match="refused"):
+        Captioner.load(str(tmp_path / "evil.pt"))
+    assert not marker.exists()
+
+
+def test_broken_checkpoints_are_explained(tmp_path, small_run):
+    data = (small_run / "best.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CaptionerError, match="cut.pt: not a readable checkpoint"):
+        Captioner.load(str(tmp_path / "cut.pt"))
+    torch.save({"model": {}}, tmp_path / "other.pt")
+    with pytest.raises(CaptionerError, match="not a captioner checkpoint"):
+        Captioner.load(str(tmp_path / "other.pt"))
+
+
+def test_caption_cli_json_and_figures(small_run, scenes, tmp_path):
+    paths = [str(p) for p in sorted((scenes / "images").iterdir())[:2]]
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"nope")
+    p = run_cli("-m", "captioner", "caption", *paths, str(bad), "--checkpoint", str(small_run / "best.pt"),
+                "--json", str(tmp_path / "res.json"), "--figures", str(tmp_path / "figs"))
+    assert p.returncode == 2 and "bad.jpg" in p.stderr and "Traceback" not in p.stderr
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert len(res) == 2 and all({"image_id", "caption"} <= set(r) for r in res)
+    figs = sorted((tmp_path / "figs").iterdir())
+    assert len(figs) == 2 and Image.open(figs[0]).size[0] > 100
+
+
+def test_heatmap_peak_lands_where_attention_is():
+    att = np.zeros((14, 14), np.float32)
+    att[3, 10] = 1.0
+    heat = upsample(att, (280, 140))
+    y, x = np.unravel_index(heat.argmax(), heat.shape)
+    assert heat.shape == (140, 280)
+    assert 10 * 20 <= x < 11 * 20 and 3 * 10 <= y < 4 * 10
+    fig = attention_figure(Image.new("RGB", (280, 140)), ["a", "dot"], np.stack([att, att]))
+    assert len([ax for ax in fig.axes if ax.images]) == 3  # the image, then one panel per word
