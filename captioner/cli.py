@@ -87,6 +87,9 @@ def get_train_parser() -> argparse.ArgumentParser:
     fp.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every,
                     help="also write last.pt every N steps (0: once per epoch)")
     fp.add_argument("--seed", type=int, default=t.seed)
+    fp.add_argument("--amp", choices=["none", "bf16", "fp16"], default=t.amp,
+                    help="mixed precision (autocast); fp16 adds a gradient scaler on CUDA")
+    fp.add_argument("--compile", action="store_true", help="torch.compile the training objective")
     fp.add_argument("--entropy-weight", type=float, default=h.entropy_weight, help="hard attention: λ_e")
     fp.add_argument("--reward-scale", type=float, default=h.reward_scale, help="hard attention: λ_r")
     fp.add_argument("--semi-sampling", type=float, default=h.semi_sampling,
@@ -111,15 +114,18 @@ def get_train_parser() -> argparse.ArgumentParser:
 
 
 def _prepare(args) -> None:
+    from . import distributed
     from .encoder import EncoderSpec
     from .prepare import prepare
-    from .training import pick_device
+    d, device = distributed.setup(args.device)
     spec = EncoderSpec(arch=args.encoder, weights=args.encoder_weights, seed=args.encoder_seed, crop=args.crop)
     summary = prepare(args.captions, args.images, args.out, splits=args.splits, encoder=spec,
                       min_count=args.min_count, max_len=args.max_len, skip_missing=args.skip_missing,
                       skip_bad=args.skip_bad, batch_size=args.batch_size, workers=args.workers,
-                      device=str(pick_device(args.device)))
-    print(json.dumps(summary, indent=1))
+                      device=str(device), dist=d, progress=d.main)
+    if d.main:
+        print(json.dumps(summary, indent=1))
+    distributed.cleanup()
 
 
 def _fit(args) -> None:
@@ -132,17 +138,21 @@ def _fit(args) -> None:
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, grad_clip=args.grad_clip,
                       alpha_c=args.alpha_c, max_minutes=args.max_minutes, patience=args.patience,
                       metric=args.metric, val_beam_size=args.val_beam_size, val_images=args.val_images,
-                      checkpoint_every=args.checkpoint_every, seed=args.seed, hard=hard)
+                      checkpoint_every=args.checkpoint_every, seed=args.seed, amp=args.amp,
+                      compile=args.compile, hard=hard)
+    from . import distributed
     p = fit(args.data, args.out, model, cfg, resume=args.resume, device=args.device)
-    print(f"done: {p.step} steps, {p.epoch} epochs; best {cfg.metric} {p.best:.4f} at step {p.best_step}; "
-          f"checkpoints in {args.out}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"done: {p.step} steps, {p.epoch} epochs; best {cfg.metric} {p.best:.4f} at step {p.best_step}; "
+              f"checkpoints in {args.out}")
+    distributed.cleanup()
 
 
 def _evaluate(args) -> None:
     from .evaluation import evaluate, results_path
-    from .training import pick_device
+    from .distributed import choose_device
     m = evaluate(args.checkpoint, args.data, args.split, args.out, beam_size=args.beam_size,
-                 max_len=args.max_len, device=str(pick_device(args.device)), mode=args.mode,
+                 max_len=args.max_len, device=str(choose_device(args.device)), mode=args.mode,
                  grounding=args.grounding)
     shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()
              if k not in ("checkpoint", "grounding")}

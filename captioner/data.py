@@ -87,14 +87,19 @@ class CaptionData:
         return len(bucket_batches(self.lengths, batch_size, seed=0, epoch=0, world=world))
 
     def batches(self, batch_size: int, *, seed: int, epoch: int, start: int = 0,
-                rank: int = 0, world: int = 1) -> Iterator[Batch]:
-        """Training batches of one epoch, bucketed by length; `start` skips finished ones."""
+                rank: int = 0, world: int = 1, pin: bool = False) -> Iterator[Batch]:
+        """Training batches of one epoch, bucketed by length; `start` skips finished ones.
+
+        Args:
+            pin: page-locked memory, for non-blocking copies to a GPU.
+        """
         for idx in bucket_batches(self.lengths, batch_size, seed=seed, epoch=epoch,
                                   rank=rank, world=world)[start:]:
             T = int(self.lengths[idx].max())
-            yield Batch(self.features(self.rows[idx]),
-                        torch.from_numpy(self.tokens[idx, :T].astype(np.int64)),
-                        torch.from_numpy(self.lengths[idx].astype(np.int64)))
+            batch = Batch(self.features(self.rows[idx]),
+                          torch.from_numpy(self.tokens[idx, :T].astype(np.int64)),
+                          torch.from_numpy(self.lengths[idx].astype(np.int64)))
+            yield Batch(*(t.pin_memory() for t in (batch.features, batch.captions, batch.lengths))) if pin else batch
 
 
 def bucket_batches(lengths: np.ndarray, batch_size: int, *, seed: int, epoch: int,
@@ -111,7 +116,8 @@ def bucket_batches(lengths: np.ndarray, batch_size: int, *, seed: int, epoch: in
     size = batch_size * world
     chunks = [order[i:i + size] for i in range(0, len(order), size)]
     chunks = [chunks[i] for i in rs.permutation(len(chunks))]
-    return [c[rank::world] for c in chunks if len(c[rank::world])]
+    # Every process must take the same number of steps: drop a last chunk too small to share.
+    return [c[rank::world] for c in chunks if len(c) >= world]
 
 
 def write_json_atomic(path: str, obj) -> None:

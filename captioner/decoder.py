@@ -46,17 +46,21 @@ class _Score(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, projected, q, v):
-        s = torch.add(projected, q.unsqueeze(1)).mul_(2).sigmoid_()   # (B, L, A), σ(2(p + q))
+        ctx.dtypes = projected.dtype, q.dtype, v.dtype            # under autocast they may differ
+        v = v.to(projected.dtype)
+        s = torch.add(projected, q.to(projected.dtype).unsqueeze(1)).mul_(2).sigmoid_()  # (B, L, A), σ(2(p + q))
         ctx.save_for_backward(s, v)
         return s @ (2 * v)                                             # (B, L)
 
     @staticmethod
     def backward(ctx, grad_e):
         s, v = ctx.saved_tensors
+        grad_e = grad_e.to(s.dtype)
         grad_v = 2 * torch.einsum("bl,bla->a", grad_e, s)                         # (A,)
         # d e / d p = 4 v σ(1 − σ), times the incoming gradient
         grad_p = torch.addcmul(s, s, s, value=-1).mul_(grad_e.unsqueeze(2)).mul_(4 * v)  # (B, L, A)
-        return grad_p, grad_p.sum(dim=1), grad_v
+        p_dtype, q_dtype, v_dtype = ctx.dtypes
+        return grad_p.to(p_dtype), grad_p.sum(dim=1).to(q_dtype), grad_v.to(v_dtype)
 
 
 class Attention(nn.Module):
@@ -189,11 +193,18 @@ class AttentionDecoder(nn.Module):
     # teacher forcing
 
     def unroll(self, features: torch.Tensor, captions: torch.Tensor, sampled: torch.Tensor | None = None,
-               generator: torch.Generator | None = None):
-        """Teacher-forced pass; images flagged in `sampled` (B,) use a sampled location.
+               generator: torch.Generator | None = None, locations: torch.Tensor | None = None):
+        """Teacher-forced pass, soft by default; hard for the images and steps asked for.
+
+        Args:
+            features: (B, L, D) annotation vectors.
+            captions: (B, T) token ids.
+            sampled: (B,) bool, images whose context is a location drawn from α_t at every step.
+            generator: random source for those draws.
+            locations: (B, T-1) fixed locations (-1: expected context); overrides `sampled`.
 
         Returns:
-            logits (B, T-1, V), α (B, T-1, L), and locations (B, T-1) (-1 where expected).
+            logits (B, T-1, V), α (B, T-1, L), and locations used (B, T-1) (-1 where expected).
         """
         B, T = captions.shape
         features = self.normalize(features)                      # (B, L, D)
@@ -202,16 +213,22 @@ class AttentionDecoder(nn.Module):
         emb = self.embedding(captions[:, :-1])                   # (B, T-1, E)
         gates_y = self.lstm_y(emb)                               # (B, T-1, 4H), all steps at once
         rows = torch.arange(B, device=features.device)
+        hard = locations is not None or (sampled is not None and bool(sampled.any()))
         hs, zs, alphas, locs = [], [], [], []
         for t in range(T - 1):
             alpha = self.attention(projected, h)                 # (B, L)
             z, _ = self.context(features, alpha, h)              # (B, D), expected context
             loc = torch.full((B,), -1, dtype=torch.long, device=features.device)
-            if sampled is not None and bool(sampled.any()):
-                draw = torch.multinomial(alpha.detach().float(), 1, generator=generator).squeeze(1)  # (B,)
+            if hard:
+                if locations is not None:
+                    draw = locations[:, t]                                                    # (B,)
+                else:
+                    draw = torch.multinomial(alpha.detach().float(), 1, generator=generator).squeeze(1)
+                    draw = torch.where(sampled, draw, loc)
+                use = draw >= 0                                                               # (B,)
                 beta = torch.sigmoid(self.f_beta(h))                                          # (B, 1)
-                z = torch.where(sampled.unsqueeze(1), beta * features[rows, draw], z)          # (B, D)
-                loc = torch.where(sampled, draw, loc)
+                z = torch.where(use.unsqueeze(1), beta * features[rows, draw.clamp_min(0)], z)  # (B, D)
+                loc = draw
             h, c = self.lstm(gates_y[:, t], z, h, c)
             hs.append(h), zs.append(z), alphas.append(alpha), locs.append(loc)
         logits = self.output(emb, torch.stack(hs, 1), torch.stack(zs, 1))  # (B, T-1, V)
@@ -244,20 +261,24 @@ def attention_penalty(alphas: torch.Tensor, mask: torch.Tensor, alpha_c: float =
     return alpha_c * ((1.0 - attended) ** 2).sum(dim=1)          # (B,)
 
 
-def caption_loss(logits: torch.Tensor, alphas: torch.Tensor, captions: torch.Tensor,
-                 lengths: torch.Tensor, alpha_c: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def caption_loss(logits: torch.Tensor, alphas: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor,
+                 alpha_c: float = 1.0, words: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. (14), L_d = −log P(y|a) + λ Σ_i (1 − Σ_t α_ti)², summed over the batch, per predicted word.
 
     Both terms are per caption as in the paper (the likelihood summed over its words, not
     averaged), so their balance is the paper's; dividing the batch total by the number of
     predicted words only sets the scale. Padding is masked out of both.
 
+    Args:
+        words: what to divide the batch totals by; default the batch's predicted words (under
+            DDP, the global count divided by the number of processes).
+
     Returns:
         (negative log-likelihood per word, penalty per word); the loss is their sum.
     """
     B, T1, V = logits.shape
     mask = step_mask(lengths, T1)                                                # (B, T-1)
-    nll = F.cross_entropy(logits.reshape(-1, V), captions[:, 1:T1 + 1].reshape(-1),
+    nll = F.cross_entropy(logits.reshape(-1, V).float(), captions[:, 1:T1 + 1].reshape(-1),
                           reduction="none").view(B, T1)                          # (B, T-1)
-    words = mask.sum()
-    return (nll * mask).sum() / words, attention_penalty(alphas, mask, alpha_c).sum() / words
+    words = mask.sum() if words is None else words
+    return (nll * mask).sum() / words, attention_penalty(alphas.float(), mask, alpha_c).sum() / words

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -68,27 +69,18 @@ def load_image(src, *, max_pixels: int | None = None) -> Image.Image:
     name = _describe(src)
     limit = max_pixels or Image.MAX_IMAGE_PIXELS
     try:
-        if isinstance(src, Image.Image):
-            img = src
-        else:
-            if isinstance(src, (bytes, bytearray)):
-                data = bytes(src)
-            else:
-                with open(src, "rb") as f:
-                    data = f.read()
-            if not data:
-                raise ImageError(f"{name}: the file is empty (0 bytes)")
-            img = Image.open(io.BytesIO(data))
-        w, h = img.size
-        if w < 1 or h < 1:
-            raise ImageError(f"{name}: the image has no pixels ({w}x{h})")
-        if w * h > limit:
-            raise ImageError(f"{name}: {w}x{h} pixels is over the limit of {limit} "
-                             "(a possible decompression bomb)")
-        if getattr(img, "n_frames", 1) > 1:
-            img.seek(0)  # animations: caption the first frame
         with warnings.catch_warnings():
+            # Pillow warns past its limit and raises past twice it: refuse both, with our message.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = src if isinstance(src, Image.Image) else Image.open(io.BytesIO(_read_bytes(src, name)))
+            w, h = img.size
+            if w < 1 or h < 1:
+                raise ImageError(f"{name}: the image has no pixels ({w}x{h})")
+            if w * h > limit:
+                raise ImageError(f"{name}: {w}x{h} = {w * h} pixels is over the limit of {limit} "
+                                 "(refused as a possible decompression bomb)")
+            if getattr(img, "n_frames", 1) > 1:
+                img.seek(0)  # animations: caption the first frame
             img.load()
             img = ImageOps.exif_transpose(img)
         return _to_rgb(img)
@@ -103,9 +95,23 @@ def load_image(src, *, max_pixels: int | None = None) -> Image.Image:
     except UnidentifiedImageError:
         raise ImageError(f"{name}: not an image file Pillow can read") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageError(f"{name}: too many pixels, refused as a possible decompression bomb ({e})") from None
+        found = re.search(r"\((\d+) pixels\)", str(e))  # Pillow's message carries the pixel count
+        count = f"{found.group(1)} pixels is" if found else "the image is"
+        raise ImageError(f"{name}: {count} over the limit of {limit} "
+                         "(refused as a possible decompression bomb)") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise ImageError(f"{name}: the image data is truncated or corrupt ({e})") from None
+
+
+def _read_bytes(src, name: str) -> bytes:
+    if isinstance(src, (bytes, bytearray)):
+        data = bytes(src)
+    else:
+        with open(src, "rb") as f:
+            data = f.read()
+    if not data:
+        raise ImageError(f"{name}: the file is empty (0 bytes)")
+    return data
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import numpy as np
 
 from .coco import SPLITS, load_dataset, read_json
 from .data import FORMAT, write_json_atomic
+from .distributed import Dist, barrier
 from .encoder import FEATURE_DIM, EncoderSpec, build_encoder
 from .errors import CaptionerError
 from .features import BAD, FeatureCache, extract_features
@@ -36,7 +37,7 @@ def prepare(captions: Sequence[str], image_dirs: Sequence[str], out_dir: str, *,
             splits: str | None = None, encoder: EncoderSpec = EncoderSpec(),
             min_count: int = 5, max_len: int = 20, skip_missing: bool = False,
             skip_bad: bool = False, batch_size: int = 32, workers: int = 2,
-            device: str = "cpu", rank: int = 0, world: int = 1, progress: bool = True) -> dict:
+            device: str = "cpu", dist: Dist = Dist(), progress: bool = True) -> dict:
     """Build a data directory; returns a summary (counts per split, vocabulary size, skipped).
 
     Args:
@@ -47,7 +48,7 @@ def prepare(captions: Sequence[str], image_dirs: Sequence[str], out_dir: str, *,
         encoder: which encoder makes the features.
         min_count: words seen fewer times in training captions become <unk>.
         max_len: training captions with more words are left out.
-        rank, world: this process's share of feature extraction when run distributed.
+        dist: under torchrun, this process's place: each rank extracts its share of the rows.
     """
     records, skipped = load_dataset(captions, image_dirs, splits, skip_missing=skip_missing,
                                     skip_bad=skip_bad)
@@ -59,15 +60,17 @@ def prepare(captions: Sequence[str], image_dirs: Sequence[str], out_dir: str, *,
             "sources": {"captions": [os.path.abspath(c) for c in captions],
                         "splits": os.path.abspath(splits) if splits else None}}
     os.makedirs(out_dir, exist_ok=True)
-    if rank == 0:
+    if dist.main:
         _check_resumable(out_dir, meta)
         write_json_atomic(os.path.join(out_dir, "meta.json"), {**meta, "complete": False})
+        FeatureCache(out_dir, len(records), grid * grid, FEATURE_DIM, mode="r+")  # create the files once
+    barrier(dist)
     cache = FeatureCache(out_dir, len(records), grid * grid, FEATURE_DIM, mode="r+")
-    bad = extract_features(cache, meta["paths"], enc, spec.preprocess, batch_size=batch_size,
-                           workers=workers, device=device, skip_bad=skip_bad, rank=rank,
-                           world=world, progress=progress)
-    if rank != 0:
-        return {"rank": rank, "bad_images": bad}
+    extract_features(cache, meta["paths"], enc, spec.preprocess, batch_size=batch_size, workers=workers,
+                     device=device, skip_bad=skip_bad, rank=dist.rank, world=dist.world, progress=progress)
+    barrier(dist)  # every rank's rows are on disk before the dataset files are written
+    if not dist.main:
+        return {"rank": dist.rank}
     return _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped)
 
 

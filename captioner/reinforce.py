@@ -43,30 +43,43 @@ def reinforce_surrogate(logp_y: torch.Tensor, logp_s: torch.Tensor, entropy: tor
 
 
 def hard_attention_loss(model, features, captions, lengths, *, baseline: float, cfg: HardAttentionConfig,
-                        alpha_c: float, generator: torch.Generator | None = None):
+                        alpha_c: float, generator: torch.Generator | None = None,
+                        words: torch.Tensor | float | None = None):
     """Loss for one batch of hard attention training.
 
+    Args:
+        baseline: b, the moving average of log p(y|s̃,a) so far.
+        words: what to divide the batch totals by (default: this batch's predicted words;
+            under DDP, the global count over processes).
+
     Returns:
-        (loss to minimise, dict of floats for logging, updated baseline)
+        (loss to minimise, dict of detached terms for logging, with "reward_sum" and
+        "sampled" to update the baseline by `update_baseline`)
     """
     B = features.size(0)
     sampled = torch.rand(B, generator=generator, device=features.device) >= cfg.semi_sampling  # (B,)
     logits, alphas, locs = model.unroll(features, captions, sampled=sampled, generator=generator)
     T1 = logits.size(1)
     mask = step_mask(lengths, T1).float()                                                    # (B, T-1)
-    nll = F.cross_entropy(logits.transpose(1, 2), captions[:, 1:T1 + 1], reduction="none")     # (B, T-1)
+    nll = F.cross_entropy(logits.transpose(1, 2).float(), captions[:, 1:T1 + 1], reduction="none")  # (B, T-1)
     logp_y = -(nll * mask).sum(1)                                                             # (B,)
-    log_alpha = alphas.clamp_min(LOG_EPS).log()                                               # (B, T-1, L)
+    log_alpha = alphas.float().clamp_min(LOG_EPS).log()                                       # (B, T-1, L)
     picked = log_alpha.gather(2, locs.clamp_min(0).unsqueeze(2)).squeeze(2)                   # (B, T-1)
-    logp_s = (picked * mask * sampled.unsqueeze(1)).sum(1)                                    # (B,)
-    entropy = (-(alphas * log_alpha).sum(2) * mask).sum(1)                                    # (B,)
+    logp_s = (picked * mask * (locs >= 0)).sum(1)                                             # (B,)
+    entropy = (-(alphas.float() * log_alpha).sum(2) * mask).sum(1)                            # (B,)
     objective = reinforce_surrogate(logp_y, logp_s, entropy, baseline, cfg.reward_scale, cfg.entropy_weight)
-    words = mask.sum()
-    penalty = attention_penalty(alphas, mask, alpha_c).sum() / mask.sum()
+    words = mask.sum() if words is None else words
+    penalty = attention_penalty(alphas.float(), mask, alpha_c).sum() / words
     loss = -objective.sum() / words + penalty
-    if bool(sampled.any()):
-        reward = logp_y.detach()[sampled].mean().item()
-        baseline = cfg.baseline_decay * baseline + (1 - cfg.baseline_decay) * reward
-    terms = {"nll": (-logp_y.detach().sum() / words).item(), "penalty": penalty.item(),
-             "entropy": (entropy.detach().sum() / words).item(), "baseline": baseline}
-    return loss, terms, baseline
+    drawn = (locs >= 0).any(dim=1)                                                            # (B,)
+    terms = {"nll": -logp_y.detach().sum() / words, "penalty": penalty.detach(),
+             "entropy": entropy.detach().sum() / words,
+             "reward_sum": logp_y.detach()[drawn].sum(), "sampled": drawn.sum().float()}
+    return loss, terms
+
+
+def update_baseline(baseline: float, reward_sum: float, sampled: float, decay: float) -> float:
+    """b ← decay·b + (1 − decay)·(mean log p(y|s̃,a) of the captions that sampled locations)."""
+    if sampled <= 0:
+        return baseline
+    return decay * baseline + (1 - decay) * reward_sum / sampled

@@ -2,11 +2,14 @@
 
 Checkpoints (`last.pt` every epoch and every `checkpoint_every` steps, `best.pt` on a new best
 validation score) hold everything needed to resume exactly: model, optimizer, scheduler,
-step, epoch, position in the epoch, RNG states. Batches of an epoch are a function of
-(seed, epoch), so a resumed run replays the rest of the epoch it was in.
+step, epoch, position in the epoch, RNG states, the REINFORCE baseline. Batches of an epoch
+are a function of (seed, epoch), so a resumed run replays the rest of the epoch it was in.
+Under `torchrun` the same loop runs DistributedDataParallel: each process takes its share of
+every global batch; validation is split over processes and gathered; rank 0 logs and saves.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -14,21 +17,26 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from . import distributed
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import CaptionData
-from .decoder import EXPECTED, AttentionDecoder, DecoderConfig, caption_loss
+from .decoder import AttentionDecoder, DecoderConfig, caption_loss
 from .errors import CaptionerError
-from .evaluation import validate
-from .reinforce import HardAttentionConfig, hard_attention_loss
+from .evaluation import caption_split, score_validation
+from .reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
+
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
 class TrainConfig:
     """Optimisation settings; saved in every checkpoint."""
     epochs: int = 30
-    batch_size: int = 32
+    batch_size: int = 32                 # per process
     lr: float = 4e-4
     grad_clip: float = 5.0
     alpha_c: float = 1.0                 # λ of the doubly stochastic penalty, eq. (14)
@@ -40,6 +48,8 @@ class TrainConfig:
     checkpoint_every: int = 0            # also save last.pt every N steps (0: per epoch only)
     log_every: int = 20
     seed: int = 0
+    amp: str = "none"                    # none | bf16 | fp16 (autocast; fp16 uses a GradScaler on CUDA)
+    compile: bool = False                # torch.compile the training objective
     hard: HardAttentionConfig = field(default_factory=HardAttentionConfig)
 
     def to_dict(self) -> dict:
@@ -64,31 +74,55 @@ class Progress:
     baseline: float = 0.0                # REINFORCE moving-average baseline (hard attention)
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise CaptionerError("--device cuda: no CUDA device is available here; use --device cpu")
-    return torch.device(name)
+class Objective(nn.Module):
+    """The training loss as a module, so that DistributedDataParallel wraps one forward."""
+
+    def __init__(self, decoder: AttentionDecoder, cfg: TrainConfig):
+        super().__init__()
+        self.decoder, self.cfg = decoder, cfg
+
+    def forward(self, features, captions, lengths, words, baseline: float, generator=None):
+        if self.decoder.config.attention == "hard":
+            return hard_attention_loss(self.decoder, features, captions, lengths, baseline=baseline,
+                                       cfg=self.cfg.hard, alpha_c=self.cfg.alpha_c, generator=generator, words=words)
+        logits, alphas = self.decoder(features, captions, lengths)
+        nll, penalty = caption_loss(logits, alphas, captions, lengths, self.cfg.alpha_c, words=words)
+        return nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
 
 
-def train_step(model, batch, optimizer, cfg: TrainConfig, progress: Progress, attention: str,
-               generator: torch.Generator) -> dict:
-    """One optimisation step; returns the loss terms as floats."""
-    model.train()
-    if attention == "hard":
-        loss, terms, progress.baseline = hard_attention_loss(
-            model, batch.features, batch.captions, batch.lengths, baseline=progress.baseline,
-            cfg=cfg.hard, alpha_c=cfg.alpha_c, generator=generator)
-    else:
-        logits, alphas = model(batch.features, batch.captions, batch.lengths)
-        nll, penalty = caption_loss(logits, alphas, batch.captions, batch.lengths, cfg.alpha_c)
-        loss, terms = nll + penalty, {"nll": nll.item(), "penalty": penalty.item()}
+def train_step(objective, batch, optimizer, scaler, cfg: TrainConfig, progress: Progress,
+               generator: torch.Generator, d: distributed.Dist, device: torch.device) -> dict:
+    """One optimisation step on this process's share of a global batch; returns the loss terms."""
+    objective.train()
+    # Normalise by the global word count so N processes give the gradient of one big batch.
+    words = distributed.all_sum(d, [float((batch.lengths - 1).sum())], device)[0] / d.world
+    amp = AMP_DTYPES[cfg.amp]
+    autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
+    with autocast:
+        loss, terms = objective(batch.features, batch.captions, batch.lengths, words, progress.baseline, generator)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    optimizer.step()
-    return {"loss": loss.item(), **terms}
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(objective.parameters(), cfg.grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    terms = {k: float(v) for k, v in terms.items()}
+    if "reward_sum" in terms:
+        reward_sum, sampled = distributed.all_sum(d, [terms.pop("reward_sum"), terms.pop("sampled")], device)
+        progress.baseline = update_baseline(progress.baseline, reward_sum, sampled, cfg.hard.baseline_decay)
+        terms["baseline"] = progress.baseline
+    return {"loss": float(loss.detach()), **terms}
+
+
+def validate(model, data: CaptionData, cfg: TrainConfig, device, d: distributed.Dist) -> dict:
+    """Generation-based validation, split over processes and scored on the gathered captions."""
+    t0 = time.monotonic()
+    texts, _ = caption_split(model, data, data.vocab, "val", beam_size=cfg.val_beam_size, max_len=data.max_len,
+                             device=device, max_images=cfg.val_images, shard=(d.rank, d.world))
+    texts = distributed.gather_dicts(d, texts)
+    metrics = score_validation(texts, data.references["val"]) if d.main else None
+    metrics = distributed.broadcast(d, metrics)
+    return {**metrics, "seconds": round(time.monotonic() - t0, 2)}
 
 
 def _checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data, generator, metrics) -> dict:
@@ -101,6 +135,16 @@ def _checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data, gen
             "data": {"dir": os.path.abspath(data.dir), "fingerprint": data.encoder.fingerprint}}
 
 
+def _resume_config(ck: dict, data: CaptionData, cfg: TrainConfig, path: str) -> tuple[DecoderConfig, TrainConfig]:
+    if ck["data"]["fingerprint"] != data.encoder.fingerprint or ck["vocab"] != data.vocab.words:
+        raise CaptionerError(f"--resume: {path} was trained on other data than {data.dir}")
+    saved = TrainConfig.from_dict(ck["train"])
+    # What may change on resume: how long to go on, and how often to save.
+    return DecoderConfig(**ck["decoder"]), TrainConfig.from_dict(
+        {**saved.to_dict(), "epochs": cfg.epochs, "max_minutes": cfg.max_minutes,
+         "checkpoint_every": cfg.checkpoint_every})
+
+
 def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         cfg: TrainConfig = TrainConfig(), *, resume: bool = False, device: str = "auto",
         progress_bar: bool = True) -> Progress:
@@ -110,25 +154,21 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         data_dir: made by `prepare`.
         out_dir: the run directory.
         model_cfg: decoder sizes (vocab_size is taken from the data); ignored on resume.
-        cfg: optimisation settings; on resume, the saved ones are used except epochs,
+        cfg: optimisation settings; on resume the saved ones are used, except epochs,
             max_minutes and checkpoint_every.
         resume: continue from out_dir/last.pt.
+        device: "auto", "cpu" or "cuda" (under torchrun each process takes its local GPU).
     """
     start = time.monotonic()
+    d, dev = distributed.setup(device)
     data = CaptionData(data_dir)
-    dev = pick_device(device)
     last_path, best_path = os.path.join(out_dir, "last.pt"), os.path.join(out_dir, "best.pt")
     ck = None
     if resume:
         if not os.path.exists(last_path):
             raise CaptionerError(f"--resume: {last_path} does not exist; nothing to resume")
-        ck = load_checkpoint(last_path)
-        if ck["data"]["fingerprint"] != data.encoder.fingerprint or ck["vocab"] != data.vocab.words:
-            raise CaptionerError(f"--resume: {last_path} was trained on other data than {data_dir}")
-        model_cfg = DecoderConfig(**ck["decoder"])
-        saved = TrainConfig.from_dict(ck["train"])
-        cfg = TrainConfig.from_dict({**saved.to_dict(), "epochs": cfg.epochs, "max_minutes": cfg.max_minutes,
-                                     "checkpoint_every": cfg.checkpoint_every})
+        ck = load_checkpoint(last_path, map_location=dev)
+        model_cfg, cfg = _resume_config(ck, data, cfg, last_path)
     model_cfg = DecoderConfig(**{**(model_cfg or DecoderConfig(0)).to_dict(), "vocab_size": len(data.vocab)})
     torch.manual_seed(cfg.seed)
     model = AttentionDecoder.from_config(model_cfg)
@@ -136,41 +176,54 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
     model = model.to(dev)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=2)
-    generator = torch.Generator(device=dev).manual_seed(cfg.seed + 1)  # hard attention's samples
+    scaler = torch.amp.GradScaler(dev.type, enabled=cfg.amp == "fp16" and dev.type == "cuda")
+    # Hard attention's draws: a stream per process, saved with the checkpoint.
+    generator = torch.Generator(device=dev).manual_seed(cfg.seed + 1 + d.rank)
     progress = Progress()
     if ck is not None:
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         scheduler.load_state_dict(ck["scheduler"])
         progress = Progress(**ck["progress"])
-        torch.set_rng_state(ck["rng"]["torch"])
-        generator.set_state(ck["rng"]["generator"])
+        torch.set_rng_state(ck["rng"]["torch"].cpu())
+        generator.set_state(ck["rng"]["generator"].cpu())
         if ck["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
-    os.makedirs(out_dir, exist_ok=True)
-    log = open(os.path.join(out_dir, "metrics.jsonl"), "a", encoding="utf-8")
+            torch.cuda.set_rng_state_all([s.cpu() for s in ck["rng"]["cuda"]])
+    objective: nn.Module = Objective(model, cfg)
+    if d.active:
+        objective = DistributedDataParallel(objective, device_ids=[dev.index] if dev.type == "cuda" else None)
+    if cfg.compile:
+        objective = torch.compile(objective)
+    log = None
+    if d.main:
+        os.makedirs(out_dir, exist_ok=True)
+        log = open(os.path.join(out_dir, "metrics.jsonl"), "a", encoding="utf-8")
 
     def write_log(record: dict) -> None:
-        log.write(json.dumps({**record, "time": round(time.monotonic() - start, 2)}) + "\n")
-        log.flush()
+        if log:
+            log.write(json.dumps({**record, "time": round(time.monotonic() - start, 2)}) + "\n")
+            log.flush()
 
     def save(path: str, metrics: dict) -> None:
-        save_checkpoint(_checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data,
-                                    generator, metrics), path)
+        if d.main:
+            save_checkpoint(_checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data,
+                                        generator, metrics), path)
 
     budget = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
-    n_batches = data.num_batches(cfg.batch_size)
+    n_batches = data.num_batches(cfg.batch_size, world=d.world)
     metrics: dict = ck["metrics"] if ck is not None else {}
     write_log({"event": "start", "step": progress.step, "epoch": progress.epoch, "resume": resume,
-               "decoder": model_cfg.to_dict(), "train": cfg.to_dict(), "device": str(dev),
+               "decoder": model_cfg.to_dict(), "train": cfg.to_dict(), "device": str(dev), "world": d.world,
                "train_captions": int(len(data.lengths)), "batches_per_epoch": n_batches})
+    pin = dev.type == "cuda"
     out_of_time = False
     while progress.epoch < cfg.epochs and not out_of_time:
         bar = tqdm(total=n_batches, initial=progress.batch_in_epoch, desc=f"epoch {progress.epoch + 1}",
-                   disable=not progress_bar, dynamic_ncols=True, leave=False)
+                   disable=not (progress_bar and d.main), dynamic_ncols=True, leave=False)
         for batch in data.batches(cfg.batch_size, seed=cfg.seed, epoch=progress.epoch,
-                                  start=progress.batch_in_epoch):
-            terms = train_step(model, batch.to(dev), optimizer, cfg, progress, model_cfg.attention, generator)
+                                  start=progress.batch_in_epoch, rank=d.rank, world=d.world, pin=pin):
+            terms = train_step(objective, batch.to(dev, non_blocking=pin), optimizer, scaler, cfg, progress,
+                               generator, d, dev)
             if not all(math.isfinite(v) for v in terms.values()):
                 raise RuntimeError(f"non-finite loss at step {progress.step}: {terms}")
             progress.step += 1
@@ -182,16 +235,14 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
                            "lr": optimizer.param_groups[0]["lr"], **terms})
             if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0:
                 save(last_path, metrics)
-            if time.monotonic() - start > budget:
+            if distributed.any_true(d, time.monotonic() - start > budget, dev):
                 out_of_time = True
                 break
         bar.close()
         if not out_of_time:
             progress.epoch += 1
             progress.batch_in_epoch = 0
-        metrics = validate(model, data, data.vocab, beam_size=cfg.val_beam_size, max_len=data.max_len,
-                           device=dev, max_images=cfg.val_images,
-                           mode=EXPECTED)
+        metrics = validate(model, data, cfg, dev, d)
         score = metrics[cfg.metric]
         improved = score > progress.best
         if improved:
@@ -201,7 +252,7 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         scheduler.step(score)
         write_log({"event": "val", "step": progress.step, "epoch": progress.epoch, **metrics,
                    "lr": optimizer.param_groups[0]["lr"], "best": progress.best})
-        if progress_bar:
+        if progress_bar and d.main:
             tqdm.write(f"epoch {progress.epoch}: step {progress.step}, BLEU-4 {metrics['BLEU-4']:.3f}, "
                        f"CIDEr {metrics['CIDEr']:.3f}{' (best)' if improved else ''}; "
                        f"e.g. {metrics['example']!r}")
@@ -211,8 +262,10 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         if progress.stale >= cfg.patience:
             write_log({"event": "early_stop", "step": progress.step, "epoch": progress.epoch})
             break
-    if not os.path.exists(best_path):  # e.g. resumed after the run had finished
+    if d.main and not os.path.exists(best_path):  # e.g. resumed after the run had finished
         save(best_path, metrics)
     write_log({"event": "end", "step": progress.step, "epoch": progress.epoch, "best": progress.best})
-    log.close()
+    if log:
+        log.close()
+    distributed.barrier(d)
     return progress

@@ -10,13 +10,10 @@ import io
 from collections.abc import Sequence
 
 import matplotlib
-
-matplotlib.use("Agg")  # headless: figures are rendered to files and bytes, never to a screen
-
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.nn.functional as F
+from matplotlib.figure import Figure
 from PIL import Image
 from torchvision.transforms.functional import gaussian_blur
 
@@ -40,7 +37,8 @@ def upsample(attention: np.ndarray, size: tuple[int, int], box: tuple[float, flo
     up = F.interpolate(a, size=(bh, bw), mode="bilinear", align_corners=False)  # (1, 1, bh, bw)
     if smooth:
         sigma = max(bw, bh) / a.shape[-1] * 0.5        # half a cell
-        k = int(2 * round(3 * sigma) + 1)
+        # Odd kernel of ±3σ, but no wider than the map: the blur pads by reflection.
+        k = min(int(2 * round(3 * sigma) + 1), 2 * min(bw, bh) - 1)
         if k >= 3:
             up = gaussian_blur(up, kernel_size=[k, k], sigma=[sigma, sigma])
     canvas = np.zeros((H, W), dtype=np.float32)
@@ -77,7 +75,7 @@ def word_overlays(image: Image.Image, attention: np.ndarray, *, preprocess: Prep
 def attention_figure(image: Image.Image, words: Sequence[str], attention: np.ndarray, *,
                      preprocess: Preprocess | None = None, opacity: float = 0.6, cmap: str = "jet",
                      columns: int = 5, locations: Sequence[tuple[int, int]] | None = None,
-                     title: str | None = None) -> plt.Figure:
+                     title: str | None = None) -> Figure:
     """The paper-style figure: the image, then each word's overlay with the word beneath.
 
     Args:
@@ -90,7 +88,9 @@ def attention_figure(image: Image.Image, words: Sequence[str], attention: np.nda
     panels = [(base, "(image)")] + list(zip(overlays, words))
     cols = min(columns, len(panels))
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols, 2.6 * rows), squeeze=False)
+    # A Figure of its own, not pyplot's global state: safe to draw from several threads (the app).
+    fig = Figure(figsize=(2.4 * cols, 2.6 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     grid = attention.shape[-1] if len(attention) else 14
     box = (preprocess or Preprocess()).grid_box(*base.size)
     for ax in axes.flat:
@@ -109,9 +109,8 @@ def attention_figure(image: Image.Image, words: Sequence[str], attention: np.nda
     return fig
 
 
-def figure_png(fig: plt.Figure, dpi: int = 100) -> bytes:
-    """Render a figure to PNG bytes and release it."""
+def figure_png(fig: Figure, dpi: int = 100) -> bytes:
+    """Render a figure to PNG bytes."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
     return buf.getvalue()

@@ -117,3 +117,11 @@ def test_heatmap_peak_lands_where_attention_is():
     assert 10 * 20 <= x < 11 * 20 and 3 * 10 <= y < 4 * 10
     fig = attention_figure(Image.new("RGB", (280, 140)), ["a", "dot"], np.stack([att, att]))
     assert len([ax for ax in fig.axes if ax.images]) == 3  # the image, then one panel per word
+
+
+def test_heatmaps_of_thin_and_tiny_images():
+    for size in ((512, 40), (40, 512), (1, 1), (3000, 3)):
+        heat = upsample(np.random.rand(14, 14), size)
+        assert heat.shape == (size[1], size[0]) and np.isfinite(heat).all()
+    fig = attention_figure(Image.new("RGB", (900, 30)), ["a"], np.random.rand(1, 14, 14))
+    assert len(fig.axes) >= 2

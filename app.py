@@ -1,0 +1,127 @@
+"""Web demo: upload an image, read its caption, see where the model looked for each word.
+
+    python app.py [--checkpoint PATH_OR_URL#sha256=HEX] [--host 127.0.0.1] [--port 7860]
+
+With no --checkpoint it serves the bundled demo model. The page is laid out here; its events
+are `captioner.demo.Demo` methods. API: `/caption` takes (image, beam_size) and returns the
+caption, then its words, score, attention and alternatives as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline by design: no telemetry calls
+
+import gradio as gr
+
+from captioner import Captioner, CaptionerError
+from captioner.assets import example_images
+from captioner.demo import Demo, model_card, model_notice
+from captioner.images import DEFAULT_MAX_PIXELS, set_max_pixels
+from captioner.remote import resolve_checkpoint
+
+# System fonts: the default theme fetches Google Fonts, which an offline machine cannot reach.
+THEME = gr.themes.Soft(primary_hue="orange", font=["system-ui", "sans-serif"], font_mono=["monospace"])
+CSS = """
+#words .empty { min-height: 3rem !important; height: 3rem !important; }
+#words .token { font-size: 1.2rem; cursor: pointer; padding: 2px 6px; }
+#caption textarea { font-size: 1.35rem; font-weight: 600; }
+#word-gallery .grid-wrap { height: auto !important; min-height: 0 !important; max-height: none !important; }
+"""
+COLORS = {"word": "#93c5fd", "shown": "#f97316"}  # shown at half opacity by Gradio
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint path, or URL#sha256=HEX downloaded once into torch's hub cache "
+                        "(default: the bundled demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=7860, help="port (default: 7860)")
+    p.add_argument("--examples", nargs="*", default=None,
+                   help="example images shown on the page (default: the bundled examples)")
+    p.add_argument("--max-file-size", default="20mb", help="largest upload (default: 20mb)")
+    p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS,
+                   help=f"largest image in pixels, against decompression bombs (default: {DEFAULT_MAX_PIXELS})")
+    p.add_argument("--max-batch-size", type=int, default=8,
+                   help="most concurrent images captioned in one forward pass (default: 8)")
+    p.add_argument("--queue-size", type=int, default=64,
+                   help="requests waiting beyond this are told the server is busy (default: 64)")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    return p
+
+
+def build_app(demo: Demo, examples: list[str]) -> gr.Blocks:
+    """The page: image and settings on the left; caption, words and heatmaps on the right."""
+    cap = demo.captioner
+    # preprocess=False: uploads reach `load_image` undecoded (see captioner.demo.upload_source).
+    model_events = dict(concurrency_id="model", concurrency_limit=demo.batcher.max_batch_size, preprocess=False)
+    draw_events = dict(concurrency_id="draw", concurrency_limit=2, api_visibility="private")
+    with gr.Blocks(title="captioner: Show, Attend and Tell", analytics_enabled=False) as app:
+        gr.Markdown("# Show, Attend and Tell\nUpload an image: the model writes a caption one word at a time, "
+                    "looking at a different place for each word. Click a word to see where it looked.")
+        gr.Markdown(model_notice(cap))
+        view = gr.State(None, time_to_live=3600)
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=2, min_width=300):
+                image = gr.Image(type="filepath", image_mode=None, label="Image", height=340,
+                                 sources=["upload", "clipboard", "webcam"])
+                if examples:
+                    gr.Examples(examples, inputs=[image], label="Examples (the scenes this model knows)")
+                beam = gr.Slider(1, 10, value=3, step=1, label="Beam size", info="1 is greedy decoding")
+                max_len = gr.Slider(1, max(50, cap.max_len), value=cap.max_len, step=1,
+                                    label="Maximum length (words)")
+                opacity = gr.Slider(0, 1, value=0.6, step=0.05, label="Heatmap opacity")
+                run = gr.Button("Caption", variant="primary")
+                with gr.Accordion("Model", open=True):
+                    gr.Markdown(model_card(cap))
+            with gr.Column(scale=3, min_width=400):
+                caption = gr.Textbox(label="Caption", elem_id="caption", interactive=False, buttons=["copy"])
+                words = gr.HighlightedText(label="Click a word", elem_id="words", color_map=COLORS,
+                                           show_inline_category=False, show_legend=False)
+                large = gr.Image(label="Where the model looked", type="pil", interactive=False, height=420,
+                                 elem_id="large-heatmap", format="png")
+                gallery = gr.Gallery(label="Every word (click one to show it large)", columns=5, fit_columns=False,
+                                     allow_preview=False, object_fit="contain", elem_id="word-gallery")
+                alternatives = gr.Dataframe(headers=["Beam", "log-probability"], label="Top beams",
+                                            interactive=False, wrap=True, column_widths=["80%", "20%"])
+                download = gr.DownloadButton("Download attention figure (PNG)", interactive=False,
+                                             elem_id="download-figure")
+        with gr.Accordion("Data for programs (what /caption returns)", open=False):
+            data = gr.JSON(label="Caption data")
+
+        # The page's own caption event also takes the maximum length and draws the heatmaps.
+        gr.on([image.change, run.click], demo.caption_view, [image, beam, max_len, opacity],
+              [caption, words, large, gallery, alternatives, data, view], api_visibility="private",
+              **model_events).success(demo.figure, [view, opacity], [download],
+                                      **{**draw_events, "show_progress": "hidden"})
+        words.select(demo.select_word, [view, opacity], [words, large, view], **draw_events)
+        gallery.select(demo.select_word, [view, opacity], [words, large, view], **draw_events)
+        opacity.change(demo.redraw, [view, opacity], [large, gallery], **draw_events).then(
+            demo.figure, [view, opacity], [download], **{**draw_events, "show_progress": "hidden"})
+        # The API: exactly (image, beam size) → caption text, then data. No trigger on the page.
+        gr.on([], demo.caption, [image, beam], [caption, data], api_name="caption", **model_events)
+    return app
+
+
+def main(args: argparse.Namespace) -> None:
+    set_max_pixels(args.max_pixels)
+    try:
+        cap = Captioner.load(resolve_checkpoint(args.checkpoint), device=args.device)
+    except CaptionerError as e:
+        sys.exit(f"error: {e}")
+    examples = example_images() if args.examples is None else args.examples
+    demo = Demo(cap, max_batch_size=args.max_batch_size)
+    app = build_app(demo, examples)
+    app.queue(max_size=args.queue_size, default_concurrency_limit=2)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C: temporary files go
+    app.launch(server_name=args.host, server_port=args.port, show_error=True, max_file_size=args.max_file_size,
+               allowed_paths=[os.path.dirname(os.path.abspath(p)) for p in examples] + [demo.figures_dir],
+               theme=THEME, css=CSS, footer_links=["api"], run_history=False, state_session_capacity=1000)
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())

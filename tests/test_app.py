@@ -1,0 +1,351 @@
+"""The web demo: its handlers called directly, then `python app.py` driven through gradio_client.
+
+The model is conftest's tiny `small_run`; images of every awkward kind are made here.
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import importlib.util
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import gradio as gr
+from gradio_client import Client, handle_file
+import numpy as np
+import pytest
+from PIL import Image
+
+from captioner import Captioner, CaptionerError
+from captioner.demo import Batcher, Demo, fit_view, model_card, model_notice, upload_source
+from captioner.remote import download_checkpoint, resolve_checkpoint, sha256_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+# file name → the words its message must contain
+BAD = {"empty.png": "empty", "truncated.png": "truncated", "text.jpg": "not an image",
+       "bomb.png": "decompression bomb"}
+
+
+# helpers
+
+def _png_header_only(path: Path, width: int, height: int) -> None:
+    """A 70-byte PNG claiming width×height pixels: a decompression bomb's header."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + chunk(b"IEND", b""))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(checkpoint: Path, log: Path, *extra: str):
+    """Run `python app.py --checkpoint CKPT --port P` until the block ends; yields its URL."""
+    port = free_port()
+    # Its temporary files (Gradio's upload cache, attention PNGs) stay in pytest's tmp dir.
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1", "TMPDIR": str(log.parent)}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--checkpoint", str(checkpoint),
+                                 "--port", str(port), *extra], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 180  # readiness wait, not a performance limit
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"app.py exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"app.py did not start serving:\n{log.read_text()}")
+                time.sleep(0.25)
+        yield url
+    finally:
+        proc.kill()  # its temporary files are in pytest's tmp dir: no graceful shutdown needed
+        proc.wait()
+
+
+# fixtures
+
+@pytest.fixture(scope="session")
+def checkpoint(small_run) -> Path:
+    return small_run / "best.pt"
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory) -> dict[str, Path]:
+    """Valid images of every awkward kind, and bad files, by name."""
+    d = tmp_path_factory.mktemp("upload")
+    rng = np.random.default_rng(0)
+    rgb = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    paths = {}
+
+    def save(name: str, img: Image.Image, **kw) -> None:
+        paths[name] = d / name
+        img.save(paths[name], **kw)
+
+    save("rgb.jpg", Image.fromarray(rgb))
+    save("gray.png", Image.fromarray(rgb[..., 0]))
+    save("rgba.png", Image.fromarray(np.dstack([rgb, rgb[..., :1]])))
+    save("palette.gif", Image.fromarray(rgb).convert("P"))
+    save("cmyk.jpg", Image.fromarray(rgb).convert("CMYK"))
+    save("16bit.png", Image.fromarray(rng.integers(0, 65536, (40, 50), dtype=np.uint16)))
+    save("tiny.png", Image.new("RGB", (1, 1), (200, 30, 30)))
+    save("wide.png", Image.new("RGB", (3000, 12), (30, 200, 30)))
+    save("large.png", Image.new("RGB", (1500, 1400), (90, 90, 200)))  # over the server's --max-pixels
+    frames = [Image.new("RGB", (40, 40), c) for c in ((255, 0, 0), (0, 0, 255))]
+    save("animated.gif", frames[0], save_all=True, append_images=frames[1:], duration=80, loop=0)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90° to show upright
+    save("exif.jpg", Image.new("RGB", (60, 30), (0, 0, 255)), exif=exif)
+    (d / "empty.png").write_bytes(b"")
+    (d / "truncated.png").write_bytes(paths["gray.png"].read_bytes()[:200])
+    (d / "text.jpg").write_text("this is not a picture\n")
+    _png_header_only(d / "bomb.png", 100_000, 100_000)
+    paths.update({name: d / name for name in BAD})
+    return paths
+
+
+MAX_PIXELS = 2_000_000  # the test server's limit
+VALID = ["rgb.jpg", "gray.png", "rgba.png", "palette.gif", "cmyk.jpg", "16bit.png", "tiny.png", "wide.png",
+         "animated.gif", "exif.jpg"]
+
+
+@pytest.fixture(scope="module")
+def demo(checkpoint, tmp_path_factory) -> Demo:
+    d = Demo(Captioner.load(str(checkpoint)), figures_dir=str(tmp_path_factory.mktemp("figures")))
+    yield d
+    d.batcher.close()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, scenes, tmp_path_factory):
+    examples = sorted(str(p) for p in (scenes / "images").iterdir())[:2]
+    with serve(checkpoint, tmp_path_factory.mktemp("server") / "app.log", "--examples", *examples,
+               "--max-pixels", str(MAX_PIXELS)) as url:
+        yield url
+
+
+# the handlers, directly
+
+def test_caption_returns_text_then_data(demo, images):
+    text, data = demo.caption(str(images["rgb.jpg"]), 3)
+    assert text == data["caption"] == " ".join(data["words"])
+    att = np.asarray(data["attention"])
+    assert att.shape == (len(data["words"]), 14, 14)
+    np.testing.assert_allclose(att.sum(axis=(1, 2)), 1.0, atol=1e-4)  # α_t sums to 1 over locations
+    assert 1 <= len(data["alternatives"]) <= 3 and data["alternatives"][0]["caption"] == text
+    assert data["score"] == pytest.approx(data["alternatives"][0]["log_prob"])
+
+
+@pytest.mark.parametrize("name", VALID)
+def test_every_valid_image_is_captioned(demo, images, name):
+    outs = demo.caption_view(str(images[name]), 2, 8, 0.6)
+    caption, words, large, gallery, rows, data, view = outs
+    assert caption and len(words) == len(data["words"]) == len(gallery)
+    assert view.image.size[0] <= 512 and view.image.size[1] <= 512
+    assert rows[0][0] == data["caption"]
+
+
+def test_exif_rotated_image_is_upright(demo, images):
+    *_, data, view = demo.caption_view(str(images["exif.jpg"]), 1, 5, 0.6)
+    assert data["image_size"] == [30, 60]             # stored 60×30, shown 30 wide and 60 high
+    assert view.image.size[1] > view.image.size[0]
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_file_raises_message_about_the_image(demo, images, name):
+    with pytest.raises(gr.Error) as err:
+        demo.caption(str(images[name]), 2)
+    message = str(err.value.message)
+    assert message.startswith(f"{name}: ") and BAD[name] in message
+    assert str(images[name].parent) not in message    # the server's paths stay private
+
+
+def test_uploads_reach_load_image_undecoded(images):
+    path = str(images["16bit.png"])
+    assert upload_source({"path": path, "url": "http://host/gradio_api/file=x", "orig_name": "16bit.png"}) == path
+    raw = images["gray.png"].read_bytes()
+    inline = {"path": None, "url": "data:image/png;base64," + base64.b64encode(raw).decode()}
+    assert upload_source(inline) == raw   # webcam and clipboard images can come inline
+
+
+def test_no_image_says_so(demo):
+    with pytest.raises(gr.Error, match="No image"):
+        demo.caption(None, 2)
+    assert demo.caption_view(None, 2, 8, 0.6)[-1] is None   # clearing the input clears the view
+
+
+def test_select_word_and_opacity_redraw_without_the_model(demo, images, monkeypatch):
+    *_, gallery, _, _, view = demo.caption_view(str(images["rgb.jpg"]), 2, 8, 0.6)
+    k = len(view.words) - 1
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model ran again")
+    monkeypatch.setattr(demo.captioner, "caption_batch", no_model)
+    words, large, view = demo.select_word(view, 0.6, gr.SelectData(None, {"index": k, "value": view.words[k]}))
+    assert view.selected == k and [label for _, label in words].count("shown") == 1 and words[k][1] == "shown"
+    assert f'"{view.words[k]}"' in large.label
+    large2, gallery2 = demo.redraw(view, 0.1)
+    assert len(gallery2) == len(gallery) and gallery2[k][1].endswith(view.words[k])
+    a, b = np.asarray(gallery[k][0], dtype=float), np.asarray(gallery2[k][0], dtype=float)
+    assert a.shape == b.shape and np.abs(a - b).mean() > 1   # a fainter heatmap, same image
+
+
+def test_figure_is_a_png_for_download(demo, images):
+    view = demo.caption_view(str(images["gray.png"]), 2, 8, 0.6)[-1]
+    update = demo.figure(view, 0.5)
+    with Image.open(update["value"]) as fig:
+        assert fig.format == "PNG" and fig.size[0] > fig.size[1]
+    assert update["interactive"] is True
+
+
+def test_fit_view_keeps_the_shape():
+    for size in [(1, 1), (4000, 10), (10, 4000), (800, 600)]:
+        w, h = fit_view(Image.new("RGB", size)).size
+        scale = 512 / max(size)
+        assert max(w, h) == 512 and abs(w - size[0] * scale) <= 1 and abs(h - size[1] * scale) <= 1
+
+
+class _SlowFake:
+    """Stands in for Captioner: blocks on its first call, fails a batch holding a 'bad' image."""
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def caption_batch(self, images, beam_size, max_len=None):
+        self.calls.append(list(images))
+        self.started.set()
+        self.release.wait(timeout=60)
+        if "bad" in images:
+            raise ValueError("cannot caption 'bad'")
+        return [f"{im}@{beam_size}" for im in images]
+
+
+def test_batcher_batches_waiting_requests_and_keeps_errors_apart():
+    fake = _SlowFake()
+    batcher = Batcher(fake, max_batch_size=8)
+    with ThreadPoolExecutor(8) as pool:
+        first = pool.submit(batcher.caption, "a", 2)
+        assert fake.started.wait(timeout=60)
+        # These queue up while the first batch runs, so they go through the model together.
+        later = [pool.submit(batcher.caption, im, 2) for im in ["b", "bad", "c", "d"]]
+        deadline = time.monotonic() + 60
+        while batcher._queue.qsize() < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fake.release.set()
+        assert first.result() == "a@2"
+        assert [f.result() for f in later if f is not later[1]] == ["b@2", "c@2", "d@2"]
+        with pytest.raises(ValueError, match="bad"):
+            later[1].result()
+    assert fake.calls[1] == ["b", "bad", "c", "d"]               # one batch of four ...
+    assert sorted(map(tuple, fake.calls[2:])) == [("b",), ("bad",), ("c",), ("d",)]  # ... retried alone
+    batcher.close()
+
+
+def test_batched_captions_equal_single_ones(demo, images):
+    pictures = [Image.open(images[n]).convert("RGB") for n in ("rgb.jpg", "gray.png", "tiny.png")]
+    batched = demo.captioner.caption_batch(pictures, beam_size=2)
+    single = [demo.captioner.caption(p, beam_size=2) for p in pictures]
+    assert [b.text for b in batched] == [s.text for s in single]
+
+
+def test_model_panel_describes_the_model(demo):
+    card, notice = model_card(demo.captioner), model_notice(demo.captioner)
+    assert f"{len(demo.captioner.vocab)} words" in card and demo.captioner.attention_type in card
+    assert "synthetic" in card and "CIDEr" in card
+    assert "Train on MS-COCO" in notice   # the seeded random encoder knows only the scenes
+
+
+def test_pinned_url_is_downloaded_once_and_a_mismatch_refused(checkpoint, tmp_path):
+    digest = sha256_file(str(checkpoint))
+    url = checkpoint.as_uri()
+    path = download_checkpoint(f"{url}#sha256={digest}", cache_dir=str(tmp_path), progress=False)
+    assert sha256_file(path) == digest and Path(path).parent == tmp_path
+    mtime = os.stat(path).st_mtime_ns
+    assert resolve_checkpoint(f"{url}#sha256={digest}", cache_dir=str(tmp_path)) == path
+    assert os.stat(path).st_mtime_ns == mtime                    # reused, not fetched again
+    with pytest.raises(CaptionerError, match="refused"):
+        download_checkpoint(f"{url}#sha256={'0' * 64}", cache_dir=str(tmp_path), progress=False)
+    with pytest.raises(CaptionerError, match="sha256"):
+        download_checkpoint(url, cache_dir=str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]  # nothing half-written left
+
+
+# the server, through gradio_client
+
+def test_api_takes_image_and_beam_size(server):
+    api = Client(server, verbose=False).view_api(return_format="dict", print_info=False)
+    endpoint = api["named_endpoints"]["/caption"]
+    assert [p["parameter_name"] for p in endpoint["parameters"]] == ["image", "beam_size"]
+    assert [r["component"] for r in endpoint["returns"]] == ["Textbox", "Json"]
+
+
+def test_api_captions_every_kind_of_image(server, images):
+    client = Client(server, verbose=False)
+    for name in VALID:
+        text, data = client.predict(handle_file(str(images[name])), 2, api_name="/caption")
+        assert text == data["caption"], name
+        assert np.asarray(data["attention"]).shape == (len(data["words"]), 14, 14), name
+
+
+def test_api_bad_files_get_their_message_and_the_server_goes_on(server, images):
+    client = Client(server, verbose=False)
+    for name, words in BAD.items():
+        with pytest.raises(Exception) as err:
+            client.predict(handle_file(str(images[name])), 2, api_name="/caption")
+        assert name in str(err.value) and words in str(err.value), name
+    with pytest.raises(Exception, match="beam size must be between 1 and 50"):
+        client.predict(handle_file(str(images["rgb.jpg"])), 0, api_name="/caption")
+    assert client.predict(handle_file(str(images["rgb.jpg"])), 1, api_name="/caption")[0]
+
+
+def test_api_refuses_images_over_the_pixel_limit(server, images):
+    client = Client(server, verbose=False)
+    with pytest.raises(Exception, match=f"large.png: 2100000 pixels is over the limit of {MAX_PIXELS}"):
+        client.predict(handle_file(str(images["large.png"])), 2, api_name="/caption")
+
+
+def test_api_concurrent_requests_all_succeed(server, images):
+    """20 valid images from 5 clients at once, with 4 bad ones mixed in that fail on their own."""
+    clients = [Client(server, verbose=False) for _ in range(5)]
+    jobs = [VALID[i % len(VALID)] for i in range(20)] + list(BAD)
+
+    def ask(i: int):
+        try:
+            return clients[i % 5].predict(handle_file(str(images[jobs[i]])), 1 + i % 3, api_name="/caption")[0]
+        except Exception as e:
+            return e
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(ask, range(len(jobs))))
+    assert all(isinstance(r, str) and r for r in results[:20]), results[:20]
+    assert all(isinstance(r, Exception) and name in str(r) for r, name in zip(results[20:], BAD))
+
+
+def test_app_refuses_a_checkpoint_url_with_the_wrong_digest(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("captioner_app", REPO / "app.py")
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+    args = app.get_args_parser().parse_args(["--checkpoint", f"{checkpoint.as_uri()}#sha256={'ab' * 32}"])
+    with pytest.raises(SystemExit) as exit_:
+        app.main(args)
+    assert "refused" in str(exit_.value.code) and "sha256" in str(exit_.value.code)
