@@ -25,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sgrvinod_decoder import TutorialDecoder, tutorial_loss  # noqa: E402
 
-from captioner.decoder import AttentionDecoder, caption_loss  # noqa: E402
+from captioner.decoder import AttentionDecoder, sequence_loss  # noqa: E402
 from captioner.encoder import EncoderSpec, build_encoder  # noqa: E402
 
 B, L, D, V = 32, 196, 512, 10_000
@@ -76,8 +76,7 @@ def bench_decoder(steps: int) -> None:
     theirs = TutorialDecoder(attention_dim=512, embed_dim=512, decoder_dim=512, vocab_size=V, encoder_dim=D)
 
     def step_ours(opt=torch.optim.Adam(ours.parameters(), 4e-4)):
-        logits, alphas = ours(feats, caps, lengths)
-        nll, pen = caption_loss(logits, alphas, caps, lengths)
+        nll, pen = sequence_loss(ours, feats, caps, lengths)  # what `fit` runs
         opt.zero_grad()
         (nll + pen).backward()
         opt.step()
@@ -89,8 +88,7 @@ def bench_decoder(steps: int) -> None:
         opt.step()
 
     with FlopCounterMode(display=False) as fc:
-        logits, alphas = ours(feats, caps, lengths)
-        sum(caption_loss(logits, alphas, caps, lengths)).backward()
+        sum(sequence_loss(ours, feats, caps, lengths)).backward()
     flops = fc.get_total_flops()
     with FlopCounterMode(display=False) as fc2:
         tutorial_loss(theirs, feats, caps, lengths).backward()

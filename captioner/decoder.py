@@ -11,6 +11,7 @@ teacher-forced training and beam search.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,15 @@ class _Score(torch.autograd.Function):
         grad_p = torch.addcmul(s, s, s, value=-1).mul_(grad_e.unsqueeze(2)).mul_(4 * v)  # (B, L, A)
         p_dtype, q_dtype, v_dtype = ctx.dtypes
         return grad_p.to(p_dtype), grad_p.sum(dim=1).to(q_dtype), grad_v.to(v_dtype)
+
+
+class Unrolled(NamedTuple):
+    """A teacher-forced pass, stopped before the output layer."""
+    emb: torch.Tensor        # (B, T-1, E) E y_{t-1}
+    h: torch.Tensor          # (B, T-1, H) h_t
+    z: torch.Tensor          # (B, T-1, D) ẑ_t
+    alphas: torch.Tensor     # (B, T-1, L) α_t
+    locations: torch.Tensor  # (B, T-1) location used, -1 where the context was expected
 
 
 class Attention(nn.Module):
@@ -193,8 +203,8 @@ class AttentionDecoder(nn.Module):
     # teacher forcing
 
     def unroll(self, features: torch.Tensor, captions: torch.Tensor, sampled: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, locations: torch.Tensor | None = None):
-        """Teacher-forced pass, soft by default; hard for the images and steps asked for.
+               generator: torch.Generator | None = None, locations: torch.Tensor | None = None) -> Unrolled:
+        """Teacher-forced pass up to the output layer, soft by default; hard where asked.
 
         Args:
             features: (B, L, D) annotation vectors.
@@ -202,9 +212,6 @@ class AttentionDecoder(nn.Module):
             sampled: (B,) bool, images whose context is a location drawn from α_t at every step.
             generator: random source for those draws.
             locations: (B, T-1) fixed locations (-1: expected context); overrides `sampled`.
-
-        Returns:
-            logits (B, T-1, V), α (B, T-1, L), and locations used (B, T-1) (-1 where expected).
         """
         B, T = captions.shape
         features = self.normalize(features)                      # (B, L, D)
@@ -231,8 +238,20 @@ class AttentionDecoder(nn.Module):
                 loc = draw
             h, c = self.lstm(gates_y[:, t], z, h, c)
             hs.append(h), zs.append(z), alphas.append(alpha), locs.append(loc)
-        logits = self.output(emb, torch.stack(hs, 1), torch.stack(zs, 1))  # (B, T-1, V)
-        return logits, torch.stack(alphas, 1), torch.stack(locs, 1)
+        return Unrolled(emb, torch.stack(hs, 1), torch.stack(zs, 1), torch.stack(alphas, 1), torch.stack(locs, 1))
+
+    def word_nll(self, unrolled: Unrolled, captions: torch.Tensor, lengths: torch.Tensor):
+        """−log p(y_t) at every real position; logits are computed there only, not on padding.
+
+        Returns:
+            (B, T-1) negative log-likelihoods (0 on padding), and the (B, T-1) mask.
+        """
+        T1 = unrolled.h.size(1)
+        mask = step_mask(lengths, T1)                                                  # (B, T-1)
+        logits = self.output(unrolled.emb[mask], unrolled.h[mask], unrolled.z[mask])   # (N, V)
+        nll = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+        nll[mask] = F.cross_entropy(logits.float(), captions[:, 1:T1 + 1][mask], reduction="none")
+        return nll, mask
 
     def forward(self, features: torch.Tensor, captions: torch.Tensor,
                 lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,8 +265,8 @@ class AttentionDecoder(nn.Module):
         Returns:
             logits (B, T-1, V), where position t predicts captions[:, t+1]; α (B, T-1, L).
         """
-        logits, alphas, _ = self.unroll(features, captions)
-        return logits, alphas
+        u = self.unroll(features, captions)
+        return self.output(u.emb, u.h, u.z), u.alphas
 
 
 def step_mask(lengths: torch.Tensor, steps: int) -> torch.Tensor:
@@ -259,6 +278,19 @@ def attention_penalty(alphas: torch.Tensor, mask: torch.Tensor, alpha_c: float =
     """Doubly stochastic regularisation of eq. (14) per image: λ Σ_i (1 − Σ_t α_ti)², (B,)."""
     attended = (alphas * mask.unsqueeze(2)).sum(dim=1)           # (B, L), Σ_t α_ti over real steps
     return alpha_c * ((1.0 - attended) ** 2).sum(dim=1)          # (B,)
+
+
+def sequence_loss(decoder: "AttentionDecoder", features: torch.Tensor, captions: torch.Tensor,
+                  lengths: torch.Tensor, alpha_c: float = 1.0, words: torch.Tensor | float | None = None):
+    """Training's soft loss, eq. (14) as `caption_loss`, with logits only where there are words.
+
+    Returns:
+        (negative log-likelihood per word, penalty per word).
+    """
+    u = decoder.unroll(features, captions)
+    nll, mask = decoder.word_nll(u, captions, lengths)
+    words = mask.sum() if words is None else words
+    return nll.sum() / words, attention_penalty(u.alphas.float(), mask, alpha_c).sum() / words
 
 
 def caption_loss(logits: torch.Tensor, alphas: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor,

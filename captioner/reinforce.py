@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .decoder import attention_penalty, step_mask
+from .decoder import attention_penalty
 
 LOG_EPS = 1e-12  # floor under α before the log: a sampled location always has α > 0, but float32 may round
 
@@ -58,11 +57,11 @@ def hard_attention_loss(model, features, captions, lengths, *, baseline: float, 
     """
     B = features.size(0)
     sampled = torch.rand(B, generator=generator, device=features.device) >= cfg.semi_sampling  # (B,)
-    logits, alphas, locs = model.unroll(features, captions, sampled=sampled, generator=generator)
-    T1 = logits.size(1)
-    mask = step_mask(lengths, T1).float()                                                    # (B, T-1)
-    nll = F.cross_entropy(logits.transpose(1, 2).float(), captions[:, 1:T1 + 1], reduction="none")  # (B, T-1)
-    logp_y = -(nll * mask).sum(1)                                                             # (B,)
+    u = model.unroll(features, captions, sampled=sampled, generator=generator)
+    alphas, locs = u.alphas, u.locations
+    nll, mask = model.word_nll(u, captions, lengths)                                          # (B, T-1)
+    mask = mask.float()
+    logp_y = -nll.sum(1)                                                                      # (B,)
     log_alpha = alphas.float().clamp_min(LOG_EPS).log()                                       # (B, T-1, L)
     picked = log_alpha.gather(2, locs.clamp_min(0).unsqueeze(2)).squeeze(2)                   # (B, T-1)
     logp_s = (picked * mask * (locs >= 0)).sum(1)                                             # (B,)

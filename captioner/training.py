@@ -24,7 +24,7 @@ from tqdm import tqdm
 from . import distributed
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import CaptionData
-from .decoder import AttentionDecoder, DecoderConfig, caption_loss
+from .decoder import AttentionDecoder, DecoderConfig, sequence_loss
 from .errors import CaptionerError
 from .evaluation import caption_split, score_validation
 from .reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
@@ -85,8 +85,7 @@ class Objective(nn.Module):
         if self.decoder.config.attention == "hard":
             return hard_attention_loss(self.decoder, features, captions, lengths, baseline=baseline,
                                        cfg=self.cfg.hard, alpha_c=self.cfg.alpha_c, generator=generator, words=words)
-        logits, alphas = self.decoder(features, captions, lengths)
-        nll, penalty = caption_loss(logits, alphas, captions, lengths, self.cfg.alpha_c, words=words)
+        nll, penalty = sequence_loss(self.decoder, features, captions, lengths, self.cfg.alpha_c, words=words)
         return nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
 
 

@@ -192,3 +192,18 @@ def test_attention_equals_the_paper_formula_with_gradients():
     torch.testing.assert_close(ours, ref)
     for g1, g2 in zip(torch.autograd.grad((ours * w).sum(), params), torch.autograd.grad((ref * w).sum(), params)):
         torch.testing.assert_close(g1, g2)
+
+
+def test_training_loss_skips_padding_but_equals_the_full_one():
+    """`sequence_loss` computes logits on real words only; value and gradients match eq. (14) in full."""
+    from captioner.decoder import sequence_loss
+    dec = tiny(dropout=0.0)
+    feats, caps, lengths = batch()
+    logits, alphas = dec(feats, caps, lengths)
+    full = sum(caption_loss(logits, alphas, caps, lengths))
+    g_full = torch.autograd.grad(full, list(dec.parameters()))
+    packed = sum(sequence_loss(dec, feats, caps, lengths))
+    g_packed = torch.autograd.grad(packed, list(dec.parameters()))
+    torch.testing.assert_close(packed, full)
+    for a, b in zip(g_packed, g_full):
+        torch.testing.assert_close(a, b)

@@ -28,7 +28,9 @@ def exact_gradient(dec, feats):
     objective = 0
     for seq in itertools.product(range(L), repeat=2):
         locs = torch.tensor([seq])
-        logits, alphas, _ = dec.unroll(feats, CAPTION, locations=locs)
+        u = dec.unroll(feats, CAPTION, locations=locs)
+        alphas = u.alphas
+        logits = dec.output(u.emb, u.h, u.z)
         logp_y = logits.log_softmax(-1)[0, torch.arange(2), CAPTION[0, 1:]].sum()
         p_s = alphas[0, 0, seq[0]] * alphas[0, 1, seq[1]]
         objective = objective + p_s * logp_y
