@@ -105,12 +105,17 @@ def train_step(objective, batch, optimizer, scaler, cfg: TrainConfig, progress: 
     torch.nn.utils.clip_grad_norm_(objective.parameters(), cfg.grad_clip)
     scaler.step(optimizer)
     scaler.update()
-    terms = {k: float(v) for k, v in terms.items()}
-    if "reward_sum" in terms:
-        reward_sum, sampled = distributed.all_sum(d, [terms.pop("reward_sum"), terms.pop("sampled")], device)
+    terms = {"loss": float(loss.detach()), **{k: float(v) for k, v in terms.items()}}
+    counts = {k: terms.pop(k) for k in ("reward_sum", "sampled") if k in terms}
+    # Each process's terms are its share of the global batch's: their mean is the batch's.
+    names = list(terms) + list(counts)
+    totals = distributed.all_sum(d, [terms[k] for k in terms] + list(counts.values()), device)
+    terms = {k: v / d.world for k, v in zip(names[:len(terms)], totals)}
+    if counts:
+        reward_sum, sampled = totals[len(terms):]
         progress.baseline = update_baseline(progress.baseline, reward_sum, sampled, cfg.hard.baseline_decay)
         terms["baseline"] = progress.baseline
-    return {"loss": float(loss.detach()), **terms}
+    return terms
 
 
 def validate(model, data: CaptionData, cfg: TrainConfig, device, d: distributed.Dist) -> dict:
