@@ -186,6 +186,22 @@ class AttentionDecoder(nn.Module):
         """Deep output layer, eq. (7): logits over the vocabulary (..., V)."""
         return self.L_o(self.dropout(emb + self.L_h(h) + self.L_z(z)))
 
+    def soft_step(self, features: torch.Tensor, projected: torch.Tensor, gates_y: torch.Tensor,
+                  h: torch.Tensor, c: torch.Tensor):
+        """One teacher-forced soft step: attend with h_{t-1}, then the LSTM.
+
+        Returns:
+            h (B, H), c (B, H), ẑ (B, D), α (B, L).
+        """
+        alpha = self.attention(projected, h)                 # (B, L)
+        z, _ = self.context(features, alpha, h)              # (B, D), expected context
+        h, c = self.lstm(gates_y, z, h, c)                   # (B, H)
+        return h, c, z, alpha
+
+    def compile_step(self) -> None:
+        """torch.compile the recurrent step (fixed shapes; the step loop itself stays Python)."""
+        self.soft_step = torch.compile(self.soft_step)
+
     def step(self, features: torch.Tensor, projected: torch.Tensor, words: torch.Tensor,
              h: torch.Tensor, c: torch.Tensor, mode: str = EXPECTED,
              generator: torch.Generator | None = None):
@@ -223,21 +239,25 @@ class AttentionDecoder(nn.Module):
         hard = locations is not None or (sampled is not None and bool(sampled.any()))
         hs, zs, alphas, locs = [], [], [], []
         for t in range(T - 1):
+            if not hard:
+                h, c, z, alpha = self.soft_step(features, projected, gates_y[:, t], h, c)
+                hs.append(h), zs.append(z), alphas.append(alpha)
+                continue
             alpha = self.attention(projected, h)                 # (B, L)
             z, _ = self.context(features, alpha, h)              # (B, D), expected context
             loc = torch.full((B,), -1, dtype=torch.long, device=features.device)
-            if hard:
-                if locations is not None:
-                    draw = locations[:, t]                                                    # (B,)
-                else:
-                    draw = torch.multinomial(alpha.detach().float(), 1, generator=generator).squeeze(1)
-                    draw = torch.where(sampled, draw, loc)
-                use = draw >= 0                                                               # (B,)
-                beta = torch.sigmoid(self.f_beta(h))                                          # (B, 1)
-                z = torch.where(use.unsqueeze(1), beta * features[rows, draw.clamp_min(0)], z)  # (B, D)
-                loc = draw
+            if locations is not None:
+                draw = locations[:, t]                                                    # (B,)
+            else:
+                draw = torch.multinomial(alpha.detach().float(), 1, generator=generator).squeeze(1)
+                draw = torch.where(sampled, draw, loc)
+            use = draw >= 0                                                               # (B,)
+            beta = torch.sigmoid(self.f_beta(h))                                          # (B, 1)
+            z = torch.where(use.unsqueeze(1), beta * features[rows, draw.clamp_min(0)], z)  # (B, D)
             h, c = self.lstm(gates_y[:, t], z, h, c)
-            hs.append(h), zs.append(z), alphas.append(alpha), locs.append(loc)
+            hs.append(h), zs.append(z), alphas.append(alpha), locs.append(draw)
+        if not hard:
+            locs = [torch.full((B,), -1, dtype=torch.long, device=features.device)] * (T - 1)
         return Unrolled(emb, torch.stack(hs, 1), torch.stack(zs, 1), torch.stack(alphas, 1), torch.stack(locs, 1))
 
     def word_nll(self, unrolled: Unrolled, captions: torch.Tensor, lengths: torch.Tensor):

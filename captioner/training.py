@@ -49,7 +49,7 @@ class TrainConfig:
     log_every: int = 20
     seed: int = 0
     amp: str = "none"                    # none | bf16 | fp16 (autocast; fp16 uses a GradScaler on CUDA)
-    compile: bool = False                # torch.compile the training objective
+    compile: bool = False                # torch.compile the decoder's recurrent step
     hard: HardAttentionConfig = field(default_factory=HardAttentionConfig)
 
     def to_dict(self) -> dict:
@@ -197,7 +197,7 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
     if d.active:
         objective = DistributedDataParallel(objective, device_ids=[dev.index] if dev.type == "cuda" else None)
     if cfg.compile:
-        objective = torch.compile(objective)
+        model.compile_step()
     log = None
     if d.main:
         os.makedirs(out_dir, exist_ok=True)
