@@ -171,7 +171,9 @@ def get_caption_parser() -> argparse.ArgumentParser:
     cp.add_argument("--checkpoint", required=True, metavar="CKPT")
     cp.add_argument("--beam-size", type=_positive_int, default=3)
     cp.add_argument("--max-len", type=_positive_int, default=None)
-    cp.add_argument("--mode", choices=["expected", "argmax", "sample"], default=None)
+    cp.add_argument("--mode", choices=["expected", "argmax", "sample"], default=None,
+                    help="context for hard-attention models: expected (default), argmax or sampled location")
+    cp.add_argument("--seed", type=int, default=0, help="random seed of --mode sample")
     cp.add_argument("--json", metavar="OUT", help="write COCO results format [{image_id, caption}]")
     cp.add_argument("--figures", metavar="DIR", help="write one attention figure (PNG) per image")
     cp.add_argument("--device", default="cpu")
@@ -198,7 +200,7 @@ def _caption(args) -> None:
     for i, path in enumerate(args.images):
         try:
             image = load_image(path)
-            out = cap.caption(image, beam_size=args.beam_size, max_len=args.max_len, mode=args.mode)
+            out = cap.caption(image, beam_size=args.beam_size, max_len=args.max_len, mode=args.mode, seed=args.seed)
         except ImageError as e:
             print(f"error: {e}", file=sys.stderr)
             failed += 1

@@ -1,0 +1,84 @@
+"""Pointing accuracy: attention peaks against object boxes, for COCO categories and synthetic shapes."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from captioner.errors import CaptionerError
+from captioner.grounding import SYNONYMS, GroundingBoxes, pointing_accuracy
+from captioner.images import Preprocess
+
+# A hand-made COCO instances file: one 280×140 image with a person on the left and a dog on the right.
+INSTANCES = {
+    "images": [{"id": 7, "width": 280, "height": 140, "file_name": "x.jpg"}],
+    "categories": [{"id": 1, "name": "person"}, {"id": 18, "name": "dog"}, {"id": 58, "name": "hot dog"},
+                   {"id": 37, "name": "sports ball"}, {"id": 67, "name": "dining table"}],
+    "annotations": [{"id": 1, "image_id": 7, "category_id": 1, "bbox": [0, 0, 100, 140]},
+                    {"id": 2, "image_id": 7, "category_id": 18, "bbox": [180, 40, 100, 100]}],
+}
+
+
+def peak_at(row: int, col: int) -> np.ndarray:
+    att = np.full((14, 14), 0.001, np.float32)
+    att[row, col] = 1.0
+    return att
+
+
+@pytest.fixture()
+def boxes(tmp_path):
+    path = tmp_path / "instances.json"
+    path.write_text(json.dumps(INSTANCES))
+    return GroundingBoxes(str(path))
+
+
+def test_synonyms_map_caption_words_to_categories(boxes):
+    for word in ("man", "woman", "people", "person", "boy", "kids"):
+        assert boxes.boxes_for(7, word) == [[0, 0, 100, 140]], word
+    assert boxes.boxes_for(7, "dogs") == [[180, 40, 100, 100]]
+    assert boxes.boxes_for(7, "puppy") == [[180, 40, 100, 100]]
+    assert boxes.names_object("ball") and boxes.names_object("table")   # last word of a category name
+    assert not boxes.names_object("hot")
+    assert boxes.boxes_for(7, "dog") == [[180, 40, 100, 100]]   # "hot dog" does not claim "dog"
+    assert not boxes.names_object("riding")
+    assert SYNONYMS["bike"] == "bicycle"
+
+
+def test_pointing_hits_misses_and_chance(boxes):
+    words = ["a", "man", "and", "his", "dog", "near", "a", "table"]
+    att = np.stack([peak_at(7, 2), peak_at(7, 3), peak_at(0, 0), peak_at(0, 0),
+                    peak_at(10, 12),   # dog: inside its box (x ≈ 250, y ≈ 105)
+                    peak_at(0, 0), peak_at(0, 0), peak_at(5, 5)])
+    out = pointing_accuracy({7: (words, att)}, boxes)
+    assert out["words"] == 2 and out["pointing"] == 1.0
+    assert out["unmatched"] == 1          # "table" names an object that is not in the image
+    assert out["chance"] == pytest.approx((100 * 140 / (280 * 140) + 100 * 100 / (280 * 140)) / 2, rel=1e-3)
+    miss = pointing_accuracy({7: (["dog"], np.stack([peak_at(7, 2)]))}, boxes)
+    assert miss["pointing"] == 0.0 and miss["by_word"] == {"dog": [0, 1]}
+
+
+def test_centre_crop_moves_the_grid(boxes):
+    """With the paper's centre crop the grid covers the middle of a wide image, not all of it."""
+    crop = Preprocess(crop=True)
+    # Column 0 of a centre-cropped 280x140 image lies at x ≈ 70 + 4.5, inside the person box.
+    out = pointing_accuracy({7: (["man"], np.stack([peak_at(7, 0)]))}, boxes, crop)
+    assert out["pointing"] == 1.0
+    out = pointing_accuracy({7: (["man"], np.stack([peak_at(7, 8)]))}, boxes, crop)
+    assert out["pointing"] == 0.0
+
+
+def test_synthetic_boxes_name_colours_and_shapes(scenes):
+    boxes = GroundingBoxes(str(scenes / "boxes.json"))
+    coco = boxes.coco
+    ann = next(iter(coco.anns.values()))
+    shape = coco.cats[ann["category_id"]]["name"]
+    assert ann["bbox"] in boxes.boxes_for(ann["image_id"], ann["color"])
+    assert ann["bbox"] in boxes.boxes_for(ann["image_id"], shape)
+
+
+def test_bad_boxes_file_is_explained(tmp_path):
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"images": [], "categories": [], "annotations": [{"image_id": 1}]}))
+    with pytest.raises(CaptionerError, match=r"b.json: annotations\[0\]"):
+        GroundingBoxes(str(path))
