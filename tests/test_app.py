@@ -47,6 +47,15 @@ def _png_header_only(path: Path, width: int, height: int) -> None:
                      + chunk(b"IEND", b""))
 
 
+PIDS: dict[str, int] = {}  # server URL → its process id, to read its memory
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -64,6 +73,7 @@ def serve(checkpoint: Path, log: Path, *extra: str):
                                  "--port", str(port), *extra], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                 env=env)
     url = f"http://127.0.0.1:{port}/"
+    PIDS[url] = proc.pid
     try:
         deadline = time.monotonic() + 180  # readiness wait, not a performance limit
         while True:
@@ -349,3 +359,27 @@ def test_app_refuses_a_checkpoint_url_with_the_wrong_digest(checkpoint, tmp_path
     with pytest.raises(SystemExit) as exit_:
         app.main(args)
     assert "refused" in str(exit_.value.code) and "sha256" in str(exit_.value.code)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads memory from /proc")
+def test_load_50_requests_from_10_clients_memory_flat(server, images):
+    """Two waves of 50 requests from 10 clients: every one answered (a caption, or busy), memory flat."""
+    clients = [Client(server, verbose=False) for _ in range(10)]
+
+    def ask(i: int) -> str:
+        try:
+            clients[i % 10].predict(handle_file(str(images[VALID[i % len(VALID)]])), 1 + i % 3, api_name="/caption")
+            return "ok"
+        except Exception as e:
+            assert "busy" in str(e).lower() or "queue is full" in str(e).lower(), e
+            return "busy"
+
+    memory = []
+    for wave in range(2):
+        with ThreadPoolExecutor(max_workers=10) as pool:
+            answers = list(pool.map(ask, range(50)))
+        assert len(answers) == 50 and answers.count("ok") >= 1
+        memory.append(rss_mb(PIDS[server]))
+    # The second wave must not grow the server by more than a small margin over the first.
+    assert memory[1] - memory[0] < 150, memory
+    assert Client(server, verbose=False).predict(handle_file(str(images["rgb.jpg"])), 1, api_name="/caption")[0]
