@@ -31,7 +31,7 @@ class DecoderConfig:
     hidden_dim: int = 512
     attention_dim: int = 512
     dropout: float = 0.5
-    attention: str = "soft"  # soft | hard: how it is trained, and its default inference mode
+    attention: str = "soft"  # soft | hard: how it is trained (both decode with the expected context by default)
 
     def to_dict(self) -> dict:
         return asdict(self)
