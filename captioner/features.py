@@ -1,9 +1,13 @@
-"""The feature cache: encoder outputs for every image, fp16, memory-mapped, resumable.
+"""The feature cache: encoder outputs for every image, fp16, on disk, resumable.
 
 Layout in the data directory:
-    features.npy    (N, L, D) float16, rows in the order of meta.json's image list
+    features.npy    (N, L, D) float16, a plain .npy (`np.load(path, mmap_mode="r")` maps it),
+                    rows in the order of meta.json's images
     features.done   (N,) uint8: 0 to do, 1 written, 2 unreadable image (skipped)
-A row is marked done only after its features are flushed to disk, so a killed `prepare`
+Rows are read and written with positioned reads and writes (pread/pwrite), not a memory map:
+the operating system's page cache keeps what fits, and the process's own memory stays the
+size of one batch whatever the size of the cache (a memory map would count every page
+touched). A row is marked done only after its features are fsync'ed, so a killed `prepare`
 leaves at worst rows that are redone, never a row marked done with half-written features.
 Both files are created under a temporary name and renamed, so they exist whole or not at all.
 """
@@ -31,6 +35,17 @@ def _create_atomically(path: str, make) -> None:
     os.replace(tmp, path)
 
 
+def _npy_layout(path: str) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, byte offset of the data) of a .npy file, from its header."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(f)
+        if fortran:
+            raise ValueError("Fortran-ordered arrays are not supported")
+        return shape, dtype, f.tell()
+
+
 class FeatureCache:
     """(N, L, D) fp16 features on disk with a per-row done mark."""
 
@@ -39,17 +54,24 @@ class FeatureCache:
         self.path = os.path.join(data_dir, "features.npy")
         self.done_path = os.path.join(data_dir, "features.done")
         self.shape = (n, locations, dim)
+        self.row_bytes = locations * dim * 2
         if mode == "r+":
             self._create_missing()
         try:
-            self.features = np.load(self.path, mmap_mode=mode)
+            shape, dtype, self.offset = _npy_layout(self.path)
             self.done = np.memmap(self.done_path, dtype=np.uint8, mode=mode, shape=(n,))
         except (OSError, ValueError) as e:
             raise CaptionerError(f"{data_dir}: the feature cache is missing or unreadable ({e}); "
                                  "run `train.py prepare` for this directory") from None
-        if self.features.shape != self.shape:
-            raise CaptionerError(f"{self.path}: shape {self.features.shape}, expected {self.shape}; "
+        if tuple(shape) != self.shape or dtype != np.float16:
+            raise CaptionerError(f"{self.path}: holds {dtype} {tuple(shape)}, expected float16 {self.shape}; "
                                  "the cache was made for another image list")
+        self.fd = os.open(self.path, os.O_RDWR if mode == "r+" else os.O_RDONLY)
+
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def _create_missing(self) -> None:
         if not os.path.exists(self.path):
@@ -65,9 +87,11 @@ class FeatureCache:
         return rows[rows % world == rank]
 
     def write(self, rows: np.ndarray, feats: np.ndarray) -> None:
-        """Store features for rows, flush them, then mark the rows done."""
-        self.features[rows] = np.clip(feats, -FP16_MAX, FP16_MAX).astype(np.float16)
-        self.features.flush()
+        """Store features for rows, fsync them, then mark the rows done."""
+        data = np.ascontiguousarray(np.clip(feats, -FP16_MAX, FP16_MAX).astype(np.float16))  # (n, L, D)
+        for row, f in zip(rows, data):
+            os.pwrite(self.fd, f.tobytes(), self.offset + int(row) * self.row_bytes)
+        os.fsync(self.fd)
         self.done[rows] = DONE
         self.done.flush()
 
@@ -76,7 +100,15 @@ class FeatureCache:
         self.done.flush()
 
     def __getitem__(self, rows) -> np.ndarray:
-        return self.features[rows]
+        """Features of the given rows, (n, L, D) fp16, read into a fresh array."""
+        rows = np.atleast_1d(np.asarray(rows, dtype=np.int64))
+        out = np.empty((len(rows), *self.shape[1:]), dtype=np.float16)
+        for i, row in enumerate(rows):
+            got = os.preadv(self.fd, [out[i]], self.offset + int(row) * self.row_bytes)
+            if got != self.row_bytes:
+                raise CaptionerError(f"{self.path}: row {row} is cut short ({got} of {self.row_bytes} bytes); "
+                                     "the file is truncated: run `prepare` again into a new directory")
+        return out
 
 
 class _ImageFiles(Dataset):
