@@ -1,8 +1,8 @@
 """Does attention look at what the word names? Pointing accuracy against object boxes.
 
 For each generated word that names an object present in the image, a hit is when the peak of
-that word's attention map (the centre of its highest grid cell, in image pixels) lies inside a
-box of such an object. Chance is the share of the encoder's view those boxes cover: what a
+that word's attention map (as drawn: upsampled and smoothed by half a grid cell, see `peak`)
+lies inside a box of such an object. Chance is the share of the encoder's view those boxes cover: what a
 peak dropped at random would score. Boxes come from a COCO instances file read with
 pycocotools: real COCO (`instances_val2014.json`, caption words mapped to categories by
 `SYNONYMS`) or the synthetic scenes' `boxes.json` (shape categories plus a `color` field).
@@ -20,6 +20,7 @@ from pycocotools.coco import COCO
 from .coco import read_json
 from .errors import CaptionerError
 from .images import Preprocess
+from .viz import upsample
 
 # Caption word → COCO category name, for the words people use instead of the category name.
 SYNONYMS = {
@@ -118,6 +119,19 @@ def _covered_share(boxes, grid_box, size) -> float:
     return float(view.mean()) if view.size else 0.0
 
 
+def peak(attention: np.ndarray, cells: int = 4) -> tuple[float, float]:
+    """Where one word's map peaks, as fractions (x, y) of the region the grid covers.
+
+    The peak of the map as the figures draw it (`viz.upsample`: bilinear, smoothed by half a
+    cell), at `cells` pixels per grid cell: a cluster of strong cells outweighs one stray cell.
+    """
+    g = attention.shape[-1]
+    side = cells * g
+    m = upsample(attention, (side, side))
+    y, x = np.unravel_index(int(np.argmax(m)), m.shape)
+    return (x + 0.5) / side, (y + 0.5) / side
+
+
 def pointing_accuracy(captions: Mapping[int, tuple[list[str], np.ndarray]], boxes: GroundingBoxes,
                       preprocess: Preprocess = Preprocess()) -> dict:
     """Pointing accuracy of generated words.
@@ -145,9 +159,8 @@ def pointing_accuracy(captions: Mapping[int, tuple[list[str], np.ndarray]], boxe
             if not found:
                 unmatched += 1
                 continue
-            g = att.shape[-1]
-            row, col = divmod(int(np.argmax(att)), g)
-            px, py = l + (col + 0.5) * (r - l) / g, t + (row + 0.5) * (b - t) / g
+            fx, fy = peak(att)
+            px, py = l + fx * (r - l), t + fy * (b - t)
             hit = any(x <= px <= x + w and y <= py <= y + h for x, y, w, h in found)
             hits.append(hit)
             chances.append(_covered_share(found, (l, t, r, b), size))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from captioner.errors import CaptionerError
-from captioner.grounding import SYNONYMS, GroundingBoxes, pointing_accuracy
+from captioner.grounding import SYNONYMS, GroundingBoxes, peak, pointing_accuracy
 from captioner.images import Preprocess
 
 # A hand-made COCO instances file: one 280×140 image with a person on the left and a dog on the right.
@@ -56,6 +56,19 @@ def test_pointing_hits_misses_and_chance(boxes):
     assert out["chance"] == pytest.approx((100 * 140 / (280 * 140) + 100 * 100 / (280 * 140)) / 2, rel=1e-3)
     miss = pointing_accuracy({7: (["dog"], np.stack([peak_at(7, 2)]))}, boxes)
     assert miss["pointing"] == 0.0 and miss["by_word"] == {"dog": [0, 1]}
+
+
+def test_peak_is_the_drawn_maps_peak_not_one_stray_cell(boxes):
+    # A 3×3 cluster on the dog (cells 9-11 × 11-13) and one single, slightly stronger cell on the person.
+    att = np.full((14, 14), 0.001, np.float32)
+    att[9:12, 11:14] = 0.8
+    att[7, 2] = 1.0
+    x, y = peak(att)
+    assert 11 / 14 < x < 14 / 14 and 9 / 14 < y < 12 / 14
+    assert pointing_accuracy({7: (["dog"], att[None])}, boxes)["pointing"] == 1.0
+    # Alone, the single cell is the peak, at its centre.
+    x, y = peak(peak_at(7, 2))
+    assert abs(x - 2.5 / 14) < 0.5 / 14 and abs(y - 7.5 / 14) < 0.5 / 14
 
 
 def test_centre_crop_moves_the_grid(boxes):
