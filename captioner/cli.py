@@ -57,7 +57,8 @@ def get_train_parser() -> argparse.ArgumentParser:
     pp.add_argument("--skip-missing", action="store_true", help="go on without images whose file is missing")
     pp.add_argument("--skip-bad", action="store_true",
                     help="go on without malformed annotations and unreadable images")
-    pp.add_argument("--batch-size", type=_positive_int, default=32, help="images per encoder batch")
+    pp.add_argument("--batch-size", type=_positive_int, default=None,
+                    help="images per encoder batch (default: 8 on CPU, 64 on GPU)")
     pp.add_argument("--workers", type=int, default=2, help="DataLoader workers decoding images")
     pp.add_argument("--device", default="auto", help="auto, cpu or cuda")
 
@@ -74,7 +75,7 @@ def get_train_parser() -> argparse.ArgumentParser:
     fp.add_argument("--batch-size", type=_positive_int, default=t.batch_size)
     fp.add_argument("--lr", type=_positive_float, default=t.lr, help="Adam learning rate")
     fp.add_argument("--grad-clip", type=_positive_float, default=t.grad_clip)
-    fp.add_argument("--alpha-c", type=float, default=t.alpha_c, help="doubly stochastic regularisation λ")
+    fp.add_argument("--alpha-c", type=float, default=t.alpha_c, help="doubly stochastic regularisation λ of eq. (14); the paper uses 1")
     fp.add_argument("--dropout", type=float, default=m.dropout)
     fp.add_argument("--embed-dim", type=_positive_int, default=m.embed_dim)
     fp.add_argument("--hidden-dim", type=_positive_int, default=m.hidden_dim)
