@@ -10,7 +10,6 @@ import contextlib
 import io
 import json
 import os
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 

@@ -37,9 +37,12 @@ class TrainConfig:
     """Optimisation settings; saved in every checkpoint."""
     epochs: int = 30
     batch_size: int = 32                 # per process
-    lr: float = 4e-4
+    lr: float = 1e-3
     grad_clip: float = 5.0
-    alpha_c: float = 1.0                 # λ of the doubly stochastic penalty, eq. (14)
+    # λ of the doubly stochastic penalty, eq. (14); the paper's value is 1. Off by default:
+    # Σ_i (1 − Σ_t α_ti)² over 196 cells is smallest when every map is spread evenly, and
+    # measured on synthetic scenes it halves pointing accuracy (README, 'Soft and hard').
+    alpha_c: float = 0.0
     max_minutes: float | None = None
     patience: int = 8                    # validations without improvement before stopping
     metric: str = "CIDEr"                # early stopping / best.pt on this validation metric
