@@ -47,21 +47,30 @@ class _Score(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, projected, q, v):
+        # projected may hold more rows than q (captions that have ended): only the first len(q)
+        # are used, and their gradient is written straight into a full-sized tensor, so no
+        # slicing of `projected` goes through autograd (each slice would cost a zero-filled
+        # (B, L, A) gradient per step).
+        n = q.size(0)
         ctx.dtypes = projected.dtype, q.dtype, v.dtype            # under autocast they may differ
+        ctx.rows = projected.size(0)
         v = v.to(projected.dtype)
-        s = torch.add(projected, q.to(projected.dtype).unsqueeze(1)).mul_(2).sigmoid_()  # (B, L, A), σ(2(p + q))
+        s = torch.add(projected[:n], q.to(projected.dtype).unsqueeze(1)).mul_(2).sigmoid_()  # (n, L, A), σ(2(p + q))
         ctx.save_for_backward(s, v)
-        return s @ (2 * v)                                             # (B, L)
+        return s @ (2 * v)                                             # (n, L)
 
     @staticmethod
     def backward(ctx, grad_e):
         s, v = ctx.saved_tensors
+        n, L, A = s.shape
         grad_e = grad_e.to(s.dtype)
         grad_v = 2 * torch.einsum("bl,bla->a", grad_e, s)                         # (A,)
+        grad_p = s.new_empty(ctx.rows, L, A)                                      # (B, L, A)
+        grad_p[n:].zero_()
         # d e / d p = 4 v σ(1 − σ), times the incoming gradient
-        grad_p = torch.addcmul(s, s, s, value=-1).mul_(grad_e.unsqueeze(2)).mul_(4 * v)  # (B, L, A)
+        torch.addcmul(s, s, s, value=-1, out=grad_p[:n]).mul_(grad_e.unsqueeze(2)).mul_(4 * v)
         p_dtype, q_dtype, v_dtype = ctx.dtypes
-        return grad_p.to(p_dtype), grad_p.sum(dim=1).to(q_dtype), grad_v.to(v_dtype)
+        return grad_p.to(p_dtype), grad_p[:n].sum(dim=1).to(q_dtype), grad_v.to(v_dtype)
 
 
 class Unrolled(NamedTuple):
@@ -87,8 +96,9 @@ class Attention(nn.Module):
         return self.W_a(features)  # (B, L, A)
 
     def forward(self, projected: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        e = _Score.apply(projected, self.W_h(h), self.v.weight.view(-1))  # (B, L)
-        return e.softmax(dim=1)                                          # (B, L), sums to 1
+        """α_t (n, L) for the n = len(h) states; `projected` (B ≥ n, L, A): its first n rows are used."""
+        e = _Score.apply(projected, self.W_h(h), self.v.weight.view(-1))  # (n, L)
+        return e.softmax(dim=1)                                          # (n, L), sums to 1
 
 
 class AttentionDecoder(nn.Module):
@@ -188,10 +198,12 @@ class AttentionDecoder(nn.Module):
 
     def soft_step(self, features: torch.Tensor, projected: torch.Tensor, gates_y: torch.Tensor,
                   h: torch.Tensor, c: torch.Tensor):
-        """One teacher-forced soft step: attend with h_{t-1}, then the LSTM.
+        """One teacher-forced soft step for the n = len(h) captions still running: attend with
+        h_{t-1}, then the LSTM. `features` and `gates_y` hold those n rows; `projected` may hold
+        the whole batch (its first n rows are used).
 
         Returns:
-            h (B, H), c (B, H), ẑ (B, D), α (B, L).
+            h (n, H), c (n, H), ẑ (n, D), α (n, L).
         """
         alpha = self.attention(projected, h)                 # (B, L)
         z, _ = self.context(features, alpha, h)              # (B, D), expected context
@@ -200,7 +212,7 @@ class AttentionDecoder(nn.Module):
 
     def compile_step(self) -> None:
         """torch.compile the recurrent step (fixed shapes; the step loop itself stays Python)."""
-        self.soft_step = torch.compile(self.soft_step)
+        self.soft_step = torch.compile(self.soft_step, dynamic=True)  # the batch shrinks as captions end
 
     def step(self, features: torch.Tensor, projected: torch.Tensor, words: torch.Tensor,
              h: torch.Tensor, c: torch.Tensor, mode: str = EXPECTED,
@@ -229,6 +241,9 @@ class AttentionDecoder(nn.Module):
             generator: random source for those draws.
             locations: (B, T-1) fixed locations (-1: expected context); overrides `sampled`.
         """
+        hard = locations is not None or (sampled is not None and bool(sampled.any()))
+        if not hard:
+            return self._unroll_soft(features, captions)
         B, T = captions.shape
         features = self.normalize(features)                      # (B, L, D)
         projected = self.attention.project(features)             # (B, L, A), once per image
@@ -236,13 +251,8 @@ class AttentionDecoder(nn.Module):
         emb = self.embedding(captions[:, :-1])                   # (B, T-1, E)
         gates_y = self.lstm_y(emb)                               # (B, T-1, 4H), all steps at once
         rows = torch.arange(B, device=features.device)
-        hard = locations is not None or (sampled is not None and bool(sampled.any()))
         hs, zs, alphas, locs = [], [], [], []
         for t in range(T - 1):
-            if not hard:
-                h, c, z, alpha = self.soft_step(features, projected, gates_y[:, t], h, c)
-                hs.append(h), zs.append(z), alphas.append(alpha)
-                continue
             alpha = self.attention(projected, h)                 # (B, L)
             z, _ = self.context(features, alpha, h)              # (B, D), expected context
             loc = torch.full((B,), -1, dtype=torch.long, device=features.device)
@@ -256,9 +266,38 @@ class AttentionDecoder(nn.Module):
             z = torch.where(use.unsqueeze(1), beta * features[rows, draw.clamp_min(0)], z)  # (B, D)
             h, c = self.lstm(gates_y[:, t], z, h, c)
             hs.append(h), zs.append(z), alphas.append(alpha), locs.append(draw)
-        if not hard:
-            locs = [torch.full((B,), -1, dtype=torch.long, device=features.device)] * (T - 1)
         return Unrolled(emb, torch.stack(hs, 1), torch.stack(zs, 1), torch.stack(alphas, 1), torch.stack(locs, 1))
+
+    def _unroll_soft(self, features: torch.Tensor, captions: torch.Tensor) -> Unrolled:
+        """The soft pass, stepping only the captions still being written (longest first).
+
+        Captions are sorted by length so that those still running at step t are a prefix of
+        the batch; each step works on that prefix and finished captions cost nothing. Steps
+        past a caption's end hold zeros (α: uniform), as they do not enter the loss. The sort
+        is applied to the inputs and undone on the (small) outputs.
+        """
+        B, T1 = captions.size(0), captions.size(1) - 1
+        L = features.size(1)
+        steps = (captions != 0).sum(dim=1) - 1                     # (B,) positions predicting a word or <end>
+        order = torch.argsort(steps, descending=True, stable=True)  # (B,)
+        active = (steps.unsqueeze(0) > torch.arange(T1, device=steps.device).unsqueeze(1)).sum(1).tolist()
+        emb = self.embedding(captions[:, :-1])                     # (B, T-1, E), in the caller's order
+        features = self.normalize(features[order])                 # (B, L, D), sorted from here on
+        projected = self.attention.project(features)               # (B, L, A), once per image
+        h, c = self.init_state(features)                           # (B, H)
+        gates_y = self.lstm_y(emb[order])                          # (B, T-1, 4H), all steps at once
+        z, alpha = features[:, 0], projected.new_zeros(B, L)        # only read when no caption runs
+        hs, zs, alphas = [], [], []
+        for t, n in enumerate(active):
+            if n:
+                h, c, z, alpha = self.soft_step(features[:n], projected, gates_y[:n, t], h[:n], c[:n])
+            rest = (0, 0, 0, B - n)                                   # pad the finished rows back in
+            hs.append(F.pad(h[:n], rest)), zs.append(F.pad(z[:n], rest))
+            alphas.append(F.pad(alpha[:n], rest, value=1.0 / L))
+        back = torch.argsort(order)                                 # (B,) undoes the sort
+        h_all, z_all, a_all = (torch.stack(x, 1)[back] for x in (hs, zs, alphas))
+        locs = torch.full((B, T1), -1, dtype=torch.long, device=features.device)
+        return Unrolled(emb, h_all, z_all, a_all, locs)
 
     def word_nll(self, unrolled: Unrolled, captions: torch.Tensor, lengths: torch.Tensor):
         """−log p(y_t) at every real position; logits are computed there only, not on padding.

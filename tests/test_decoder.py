@@ -63,6 +63,28 @@ def test_padding_is_masked():
     torch.testing.assert_close(pen1, pen2)
 
 
+def test_batch_in_any_order_equals_each_caption_alone():
+    """The soft pass steps only unfinished captions, sorted by length: outputs and gradients
+    must be those of every caption run on its own."""
+    dec = tiny()
+    feats, caps, lengths = batch(B=3, T=7)
+    perm = torch.tensor([2, 0, 1])                       # shortest first: the pass must sort
+    feats, caps, lengths = feats[perm], caps[perm], lengths[perm]
+    logits, alphas = dec(feats, caps, lengths)
+    nll, _ = caption_loss(logits, alphas, caps, lengths)
+    grads = torch.autograd.grad(nll * lengths.sub(1).sum(), dec.lstm_h.weight)[0]
+    alone = torch.zeros_like(grads)
+    for b, n in enumerate(lengths.tolist()):
+        l1, a1 = dec(feats[b:b + 1, :], caps[b:b + 1, :n], lengths[b:b + 1])
+        torch.testing.assert_close(l1[0], logits[b, :n - 1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a1[0], alphas[b, :n - 1], rtol=1e-5, atol=1e-6)
+        nll1, _ = caption_loss(l1, a1, caps[b:b + 1, :n], lengths[b:b + 1])
+        alone += torch.autograd.grad(nll1 * (n - 1), dec.lstm_h.weight)[0]
+    torch.testing.assert_close(grads, alone, rtol=1e-4, atol=1e-6)
+    # Past a caption's end the maps are uniform, so every row of α still sums to 1.
+    torch.testing.assert_close(alphas.sum(-1), torch.ones(alphas.shape[:2]))
+
+
 def test_penalty_matches_paper_formula():
     dec = tiny()
     feats, caps, lengths = batch()
