@@ -91,7 +91,8 @@ def get_train_parser() -> argparse.ArgumentParser:
     fp.add_argument("--seed", type=int, default=t.seed)
     fp.add_argument("--amp", choices=["none", "bf16", "fp16"], default=t.amp,
                     help="mixed precision (autocast); fp16 adds a gradient scaler on CUDA")
-    fp.add_argument("--compile", action="store_true", help="torch.compile the decoder's recurrent step (about 15%% faster per step after a ~10 s compile)")
+    fp.add_argument("--compile", action="store_true", help="torch.compile the decoder's recurrent step (for GPUs; on a 2-core CPU it gained "
+                    "nothing measurable, after ~30 s of compiling)")
     fp.add_argument("--entropy-weight", type=float, default=h.entropy_weight, help="hard attention: λ_e")
     fp.add_argument("--reward-scale", type=float, default=h.reward_scale, help="hard attention: λ_r")
     fp.add_argument("--semi-sampling", type=float, default=h.semi_sampling,
