@@ -313,8 +313,18 @@ def model_card(captioner: Captioner) -> str:
     if train:
         lines.append(f"- **Training:** up to {train.get('epochs', '?')} epochs, batch {train.get('batch_size', '?')}, "
                      f"lr {train.get('lr', '?')}, best checkpoint by {train.get('metric', '?')}")
-    lines += [f"- **{k.replace('_', ' ').capitalize()}:** {v}" for k, v in (info.get("card") or {}).items()
-              if k not in CARD_DATA_KEYS and isinstance(v, (str, int, float))]
+    card = info.get("card") or {}
+    shown = {k: v for k, v in card.items()
+             if k not in (*CARD_DATA_KEYS, "test_images") and isinstance(v, (str, int, float))}
+    lines += [f"- **{k.replace('_', ' ').capitalize()}:** " + (f"`{v}`" if k == "rebuild" else f"{v}")
+              for k, v in shown.items()]
+    test = {k: v for k, v in (card.get("test_metrics") or {}).items() if isinstance(v, (int, float))}
+    if test:
+        where = f" on {card['test_images']} held-out test images" if "test_images" in card else ""
+        lines += ["", f"**Test metrics**{where} (coco-caption; pointing: share of object words whose "
+                  "attention peak lies on the object):", "",
+                  "| " + " | ".join(test) + " |", "|" + "---|" * len(test),
+                  "| " + " | ".join(f"{v:.3f}" for v in test.values()) + " |"]
     metrics = {k: v for k, v in (info.get("metrics") or {}).items() if k in METRICS and isinstance(v, (int, float))}
     if metrics:
         where = f" on {info['metrics']['images']} validation images" if "images" in info["metrics"] else ""
