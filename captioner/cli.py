@@ -86,7 +86,10 @@ def get_train_parser() -> argparse.ArgumentParser:
     fp.add_argument("--val-beam-size", type=_positive_int, default=t.val_beam_size)
     fp.add_argument("--val-images", type=_positive_int, default=t.val_images, help="validation images per epoch")
     fp.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every,
-                    help="also write last.pt every N steps (0: once per epoch)")
+                    help="also write last.pt every N steps (0: off)")
+    fp.add_argument("--checkpoint-minutes", type=float, default=t.checkpoint_minutes,
+                    help="also write last.pt when this many minutes have passed since the last save "
+                         "(0: off), so a killed run loses at most that much")
     fp.add_argument("--log-every", type=_positive_int, default=t.log_every, help="steps between log lines")
     fp.add_argument("--seed", type=int, default=t.seed)
     fp.add_argument("--amp", choices=["none", "bf16", "fp16"], default=t.amp,
@@ -141,7 +144,8 @@ def _fit(args) -> None:
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, grad_clip=args.grad_clip,
                       alpha_c=args.alpha_c, max_minutes=args.max_minutes, patience=args.patience,
                       metric=args.metric, val_beam_size=args.val_beam_size, val_images=args.val_images,
-                      checkpoint_every=args.checkpoint_every, log_every=args.log_every, seed=args.seed, amp=args.amp,
+                      checkpoint_every=args.checkpoint_every,
+                      checkpoint_minutes=args.checkpoint_minutes, log_every=args.log_every, seed=args.seed, amp=args.amp,
                       compile=args.compile, hard=hard)
     from . import distributed
     p = fit(args.data, args.out, model, cfg, resume=args.resume, device=args.device)

@@ -1,6 +1,7 @@
 """`fit`: teacher-forced training on cached features, validated by generation each epoch.
 
-Checkpoints (`last.pt` every epoch and every `checkpoint_every` steps, `best.pt` on a new best
+Checkpoints (`last.pt` every epoch, every `checkpoint_minutes` and every `checkpoint_every` steps,
+`best.pt` on a new best
 validation score) hold everything needed to resume exactly: model, optimizer, scheduler,
 step, epoch, position in the epoch, RNG states, the REINFORCE baseline. Batches of an epoch
 are a function of (seed, epoch), so a resumed run replays the rest of the epoch it was in.
@@ -54,7 +55,8 @@ class TrainConfig:
     metric: str = "CIDEr"                # early stopping / best.pt on this validation metric
     val_beam_size: int = 3
     val_images: int | None = 5000        # cap on validation images per epoch
-    checkpoint_every: int = 0            # also save last.pt every N steps (0: per epoch only)
+    checkpoint_every: int = 0            # also save last.pt every N steps (0: off)
+    checkpoint_minutes: float = 0.5      # and when this long has passed since the last save (0: off)
     log_every: int = 20
     seed: int = 0
     amp: str = "none"                    # none | bf16 | fp16 (autocast; fp16 uses a GradScaler on CUDA)
@@ -155,7 +157,7 @@ def _resume_config(ck: dict, data: CaptionData, cfg: TrainConfig, path: str) -> 
     # What may change on resume: how long to go on, and how often to save.
     return DecoderConfig(**ck["decoder"]), TrainConfig.from_dict(
         {**saved.to_dict(), "epochs": cfg.epochs, "max_minutes": cfg.max_minutes,
-         "checkpoint_every": cfg.checkpoint_every})
+         "checkpoint_every": cfg.checkpoint_every, "checkpoint_minutes": cfg.checkpoint_minutes})
 
 
 def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
@@ -217,10 +219,15 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
             log.write(json.dumps({**record, "time": round(time.monotonic() - start, 2)}) + "\n")
             log.flush()
 
+    last_save = time.monotonic()
+
     def save(path: str, metrics: dict) -> None:
+        nonlocal last_save
         if d.main:
             save_checkpoint(_checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data,
                                         generator, metrics), path)
+        if path == last_path:
+            last_save = time.monotonic()
 
     budget = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
     n_batches = data.num_batches(cfg.batch_size, world=d.world)
@@ -246,8 +253,9 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
             if progress.step % cfg.log_every == 0:
                 write_log({"event": "train", "step": progress.step, "epoch": progress.epoch,
                            "lr": optimizer.param_groups[0]["lr"], **terms})
-            if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0:
-                save(last_path, metrics)
+            due = cfg.checkpoint_minutes and time.monotonic() - last_save > cfg.checkpoint_minutes * 60
+            if due or (cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0):
+                save(last_path, metrics)   # rank 0 alone writes, so ranks need not agree on when
             if distributed.any_true(d, time.monotonic() - start > budget, dev):
                 out_of_time = True
                 break
