@@ -30,7 +30,7 @@ class DecoderConfig:
     embed_dim: int = 512
     hidden_dim: int = 512
     attention_dim: int = 512
-    dropout: float = 0.5
+    dropout: float = 0.2   # 0.5 (the usual choice for COCO) lowered pointing to 0.65 from 0.69 in 8-minute runs
     attention: str = "soft"  # soft | hard: how it is trained (both decode with the expected context by default)
 
     def to_dict(self) -> dict:
@@ -115,7 +115,7 @@ class AttentionDecoder(nn.Module):
     """
 
     def __init__(self, *, vocab_size: int, encoder_dim: int = 512, embed_dim: int = 512,
-                 hidden_dim: int = 512, attention_dim: int = 512, dropout: float = 0.5,
+                 hidden_dim: int = 512, attention_dim: int = 512, dropout: float = 0.2,
                  attention: str = "soft"):
         super().__init__()
         if attention not in ("soft", "hard"):
@@ -249,7 +249,7 @@ class AttentionDecoder(nn.Module):
         projected = self.attention.project(features)             # (B, L, A), once per image
         h, c = self.init_state(features)                         # (B, H)
         emb = self.embedding(captions[:, :-1])                   # (B, T-1, E)
-        gates_y = self.lstm_y(emb)                               # (B, T-1, 4H), all steps at once
+        gates_y = self.lstm_y(emb).unbind(1)                     # T-1 × (B, 4H), all steps at once
         rows = torch.arange(B, device=features.device)
         hs, zs, alphas, locs = [], [], [], []
         for t in range(T - 1):
@@ -264,7 +264,7 @@ class AttentionDecoder(nn.Module):
             use = draw >= 0                                                               # (B,)
             beta = torch.sigmoid(self.f_beta(h))                                          # (B, 1)
             z = torch.where(use.unsqueeze(1), beta * features[rows, draw.clamp_min(0)], z)  # (B, D)
-            h, c = self.lstm(gates_y[:, t], z, h, c)
+            h, c = self.lstm(gates_y[t], z, h, c)
             hs.append(h), zs.append(z), alphas.append(alpha), locs.append(draw)
         return Unrolled(emb, torch.stack(hs, 1), torch.stack(zs, 1), torch.stack(alphas, 1), torch.stack(locs, 1))
 
@@ -285,12 +285,14 @@ class AttentionDecoder(nn.Module):
         features = self.normalize(features[order])                 # (B, L, D), sorted from here on
         projected = self.attention.project(features)               # (B, L, A), once per image
         h, c = self.init_state(features)                           # (B, H)
-        gates_y = self.lstm_y(emb[order])                          # (B, T-1, 4H), all steps at once
+        # All steps at once, then one (B, 4H) view per step: unbind's backward is a single stack,
+        # where indexing [:, t] at every step would zero-fill a (B, T-1, 4H) gradient each time.
+        gates_y = self.lstm_y(emb[order]).unbind(1)                # T-1 × (B, 4H)
         z, alpha = features[:, 0], projected.new_zeros(B, L)        # only read when no caption runs
         hs, zs, alphas = [], [], []
         for t, n in enumerate(active):
             if n:
-                h, c, z, alpha = self.soft_step(features[:n], projected, gates_y[:n, t], h[:n], c[:n])
+                h, c, z, alpha = self.soft_step(features[:n], projected, gates_y[t][:n], h[:n], c[:n])
             rest = (0, 0, 0, B - n)                                   # pad the finished rows back in
             hs.append(F.pad(h[:n], rest)), zs.append(F.pad(z[:n], rest))
             alphas.append(F.pad(alpha[:n], rest, value=1.0 / L))

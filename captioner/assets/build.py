@@ -31,7 +31,7 @@ def build(work: str, *, n: int, seed: int, minutes: float, examples: int = 6) ->
     generate(src, n, seed=seed)
     prepare([os.path.join(src, "captions.json")], [os.path.join(src, "images")], data,
             splits=os.path.join(src, "splits.json"), encoder=EncoderSpec(weights="none", seed=0))
-    fit(data, run, DecoderConfig(0), TrainConfig(epochs=1000, max_minutes=minutes, patience=1000, seed=seed))
+    fit(data, run, DecoderConfig(0, dropout=0.5), TrainConfig(epochs=1000, max_minutes=minutes, patience=1000, seed=seed))
     metrics = evaluate(os.path.join(run, "best.pt"), data, "test", os.path.join(run, "test_metrics.json"),
                        grounding=os.path.join(src, "boxes.json"))
     ck = load_checkpoint(os.path.join(run, "best.pt"))
