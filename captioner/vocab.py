@@ -7,6 +7,8 @@ decreasing count.
 """
 from __future__ import annotations
 
+import string
+
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -21,9 +23,17 @@ PAD_ID, START_ID, END_ID, UNK_ID = range(4)
 _treebank = TreebankWordTokenizer()
 
 
+_EDGE_PUNCTUATION = string.punctuation.replace("'", "")
+
+
 def tokenize(text: str) -> list[str]:
     """'A man, riding a Horse.' → ['a', 'man', 'riding', 'a', 'horse']"""
-    return [t for t in _treebank.tokenize(text.lower()) if any(ch.isalnum() for ch in t)]
+    text = " ".join(text.lower().split())  # any whitespace (\r, \t, ...) as one space: the tokenizer's rules expect spaces
+    # Treebank splits some punctuation off only at the end of the text ("0." but "0.("): strip
+    # it from every token's ends (a leading apostrophe stays: 's, 're), so tokenising is the same
+    # wherever a word stands.
+    tokens = (t.lstrip(_EDGE_PUNCTUATION).rstrip(string.punctuation) for t in _treebank.tokenize(text))
+    return [t for t in tokens if any(ch.isalnum() for ch in t)]
 
 
 class Vocabulary:

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from captioner.checkpoint import load_checkpoint
@@ -98,6 +98,7 @@ def test_prepare_killed_then_rerun_completes_with_same_features(scenes, data_dir
 
 @settings(max_examples=200, deadline=None)
 @given(st.text())
+@example("0'\r")  # found by hypothesis: a quote before a carriage return used to stay on the word
 def test_tokenize_never_fails_and_gives_clean_tokens(text):
     tokens = tokenize(text)
     assert all(t and t == t.lower() and not t.isspace() and any(c.isalnum() for c in t) for t in tokens)
