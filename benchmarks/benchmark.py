@@ -76,23 +76,19 @@ def bench_decoder(steps: int) -> None:
     ours = AttentionDecoder(vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512, dropout=0.5)
     theirs = TutorialDecoder(attention_dim=512, embed_dim=512, decoder_dim=512, vocab_size=V, encoder_dim=D)
 
-    def step_ours(opt=make_optimizer(ours, 4e-4)):  # as `fit` runs it
-        nll, pen = sequence_loss(ours, feats, caps, lengths)  # what `fit` runs
-        opt.zero_grad()
-        (nll + pen).backward()
-        opt.step()
+    def training_step(loss, opt):
+        def step():
+            opt.zero_grad()
+            loss().backward()
+            opt.step()
+        return step
 
-    def step_theirs(opt=torch.optim.Adam(theirs.parameters(), 4e-4)):  # as the tutorial runs it
-        loss = tutorial_loss(theirs, feats, caps, lengths)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    def step_theirs_fused(opt=make_optimizer(theirs, 4e-4)):  # the decoders alone, same optimizer
-        loss = tutorial_loss(theirs, feats, caps, lengths)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    step_ours = training_step(lambda: sum(sequence_loss(ours, feats, caps, lengths)),  # what `fit` runs
+                              make_optimizer(ours, 4e-4))
+    step_theirs = training_step(lambda: tutorial_loss(theirs, feats, caps, lengths),  # as the tutorial runs it
+                                torch.optim.Adam(theirs.parameters(), 4e-4))
+    step_theirs_fused = training_step(lambda: tutorial_loss(theirs, feats, caps, lengths),  # same optimizer
+                                      make_optimizer(theirs, 4e-4))
 
     with FlopCounterMode(display=False) as fc:
         sum(sequence_loss(ours, feats, caps, lengths)).backward()

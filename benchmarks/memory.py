@@ -21,6 +21,8 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from load_test import rss_mb  # noqa: E402  (this script's directory is on sys.path)
+
 from captioner.data import FORMAT  # noqa: E402
 from captioner.encoder import EncoderSpec, build_encoder  # noqa: E402
 from captioner.vocab import SPECIALS  # noqa: E402
@@ -59,11 +61,6 @@ def make_cache(out: str, n: int, vocab_size: int = 10_000, captions_per_image: i
         json.dump({"format": FORMAT, "encoder": spec.to_dict(), "locations": L, "feature_dim": D, "max_len": 20,
                    "min_count": 5, "image_ids": ids, "paths": [f"/coco/{i:012d}.jpg" for i in ids],
                    "feature_mean": [0.0] * D, "feature_std": [1.0] * D, "complete": True}, f)
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 def main(argv=None) -> None:
