@@ -30,8 +30,15 @@ class DecoderConfig:
     embed_dim: int = 512
     hidden_dim: int = 512
     attention_dim: int = 512
-    dropout: float = 0.2   # 0.5 (the usual choice for COCO) lowered pointing to 0.65 from 0.69 in 8-minute runs
+    dropout: float | None = None  # None: 0.2 for soft, 0.5 for hard (see __post_init__)
     attention: str = "soft"  # soft | hard: how it is trained (both decode with the expected context by default)
+
+    def __post_init__(self):
+        # Measured in 8-minute runs on synthetic scenes: soft attention points better at 0.2
+        # (0.69 against 0.65 at 0.5), hard attention writes better at 0.5 (BLEU-4 0.51 against
+        # 0.48). On COCO 0.5 is the usual choice for both.
+        if self.dropout is None:
+            self.dropout = 0.5 if self.attention == "hard" else 0.2
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,12 +117,12 @@ class AttentionDecoder(nn.Module):
         embed_dim: E, word embedding size (also the deep output layer's width).
         hidden_dim: H, LSTM size.
         attention_dim: A, hidden size of the attention MLP.
-        dropout: dropout before the output layer L_o.
+        dropout: dropout before the output layer L_o (None: 0.2 for soft, 0.5 for hard).
         attention: "soft" or "hard" (hard is trained with REINFORCE, see `forward_hard`).
     """
 
     def __init__(self, *, vocab_size: int, encoder_dim: int = 512, embed_dim: int = 512,
-                 hidden_dim: int = 512, attention_dim: int = 512, dropout: float = 0.2,
+                 hidden_dim: int = 512, attention_dim: int = 512, dropout: float | None = None,
                  attention: str = "soft"):
         super().__init__()
         if attention not in ("soft", "hard"):
@@ -137,7 +144,7 @@ class AttentionDecoder(nn.Module):
         self.L_h = nn.Linear(H, E)
         self.L_z = nn.Linear(D, E, bias=False)
         self.L_o = nn.Linear(E, vocab_size)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(self.config.dropout)
         # Fixed per-channel standardisation of the annotation vectors, set from the training
         # features by `fit` (VGG activations are non-negative with channel scales that differ
         # by orders of magnitude; standardised inputs train much faster). Saved with the weights.
