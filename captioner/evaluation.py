@@ -10,6 +10,7 @@ from .data import CaptionData, write_json_atomic
 from .decode import Hypothesis, beam_search
 from .decoder import EXPECTED, AttentionDecoder
 from .errors import CaptionerError
+from .health import attention_health
 from .metrics import ALL_METRICS, score_captions
 from .vocab import Vocabulary
 
@@ -89,6 +90,7 @@ def evaluate(checkpoint: str, data_dir: str, split: str, out: str, *, beam_size:
         words = {i: (texts[i].split(), h.attention.reshape(-1, g, g)) for i, h in hyps.items()}
         metrics["grounding"] = pointing_accuracy(words, GroundingBoxes(grounding), cap.encoder_spec.preprocess)
         metrics["pointing"] = metrics["grounding"]["pointing"]
+    metrics["attention_health"] = attention_health(h.attention for h in hyps.values())
     lengths = [len(h.tokens) for h in hyps.values()]
     metrics.update({"split": split, "images": len(texts), "beam_size": beam_size,
                     "mean_length": float(np.mean(lengths)) if lengths else 0.0,
