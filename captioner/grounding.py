@@ -134,7 +134,7 @@ def peak(attention: np.ndarray, cells: int = 4) -> tuple[float, float]:
 
 def pointing_accuracy(captions: Mapping[int, tuple[list[str], np.ndarray]], boxes: GroundingBoxes,
                       preprocess: Preprocess = Preprocess()) -> dict:
-    """Pointing accuracy of generated words.
+    """Pointing accuracy of generated words, by word and by kind, and the look-ahead rate.
 
     Args:
         captions: image id → (words, attention (len(words), g, g)).
@@ -143,29 +143,49 @@ def pointing_accuracy(captions: Mapping[int, tuple[list[str], np.ndarray]], boxe
 
     Returns:
         {"pointing": hit rate, "chance": mean box share, "words": words scored,
-         "unmatched": object words with no such object in the image, "by_word": {word: [hits, n]}}
+         "unmatched": object words with no such object in the image, "by_word": {word: [hits, n]},
+         "by_kind": {"colour" | "category": hit rate}, "lookahead": share of words whose peak
+         lies on the object named by the next object word after them, "lookahead_words": how many
+         words that was measured on}
     """
     hits, chances, unmatched = [], [], 0
     by_word: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    by_kind: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    ahead: list[bool] = []
     for image_id, (words, attention) in captions.items():
         if image_id not in boxes:
             continue
         size = boxes.size(image_id)
         l, t, r, b = preprocess.grid_box(*size)
-        for word, att in zip(words, attention):
-            if not boxes.names_object(word):
+        points = []
+        for att in attention:
+            fx, fy = peak(att)
+            points.append((l + fx * (r - l), t + fy * (b - t)))
+
+        def on(k: int, found) -> bool:
+            px, py = points[k]
+            return any(x <= px <= x + w and y <= py <= y + h for x, y, w, h in found)
+
+        named = [boxes.boxes_for(image_id, w) if boxes.names_object(w) else None for w in words]
+        for k, (word, found) in enumerate(zip(words, named)):
+            nxt = next((f for f in named[k + 1:] if f), None)   # the next object word present in the image
+            if nxt:
+                ahead.append(on(k, nxt))
+            if found is None:
                 continue
-            found = boxes.boxes_for(image_id, word)
             if not found:
                 unmatched += 1
                 continue
-            fx, fy = peak(att)
-            px, py = l + fx * (r - l), t + fy * (b - t)
-            hit = any(x <= px <= x + w and y <= py <= y + h for x, y, w, h in found)
+            hit = on(k, found)
             hits.append(hit)
             chances.append(_covered_share(found, (l, t, r, b), size))
             by_word[word][0] += int(hit)
             by_word[word][1] += 1
+            kind = by_kind["colour" if word in boxes.colors else "category"]
+            kind[0] += int(hit)
+            kind[1] += 1
     return {"pointing": float(np.mean(hits)) if hits else None,
             "chance": float(np.mean(chances)) if chances else None,
-            "words": len(hits), "unmatched": unmatched, "by_word": dict(by_word)}
+            "words": len(hits), "unmatched": unmatched, "by_word": dict(by_word),
+            "by_kind": {k: h / n for k, (h, n) in by_kind.items()},
+            "lookahead": float(np.mean(ahead)) if ahead else None, "lookahead_words": len(ahead)}

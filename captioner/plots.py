@@ -12,10 +12,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from .analysis import TrainingLog, attention_entropy, attention_stats, length_histogram
 from .api import Caption
+from .health import attention_health, summary
 from .images import load_image
 from .recipes import SplitCaption
 
@@ -197,5 +199,30 @@ def dataset_figure(lengths: np.ndarray, coverage: Mapping[str, np.ndarray], *, m
     h1, l1 = ax_cov.get_legend_handles_labels()
     h2, l2 = ax_words.get_legend_handles_labels()
     ax_cov.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+def peak_figure(captions: Sequence[Caption | SplitCaption], title: str | None = None) -> Figure:
+    """Where the words' attention peaks land on the grid, over many captions, with the health figures.
+
+    A model whose maps follow the objects spreads its peaks over the grid, as the objects are
+    spread; one that parks its attention piles them on a few cells, often on the border ring
+    (outlined), whatever the image.
+    """
+    captions = [getattr(c, "caption", c) for c in captions]
+    maps = [c.attention for c in captions if len(c.words)]
+    g = maps[0].shape[-1] if maps else 14
+    counts = np.zeros((g, g))
+    for a in maps:
+        np.add.at(counts, np.unravel_index(a.reshape(len(a), -1).argmax(1), (g, g)), 1)   # (g, g) peaks per cell
+    fig = Figure(figsize=(5.2, 5.0))
+    ax = fig.subplots()
+    im = ax.imshow(counts / max(1, counts.sum()), cmap="viridis")
+    ax.add_patch(Rectangle((-0.5, -0.5), g, g, fill=False, ec="white", lw=3, ls="--"))   # the border ring
+    fig.colorbar(im, ax=ax, fraction=0.046, label="share of all words' peaks")
+    ax.set(xticks=[], yticks=[])
+    health = attention_health(maps)
+    ax.set_title("\n".join(textwrap.wrap(title or summary(health), 60)), fontsize=9)
     fig.tight_layout()
     return fig

@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 
@@ -28,6 +29,8 @@ from .data import CaptionData
 from .decoder import AttentionDecoder, DecoderConfig, sequence_loss
 from .errors import CaptionerError
 from .evaluation import caption_split, score_validation
+from .health import ADVICE, attention_health, problems
+from .health import summary as health_summary
 from .reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,6 +53,8 @@ class TrainConfig:
     # Σ_i (1 − Σ_t α_ti)² over 196 cells is smallest when every map is spread evenly, and
     # measured on synthetic scenes it halves pointing accuracy (README, 'Soft and hard').
     alpha_c: float = 0.0
+    ground_weight: float = 0.0
+    ground_top_k: int = 0
     max_minutes: float | None = None
     patience: int = 8                    # validations without improvement before stopping
     metric: str = "CIDEr"                # early stopping / best.pt on this validation metric
@@ -96,7 +101,8 @@ class Objective(nn.Module):
         if self.decoder.config.attention == "hard":
             return hard_attention_loss(self.decoder, features, captions, lengths, baseline=baseline,
                                        cfg=self.cfg.hard, alpha_c=self.cfg.alpha_c, generator=generator, words=words)
-        nll, penalty = sequence_loss(self.decoder, features, captions, lengths, self.cfg.alpha_c, words=words)
+        nll, penalty = sequence_loss(self.decoder, features, captions, lengths, self.cfg.alpha_c, words=words,
+                                     ground_weight=self.cfg.ground_weight, top_k=self.cfg.ground_top_k)
         return nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
 
 
@@ -132,10 +138,14 @@ def train_step(objective, batch, optimizer, scaler, cfg: TrainConfig, progress: 
 def validate(model, data: CaptionData, cfg: TrainConfig, device, d: distributed.Dist) -> dict:
     """Generation-based validation, split over processes and scored on the gathered captions."""
     t0 = time.monotonic()
-    texts, _ = caption_split(model, data, data.vocab, "val", beam_size=cfg.val_beam_size, max_len=data.max_len,
-                             device=device, max_images=cfg.val_images, shard=(d.rank, d.world))
+    texts, hyps = caption_split(model, data, data.vocab, "val", beam_size=cfg.val_beam_size, max_len=data.max_len,
+                                device=device, max_images=cfg.val_images, shard=(d.rank, d.world))
     texts = distributed.gather_dicts(d, texts)
-    metrics = score_validation(texts, data.references["val"]) if d.main else None
+    maps = distributed.gather_dicts(d, {i: h.attention.astype("float16") for i, h in hyps.items()})
+    metrics = None
+    if d.main:
+        metrics = score_validation(texts, data.references["val"])
+        metrics["attention_health"] = attention_health(maps.values())
     metrics = distributed.broadcast(d, metrics)
     return {**metrics, "seconds": round(time.monotonic() - t0, 2)}
 
@@ -276,7 +286,10 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         if progress_bar and d.main:
             tqdm.write(f"epoch {progress.epoch}: step {progress.step}, BLEU-4 {metrics['BLEU-4']:.3f}, "
                        f"CIDEr {metrics['CIDEr']:.3f}{' (best)' if improved else ''}; "
-                       f"e.g. {metrics['example']!r}")
+                       f"e.g. {metrics['example']!r}; {health_summary(metrics['attention_health'])}")
+        found = problems(metrics["attention_health"])
+        if found and d.main:
+            print(f"warning: step {progress.step}: {'; '.join(found)}: {ADVICE}", file=sys.stderr, flush=True)
         if improved:
             save(best_path, metrics)
         save(last_path, metrics)

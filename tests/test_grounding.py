@@ -95,3 +95,13 @@ def test_bad_boxes_file_is_explained(tmp_path):
     path.write_text(json.dumps({"images": [], "categories": [], "annotations": [{"image_id": 1}]}))
     with pytest.raises(CaptionerError, match=r"b.json: annotations\[0\]"):
         GroundingBoxes(str(path))
+
+
+def test_kinds_and_lookahead(boxes):
+    # "a" already looks at the man it names next; "and" and "his" look at the dog named after them.
+    words = ["a", "man", "and", "his", "dog"]
+    att = np.stack([peak_at(7, 2), peak_at(7, 2), peak_at(10, 12), peak_at(10, 12), peak_at(7, 2)])
+    out = pointing_accuracy({7: (words, att)}, boxes)
+    assert out["by_kind"] == {"category": 0.5}          # man hit, dog missed (it looks at the man)
+    # words with an object word after them: a → man (hit), man → dog (miss), and → dog, his → dog (hits)
+    assert out["lookahead_words"] == 4 and out["lookahead"] == 0.75
