@@ -76,12 +76,8 @@ def get_train_parser() -> argparse.ArgumentParser:
     fp.add_argument("--lr", type=_positive_float, default=t.lr, help="Adam learning rate")
     fp.add_argument("--grad-clip", type=_positive_float, default=t.grad_clip)
     fp.add_argument("--alpha-c", type=float, default=t.alpha_c, help="doubly stochastic regularisation λ of eq. (14); the paper uses 1")
-    fp.add_argument("--ground-weight", type=float, default=t.ground_weight, help="weight of the per-cell bound")
-    fp.add_argument("--ground-top-k", type=int, default=t.ground_top_k, help="cells in the per-cell bound (0: all)")
     fp.add_argument("--dropout", type=float, default=None,
                     help="dropout before the output layer (default: 0.2 soft, 0.5 hard; 0.5 is usual on COCO)")
-    fp.add_argument("--init-state", choices=["mean", "learned"], default=m.init_state,
-                    help="initial LSTM state from the mean annotation (paper) or learned constants")
     fp.add_argument("--embed-dim", type=_positive_int, default=m.embed_dim)
     fp.add_argument("--hidden-dim", type=_positive_int, default=m.hidden_dim)
     fp.add_argument("--attention-dim", type=_positive_int, default=m.attention_dim)
@@ -144,12 +140,10 @@ def _fit(args) -> None:
     from .reinforce import HardAttentionConfig
     from .training import TrainConfig, fit
     model = DecoderConfig(0, embed_dim=args.embed_dim, hidden_dim=args.hidden_dim,
-                          attention_dim=args.attention_dim, dropout=args.dropout, attention=args.attention,
-                          init_state=args.init_state)
+                          attention_dim=args.attention_dim, dropout=args.dropout, attention=args.attention)
     hard = HardAttentionConfig(args.entropy_weight, args.reward_scale, args.semi_sampling, args.baseline_decay)
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, grad_clip=args.grad_clip,
-                      alpha_c=args.alpha_c, ground_weight=args.ground_weight, ground_top_k=args.ground_top_k,
-                      max_minutes=args.max_minutes, patience=args.patience,
+                      alpha_c=args.alpha_c, max_minutes=args.max_minutes, patience=args.patience,
                       metric=args.metric, val_beam_size=args.val_beam_size, val_images=args.val_images,
                       checkpoint_every=args.checkpoint_every,
                       checkpoint_minutes=args.checkpoint_minutes, log_every=args.log_every, seed=args.seed, amp=args.amp,

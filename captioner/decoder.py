@@ -32,7 +32,6 @@ class DecoderConfig:
     attention_dim: int = 512
     dropout: float | None = None  # None: 0.2 for soft, 0.5 for hard (see __post_init__)
     attention: str = "soft"  # soft | hard: how it is trained (both decode with the expected context by default)
-    init_state: str = "mean"  # mean | learned: h_0, c_0 from the mean annotation (§3.1.2) or learned constants
 
     def __post_init__(self):
         # Measured in 8-minute runs on synthetic scenes: soft attention points better at 0.2
@@ -124,12 +123,12 @@ class AttentionDecoder(nn.Module):
 
     def __init__(self, *, vocab_size: int, encoder_dim: int = 512, embed_dim: int = 512,
                  hidden_dim: int = 512, attention_dim: int = 512, dropout: float | None = None,
-                 attention: str = "soft", init_state: str = "mean"):
+                 attention: str = "soft"):
         super().__init__()
         if attention not in ("soft", "hard"):
             raise ValueError(f"attention must be 'soft' or 'hard', got {attention!r}")
         self.config = DecoderConfig(vocab_size, encoder_dim, embed_dim, hidden_dim, attention_dim,
-                                    dropout, attention, init_state)
+                                    dropout, attention)
         E, D, H = embed_dim, encoder_dim, hidden_dim
         self.embedding = nn.Embedding(vocab_size, E)             # E, the word embedding matrix
         self.attention = Attention(D, H, attention_dim)          # f_att
@@ -169,8 +168,6 @@ class AttentionDecoder(nn.Module):
     def init_state(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h_0, c_0 from the mean annotation vector (§3.1.2), as in the authors' code (tanh)."""
         mean = features.mean(dim=1)                                   # (B, D)
-        if self.config.init_state == "learned":
-            mean = torch.zeros_like(mean)
         return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))  # (B, H) each
 
     def context(self, features: torch.Tensor, alpha: torch.Tensor, h: torch.Tensor, mode: str = EXPECTED,
@@ -352,8 +349,7 @@ def attention_penalty(alphas: torch.Tensor, mask: torch.Tensor, alpha_c: float =
 
 
 def sequence_loss(decoder: "AttentionDecoder", features: torch.Tensor, captions: torch.Tensor,
-                  lengths: torch.Tensor, alpha_c: float = 1.0, words: torch.Tensor | float | None = None,
-                  ground_weight: float = 0.0, top_k: int = 0):
+                  lengths: torch.Tensor, alpha_c: float = 1.0, words: torch.Tensor | float | None = None):
     """Training's soft loss, eq. (14) as `caption_loss`, with logits only where there are words.
 
     Returns:
@@ -362,10 +358,7 @@ def sequence_loss(decoder: "AttentionDecoder", features: torch.Tensor, captions:
     u = decoder.unroll(features, captions)
     nll, mask = decoder.word_nll(u, captions, lengths)
     words = mask.sum() if words is None else words
-    penalty = attention_penalty(u.alphas.float(), mask, alpha_c).sum() / words
-    if ground_weight:
-        penalty = penalty + ground_weight * cell_bound(decoder, features, u, captions, mask, top_k).sum() / words
-    return nll.sum() / words, penalty
+    return nll.sum() / words, attention_penalty(u.alphas.float(), mask, alpha_c).sum() / words
 
 
 def caption_loss(logits: torch.Tensor, alphas: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor,
@@ -389,33 +382,3 @@ def caption_loss(logits: torch.Tensor, alphas: torch.Tensor, captions: torch.Ten
                           reduction="none").view(B, T1)                          # (B, T-1)
     words = mask.sum() if words is None else words
     return (nll * mask).sum() / words, attention_penalty(alphas.float(), mask, alpha_c).sum() / words
-
-
-def cell_bound(decoder: "AttentionDecoder", features: torch.Tensor, u: Unrolled, captions: torch.Tensor,
-               mask: torch.Tensor, top_k: int = 0) -> torch.Tensor:
-    """E_{i~α_t}[−log p(y_t | ẑ_t = β_t a_i)] per word, with each cell alone in the deep output's context term.
-
-    The hard-attention bound of §4.1 (eq. 9), one step at a time and through the output layer,
-    computed exactly over the cells instead of by sampling. Returns (B, T-1), 0 on padding.
-    """
-    a = decoder.normalize(features)                                          # (B, L, D)
-    h0, _ = decoder.init_state(a)                                            # (B, H)
-    prev_h = torch.cat([h0.unsqueeze(1), u.h[:, :-1]], dim=1)                # (B, T-1, H) h_{t-1}
-    beta = torch.sigmoid(decoder.f_beta(prev_h))                             # (B, T-1, 1)
-    W_o = decoder.L_o.weight                                                 # (V, E)
-    base = decoder.L_o(decoder.dropout(u.emb + decoder.L_h(u.h)))            # (B, T-1, V) without the context
-    cells = decoder.L_z(a) @ W_o.t()                                         # (B, L, V) each cell's context logits
-    alphas = u.alphas                                                        # (B, T-1, L)
-    if top_k and top_k < alphas.size(2):
-        idx = alphas.detach().topk(top_k, dim=2).indices                     # (B, T-1, k)
-        alphas = alphas.gather(2, idx)
-        alphas = alphas / alphas.sum(2, keepdim=True)                        # (B, T-1, k)
-        cells = cells.unsqueeze(1).expand(-1, idx.size(1), -1, -1).gather(
-            2, idx.unsqueeze(3).expand(-1, -1, -1, cells.size(2)))           # (B, T-1, k, V)
-    else:
-        cells = cells.unsqueeze(1)                                           # (B, 1, L, V)
-    logits = base.unsqueeze(2) + beta.unsqueeze(3) * cells                   # (B, T-1, k|L, V)
-    target = captions[:, 1:mask.size(1) + 1]                                 # (B, T-1)
-    logp = logits.float().log_softmax(-1).gather(
-        3, target[:, :, None, None].expand(-1, -1, logits.size(2), 1)).squeeze(3)  # (B, T-1, k|L)
-    return -(alphas.float() * logp).sum(2) * mask                            # (B, T-1)

@@ -53,8 +53,6 @@ class TrainConfig:
     # Σ_i (1 − Σ_t α_ti)² over 196 cells is smallest when every map is spread evenly, and
     # measured on synthetic scenes it halves pointing accuracy (README, 'Soft and hard').
     alpha_c: float = 0.0
-    ground_weight: float = 0.0
-    ground_top_k: int = 0
     max_minutes: float | None = None
     patience: int = 8                    # validations without improvement before stopping
     metric: str = "CIDEr"                # early stopping / best.pt on this validation metric
@@ -101,8 +99,7 @@ class Objective(nn.Module):
         if self.decoder.config.attention == "hard":
             return hard_attention_loss(self.decoder, features, captions, lengths, baseline=baseline,
                                        cfg=self.cfg.hard, alpha_c=self.cfg.alpha_c, generator=generator, words=words)
-        nll, penalty = sequence_loss(self.decoder, features, captions, lengths, self.cfg.alpha_c, words=words,
-                                     ground_weight=self.cfg.ground_weight, top_k=self.cfg.ground_top_k)
+        nll, penalty = sequence_loss(self.decoder, features, captions, lengths, self.cfg.alpha_c, words=words)
         return nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
 
 
