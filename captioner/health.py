@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import numpy as np
 
 
-# Where the figures say the maps are not meaningful, set from 14 soft and hard models measured
+# Where the figures say the maps are not meaningful, set from the soft and hard models measured
 # on held-out scenes with boxes (README, "Attention health"). Pointing fell with the border ratio:
 # the models that pointed best had 0.0-0.5, those at 0.20-0.28 had 1.1-1.9; even maps (entropy
 # 0.85-0.91) pointed at 0.21-0.28, and the five most used cells held at most 0.16 of the peaks of
