@@ -18,14 +18,43 @@ FORMAT = "captioner-checkpoint/1"
 REQUIRED = ("format", "model", "decoder", "vocab", "encoder", "step")
 
 
+class _Writer:
+    """A file's write() that remembers the OSError it raised: torch.save reports a failed write
+    (a full disk) only as RuntimeError("unexpected pos ..."), which names no cause."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_checkpoint(obj: dict, path: str) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename: never a half-written file."""
+    """Write to a temporary file beside `path`, fsync, then rename: never a half-written file.
+
+    Raises:
+        OSError: the write failed (e.g. ENOSPC, a full disk); `path` is untouched and the
+            temporary file is removed.
+    """
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     tmp = os.path.join(d, f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT, **obj}, f)
+            writer = _Writer(f)
+            try:
+                torch.save({"format": FORMAT, **obj}, writer)
+            except RuntimeError:
+                if writer.error is not None:
+                    raise writer.error from None
+                raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -1,11 +1,14 @@
 """Command lines: `train.py` / `captioner-train` (prepare, fit, evaluate) and `captioner caption`.
 
 Mistakes in the user's input end with one `error:` line naming the file or flag, never a
-traceback; exit status 2 for such errors, 130 on Ctrl-C (work done so far is kept).
+traceback; exit status 2 for such errors and for a full disk. SIGTERM and Ctrl-C make `fit`
+and `prepare` finish their step or batch, save, and exit with 0 (SIGTERM, a clean preemption)
+or 130 (Ctrl-C); `fit --resume` and a second `prepare` go on from there.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -61,6 +64,8 @@ def get_train_parser() -> argparse.ArgumentParser:
                     help="images per encoder batch (default: 8 on CPU, 64 on GPU)")
     pp.add_argument("--workers", type=int, default=2, help="DataLoader workers decoding images")
     pp.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    pp.add_argument("--recheck", action="store_true", help="read every finished feature row first and "
+                    "extract again those holding inf or NaN (a damaged disk or copy)")
 
     fp = sub.add_parser("fit", help="train the decoder on a prepared data directory",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -120,23 +125,32 @@ def get_train_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _prepare(args) -> None:
+def _prepare(args) -> int:
     from . import distributed
     from .encoder import EncoderSpec
+    from .faults import GracefulStop
     from .prepare import prepare
     d, device = distributed.setup(args.device)
     spec = EncoderSpec(arch=args.encoder, weights=args.encoder_weights, seed=args.encoder_seed, crop=args.crop)
-    summary = prepare(args.captions, args.images, args.out, splits=args.splits, encoder=spec,
-                      min_count=args.min_count, max_len=args.max_len, skip_missing=args.skip_missing,
-                      skip_bad=args.skip_bad, batch_size=args.batch_size, workers=args.workers,
-                      device=str(device), dist=d, progress=d.main)
+    with GracefulStop(announce=d.main) as stop:
+        summary = prepare(args.captions, args.images, args.out, splits=args.splits, encoder=spec,
+                          min_count=args.min_count, max_len=args.max_len, skip_missing=args.skip_missing,
+                          skip_bad=args.skip_bad, batch_size=args.batch_size, workers=args.workers,
+                          device=str(device), dist=d, progress=d.main, recheck=args.recheck, stop=stop)
+    distributed.cleanup()
+    if "stopped" in summary:
+        if d.main:
+            print(f"stopped by {summary['stopped']}: {summary['features_done']} feature rows are on disk, "
+                  f"{summary['features_to_do']} to do; run the same prepare again to go on", file=sys.stderr)
+        return stop.exit_status
     if d.main:
         print(json.dumps(summary, indent=1))
-    distributed.cleanup()
+    return 0
 
 
-def _fit(args) -> None:
+def _fit(args) -> int:
     from .decoder import DecoderConfig
+    from .faults import GracefulStop
     from .reinforce import HardAttentionConfig
     from .training import TrainConfig, fit
     model = DecoderConfig(0, embed_dim=args.embed_dim, hidden_dim=args.hidden_dim,
@@ -149,11 +163,19 @@ def _fit(args) -> None:
                       checkpoint_minutes=args.checkpoint_minutes, log_every=args.log_every, seed=args.seed, amp=args.amp,
                       compile=args.compile, hard=hard)
     from . import distributed
-    p = fit(args.data, args.out, model, cfg, resume=args.resume, device=args.device)
-    if int(os.environ.get("RANK", "0")) == 0:
+    main = int(os.environ.get("RANK", "0")) == 0
+    with GracefulStop(announce=main) as stop:
+        p = fit(args.data, args.out, model, cfg, resume=args.resume, device=args.device, stop=stop)
+    distributed.cleanup()
+    if stop.requested:
+        if main:
+            print(f"stopped by {stop.signal_name} at step {p.step}: {os.path.join(args.out, 'last.pt')} saved; "
+                  "`fit --resume` continues from it", file=sys.stderr)
+        return stop.exit_status
+    if main:
         print(f"done: {p.step} steps, {p.epoch} epochs; best {cfg.metric} {p.best:.4f} at step {p.best_step}; "
               f"checkpoints in {args.out}")
-    distributed.cleanup()
+    return 0
 
 
 def _evaluate(args) -> None:
@@ -228,10 +250,15 @@ def _caption(args) -> None:
 
 def _run(handler: Callable, args) -> int:
     try:
-        handler(args)
-        return 0
+        return handler(args) or 0
     except CaptionerError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        # A full disk or quota wherever a write was not given its own message.
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: {e.strerror}{f' ({e.filename})' if e.filename else ''}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; finished work is kept (prepare resumes, fit --resume continues)", file=sys.stderr)

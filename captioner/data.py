@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ import torch
 from .coco import read_json
 from .encoder import EncoderSpec
 from .errors import CaptionerError
+from .faults import damaged_row_message, nonfinite_rows
 from .features import FeatureCache
 from .vocab import Vocabulary
 
@@ -33,9 +35,11 @@ class Batch:
     features: torch.Tensor   # (B, L, D) float32
     captions: torch.Tensor   # (B, T) long, <start> ... <end> <pad>...
     lengths: torch.Tensor    # (B,) long, counting <start> and <end>
+    dropped: tuple[int, ...] = ()  # feature rows of captions left out: their features are not finite
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=non_blocking) for t in (self.features, self.captions, self.lengths)))
+        return Batch(*(t.to(device, non_blocking=non_blocking) for t in (self.features, self.captions, self.lengths)),
+                     self.dropped)
 
 
 class CaptionData:
@@ -63,6 +67,7 @@ class CaptionData:
         self.references = {s: {int(k): v for k, v in refs.items()} for s, refs in splits["references"].items()}
         with np.load(os.path.join(data_dir, "captions.npz")) as npz:
             self.tokens, self.lengths, self.rows = npz["tokens"], npz["lengths"], npz["rows"]
+        self.damaged: set[int] = set()  # feature rows found holding inf or NaN, named once each
 
     def feature_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel mean and std of the training features (D,), for the decoder's standardisation."""
@@ -80,8 +85,22 @@ class CaptionData:
         return ids_rows[:, 0], ids_rows[:, 1]
 
     def features(self, rows) -> torch.Tensor:
-        """Features of rows, as float32 (n, L, D)."""
-        return torch.from_numpy(self.cache[np.asarray(rows)].astype(np.float32))
+        """Features of rows, as float32 (n, L, D), for captioning a split.
+
+        A damaged row (inf or NaN: a bad sector, a broken copy) would make beam search return
+        nothing; it is read as zeros instead, and its image is named once on stderr.
+        """
+        rows = np.atleast_1d(np.asarray(rows))
+        raw = self.cache[rows]                                    # (n, L, D) fp16, a fresh array
+        bad = nonfinite_rows(raw)                                 # (n,)
+        if bad.any():
+            raw[bad] = 0
+            for row in sorted(set(rows[bad].tolist()) - self.damaged):
+                self.damaged.add(row)
+                print("warning: " + damaged_row_message(self.meta["image_ids"][row], self.path_of(row), row,
+                                                        self.cache.path, "it is captioned from zeros"),
+                      file=sys.stderr)
+        return torch.from_numpy(raw.astype(np.float32))
 
     def num_batches(self, batch_size: int, world: int = 1) -> int:
         return len(bucket_batches(self.lengths, batch_size, seed=0, epoch=0, world=world))
@@ -90,16 +109,31 @@ class CaptionData:
                 rank: int = 0, world: int = 1, pin: bool = False) -> Iterator[Batch]:
         """Training batches of one epoch, bucketed by length; `start` skips finished ones.
 
+        Captions whose image's features hold inf or NaN (a damaged cache row) are left out of
+        their batch and named in `Batch.dropped`, so that they never reach the model.
+
         Args:
             pin: page-locked memory, for non-blocking copies to a GPU.
+
+        Raises:
+            CaptionerError: every caption of a batch has damaged features.
         """
         for idx in bucket_batches(self.lengths, batch_size, seed=seed, epoch=epoch,
                                   rank=rank, world=world)[start:]:
+            raw = self.cache[self.rows[idx]]                      # (B, L, D) fp16
+            bad = nonfinite_rows(raw)                             # (B,)
+            dropped = tuple(int(r) for r in self.rows[idx][bad])
+            if bad.all():
+                raise CaptionerError(f"{self.cache.path}: the features of every image in a batch hold inf or "
+                                     f"NaN (rows {sorted(set(dropped))[:10]}); the cache is damaged: run "
+                                     "`train.py prepare ... --recheck` to re-extract bad rows")
+            idx, raw = idx[~bad], raw[~bad]
             T = int(self.lengths[idx].max())
-            batch = Batch(self.features(self.rows[idx]),
+            batch = Batch(torch.from_numpy(raw.astype(np.float32)),
                           torch.from_numpy(self.tokens[idx, :T].astype(np.int64)),
-                          torch.from_numpy(self.lengths[idx].astype(np.int64)))
-            yield Batch(*(t.pin_memory() for t in (batch.features, batch.captions, batch.lengths))) if pin else batch
+                          torch.from_numpy(self.lengths[idx].astype(np.int64)), dropped)
+            yield Batch(*(t.pin_memory() for t in (batch.features, batch.captions, batch.lengths)),
+                        dropped) if pin else batch
 
 
 def bucket_batches(lengths: np.ndarray, batch_size: int, *, seed: int, epoch: int,
@@ -123,8 +157,12 @@ def bucket_batches(lengths: np.ndarray, batch_size: int, *, seed: int, epoch: in
 def write_json_atomic(path: str, obj) -> None:
     """Write JSON so that the file is either the old one or the complete new one."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:  # a failed write (a full disk) leaves no temporary file behind
+        if os.path.exists(tmp):
+            os.remove(tmp)

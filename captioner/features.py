@@ -8,12 +8,15 @@ Rows are read and written with positioned reads and writes (pread/pwrite), not a
 the operating system's page cache keeps what fits, and the process's own memory stays the
 size of one batch whatever the size of the cache (a memory map would count every page
 touched). A row is marked done only after its features are fsync'ed, so a killed `prepare`
-leaves at worst rows that are redone, never a row marked done with half-written features.
-Both files are created under a temporary name and renamed, so they exist whole or not at all.
+leaves at worst rows that are redone, never a row marked done with half-written features;
+a failed write (a full disk) marks nothing. Both files are created under a temporary name and
+renamed, so they exist whole or not at all. `recheck` finds done rows whose features hold
+inf or NaN (a damaged disk or copy) and marks them to do again.
 """
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,6 +26,7 @@ from tqdm import tqdm
 
 from .encoder import FEATURE_DIM
 from .errors import CaptionerError, ImageError
+from .faults import GracefulStop, describe_os_error, disk_error, nonfinite_rows, stop_requested
 from .images import Preprocess, load_image
 
 TODO, DONE, BAD = 0, 1, 2
@@ -31,8 +35,14 @@ FP16_MAX = 65504.0
 
 def _create_atomically(path: str, make) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    make(tmp)
-    os.replace(tmp, path)
+    try:
+        make(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise disk_error(e, path, "the feature cache") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _npy_layout(path: str) -> tuple[tuple[int, ...], np.dtype, int]:
@@ -87,13 +97,42 @@ class FeatureCache:
         return rows[rows % world == rank]
 
     def write(self, rows: np.ndarray, feats: np.ndarray) -> None:
-        """Store features for rows, fsync them, then mark the rows done."""
+        """Store features for rows, fsync them, then mark the rows done.
+
+        Raises:
+            CaptionerError: a write failed (e.g. no space left); none of these rows is marked done.
+        """
         data = np.ascontiguousarray(np.clip(feats, -FP16_MAX, FP16_MAX).astype(np.float16))  # (n, L, D)
-        for row, f in zip(rows, data):
-            os.pwrite(self.fd, f.tobytes(), self.offset + int(row) * self.row_bytes)
-        os.fsync(self.fd)
+        try:
+            for row, f in zip(rows, data):
+                view, at = memoryview(f.tobytes()), self.offset + int(row) * self.row_bytes
+                while view:  # a write may land in part (a disk filling up); the rest raises ENOSPC
+                    n = os.pwrite(self.fd, view, at)
+                    view, at = view[n:], at + n
+            os.fsync(self.fd)
+        except OSError as e:
+            raise CaptionerError(f"cannot write features to {self.path}: {describe_os_error(e, self.path)}; rows "
+                                 "finished so far are kept: free some space and run prepare again") from None
         self.done[rows] = DONE
         self.done.flush()
+
+    def unallocated_bytes(self) -> int:
+        """Bytes of features.npy not yet on disk: the file is sparse until its rows are written."""
+        st = os.stat(self.path)
+        return max(0, st.st_size - st.st_blocks * 512)
+
+    def recheck(self, progress: bool = True, chunk: int = 256) -> np.ndarray:
+        """Read every done row, mark those holding inf or NaN to do again; returns those rows."""
+        rows = np.flatnonzero(self.done == DONE)
+        damaged = []
+        for i in tqdm(range(0, len(rows), chunk), desc="recheck", unit="chunk", disable=not progress,
+                      dynamic_ncols=True):
+            part = rows[i:i + chunk]
+            damaged += part[nonfinite_rows(self[part])].tolist()
+        if damaged:
+            self.done[damaged] = TODO
+            self.done.flush()
+        return np.asarray(damaged, dtype=np.int64)
 
     def mark_bad(self, rows: Sequence[int]) -> None:
         self.done[list(rows)] = BAD
@@ -109,6 +148,13 @@ class FeatureCache:
                 raise CaptionerError(f"{self.path}: row {row} is cut short ({got} of {self.row_bytes} bytes); "
                                      "the file is truncated: run `prepare` again into a new directory")
         return out
+
+
+def _leave_signals_to_the_main_process(worker_id: int) -> None:
+    # Ctrl-C reaches the whole process group: workers ignore it and SIGTERM, so that the main
+    # process can finish its batch (GracefulStop) instead of losing its workers under it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class _ImageFiles(Dataset):
@@ -133,12 +179,16 @@ def extract_features(cache: FeatureCache, paths: Sequence[str], encoder: torch.n
                      preprocess: Preprocess, *,
                      batch_size: int = 32, workers: int = 2, device: str = "cpu",
                      skip_bad: bool = False, rank: int = 0, world: int = 1,
-                     progress: bool = True) -> list[str]:
+                     progress: bool = True, stop: GracefulStop | None = None) -> list[str]:
     """Fill the cache's unfinished rows (this rank's share) with encoder features.
 
+    Args:
+        stop: once requested (SIGTERM, SIGINT), return after the current batch is on disk.
+
     Returns:
-        Messages for images that could not be read (only with skip_bad; otherwise the first
-        one raises CaptionerError after the batch's good rows are saved).
+        Messages for images that could not be read or whose features came out NaN (only with
+        skip_bad; otherwise the first one raises CaptionerError after the batch's good rows
+        are saved).
     """
     rows = cache.todo(rank, world)
     if len(rows) == 0:
@@ -146,20 +196,30 @@ def extract_features(cache: FeatureCache, paths: Sequence[str], encoder: torch.n
     encoder = encoder.to(device)
     loader = DataLoader(_ImageFiles(paths, rows, preprocess), batch_size=batch_size,
                         num_workers=workers, pin_memory=device.startswith("cuda"),
-                        persistent_workers=False)
+                        persistent_workers=False, worker_init_fn=_leave_signals_to_the_main_process)
     bad = []
     bar = tqdm(total=len(rows), desc="features", unit="img", disable=not progress, dynamic_ncols=True)
     with torch.inference_mode():
         for batch_rows, images, errors in loader:
+            errors = list(errors)
             ok = [i for i, e in enumerate(errors) if not e]
             if ok:
-                feats = encoder(images[ok].to(device, non_blocking=True))  # (b, L, D)
-                cache.write(batch_rows[ok].numpy(), feats.float().cpu().numpy())
+                feats = encoder(images[ok].to(device, non_blocking=True)).float().cpu().numpy()  # (b, L, D)
+                # NaN is never stored (inf is clipped to the fp16 range by write): a broken encoder.
+                nan = np.isnan(feats).reshape(len(ok), -1).any(axis=1)                          # (b,)
+                for i in np.flatnonzero(nan):
+                    errors[ok[i]] = (f"{paths[int(batch_rows[ok[i]])]}: the encoder's features for this image "
+                                     "are NaN (broken encoder weights?)")
+                keep = [i for i, is_nan in zip(ok, nan) if not is_nan]
+                if keep:
+                    cache.write(batch_rows[keep].numpy(), feats[~nan])
             failed = [(int(r), e) for r, e in zip(batch_rows, errors) if e]
             if failed and not skip_bad:
                 raise CaptionerError(f"{failed[0][1]} (--skip-bad goes on without unreadable images)")
             cache.mark_bad([r for r, _ in failed])
             bad += [e for _, e in failed]
             bar.update(len(batch_rows))
+            if stop_requested(stop):
+                break
     bar.close()
     return bad

@@ -3,11 +3,13 @@
 Resumable: meta.json is written first and names the images and encoder; a second run with the
 same inputs reuses every finished feature row, and a run with different inputs is refused
 rather than mixing two caches. The directory counts as prepared only once meta.json says
-"complete", after everything else is on disk.
+"complete", after everything else is on disk. A stop (SIGTERM, Ctrl-C) ends it after the current
+batch of features, with done marks only for rows on disk; `recheck` re-extracts damaged rows.
 """
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,7 +19,8 @@ from .data import FORMAT, write_json_atomic
 from .distributed import Dist, barrier
 from .encoder import FEATURE_DIM, EncoderSpec, build_encoder
 from .errors import CaptionerError
-from .features import BAD, FeatureCache, extract_features
+from .faults import GracefulStop, check_free_space, describe_os_error, nonfinite_rows, stop_requested
+from .features import BAD, DONE, TODO, FeatureCache, extract_features
 from .vocab import Vocabulary, tokenize
 
 
@@ -37,7 +40,8 @@ def prepare(captions: Sequence[str], image_dirs: Sequence[str], out_dir: str, *,
             splits: str | None = None, encoder: EncoderSpec = EncoderSpec(),
             min_count: int = 5, max_len: int = 20, skip_missing: bool = False,
             skip_bad: bool = False, batch_size: int | None = None, workers: int = 2,
-            device: str = "cpu", dist: Dist = Dist(), progress: bool = True) -> dict:
+            device: str = "cpu", dist: Dist = Dist(), progress: bool = True, recheck: bool = False,
+            stop: GracefulStop | None = None) -> dict:
     """Build a data directory; returns a summary (counts per split, vocabulary size, skipped).
 
     Args:
@@ -51,6 +55,9 @@ def prepare(captions: Sequence[str], image_dirs: Sequence[str], out_dir: str, *,
         batch_size: images per encoder forward; default 8 on CPU (larger batches run VGG slower
             there: 5.4 images/s at 32 against 7.2 at 4, measured on 2 cores), 64 on a GPU.
         dist: under torchrun, this process's place: each rank extracts its share of the rows.
+        recheck: first read every finished feature row and re-extract those holding inf or NaN.
+        stop: once requested (SIGTERM, SIGINT), end after the current batch of features; the
+            summary then says {"stopped": signal name, ...} and a rerun goes on from there.
     """
     if batch_size is None:
         batch_size = 64 if str(device).startswith("cuda") else 8
@@ -67,27 +74,53 @@ def prepare(captions: Sequence[str], image_dirs: Sequence[str], out_dir: str, *,
     if dist.main:
         _check_resumable(out_dir, meta)
         write_json_atomic(os.path.join(out_dir, "meta.json"), {**meta, "complete": False})
-        FeatureCache(out_dir, len(records), grid * grid, FEATURE_DIM, mode="r+")  # create the files once
+        cache = FeatureCache(out_dir, len(records), grid * grid, FEATURE_DIM, mode="r+")  # create the files once
+        if recheck:
+            _recheck(cache, meta, progress)
+        # faults (issue 15): say up front when the features will not fit; a full disk then stops
+        # prepare with a message, keeping every finished row.
+        short = check_free_space(cache.path, cache.unallocated_bytes(), "the feature cache")
+        if short:
+            print(f"warning: {short}; prepare stops when the disk is full, keeping finished rows", file=sys.stderr)
     barrier(dist)
     cache = FeatureCache(out_dir, len(records), grid * grid, FEATURE_DIM, mode="r+")
     extract_features(cache, meta["paths"], enc, spec.preprocess, batch_size=batch_size, workers=workers,
-                     device=device, skip_bad=skip_bad, rank=dist.rank, world=dist.world, progress=progress)
+                     device=device, skip_bad=skip_bad, rank=dist.rank, world=dist.world, progress=progress,
+                     stop=stop)
+    if stop_requested(stop) and len(cache.todo(dist.rank, dist.world)):
+        return {"stopped": stop.signal_name, "rank": dist.rank, "features_done": int((cache.done == DONE).sum()),
+                "features_to_do": int((cache.done == TODO).sum())}
     barrier(dist)  # every rank's rows are on disk before the dataset files are written
     if not dist.main:
         return {"rank": dist.rank}
-    return _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped)
+    try:
+        return _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped)
+    except OSError as e:
+        raise CaptionerError(f"cannot write the dataset files in {out_dir}: {describe_os_error(e, out_dir)}; "
+                             "the features are kept: free some space and run prepare again") from None
+
+
+def _recheck(cache: FeatureCache, meta: dict, progress: bool) -> None:
+    """Mark finished feature rows that hold inf or NaN to be extracted again, naming their images."""
+    damaged = cache.recheck(progress=progress)
+    for row in damaged[:20]:
+        print(f"recheck: image {meta['image_ids'][row]} ({meta['paths'][row]}): features held inf or NaN; "
+              "extracting them again", file=sys.stderr)
+    print(f"recheck: {len(damaged)} of {len(cache.done)} feature rows to extract again", file=sys.stderr)
 
 
 def _feature_stats(cache: FeatureCache, rows: list[int], sample: int = 2000) -> tuple[list[float], list[float]]:
     """Per-channel mean and std of training features (over a fixed sample of images)."""
     pick = np.asarray(rows)[np.linspace(0, len(rows) - 1, min(sample, len(rows))).astype(int)]
     D = cache.shape[2]
-    s1, s2 = np.zeros(D), np.zeros(D)
+    s1, s2, used = np.zeros(D), np.zeros(D), 0
     for i in range(0, len(pick), 256):
-        f = cache[pick[i:i + 256]].astype(np.float64).reshape(-1, D)  # (n*L, D)
+        f = cache[pick[i:i + 256]]                                      # (n, L, D) fp16
+        f = f[~nonfinite_rows(f)].astype(np.float64).reshape(-1, D)      # (n'*L, D): damaged rows left out
         s1 += f.sum(0)
         s2 += (f * f).sum(0)
-    n = len(pick) * cache.shape[1]
+        used += len(f) // cache.shape[1]
+    n = max(used, 1) * cache.shape[1]
     mean = s1 / n
     std = np.sqrt(np.maximum(s2 / n - mean ** 2, 0.0))
     return mean.round(6).tolist(), std.round(6).tolist()
@@ -119,9 +152,13 @@ def _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped) -
                              f"longer than --max-len {max_len}")
     np_path = os.path.join(out_dir, "captions.npz")
     tmp = f"{np_path}.tmp{os.getpid()}.npz"
-    np.savez(tmp, tokens=np.asarray(tokens, np.int32), lengths=np.asarray(lengths, np.int32),
-             rows=np.asarray(rows, np.int64))
-    os.replace(tmp, np_path)
+    try:
+        np.savez(tmp, tokens=np.asarray(tokens, np.int32), lengths=np.asarray(lengths, np.int32),
+                 rows=np.asarray(rows, np.int64))
+        os.replace(tmp, np_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     images = {s: [[r.image_id, row] for row, r in usable if r.split == s] for s in SPLITS}
     references = {s: {str(r.image_id): r.captions for row, r in usable if r.split == s}
                   for s in ("val", "test")}

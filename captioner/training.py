@@ -23,8 +23,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from . import distributed
-from .checkpoint import load_checkpoint, save_checkpoint
+from . import distributed, faults
+from .checkpoint import load_checkpoint
 from .data import CaptionData
 from .decoder import AttentionDecoder, DecoderConfig, sequence_loss
 from .errors import CaptionerError
@@ -86,6 +86,8 @@ class Progress:
     best_step: int = 0
     stale: int = 0                       # validations since the last improvement
     baseline: float = 0.0                # REINFORCE moving-average baseline (hard attention)
+    skipped_steps: int = 0               # steps not applied: a non-finite loss or gradient (issue 15)
+    skipped_captions: int = 0            # captions left out, features not finite (rank 0's share)
 
 
 class Objective(nn.Module):
@@ -105,7 +107,11 @@ class Objective(nn.Module):
 
 def train_step(objective, batch, optimizer, scaler, cfg: TrainConfig, progress: Progress,
                generator: torch.Generator, d: distributed.Dist, device: torch.device) -> dict:
-    """One optimisation step on this process's share of a global batch; returns the loss terms."""
+    """One optimisation step on this process's share of a global batch; returns the loss terms.
+
+    A step whose loss terms or gradient norm are not finite (on any process) is not applied:
+    the weights stay as they were, and the returned terms show the non-finite value.
+    """
     objective.train()
     # Normalise by the global word count so N processes give the gradient of one big batch.
     words = distributed.all_sum(d, [float((batch.lengths - 1).sum())], device)[0] / d.world
@@ -116,16 +122,20 @@ def train_step(objective, batch, optimizer, scaler, cfg: TrainConfig, progress: 
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(objective.parameters(), cfg.grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
-    terms = {"loss": float(loss.detach()), **{k: float(v) for k, v in terms.items()}}
+    grad_norm = torch.nn.utils.clip_grad_norm_(objective.parameters(), cfg.grad_clip)
+    terms = {"loss": float(loss.detach()), **{k: float(v) for k, v in terms.items()},
+             "grad_norm": float(grad_norm)}
     counts = {k: terms.pop(k) for k in ("reward_sum", "sampled") if k in terms}
     # Each process's terms are its share of the global batch's: their mean is the batch's.
     names = list(terms) + list(counts)
     totals = distributed.all_sum(d, [terms[k] for k in terms] + list(counts.values()), device)
     terms = {k: v / d.world for k, v in zip(names[:len(terms)], totals)}
-    if counts:
+    # faults (issue 15): the sums carry a NaN or inf from any process, so all agree to skip the update.
+    applied = faults.all_finite(terms)
+    if applied:
+        scaler.step(optimizer)
+    scaler.update()
+    if counts and applied:
         reward_sum, sampled = totals[len(terms):]
         progress.baseline = update_baseline(progress.baseline, reward_sum, sampled, cfg.hard.baseline_decay)
         terms["baseline"] = progress.baseline
@@ -169,7 +179,7 @@ def _resume_config(ck: dict, data: CaptionData, cfg: TrainConfig, path: str) -> 
 
 def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         cfg: TrainConfig = TrainConfig(), *, resume: bool = False, device: str = "auto",
-        progress_bar: bool = True) -> Progress:
+        progress_bar: bool = True, stop: faults.GracefulStop | None = None) -> Progress:
     """Train a decoder on a prepared data directory, writing last.pt, best.pt and metrics.jsonl.
 
     Args:
@@ -180,6 +190,12 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
             max_minutes and checkpoint_every.
         resume: continue from out_dir/last.pt.
         device: "auto", "cpu" or "cuda" (under torchrun each process takes its local GPU).
+        stop: once it is requested (SIGTERM, SIGINT), every process finishes its step, rank 0
+            saves last.pt, and fit returns; `resume` continues from there exactly.
+
+    Raises:
+        CaptionerError: the final save of last.pt or best.pt failed (e.g. a full disk); the
+            message names the last good checkpoint. Failed saves before it only warn.
     """
     start = time.monotonic()
     d, dev = distributed.setup(device)
@@ -223,16 +239,26 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
 
     def write_log(record: dict) -> None:
         if log:
-            log.write(json.dumps({**record, "time": round(time.monotonic() - start, 2)}) + "\n")
-            log.flush()
+            try:  # faults (issue 15): a full disk loses log lines, not the run
+                log.write(json.dumps({**record, "time": round(time.monotonic() - start, 2)}) + "\n")
+                log.flush()
+            except OSError:
+                pass
 
     last_save = time.monotonic()
+    # faults (issue 15): a failed save names the last good checkpoint; training goes on and retries
+    # at the next save, and a failed final save ends fit with that message (exit status 2).
+    notes = faults.FaultLog(write_log, show=d.main, print_line=lambda line: tqdm.write(line, file=sys.stderr))
+    saver = faults.CheckpointSaver(good={last_path: progress.step} if ck is not None else {})
+    if ck is not None and os.path.exists(best_path):
+        saver.good[best_path] = progress.best_step
 
-    def save(path: str, metrics: dict) -> None:
+    def save(path: str, metrics: dict, final: bool = False) -> None:
         nonlocal last_save
-        if d.main:
-            save_checkpoint(_checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data,
-                                        generator, metrics), path)
+        if d.main and not saver.save(_checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data,
+                                                 generator, metrics), path):
+            then = "fit ends with this error" if final else "training goes on and retries at the next save"
+            notes.warn("save_failed", f"{saver.failed[path]}; {then}", step=progress.step, show=not final)
         if path == last_path:
             last_save = time.monotonic()
 
@@ -243,16 +269,21 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
                "decoder": model_cfg.to_dict(), "train": cfg.to_dict(), "device": str(dev), "world": d.world,
                "train_captions": int(len(data.lengths)), "batches_per_epoch": n_batches})
     pin = dev.type == "cuda"
-    out_of_time = False
-    while progress.epoch < cfg.epochs and not out_of_time:
+    out_of_time = stopped = False
+    while progress.epoch < cfg.epochs and not out_of_time and not stopped:
         bar = tqdm(total=n_batches, initial=progress.batch_in_epoch, desc=f"epoch {progress.epoch + 1}",
                    disable=not (progress_bar and d.main), dynamic_ncols=True, leave=False)
         for batch in data.batches(cfg.batch_size, seed=cfg.seed, epoch=progress.epoch,
                                   start=progress.batch_in_epoch, rank=d.rank, world=d.world, pin=pin):
+            # faults (issue 15): captions of damaged feature rows were left out; a non-finite step is not applied.
+            if batch.dropped:
+                progress.skipped_captions += len(batch.dropped)
+                notes.damaged_rows(batch.dropped, data, progress.step)
             terms = train_step(objective, batch.to(dev, non_blocking=pin), optimizer, scaler, cfg, progress,
                                generator, d, dev)
-            if not all(math.isfinite(v) for v in terms.values()):
-                raise RuntimeError(f"non-finite loss at step {progress.step}: {terms}")
+            if not faults.all_finite(terms):
+                progress.skipped_steps += 1
+                notes.skipped_step(progress.step + 1, terms, scaled=scaler.is_enabled())
             progress.step += 1
             progress.batch_in_epoch += 1
             bar.update(1)
@@ -263,10 +294,16 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
             due = cfg.checkpoint_minutes and time.monotonic() - last_save > cfg.checkpoint_minutes * 60
             if due or (cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0):
                 save(last_path, metrics)   # rank 0 alone writes, so ranks need not agree on when
+            # faults (issue 15): SIGTERM/SIGINT on any process stops all of them after this step.
+            if distributed.any_true(d, faults.stop_requested(stop), dev):
+                stopped = True
+                break
             if distributed.any_true(d, time.monotonic() - start > budget, dev):
                 out_of_time = True
                 break
         bar.close()
+        if stopped:
+            break
         if not out_of_time:
             progress.epoch += 1
             progress.batch_in_epoch = 0
@@ -287,16 +324,30 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         found = problems(metrics["attention_health"])
         if found and d.main:
             print(f"warning: step {progress.step}: {'; '.join(found)}: {ADVICE}", file=sys.stderr, flush=True)
+        # A signal during validation: last.pt is saved next, so stop there.
+        stopped = distributed.any_true(d, faults.stop_requested(stop), dev)
+        final = stopped or out_of_time or progress.epoch >= cfg.epochs or progress.stale >= cfg.patience
         if improved:
-            save(best_path, metrics)
-        save(last_path, metrics)
+            save(best_path, metrics, final)
+        save(last_path, metrics, final)
         if progress.stale >= cfg.patience:
             write_log({"event": "early_stop", "step": progress.step, "epoch": progress.epoch})
             break
-    if d.main and not os.path.exists(best_path):  # e.g. resumed after the run had finished
-        save(best_path, metrics)
-    write_log({"event": "end", "step": progress.step, "epoch": progress.epoch, "best": progress.best})
+    # faults (issue 15): a stop saves last.pt (unless it was just saved) and leaves best.pt as it is.
+    if stopped:
+        if saver.good.get(last_path) != progress.step:
+            save(last_path, metrics, final=True)
+        write_log({"event": "stopped", "signal": stop.signal_name, "step": progress.step, "epoch": progress.epoch,
+                   "saved": last_path not in saver.failed})
+    elif d.main and not os.path.exists(best_path):  # e.g. resumed after the run had finished
+        save(best_path, metrics, final=True)
+    write_log({"event": "end", "step": progress.step, "epoch": progress.epoch, "best": progress.best,
+               "skipped_steps": progress.skipped_steps, "skipped_captions": progress.skipped_captions})
     if log:
         log.close()
-    distributed.barrier(d)
+    # Every rank waits for rank 0's saves and ends the same way: a failed final save is an error.
+    failed, resumable = distributed.broadcast(d, (saver.failed, last_path in saver.good))
+    if failed:
+        message = failed.get(last_path) or next(iter(failed.values()))
+        raise CaptionerError(message + ("; `fit --resume` continues from it" if resumable else ""))
     return progress
