@@ -37,12 +37,17 @@ def get_train_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    pp = sub.add_parser("prepare", help="vocabulary + feature cache from COCO captions and images",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    pp = sub.add_parser("prepare", help="vocabulary + feature cache from COCO captions (or a Karpathy "
+                        "dataset file) and images", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     pp.add_argument("--images", nargs="+", required=True, metavar="DIR",
                     help="image directories, searched in order (e.g. train2014 val2014)")
-    pp.add_argument("--captions", nargs="+", required=True, metavar="COCO_JSON",
-                    help="COCO captions files (e.g. captions_train2014.json captions_val2014.json)")
+    source = pp.add_mutually_exclusive_group(required=True)
+    source.add_argument("--captions", nargs="+", metavar="COCO_JSON",
+                        help="COCO captions files (e.g. captions_train2014.json captions_val2014.json)")
+    source.add_argument("--karpathy", metavar="KARPATHY_JSON",
+                        help="instead of --captions/--splits: Karpathy's dataset_coco.json, "
+                        "dataset_flickr8k.json or dataset_flickr30k.json (captions and split in one file; "
+                        "images are DIR/filepath/filename or DIR/filename)")
     pp.add_argument("--splits", metavar="KARPATHY_JSON", help="Karpathy split file (dataset_coco.json); "
                     "default: a deterministic 90/5/5 split")
     pp.add_argument("--out", required=True, metavar="DATA_DIR", help="data directory to write")
@@ -52,7 +57,9 @@ def get_train_parser() -> argparse.ArgumentParser:
     pp.add_argument("--encoder-seed", type=int, default=0, help="seed of --encoder-weights none")
     pp.add_argument("--crop", action="store_true", help="resize-256/centre-crop-224 as in the paper "
                     "instead of resizing the whole image to 224x224")
-    pp.add_argument("--min-count", type=_positive_int, default=5, help="rarer words become <unk>")
+    pp.add_argument("--min-word-freq", "--min-count", dest="min_word_freq", type=_positive_int, default=5,
+                    help="words seen fewer times in the training split's captions become <unk> "
+                    "(val and test captions are not counted)")
     pp.add_argument("--max-len", type=_positive_int, default=20, help="longer training captions are left out")
     pp.add_argument("--skip-missing", action="store_true", help="go on without images whose file is missing")
     pp.add_argument("--skip-bad", action="store_true",
@@ -126,8 +133,8 @@ def _prepare(args) -> None:
     from .prepare import prepare
     d, device = distributed.setup(args.device)
     spec = EncoderSpec(arch=args.encoder, weights=args.encoder_weights, seed=args.encoder_seed, crop=args.crop)
-    summary = prepare(args.captions, args.images, args.out, splits=args.splits, encoder=spec,
-                      min_count=args.min_count, max_len=args.max_len, skip_missing=args.skip_missing,
+    summary = prepare(args.captions, args.images, args.out, splits=args.splits, karpathy=args.karpathy,
+                      encoder=spec, min_count=args.min_word_freq, max_len=args.max_len, skip_missing=args.skip_missing,
                       skip_bad=args.skip_bad, batch_size=args.batch_size, workers=args.workers,
                       device=str(device), dist=d, progress=d.main)
     if d.main:
