@@ -30,9 +30,10 @@ def _positive_float(text: str) -> float:
 
 def get_train_parser() -> argparse.ArgumentParser:
     from .decoder import DecoderConfig
+    from .finetune import STARTS as FINE_TUNE_STARTS, FineTuneConfig
     from .reinforce import HardAttentionConfig
     from .training import TrainConfig
-    t, m, h = TrainConfig(), DecoderConfig(0), HardAttentionConfig()
+    t, m, h, ft = TrainConfig(), DecoderConfig(0), HardAttentionConfig(), FineTuneConfig()
     p = argparse.ArgumentParser(prog="train.py", description="Train and evaluate Show, Attend and Tell.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -109,6 +110,16 @@ def get_train_parser() -> argparse.ArgumentParser:
     fp.add_argument("--semi-sampling", type=float, default=h.semi_sampling,
                     help="hard attention: probability of the expected context instead of a sample")
     fp.add_argument("--baseline-decay", type=float, default=h.baseline_decay, help="hard attention")
+    fp.add_argument("--fine-tune-encoder", action="store_true",
+                    help="train the encoder's last layers with the decoder (the checkpoint then holds them "
+                    "under encoder_state); conv5_1 first caches pool4 outputs in the data directory, once")
+    fp.add_argument("--fine-tune-from", choices=list(FINE_TUNE_STARTS), default=None,
+                    help=f"first trained layer (default {ft.start}): conv5_1 runs on cached pool4 outputs, "
+                    "conv4_1 on the images")
+    fp.add_argument("--encoder-lr", type=_positive_float, default=None,
+                    help=f"Adam learning rate of the encoder's layers (default {ft.lr})")
+    fp.add_argument("--workers", type=int, default=ft.workers,
+                    help="DataLoader workers decoding images when fine-tuning (pool4 cache, conv4_1 batches)")
 
     ep = sub.add_parser("evaluate", help="caption a split and score it with coco-caption",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -154,13 +165,26 @@ def _fit(args) -> None:
                       metric=args.metric, val_beam_size=args.val_beam_size, val_images=args.val_images,
                       checkpoint_every=args.checkpoint_every,
                       checkpoint_minutes=args.checkpoint_minutes, log_every=args.log_every, seed=args.seed, amp=args.amp,
-                      compile=args.compile, hard=hard)
+                      compile=args.compile, hard=hard,
+                      fine_tune=_fine_tune_config(args))
     from . import distributed
     p = fit(args.data, args.out, model, cfg, resume=args.resume, device=args.device)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"done: {p.step} steps, {p.epoch} epochs; best {cfg.metric} {p.best:.4f} at step {p.best_step}; "
               f"checkpoints in {args.out}")
     distributed.cleanup()
+
+
+def _fine_tune_config(args):
+    from .finetune import FineTuneConfig
+    given = [flag for flag, v in (("--fine-tune-from", args.fine_tune_from), ("--encoder-lr", args.encoder_lr))
+             if v is not None]
+    if not args.fine_tune_encoder:
+        if given:
+            raise CaptionerError(f"{given[0]} needs --fine-tune-encoder")
+        return None
+    ft = FineTuneConfig()
+    return FineTuneConfig(args.fine_tune_from or ft.start, args.encoder_lr or ft.lr, args.workers)
 
 
 def _evaluate(args) -> None:

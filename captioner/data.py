@@ -30,12 +30,14 @@ FORMAT = "captioner-data/1"
 @dataclass
 class Batch:
     """Training captions with their image features."""
-    features: torch.Tensor   # (B, L, D) float32
+    features: torch.Tensor   # (B, L, D) float32; when fine-tuning, the encoder's inputs, one per image (finetune.py)
     captions: torch.Tensor   # (B, T) long, <start> ... <end> <pad>...
     lengths: torch.Tensor    # (B,) long, counting <start> and <end>
+    image_index: torch.Tensor | None = None  # (B,) long: each caption's row in `features` when fine-tuning
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=non_blocking) for t in (self.features, self.captions, self.lengths)))
+        return Batch(*(t if t is None else t.to(device, non_blocking=non_blocking)
+                       for t in (self.features, self.captions, self.lengths, self.image_index)))
 
 
 class CaptionData:

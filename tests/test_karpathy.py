@@ -140,3 +140,21 @@ def test_prepare_cli_karpathy_and_its_errors(tmp_path):
     p = run_cli("train.py", "prepare", "--karpathy", path, "--splits", path, "--images", str(root),
                 "--out", str(tmp_path / "e"), "--encoder-weights", "none")
     assert p.returncode == 2 and "do not pass --captions or --splits" in p.stderr
+
+
+def test_held_out_scenes_rewritten_in_flickr_layout(tmp_path):
+    # The acceptance check's input: benchmarks/karpathy_flickr.py on captioner.heldout's splits.json.
+    from captioner.heldout import generate
+    generate(tmp_path / "scenes", 30, seed=2)
+    out = tmp_path / "dataset_flickr.json"
+    p = run_cli("benchmarks/karpathy_flickr.py", str(tmp_path / "scenes" / "splits.json"), str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    flickr = json.loads(out.read_text())
+    assert all("filepath" not in img and "cocoid" not in img and "/" not in img["filename"]
+               for img in flickr["images"])
+    splits = [img["split"] for img in flickr["images"]]
+    assert splits.count("restval") == 3 and splits.count("train") == 21        # every tenth of 24 train images
+    records, _ = load_karpathy(str(out), [str(tmp_path / "scenes" / "images")])
+    coco, _ = load_karpathy(str(tmp_path / "scenes" / "splits.json"), [str(tmp_path / "scenes")])
+    assert [r.image_id for r in records] == list(range(30))                    # imgid, the only id left
+    assert [(r.path, r.split, r.captions) for r in records] == [(r.path, r.split, r.captions) for r in coco]
