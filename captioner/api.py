@@ -12,7 +12,7 @@ from PIL import Image
 from .checkpoint import load_checkpoint
 from .decode import beam_search
 from .decoder import ARGMAX, CONTEXT_MODES, EXPECTED, SAMPLE, AttentionDecoder, DecoderConfig
-from .encoder import EncoderSpec, build_encoder
+from .encoder import EncoderSpec, apply_encoder_state, build_encoder
 from .errors import CaptionerError
 from .images import load_image
 from .vocab import Vocabulary
@@ -35,8 +35,10 @@ class Captioner:
 
     def __init__(self, decoder: AttentionDecoder, vocab: Vocabulary, spec: EncoderSpec, *,
                  encoder: torch.nn.Module | None = None, max_len: int = 20, step: int = 0,
-                 info: dict | None = None, device: str | torch.device = "cpu"):
+                 info: dict | None = None, device: str | torch.device = "cpu",
+                 encoder_state: dict | None = None):
         self.device = torch.device(device)
+        self.encoder_state = encoder_state  # fine-tuned encoder layers (checkpoint "encoder_state"), if any
         self.decoder = decoder.to(self.device).eval()
         self.vocab, self.encoder_spec, self.max_len, self.step = vocab, spec, max_len, step
         self.encoder = encoder.to(self.device).eval() if encoder is not None else None
@@ -67,20 +69,21 @@ class Captioner:
             spec = EncoderSpec.from_dict(ck["encoder"])
         except (TypeError, KeyError, RuntimeError) as e:
             raise CaptionerError(f"{path}: the checkpoint's model does not load ({str(e).splitlines()[0]})") from None
+        encoder_state = ck.get("encoder_state")  # written by `fit --fine-tune-encoder`
         encoder = None
         if build_encoder:
-            encoder, _ = _build(spec, path)
+            encoder, _ = _build(spec, path, encoder_state)
         info = {"checkpoint": os.path.abspath(path), "metrics": ck.get("metrics", {}),
                 "train": ck.get("train", {}), "data": ck.get("data", {}), "step": ck["step"],
-                "card": ck.get("card", {})}
+                "card": ck.get("card", {}), "fine_tune": (ck.get("train") or {}).get("fine_tune")}
         return cls(decoder, vocab, spec, encoder=encoder, max_len=int(ck.get("max_len", 20)),
-                   step=int(ck["step"]), info=info, device=device)
+                   step=int(ck["step"]), info=info, device=device, encoder_state=encoder_state)
 
     @torch.inference_mode()
     def encode(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Images (paths, bytes, PIL or HxWxC arrays) → features (B, L, D) and their sizes."""
         if self.encoder is None:
-            self.encoder, _ = _build(self.encoder_spec, "this checkpoint")
+            self.encoder, _ = _build(self.encoder_spec, "this checkpoint", self.encoder_state)
             self.encoder.to(self.device)
         pils = [load_image(Image.fromarray(im) if isinstance(im, np.ndarray) else im) for im in images]
         x = torch.stack([self.encoder_spec.preprocess(p) for p in pils]).to(self.device)  # (B, 3, S, S)
@@ -136,8 +139,12 @@ class Captioner:
         return out
 
 
-def _build(spec: EncoderSpec, source: str):
+def _build(spec: EncoderSpec, source: str, encoder_state: dict | None = None):
+    """The checkpoint's image encoder: the spec's weights, then its fine-tuned layers if any."""
     try:
-        return build_encoder(spec)
+        encoder, spec = build_encoder(spec)
     except CaptionerError as e:
         raise CaptionerError(f"{source}: cannot rebuild its image encoder: {e}") from None
+    if encoder_state is not None:
+        apply_encoder_state(encoder, encoder_state, source)
+    return encoder, spec

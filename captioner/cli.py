@@ -33,19 +33,25 @@ def _positive_float(text: str) -> float:
 
 def get_train_parser() -> argparse.ArgumentParser:
     from .decoder import DecoderConfig
+    from .finetune import STARTS as FINE_TUNE_STARTS, FineTuneConfig
     from .reinforce import HardAttentionConfig
     from .training import TrainConfig
-    t, m, h = TrainConfig(), DecoderConfig(0), HardAttentionConfig()
+    t, m, h, ft = TrainConfig(), DecoderConfig(0), HardAttentionConfig(), FineTuneConfig()
     p = argparse.ArgumentParser(prog="train.py", description="Train and evaluate Show, Attend and Tell.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    pp = sub.add_parser("prepare", help="vocabulary + feature cache from COCO captions and images",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    pp = sub.add_parser("prepare", help="vocabulary + feature cache from COCO captions (or a Karpathy "
+                        "dataset file) and images", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     pp.add_argument("--images", nargs="+", required=True, metavar="DIR",
                     help="image directories, searched in order (e.g. train2014 val2014)")
-    pp.add_argument("--captions", nargs="+", required=True, metavar="COCO_JSON",
-                    help="COCO captions files (e.g. captions_train2014.json captions_val2014.json)")
+    source = pp.add_mutually_exclusive_group(required=True)
+    source.add_argument("--captions", nargs="+", metavar="COCO_JSON",
+                        help="COCO captions files (e.g. captions_train2014.json captions_val2014.json)")
+    source.add_argument("--karpathy", metavar="KARPATHY_JSON",
+                        help="instead of --captions/--splits: Karpathy's dataset_coco.json, "
+                        "dataset_flickr8k.json or dataset_flickr30k.json (captions and split in one file; "
+                        "images are DIR/filepath/filename or DIR/filename)")
     pp.add_argument("--splits", metavar="KARPATHY_JSON", help="Karpathy split file (dataset_coco.json); "
                     "default: a deterministic 90/5/5 split")
     pp.add_argument("--out", required=True, metavar="DATA_DIR", help="data directory to write")
@@ -55,7 +61,9 @@ def get_train_parser() -> argparse.ArgumentParser:
     pp.add_argument("--encoder-seed", type=int, default=0, help="seed of --encoder-weights none")
     pp.add_argument("--crop", action="store_true", help="resize-256/centre-crop-224 as in the paper "
                     "instead of resizing the whole image to 224x224")
-    pp.add_argument("--min-count", type=_positive_int, default=5, help="rarer words become <unk>")
+    pp.add_argument("--min-word-freq", "--min-count", dest="min_word_freq", type=_positive_int, default=5,
+                    help="words seen fewer times in the training split's captions become <unk> "
+                    "(val and test captions are not counted)")
     pp.add_argument("--max-len", type=_positive_int, default=20, help="longer training captions are left out")
     pp.add_argument("--skip-missing", action="store_true", help="go on without images whose file is missing")
     pp.add_argument("--skip-bad", action="store_true",
@@ -107,6 +115,16 @@ def get_train_parser() -> argparse.ArgumentParser:
     fp.add_argument("--semi-sampling", type=float, default=h.semi_sampling,
                     help="hard attention: probability of the expected context instead of a sample")
     fp.add_argument("--baseline-decay", type=float, default=h.baseline_decay, help="hard attention")
+    fp.add_argument("--fine-tune-encoder", action="store_true",
+                    help="train the encoder's last layers with the decoder (the checkpoint then holds them "
+                    "under encoder_state); conv5_1 first caches pool4 outputs in the data directory, once")
+    fp.add_argument("--fine-tune-from", choices=list(FINE_TUNE_STARTS), default=None,
+                    help=f"first trained layer (default {ft.start}): conv5_1 runs on cached pool4 outputs, "
+                    "conv4_1 on the images")
+    fp.add_argument("--encoder-lr", type=_positive_float, default=None,
+                    help=f"Adam learning rate of the encoder's layers (default {ft.lr})")
+    fp.add_argument("--workers", type=int, default=ft.workers,
+                    help="DataLoader workers decoding images when fine-tuning (pool4 cache, conv4_1 batches)")
 
     ep = sub.add_parser("evaluate", help="caption a split and score it with coco-caption",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -133,10 +151,11 @@ def _prepare(args) -> int:
     d, device = distributed.setup(args.device)
     spec = EncoderSpec(arch=args.encoder, weights=args.encoder_weights, seed=args.encoder_seed, crop=args.crop)
     with GracefulStop(announce=d.main) as stop:
-        summary = prepare(args.captions, args.images, args.out, splits=args.splits, encoder=spec,
-                          min_count=args.min_count, max_len=args.max_len, skip_missing=args.skip_missing,
-                          skip_bad=args.skip_bad, batch_size=args.batch_size, workers=args.workers,
-                          device=str(device), dist=d, progress=d.main, recheck=args.recheck, stop=stop)
+        summary = prepare(args.captions, args.images, args.out, splits=args.splits, karpathy=args.karpathy,
+                          encoder=spec, min_count=args.min_word_freq, max_len=args.max_len,
+                          skip_missing=args.skip_missing, skip_bad=args.skip_bad, batch_size=args.batch_size,
+                          workers=args.workers, device=str(device), dist=d, progress=d.main,
+                          recheck=args.recheck, stop=stop)
     distributed.cleanup()
     if "stopped" in summary:
         if d.main:
@@ -161,7 +180,8 @@ def _fit(args) -> int:
                       metric=args.metric, val_beam_size=args.val_beam_size, val_images=args.val_images,
                       checkpoint_every=args.checkpoint_every,
                       checkpoint_minutes=args.checkpoint_minutes, log_every=args.log_every, seed=args.seed, amp=args.amp,
-                      compile=args.compile, hard=hard)
+                      compile=args.compile, hard=hard,
+                      fine_tune=_fine_tune_config(args))
     from . import distributed
     main = int(os.environ.get("RANK", "0")) == 0
     with GracefulStop(announce=main) as stop:
@@ -176,6 +196,18 @@ def _fit(args) -> int:
         print(f"done: {p.step} steps, {p.epoch} epochs; best {cfg.metric} {p.best:.4f} at step {p.best_step}; "
               f"checkpoints in {args.out}")
     return 0
+
+
+def _fine_tune_config(args):
+    from .finetune import FineTuneConfig
+    given = [flag for flag, v in (("--fine-tune-from", args.fine_tune_from), ("--encoder-lr", args.encoder_lr))
+             if v is not None]
+    if not args.fine_tune_encoder:
+        if given:
+            raise CaptionerError(f"{given[0]} needs --fine-tune-encoder")
+        return None
+    ft = FineTuneConfig()
+    return FineTuneConfig(args.fine_tune_from or ft.start, args.encoder_lr or ft.lr, args.workers)
 
 
 def _evaluate(args) -> None:

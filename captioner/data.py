@@ -32,14 +32,15 @@ FORMAT = "captioner-data/1"
 @dataclass
 class Batch:
     """Training captions with their image features."""
-    features: torch.Tensor   # (B, L, D) float32
+    features: torch.Tensor   # (B, L, D) float32; when fine-tuning, the encoder's inputs, one per image (finetune.py)
     captions: torch.Tensor   # (B, T) long, <start> ... <end> <pad>...
     lengths: torch.Tensor    # (B,) long, counting <start> and <end>
+    image_index: torch.Tensor | None = None  # (B,) long: each caption's row in `features` when fine-tuning
     dropped: tuple[int, ...] = ()  # feature rows of captions left out: their features are not finite
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=non_blocking) for t in (self.features, self.captions, self.lengths)),
-                     self.dropped)
+        return Batch(*(t if t is None else t.to(device, non_blocking=non_blocking)
+                       for t in (self.features, self.captions, self.lengths, self.image_index)), self.dropped)
 
 
 class CaptionData:
@@ -131,9 +132,9 @@ class CaptionData:
             T = int(self.lengths[idx].max())
             batch = Batch(torch.from_numpy(raw.astype(np.float32)),
                           torch.from_numpy(self.tokens[idx, :T].astype(np.int64)),
-                          torch.from_numpy(self.lengths[idx].astype(np.int64)), dropped)
+                          torch.from_numpy(self.lengths[idx].astype(np.int64)), dropped=dropped)
             yield Batch(*(t.pin_memory() for t in (batch.features, batch.captions, batch.lengths)),
-                        dropped) if pin else batch
+                        dropped=dropped) if pin else batch
 
 
 def bucket_batches(lengths: np.ndarray, batch_size: int, *, seed: int, epoch: int,

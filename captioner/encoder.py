@@ -175,3 +175,33 @@ def build_encoder(spec: EncoderSpec) -> tuple[VGGEncoder, EncoderSpec]:
             f"{fp}, but the features were made by an encoder with fingerprint {spec.fingerprint}; "
             "use the same --encoder/--encoder-weights as at prepare time")
     return encoder, replace(spec, fingerprint=fp)
+
+
+def apply_encoder_state(encoder: VGGEncoder, state: dict, source: str) -> VGGEncoder:
+    """Put fine-tuned layers into a built encoder (before any inference optimisation).
+
+    Args:
+        encoder: from `build_encoder`, with the weights the features were made with.
+        state: a checkpoint's "encoder_state": the trained layers under the names of
+            `VGGEncoder.features`' state dict ("24.weight", "24.bias", ...), plain tensors.
+        source: the checkpoint, for messages.
+
+    Returns:
+        The same encoder, its trained layers replaced.
+
+    Raises:
+        CaptionerError: the state names layers this VGG lacks or has tensors of other shapes.
+    """
+    own = encoder.features.state_dict()
+    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CaptionerError(f"{source}: 'encoder_state' must be a non-empty dict of tensors")
+    unknown = [k for k in state if k not in own]
+    if unknown:
+        raise CaptionerError(f"{source}: its encoder_state names layers this encoder lacks ({unknown[:3]})")
+    wrong = [k for k, v in state.items() if v.shape != own[k].shape]
+    if wrong:
+        k = wrong[0]
+        raise CaptionerError(f"{source}: its encoder_state's {k} is {tuple(state[k].shape)}, the encoder's "
+                             f"is {tuple(own[k].shape)}")
+    encoder.features.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
+    return encoder

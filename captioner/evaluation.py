@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -9,6 +10,7 @@ import torch
 from .data import CaptionData, write_json_atomic
 from .decode import Hypothesis, beam_search
 from .decoder import EXPECTED, AttentionDecoder
+from .encoder import build_encoder
 from .errors import CaptionerError
 from .health import attention_health
 from .metrics import ALL_METRICS, score_captions
@@ -18,11 +20,15 @@ from .vocab import Vocabulary
 def caption_split(decoder: AttentionDecoder, data: CaptionData, vocab: Vocabulary, split: str, *,
                   beam_size: int = 3, max_len: int = 20, batch_size: int = 50,
                   device: torch.device | str = "cpu", max_images: int | None = None,
-                  mode: str = EXPECTED, shard: tuple[int, int] = (0, 1)) -> tuple[dict[int, str], dict[int, Hypothesis]]:
+                  mode: str = EXPECTED, shard: tuple[int, int] = (0, 1),
+                  features: Callable[[np.ndarray], torch.Tensor] | None = None,
+                  ) -> tuple[dict[int, str], dict[int, Hypothesis]]:
     """Beam-search captions for a split's images.
 
     Args:
         shard: (rank, world): caption only every world-th image from rank on.
+        features: rows → (n, L, D) features; default the data's cache (a fine-tuned encoder's
+            features are not in it: see finetune.py).
 
     Returns:
         image id → caption text, and image id → the best hypothesis (with its attention).
@@ -36,7 +42,7 @@ def caption_split(decoder: AttentionDecoder, data: CaptionData, vocab: Vocabular
     decoder.eval()
     texts, hyps = {}, {}
     for i in range(0, len(ids), batch_size):
-        feats = data.features(rows[i:i + batch_size]).to(device)  # (b, L, D)
+        feats = (features or data.features)(rows[i:i + batch_size]).to(device)  # (b, L, D)
         for image_id, beams in zip(ids[i:i + batch_size], beam_search(
                 decoder, feats, beam_size=beam_size, max_len=max_len, mode=mode)):
             best = beams[0]
@@ -80,9 +86,15 @@ def evaluate(checkpoint: str, data_dir: str, split: str, out: str, *, beam_size:
             f"{data.encoder.fingerprint} ({data.encoder.weights}); prepare the data with the same encoder")
     if split not in data.references:
         raise CaptionerError(f"--split must be one of {sorted(data.references)}, got {split!r}")
+    features = None
+    if cap.encoder_state is not None:
+        # Fine-tuned: the cache holds the frozen encoder's features, not this encoder's.
+        from .finetune import checkpoint_features
+        features = checkpoint_features(build_encoder(data.encoder)[0], cap.encoder_state, data, cap.device,
+                                       checkpoint)
     texts, hyps = caption_split(cap.decoder, data, cap.vocab, split, beam_size=beam_size,
                                 max_len=max_len or cap.max_len, device=cap.device,
-                                mode=mode or cap.default_mode)
+                                mode=mode or cap.default_mode, features=features)
     metrics = score_captions(texts, data.references[split], metrics=ALL_METRICS, use_java=use_java)
     if grounding:
         from .grounding import GroundingBoxes, pointing_accuracy

@@ -60,9 +60,10 @@ class FeatureCache:
     """(N, L, D) fp16 features on disk with a per-row done mark."""
 
     def __init__(self, data_dir: str, n: int, locations: int = 196, dim: int = FEATURE_DIM,
-                 mode: str = "r"):
-        self.path = os.path.join(data_dir, "features.npy")
-        self.done_path = os.path.join(data_dir, "features.done")
+                 mode: str = "r", name: str = "features"):
+        # name: "features" (the encoder's output); finetune.py keeps a "pool4" cache beside it
+        self.path = os.path.join(data_dir, f"{name}.npy")
+        self.done_path = os.path.join(data_dir, f"{name}.done")
         self.shape = (n, locations, dim)
         self.row_bytes = locations * dim * 2
         if mode == "r+":

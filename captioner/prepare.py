@@ -1,4 +1,4 @@
-"""`prepare`: COCO captions + images → vocabulary, encoded captions and the feature cache.
+"""`prepare`: COCO captions (or a Karpathy dataset file) + images → vocabulary, encoded captions and the feature cache.
 
 Resumable: meta.json is written first and names the images and encoder; a second run with the
 same inputs reuses every finished feature row, and a run with different inputs is refused
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,6 +22,7 @@ from .encoder import FEATURE_DIM, EncoderSpec, build_encoder
 from .errors import CaptionerError
 from .faults import GracefulStop, check_free_space, describe_os_error, nonfinite_rows, stop_requested
 from .features import BAD, DONE, TODO, FeatureCache, extract_features
+from .karpathy import load_karpathy
 from .vocab import Vocabulary, tokenize
 
 
@@ -36,8 +38,8 @@ def _check_resumable(out_dir: str, meta: dict) -> None:
                 "pass a new --out (or delete that directory) to prepare this data")
 
 
-def prepare(captions: Sequence[str], image_dirs: Sequence[str], out_dir: str, *,
-            splits: str | None = None, encoder: EncoderSpec = EncoderSpec(),
+def prepare(captions: Sequence[str] | None, image_dirs: Sequence[str], out_dir: str, *,
+            splits: str | None = None, karpathy: str | None = None, encoder: EncoderSpec = EncoderSpec(),
             min_count: int = 5, max_len: int = 20, skip_missing: bool = False,
             skip_bad: bool = False, batch_size: int | None = None, workers: int = 2,
             device: str = "cpu", dist: Dist = Dist(), progress: bool = True, recheck: bool = False,
@@ -45,12 +47,15 @@ def prepare(captions: Sequence[str], image_dirs: Sequence[str], out_dir: str, *,
     """Build a data directory; returns a summary (counts per split, vocabulary size, skipped).
 
     Args:
-        captions: COCO captions JSON files.
+        captions: COCO captions JSON files (None or empty with `karpathy`).
         image_dirs: where the images are.
         out_dir: the data directory to write (created; resumed if it holds the same work).
         splits: a Karpathy split file; without it, a deterministic 90/5/5 split.
+        karpathy: instead of `captions` and `splits`, one Karpathy dataset file
+            (dataset_coco.json, dataset_flickr8k.json, dataset_flickr30k.json).
         encoder: which encoder makes the features.
-        min_count: words seen fewer times in training captions become <unk>.
+        min_count: words seen fewer times in the training split's captions become <unk>
+            (`--min-word-freq`); val and test captions are never counted.
         max_len: training captions with more words are left out.
         batch_size: images per encoder forward; default 8 on CPU (larger batches run VGG slower
             there: 5.4 images/s at 32 against 7.2 at 4, measured on 2 cores), 64 on a GPU.
@@ -61,15 +66,23 @@ def prepare(captions: Sequence[str], image_dirs: Sequence[str], out_dir: str, *,
     """
     if batch_size is None:
         batch_size = 64 if str(device).startswith("cuda") else 8
-    records, skipped = load_dataset(captions, image_dirs, splits, skip_missing=skip_missing,
-                                    skip_bad=skip_bad)
+    if karpathy:
+        if captions or splits:
+            raise CaptionerError("--karpathy reads captions and splits from its one file; "
+                                 "do not pass --captions or --splits with it")
+        records, skipped = load_karpathy(karpathy, image_dirs, skip_missing=skip_missing, skip_bad=skip_bad)
+        sources = {"karpathy": os.path.abspath(karpathy)}
+    else:
+        records, skipped = load_dataset(captions, image_dirs, splits, skip_missing=skip_missing,
+                                        skip_bad=skip_bad)
+        sources = {"captions": [os.path.abspath(c) for c in captions],
+                   "splits": os.path.abspath(splits) if splits else None}
     enc, spec = build_encoder(encoder)
     grid = spec.grid
     meta = {"format": FORMAT, "encoder": spec.to_dict(), "locations": grid * grid,
             "feature_dim": FEATURE_DIM, "max_len": max_len, "min_count": min_count,
             "image_ids": [r.image_id for r in records], "paths": [r.path for r in records],
-            "sources": {"captions": [os.path.abspath(c) for c in captions],
-                        "splits": os.path.abspath(splits) if splits else None}}
+            "sources": sources}
     os.makedirs(out_dir, exist_ok=True)
     if dist.main:
         _check_resumable(out_dir, meta)
@@ -128,11 +141,13 @@ def _feature_stats(cache: FeatureCache, rows: list[int], sample: int = 2000) -> 
 
 def _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped) -> dict:
     usable = [(row, r) for row, r in enumerate(records) if cache.done[row] != BAD]
-    train_tokens = [tokenize(c) for row, r in usable if r.split == "train" for c in r.captions]
-    vocab = Vocabulary.build(train_tokens, min_count=min_count)
+    # Words are counted in the training split only: val and test captions must not shape the model.
+    counts = Counter(t for row, r in usable if r.split == "train" for c in r.captions for t in tokenize(c))
+    vocab = Vocabulary.from_counts(counts, min_count=min_count)
     if len(vocab) <= 4:
-        raise CaptionerError(f"the training captions give an empty vocabulary at --min-count "
+        raise CaptionerError(f"the training captions give an empty vocabulary at --min-word-freq "
                              f"{min_count}; lower it or add training data")
+    rare = [w for w, c in counts.items() if c < min_count]
     rows, tokens, lengths, too_long = [], [], [], 0
     for row, r in usable:
         if r.split != "train":
@@ -169,5 +184,9 @@ def _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped) -
     write_json_atomic(os.path.join(out_dir, "meta.json"),
                       {**meta, "feature_mean": mean, "feature_std": std, "complete": True})
     return {"images": {s: len(v) for s, v in images.items()}, "train_captions": len(rows),
-            "vocabulary": len(vocab), "too_long": too_long, "bad_images": int((cache.done == BAD).sum()),
+            "vocabulary": len(vocab), "min_word_freq": min_count,
+            # distinct training words seen fewer than min_word_freq times, now <unk>, and their share of words
+            "words_below_min_freq": len(rare),
+            "unk_share": round(sum(counts[w] for w in rare) / max(1, sum(counts.values())), 5),
+            "too_long": too_long, "bad_images": int((cache.done == BAD).sum()),
             "skipped": skipped.report()}

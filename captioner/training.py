@@ -31,6 +31,7 @@ from .errors import CaptionerError
 from .evaluation import caption_split, score_validation
 from .health import ADVICE, attention_health, problems
 from .health import summary as health_summary
+from .finetune import FineTuneConfig, FineTuning
 from .reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,6 +66,7 @@ class TrainConfig:
     amp: str = "none"                    # none | bf16 | fp16 (autocast; fp16 uses a GradScaler on CUDA)
     compile: bool = False                # torch.compile the decoder's recurrent step
     hard: HardAttentionConfig = field(default_factory=HardAttentionConfig)
+    fine_tune: FineTuneConfig | None = None  # train the encoder's last layers too (finetune.py); None: frozen
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,6 +75,7 @@ class TrainConfig:
     def from_dict(cls, d: dict) -> "TrainConfig":
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         kw["hard"] = HardAttentionConfig(**d.get("hard", {}))
+        kw["fine_tune"] = FineTuneConfig(**d["fine_tune"]) if d.get("fine_tune") else None
         return cls(**kw)
 
 
@@ -93,11 +96,14 @@ class Progress:
 class Objective(nn.Module):
     """The training loss as a module, so that DistributedDataParallel wraps one forward."""
 
-    def __init__(self, decoder: AttentionDecoder, cfg: TrainConfig):
+    def __init__(self, decoder: AttentionDecoder, cfg: TrainConfig, encoder: nn.Module | None = None):
         super().__init__()
         self.decoder, self.cfg = decoder, cfg
+        self.encoder = encoder  # fine-tuned encoder layers (finetune.TunedEncoder), None on cached features
 
-    def forward(self, features, captions, lengths, words, baseline: float, generator=None):
+    def forward(self, features, captions, lengths, words, baseline: float, generator=None, image_index=None):
+        if self.encoder is not None:
+            features = self.encoder(features, image_index)  # encoder inputs, one per image → (B, L, D)
         if self.decoder.config.attention == "hard":
             return hard_attention_loss(self.decoder, features, captions, lengths, baseline=baseline,
                                        cfg=self.cfg.hard, alpha_c=self.cfg.alpha_c, generator=generator, words=words)
@@ -118,7 +124,8 @@ def train_step(objective, batch, optimizer, scaler, cfg: TrainConfig, progress: 
     amp = AMP_DTYPES[cfg.amp]
     autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
     with autocast:
-        loss, terms = objective(batch.features, batch.captions, batch.lengths, words, progress.baseline, generator)
+        loss, terms = objective(batch.features, batch.captions, batch.lengths, words, progress.baseline, generator,
+                                batch.image_index)
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
@@ -142,11 +149,15 @@ def train_step(objective, batch, optimizer, scaler, cfg: TrainConfig, progress: 
     return terms
 
 
-def validate(model, data: CaptionData, cfg: TrainConfig, device, d: distributed.Dist) -> dict:
-    """Generation-based validation, split over processes and scored on the gathered captions."""
+def validate(model, data: CaptionData, cfg: TrainConfig, device, d: distributed.Dist, features=None) -> dict:
+    """Generation-based validation, split over processes and scored on the gathered captions.
+
+    Args:
+        features: rows → (n, L, D) features when they are not the cached ones (fine-tuning).
+    """
     t0 = time.monotonic()
     texts, hyps = caption_split(model, data, data.vocab, "val", beam_size=cfg.val_beam_size, max_len=data.max_len,
-                                device=device, max_images=cfg.val_images, shard=(d.rank, d.world))
+                                device=device, max_images=cfg.val_images, shard=(d.rank, d.world), features=features)
     texts = distributed.gather_dicts(d, texts)
     maps = distributed.gather_dicts(d, {i: h.attention.astype("float16") for i, h in hyps.items()})
     metrics = None
@@ -171,10 +182,21 @@ def _resume_config(ck: dict, data: CaptionData, cfg: TrainConfig, path: str) -> 
     if ck["data"]["fingerprint"] != data.encoder.fingerprint or ck["vocab"] != data.vocab.words:
         raise CaptionerError(f"--resume: {path} was trained on other data than {data.dir}")
     saved = TrainConfig.from_dict(ck["train"])
+    # --- encoder fine-tuning: the layers and their learning rate are the saved ones; workers may change
+    if cfg.fine_tune is not None and (saved.fine_tune is None or (cfg.fine_tune.start, cfg.fine_tune.lr)
+                                      != (saved.fine_tune.start, saved.fine_tune.lr)):
+        raise CaptionerError(f"--resume: {path} was trained {'with other' if saved.fine_tune else 'without'} "
+                             "--fine-tune-encoder settings; resume without those flags to continue as it was")
+    if saved.fine_tune is not None and "encoder_state" not in ck:
+        raise CaptionerError(f"--resume: {path} lacks the encoder_state its fine-tuning settings call for")
+    fine_tune = saved.to_dict()["fine_tune"]
+    if fine_tune and cfg.fine_tune is not None:
+        fine_tune["workers"] = cfg.fine_tune.workers
     # What may change on resume: how long to go on, and how often to save.
     return DecoderConfig(**ck["decoder"]), TrainConfig.from_dict(
         {**saved.to_dict(), "epochs": cfg.epochs, "max_minutes": cfg.max_minutes,
-         "checkpoint_every": cfg.checkpoint_every, "checkpoint_minutes": cfg.checkpoint_minutes})
+         "checkpoint_every": cfg.checkpoint_every, "checkpoint_minutes": cfg.checkpoint_minutes,
+         "fine_tune": fine_tune})
 
 
 def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
@@ -213,6 +235,18 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
     model.set_feature_stats(*data.feature_stats())
     model = model.to(dev)
     optimizer = make_optimizer(model, cfg.lr)
+    # --- encoder fine-tuning (finetune.py) ---
+    tuning, setup = None, {}
+    if cfg.fine_tune is not None:
+        t0 = time.monotonic()
+        tuning = FineTuning(data, cfg.fine_tune, d, dev, progress=progress_bar and d.main)
+        if ck is not None:
+            tuning.encoder.load_encoder_state(ck["encoder_state"], last_path)
+        optimizer.add_param_group({"params": list(tuning.parameters()), "lr": cfg.fine_tune.lr})
+        # The one-off pool4 cache is preparation, like prepare's features: not training time.
+        setup = {"fine_tune_setup_seconds": round(time.monotonic() - t0, 2)}
+        start += time.monotonic() - t0
+    # --- end of encoder fine-tuning ---
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=2)
     scaler = torch.amp.GradScaler(dev.type, enabled=cfg.amp == "fp16" and dev.type == "cuda")
     # Hard attention's draws: a stream per process, saved with the checkpoint.
@@ -227,7 +261,7 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         generator.set_state(ck["rng"]["generator"].cpu())
         if ck["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in ck["rng"]["cuda"]])
-    objective: nn.Module = Objective(model, cfg)
+    objective: nn.Module = Objective(model, cfg, tuning.encoder if tuning else None)
     if d.active:
         objective = DistributedDataParallel(objective, device_ids=[dev.index] if dev.type == "cuda" else None)
     if cfg.compile:
@@ -255,25 +289,29 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
 
     def save(path: str, metrics: dict, final: bool = False) -> None:
         nonlocal last_save
-        if d.main and not saver.save(_checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data,
-                                                 generator, metrics), path):
-            then = "fit ends with this error" if final else "training goes on and retries at the next save"
-            notes.warn("save_failed", f"{saver.failed[path]}; {then}", step=progress.step, show=not final)
+        if d.main:
+            state = _checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data, generator, metrics)
+            if tuning:
+                state["encoder_state"] = tuning.encoder.encoder_state()  # the trained layers, trunk names
+            if not saver.save(state, path):
+                then = "fit ends with this error" if final else "training goes on and retries at the next save"
+                notes.warn("save_failed", f"{saver.failed[path]}; {then}", step=progress.step, show=not final)
         if path == last_path:
             last_save = time.monotonic()
 
     budget = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
-    n_batches = data.num_batches(cfg.batch_size, world=d.world)
+    source = tuning or data  # batches of cached features, or of the fine-tuned encoder's inputs
+    n_batches = source.num_batches(cfg.batch_size, world=d.world)
     metrics: dict = ck["metrics"] if ck is not None else {}
     write_log({"event": "start", "step": progress.step, "epoch": progress.epoch, "resume": resume,
                "decoder": model_cfg.to_dict(), "train": cfg.to_dict(), "device": str(dev), "world": d.world,
-               "train_captions": int(len(data.lengths)), "batches_per_epoch": n_batches})
+               "train_captions": int(len(data.lengths)), "batches_per_epoch": n_batches, **setup})
     pin = dev.type == "cuda"
     out_of_time = stopped = False
     while progress.epoch < cfg.epochs and not out_of_time and not stopped:
         bar = tqdm(total=n_batches, initial=progress.batch_in_epoch, desc=f"epoch {progress.epoch + 1}",
                    disable=not (progress_bar and d.main), dynamic_ncols=True, leave=False)
-        for batch in data.batches(cfg.batch_size, seed=cfg.seed, epoch=progress.epoch,
+        for batch in source.batches(cfg.batch_size, seed=cfg.seed, epoch=progress.epoch,
                                   start=progress.batch_in_epoch, rank=d.rank, world=d.world, pin=pin):
             # faults (issue 15): captions of damaged feature rows were left out; a non-finite step is not applied.
             if batch.dropped:
@@ -307,7 +345,7 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         if not out_of_time:
             progress.epoch += 1
             progress.batch_in_epoch = 0
-        metrics = validate(model, data, cfg, dev, d)
+        metrics = validate(model, data, cfg, dev, d, tuning.features if tuning else None)
         score = metrics[cfg.metric]
         improved = score > progress.best
         if improved:

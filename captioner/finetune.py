@@ -1,0 +1,287 @@
+"""Fine-tuning the encoder's last layers with the decoder (`fit --fine-tune-encoder`).
+
+Where training starts decides where its inputs come from:
+- conv5_1 (default): at 224×224 VGG's pool4 output is 14×14×512, the size of the cached conv5
+  features, so it is cached the same way, once (DATA/pool4.npy and pool4.done: same format,
+  resumable, made by the first `fit` that needs it and shared by later ones), and each step
+  runs conv5_1..conv5_3 on cached rows: no image is decoded in the training loop.
+- conv4_1: DataLoader workers decode and preprocess the images of upcoming batches; the layers
+  up to pool3 run without gradients, conv4_1..conv5_3 train.
+A batch holds all the captions of a few images (about `batch_size` captions in all), so the
+encoder runs once per image rather than once per caption; the features are then indexed per
+caption. The trained layers go into checkpoints as "encoder_state" under the names of
+`VGGEncoder.features` ("24.weight", ...); `encoder.apply_encoder_state` puts them back.
+
+The decoder's standardisation of features (feature_mean/std, measured by `prepare` on the frozen
+encoder's output) is kept fixed: at step 0 the fine-tuned layers are the frozen ones, so the
+statistics describe their output; from then on the layers learn under that fixed affine map,
+which training, validation, `evaluate` and `Captioner` all apply, so all see the same features.
+
+Shapes: n images, B captions, L locations, D feature size, S image side.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from . import distributed
+from .data import Batch, CaptionData, write_json_atomic
+from .encoder import FEATURE_DIM, VGGEncoder, apply_encoder_state, build_encoder
+from .errors import CaptionerError, ImageError
+from .features import BAD, TODO, FeatureCache, extract_features
+from .images import Preprocess, load_image
+
+STARTS = ("conv5_1", "conv4_1")
+INPUT_CACHE = "pool4"  # DATA/pool4.npy: the frozen layers' output for conv5_1 fine-tuning
+
+
+@dataclass
+class FineTuneConfig:
+    """Encoder fine-tuning settings; saved in the checkpoint's training config."""
+    start: str = "conv5_1"   # first trained layer: conv5_1 (from the pool4 cache) or conv4_1 (from images)
+    lr: float = 1e-4         # Adam learning rate of the encoder's layers
+    workers: int = 2         # DataLoader workers decoding images (conv4_1 batches, the pool4 cache)
+
+
+# helpers
+
+def start_index(features: nn.Sequential, start: str) -> int:
+    """Index in `VGGEncoder.features` of layer `start`: conv{b}_1 follows the (b-1)-th max-pool."""
+    if start not in STARTS:
+        raise CaptionerError(f"--fine-tune-from must be one of {STARTS}, got {start!r}")
+    block = int(start[4])
+    pools = [i for i, m in enumerate(features) if isinstance(m, nn.MaxPool2d)]
+    return pools[block - 2] + 1
+
+
+def layers_of(state: dict) -> int:
+    """The first trained layer's index, from an encoder_state's names ("24.weight" → 24)."""
+    return min(int(k.split(".")[0]) for k in state)
+
+
+class TunedEncoder(nn.Module):
+    """The trained layers of the trunk (and, from images, the frozen ones before them).
+
+    Args:
+        trunk: `VGGEncoder.features`, with the weights the cached features were made with.
+        start: index of the first trained layer.
+        from_cache: inputs are cached (n, L, D) outputs of layer start-1 (pool4), else images.
+    """
+
+    def __init__(self, trunk: nn.Sequential, start: int, *, from_cache: bool):
+        super().__init__()
+        self.start = start
+        # Slices of a Sequential keep its names, so state_dict() gives "24.weight" as in the trunk.
+        self.frozen = None if from_cache else trunk[:start].requires_grad_(False)
+        self.tuned = trunk[start:].requires_grad_(True)
+
+    def forward(self, inputs: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, L, D) cached inputs or (n, 3, S, S) images → (n, L, D), or (B, L, D) per caption by index."""
+        if self.frozen is None:
+            n, L, D = inputs.shape
+            g = math.isqrt(L)
+            x = inputs.transpose(1, 2).reshape(n, D, g, g)     # (n, D, 14, 14) pool4 maps
+        else:
+            with torch.no_grad():
+                x = self.frozen(inputs)                         # (n, 256, 28, 28) pool3 maps
+        f = self.tuned(x).flatten(2).transpose(1, 2)            # (n, L, D)
+        return f if index is None else f[index]                 # (B, L, D)
+
+    def encoder_state(self) -> dict:
+        """The trained layers as plain tensors, under `VGGEncoder.features`' names."""
+        return {k: v.detach().cpu().contiguous().clone() for k, v in self.tuned.state_dict().items()}
+
+    def load_encoder_state(self, state: dict, source: str) -> None:
+        if set(state) != set(self.tuned.state_dict()):
+            raise CaptionerError(f"{source}: its encoder_state holds other layers than --fine-tune-from trains")
+        self.tuned.load_state_dict(state)
+
+
+def image_batches(rows: np.ndarray, batch_size: int, *, seed: int, epoch: int,
+                  rank: int = 0, world: int = 1) -> list[np.ndarray]:
+    """Caption indices in batches of whole images: each holds all captions of k images.
+
+    k is batch_size over the mean captions per image (at least 1); a global batch of k·world
+    images is split across ranks image by image. The same (seed, epoch) gives the same batches.
+    """
+    images, inverse = np.unique(rows, return_inverse=True)      # distinct feature rows
+    by_image = np.split(np.argsort(inverse, kind="stable"), np.cumsum(np.bincount(inverse))[:-1])
+    k = max(1, round(batch_size * len(images) / len(rows)))
+    order = np.random.RandomState([seed, epoch]).permutation(len(images))
+    size = k * world
+    chunks = [order[i:i + size] for i in range(0, len(order), size)]
+    # Every process must take the same number of steps: drop a last chunk too small to share.
+    return [np.concatenate([by_image[j] for j in c[rank::world]]) for c in chunks if len(c) >= world]
+
+
+class _Images(Dataset):
+    """Preprocessed images of rows, decoded in DataLoader workers; a bad image yields its message."""
+
+    def __init__(self, paths, groups: list[np.ndarray], preprocess: Preprocess):
+        self.paths, self.groups, self.preprocess = paths, groups, preprocess
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, i: int):
+        try:
+            return torch.stack([self.preprocess(load_image(self.paths[r])) for r in self.groups[i]]), ""  # (n, 3, S, S)
+        except ImageError as e:
+            return torch.zeros(0), str(e)
+
+
+def _images(paths, groups: list[np.ndarray], preprocess: Preprocess, workers: int) -> Iterator[torch.Tensor]:
+    """(n, 3, S, S) image tensors of each group of rows, decoded ahead by `workers` processes."""
+    loader = DataLoader(_Images(paths, groups, preprocess), batch_size=None, num_workers=workers)
+    for images, error in loader:
+        if error:
+            raise CaptionerError(f"{error} (fine-tuning reads the images themselves; it was readable at prepare time)")
+        yield images
+
+
+# classes
+
+class FineTuning:
+    """The fine-tuned encoder and where its inputs come from, for `fit`.
+
+    Args:
+        data: the prepared data directory.
+        cfg: which layers train, their learning rate, workers.
+        d, device: this process's place and device.
+        progress: show the pool4 cache's progress bar.
+    """
+
+    def __init__(self, data: CaptionData, cfg: FineTuneConfig, d: distributed.Dist, device: torch.device,
+                 *, progress: bool = True):
+        self.data, self.cfg, self.device = data, cfg, device
+        base, _ = build_encoder(data.encoder)
+        start = start_index(base.features, cfg.start)
+        self.cache = input_cache(data, base, start, d, device, workers=cfg.workers, progress=progress) \
+            if cfg.start == "conv5_1" else None
+        self.encoder = TunedEncoder(base.features, start, from_cache=self.cache is not None).to(device)
+
+    def parameters(self):
+        return self.encoder.tuned.parameters()
+
+    def num_batches(self, batch_size: int, world: int = 1) -> int:
+        return len(image_batches(self.data.rows, batch_size, seed=0, epoch=0, world=world))
+
+    def batches(self, batch_size: int, *, seed: int, epoch: int, start: int = 0,
+                rank: int = 0, world: int = 1, pin: bool = False) -> Iterator[Batch]:
+        """Batches of whole images: `features` holds the encoder's inputs, one per image."""
+        groups = image_batches(self.data.rows, batch_size, seed=seed, epoch=epoch, rank=rank, world=world)[start:]
+        rows = [np.unique(self.data.rows[idx]) for idx in groups]            # each batch's distinct images
+        if self.cache is not None:
+            inputs = (torch.from_numpy(self.cache[r].astype(np.float32)) for r in rows)  # (n, L, D) pool4
+        else:
+            inputs = _images(self.data.meta["paths"], rows, self.data.encoder.preprocess, self.cfg.workers)
+        for idx, r, x in zip(groups, rows, inputs):
+            T = int(self.data.lengths[idx].max())
+            batch = Batch(x, torch.from_numpy(self.data.tokens[idx, :T].astype(np.int64)),
+                          torch.from_numpy(self.data.lengths[idx].astype(np.int64)),
+                          torch.from_numpy(np.searchsorted(r, self.data.rows[idx])))  # (B,) caption → image
+            yield Batch(*(t.pin_memory() for t in (batch.features, batch.captions, batch.lengths,
+                                                    batch.image_index))) if pin else batch
+
+    def features(self, rows: np.ndarray) -> torch.Tensor:
+        """The fine-tuned encoder's features of rows (n, L, D), for validation."""
+        return encoded_features(self.encoder, self.data, rows, cache=self.cache, device=self.device,
+                                workers=self.cfg.workers)
+
+
+def input_cache(data: CaptionData, base: VGGEncoder, start: int, d: distributed.Dist, device: torch.device,
+                *, workers: int = 2, progress: bool = True) -> FeatureCache:
+    """The frozen layers' output (pool4) for every image, cached beside the features; made if missing.
+
+    Resumable like `prepare`: rows are marked done once on disk, and a later call finishes the
+    rest. Under torchrun each process makes its share. Images the feature cache could not read
+    are skipped here too.
+    """
+    n, L = len(data.meta["image_ids"]), data.meta["locations"]
+    info = {"encoder": data.encoder.fingerprint, "layers": start, "rows": n}
+    info_path = os.path.join(data.dir, f"{INPUT_CACHE}.json")
+    if d.main:
+        try:
+            if os.path.exists(info_path):
+                with open(info_path, encoding="utf-8") as f:
+                    if json.load(f) != info:
+                        raise CaptionerError(f"{info_path}: the {INPUT_CACHE} cache there was made for other "
+                                             f"layers or images; delete {INPUT_CACHE}.* in {data.dir} to remake it")
+            else:
+                write_json_atomic(info_path, info)
+            cache = FeatureCache(data.dir, n, L, FEATURE_DIM, mode="r+", name=INPUT_CACHE)
+        except OSError as e:
+            raise CaptionerError(f"{data.dir}: cannot write the {INPUT_CACHE} cache that conv5_1 fine-tuning "
+                                 f"reads ({e.strerror}); make the data directory writable") from None
+        unreadable = np.flatnonzero((data.cache.done == BAD) & (cache.done == TODO))
+        cache.mark_bad(unreadable)
+    distributed.barrier(d)
+    cache = FeatureCache(data.dir, n, L, FEATURE_DIM, mode="r+", name=INPUT_CACHE)
+    if len(cache.todo(d.rank, d.world)):
+        frozen = VGGEncoder(base.features[:start]).eval()
+        extract_features(cache, data.meta["paths"], frozen, data.encoder.preprocess,
+                         batch_size=64 if device.type == "cuda" else 8, workers=workers, device=str(device),
+                         rank=d.rank, world=d.world, progress=progress)
+    distributed.barrier(d)
+    return cache
+
+
+def complete_input_cache(data: CaptionData, start: int) -> FeatureCache | None:
+    """The pool4 cache of a data directory if it is complete for these layers, else None."""
+    info_path = os.path.join(data.dir, f"{INPUT_CACHE}.json")
+    if not os.path.exists(info_path):
+        return None
+    with open(info_path, encoding="utf-8") as f:
+        info = json.load(f)
+    if info != {"encoder": data.encoder.fingerprint, "layers": start, "rows": len(data.meta["image_ids"])}:
+        return None
+    cache = FeatureCache(data.dir, info["rows"], data.meta["locations"], FEATURE_DIM, name=INPUT_CACHE)
+    return cache if not (cache.done == TODO).any() else None
+
+
+@torch.inference_mode()
+def encoded_features(encoder: nn.Module, data: CaptionData, rows: np.ndarray, *, cache: FeatureCache | None,
+                     device: torch.device, workers: int = 2) -> torch.Tensor:
+    """Features (n, L, D) of rows by `encoder`, on the cached pool4 rows or on the images.
+
+    Args:
+        encoder: a `TunedEncoder` from the cache, or any encoder of images (`VGGEncoder`, `TunedEncoder`).
+        cache: the pool4 cache when the encoder reads it; None to decode the images.
+    """
+    if cache is not None:
+        return encoder(torch.from_numpy(cache[rows].astype(np.float32)).to(device)).float()  # (n, L, D)
+    # Groups of 8 images, so that the workers decode in parallel.
+    groups = np.array_split(np.asarray(rows), max(1, math.ceil(len(rows) / 8)))
+    return torch.cat([encoder(images.to(device)).float()                     # (8, L, D)
+                      for images in _images(data.meta["paths"], groups, data.encoder.preprocess, workers)])
+
+
+def checkpoint_features(spec_encoder: VGGEncoder, encoder_state: dict, data: CaptionData, device,
+                        source: str, workers: int = 2) -> Callable[[np.ndarray], torch.Tensor]:
+    """rows → features of a fine-tuned checkpoint's encoder, for `evaluate`.
+
+    The feature cache holds the frozen encoder's output, which the fine-tuned one no longer
+    gives: its layers run on the pool4 cache when the data directory has a complete one for
+    them, else on the images.
+
+    Args:
+        spec_encoder: the encoder the features were made with (`build_encoder` of the data's spec).
+        encoder_state: the checkpoint's trained layers.
+    """
+    start = layers_of(encoder_state)
+    cache = complete_input_cache(data, start)
+    if cache is not None:
+        encoder = TunedEncoder(spec_encoder.features, start, from_cache=True)
+        encoder.load_encoder_state(encoder_state, source)
+    else:
+        encoder = apply_encoder_state(spec_encoder, encoder_state, source)
+    encoder = encoder.to(device).eval()
+    return lambda rows: encoded_features(encoder, data, rows, cache=cache, device=device, workers=workers)

@@ -1,0 +1,187 @@
+"""`fit --fine-tune-encoder`: the trained layers reach the checkpoint, and everything that loads it uses them."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+from captioner import Captioner
+from captioner.checkpoint import load_checkpoint
+from captioner.data import CaptionData
+from captioner.decoder import DecoderConfig
+from captioner.decoder import AttentionDecoder
+from captioner.encoder import EncoderSpec, build_encoder
+from captioner.features import FeatureCache
+from captioner.finetune import (FineTuneConfig, FineTuning, TunedEncoder, checkpoint_features, encoded_features,
+                                image_batches, start_index)
+from captioner.images import load_image
+from captioner.prepare import prepare
+from captioner.training import Objective, Progress, TrainConfig, fit, make_optimizer, train_step
+from captioner import distributed
+
+from conftest import run_cli
+
+TINY = DecoderConfig(0, embed_dim=32, hidden_dim=48, attention_dim=24, dropout=0.0)
+TUNED = {f"{i}.{p}" for i in (24, 26, 28) for p in ("weight", "bias")}   # conv5_1..conv5_3 of VGG16
+
+
+def tune_cfg(epochs: int, start: str = "conv5_1") -> TrainConfig:
+    return TrainConfig(epochs=epochs, batch_size=8, lr=3e-3, val_beam_size=1, checkpoint_minutes=0,
+                       fine_tune=FineTuneConfig(start, lr=1e-3, workers=0))
+
+
+@pytest.fixture(scope="module")
+def tuned_data(data_dir, tmp_path_factory):
+    """A copy of the prepared scenes (fine-tuning adds its pool4 cache to the data directory)."""
+    out = tmp_path_factory.mktemp("tuned") / "data"
+    shutil.copytree(data_dir, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tuned_run(tuned_data, tmp_path_factory):
+    """One epoch of conv5_1 fine-tuning on the pool4 cache."""
+    out = tmp_path_factory.mktemp("tuned_run")
+    fit(str(tuned_data), str(out), TINY, tune_cfg(1), device="cpu", progress_bar=False)
+    return out
+
+
+def test_conv_names_of_both_vggs():
+    with torch.device("meta"):
+        vgg16, vgg19 = torchvision.models.vgg16().features[:30], torchvision.models.vgg19().features[:36]
+    assert (start_index(vgg16, "conv5_1"), start_index(vgg16, "conv4_1")) == (24, 17)
+    assert (start_index(vgg19, "conv5_1"), start_index(vgg19, "conv4_1")) == (28, 19)
+
+
+def test_image_batches_hold_whole_images_once():
+    rows = np.repeat(np.random.RandomState(0).permutation(40), 5)           # 40 images × 5 captions
+    batches = image_batches(rows, 12, seed=3, epoch=1)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(200))
+    assert all(len(b) == 10 for b in batches)                                # round(12 / 5) = 2 images each
+    assert all(np.bincount(rows[b]).max() == 5 for b in batches)             # every caption of its images
+    ranks = [image_batches(rows, 12, seed=3, epoch=1, rank=r, world=2) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 10
+    assert not set(rows[np.concatenate(ranks[0])]) & set(rows[np.concatenate(ranks[1])])
+    assert all((a == b).all() for a, b in zip(batches, image_batches(rows, 12, seed=3, epoch=1)))
+
+
+def test_checkpoint_holds_the_trained_layers(tuned_run, tuned_data):
+    ck = torch.load(tuned_run / "best.pt", weights_only=True)
+    assert set(ck["encoder_state"]) == TUNED
+    assert all(type(v) is torch.Tensor for v in ck["encoder_state"].values())
+    assert ck["train"]["fine_tune"] == {"start": "conv5_1", "lr": 1e-3, "workers": 0}
+    # The decoder's standardisation stays the frozen features' statistics, the same everywhere.
+    mean, std = CaptionData(str(tuned_data)).feature_stats()
+    assert torch.equal(ck["model"]["feature_mean"], mean)
+    assert torch.equal(ck["model"]["feature_std"], std.clamp_min(1e-3))
+
+
+def test_round_trip_gives_the_features_training_saw(tuned_run, tuned_data, scenes):
+    data = CaptionData(str(tuned_data))
+    ids, rows = data.split_images("train")
+    image = data.path_of(int(rows[0]))
+    cap = Captioner.load(str(tuned_run / "last.pt"))
+    ours, _ = cap.encode([image])                                              # (1, L, D), from the image
+    seeded, _ = build_encoder(data.encoder)
+    with torch.inference_mode():
+        before = seeded(cap.encoder_spec.preprocess(load_image(image))[None])    # (1, L, D)
+    # What training computed: the trained layers on the cached pool4 row.
+    ck = load_checkpoint(str(tuned_run / "last.pt"))
+    trunk, _ = build_encoder(data.encoder)
+    tuned = TunedEncoder(trunk.features, 24, from_cache=True)
+    tuned.load_encoder_state(ck["encoder_state"], "test")
+    pool4 = FeatureCache(str(tuned_data), len(data.meta["image_ids"]), name="pool4")[[int(rows[0])]]
+    with torch.inference_mode():
+        seen = tuned(torch.from_numpy(pool4.astype(np.float32)))
+    rel = lambda a, b: float((a - b).norm() / b.norm())
+    assert rel(ours, seen) < 2e-3            # the same up to the fp16 rounding of the cached pool4 maps
+    assert rel(before, seen) > 20 * rel(ours, seen)   # and not the seeded encoder's features any more
+    # evaluate's features: the trained layers on the pool4 cache, exactly what training saw.
+    read = checkpoint_features(build_encoder(data.encoder)[0], ck["encoder_state"], data, "cpu", "test", workers=0)
+    assert torch.equal(read(rows[:1]), seen)
+    assert rel(data.features(rows[:1]), seen) > 20 * rel(ours, seen)
+
+
+def test_evaluate_re_encodes_and_falls_back_to_images(tuned_run, tuned_data, tmp_path):
+    out = tmp_path / "m.json"
+    p = run_cli("train.py", "evaluate", "--checkpoint", str(tuned_run / "best.pt"), "--data", str(tuned_data),
+                "--split", "test", "--out", str(out), "--beam-size", "2")
+    assert p.returncode == 0, p.stderr[-2000:]
+    # Without the pool4 cache, the images themselves are encoded: the same features up to fp16 rounding.
+    bare = tmp_path / "bare"
+    shutil.copytree(tuned_data, bare, ignore=shutil.ignore_patterns("pool4.*"))
+    state = load_checkpoint(str(tuned_run / "best.pt"))["encoder_state"]
+    data, bare_data = CaptionData(str(tuned_data)), CaptionData(str(bare))
+    _, rows = data.split_images("test")
+    a = checkpoint_features(build_encoder(data.encoder)[0], state, data, "cpu", "t", workers=0)(rows)
+    b = checkpoint_features(build_encoder(data.encoder)[0], state, bare_data, "cpu", "t", workers=1)(rows)
+    assert float((a - b).norm() / a.norm()) < 2e-3
+
+
+def test_resumed_fine_tuning_equals_uninterrupted(tuned_run, tuned_data, tmp_path):
+    whole = tmp_path / "whole"
+    fit(str(tuned_data), str(whole), TINY, tune_cfg(2), device="cpu", progress_bar=False)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tuned_run, resumed)                     # stopped after epoch 1
+    fit(str(tuned_data), str(resumed), TINY, tune_cfg(2), resume=True, device="cpu", progress_bar=False)
+    a, b = (load_checkpoint(str(r / "last.pt")) for r in (whole, resumed))
+    assert a["step"] == b["step"] > 0
+    for k in TUNED:
+        assert torch.equal(a["encoder_state"][k], b["encoder_state"][k]), k
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    with pytest.raises(Exception, match="with other --fine-tune-encoder settings"):
+        fit(str(tuned_data), str(resumed), TINY, tune_cfg(3, start="conv4_1"), resume=True, device="cpu",
+            progress_bar=False)
+
+
+def test_amp_step_trains_the_encoder(tuned_data):
+    data = CaptionData(str(tuned_data))
+    cfg = TrainConfig(batch_size=8, amp="bf16", fine_tune=FineTuneConfig(workers=0))
+    tuning = FineTuning(data, cfg.fine_tune, distributed.Dist(), torch.device("cpu"), progress=False)
+    decoder = AttentionDecoder.from_config(DecoderConfig(len(data.vocab), embed_dim=32, hidden_dim=48, attention_dim=24))
+    decoder.set_feature_stats(*data.feature_stats())
+    optimizer = make_optimizer(decoder, 1e-3)
+    optimizer.add_param_group({"params": list(tuning.parameters()), "lr": 1e-3})
+    before = {k: v.clone() for k, v in tuning.encoder.encoder_state().items()}
+    batch = next(tuning.batches(8, seed=0, epoch=0))
+    assert batch.image_index is not None and len(batch.features) < len(batch.captions)   # one input per image
+    terms = train_step(Objective(decoder, cfg, tuning.encoder), batch, optimizer,
+                       torch.amp.GradScaler("cpu", enabled=False), cfg, Progress(), torch.Generator(),
+                       distributed.Dist(), torch.device("cpu"))
+    assert np.isfinite(terms["loss"])
+    after = tuning.encoder.encoder_state()
+    assert all(not torch.equal(before[k], after[k]) for k in TUNED)
+
+
+def test_conv4_1_from_images(scenes, tmp_path):
+    # Small images (64 px, a 4×4 grid) keep the conv4 block cheap; the path is the same at 224.
+    data_dir = tmp_path / "data"
+    prepare([str(scenes / "captions.json")], [str(scenes / "images")], str(data_dir),
+            splits=str(scenes / "splits.json"), encoder=EncoderSpec(weights="none", image_size=64), min_count=1,
+            workers=0, progress=False)
+    run = tmp_path / "run"
+    cfg = tune_cfg(1, start="conv4_1")
+    cfg.fine_tune.workers = 1                               # images decoded by a DataLoader worker
+    fit(str(data_dir), str(run), TINY, cfg, device="cpu", progress_bar=False)
+    ck = load_checkpoint(str(run / "last.pt"))
+    assert set(ck["encoder_state"]) == {f"{i}.{p}" for i in (17, 19, 21, 24, 26, 28) for p in ("weight", "bias")}
+    assert not list(data_dir.glob("pool4.*"))             # conv4_1 reads images, no cache
+    data = CaptionData(str(data_dir))
+    rows = data.split_images("val")[1]
+    cap = Captioner.load(str(run / "last.pt"))
+    ours, _ = cap.encode([data.path_of(int(r)) for r in rows])
+    trunk, _ = build_encoder(data.encoder)
+    tuned = TunedEncoder(trunk.features, 17, from_cache=False)
+    tuned.load_encoder_state(ck["encoder_state"], "test")
+    seen = encoded_features(tuned, data, rows, cache=None, device=torch.device("cpu"), workers=0)
+    torch.testing.assert_close(ours, seen)                 # the same images, the same layers
+    assert float((data.features(rows) - seen).norm() / seen.norm()) > 1e-2
+
+
+def test_fine_tune_flags_need_fine_tune_encoder(data_dir, tmp_path):
+    p = run_cli("train.py", "fit", "--data", str(data_dir), "--out", str(tmp_path / "r"), "--encoder-lr", "1e-3")
+    assert p.returncode == 2 and p.stderr.strip() == "error: --encoder-lr needs --fine-tune-encoder"
