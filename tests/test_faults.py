@@ -174,7 +174,8 @@ def test_full_disk_on_a_real_tmpfs_names_it_and_keeps_the_last_good_checkpoint(d
     assert p.wait() == 2
     err = p.stderr.read()
     assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith(("warning:", "error:"))]
+    lines = [line for line in err.splitlines() if line.startswith(("warning:", "error:"))
+             and "heatmaps" not in line]   # not the attention-health warning of a tiny model
     first_epoch = [r for r in log_of(out) if r["event"] == "val"][0]["step"]
     # Epoch 2's saves fail and training goes on; epoch 3's final save fails and ends fit.
     assert lines[0].startswith(f"warning: cannot save {out}/")
@@ -276,7 +277,7 @@ def test_damaged_feature_row_is_named_left_out_and_rechecked(scenes, data_dir, t
     cfg = TrainConfig(epochs=2, batch_size=8, val_beam_size=1, checkpoint_minutes=0)
     progress = fit(str(data), str(out), TINY, cfg, device="cpu", progress_bar=False)
     err = capsys.readouterr().err
-    named = [line for line in err.splitlines() if line.startswith("warning: ")]
+    named = [line for line in err.splitlines() if line.startswith("warning: ") and "heatmaps" not in line]
     assert len(named) == 2, err               # each image once, though met in every epoch
     assert f"image {image_id} ({path})" in named[0] and "left out of training" in named[0] and "--recheck" in named[0]
     assert f"image {val_id} (" in named[1] and "captioned from zeros" in named[1]
