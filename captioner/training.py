@@ -26,9 +26,11 @@ from . import distributed
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import CaptionData
 from .decoder import AttentionDecoder, DecoderConfig, sequence_loss
+from .encoder import EncoderSpec
 from .errors import CaptionerError
 from .evaluation import caption_split, score_validation
 from .reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
+from .scst import LR as SCST_LR, ScstConfig, SelfCritical, TrainingImages, training_scorer
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,8 +45,8 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Adam:
 class TrainConfig:
     """Optimisation settings; saved in every checkpoint."""
     epochs: int = 30
-    batch_size: int = 32                 # per process
-    lr: float = 1e-3
+    batch_size: int = 32                 # per process (SCST: images, each sampled scst.samples times)
+    lr: float | None = None              # None: 1e-3 for xe, scst.LR for scst
     grad_clip: float = 5.0
     # λ of the doubly stochastic penalty, eq. (14); the paper's value is 1. Off by default:
     # Σ_i (1 − Σ_t α_ti)² over 196 cells is smallest when every map is spread evenly, and
@@ -62,6 +64,16 @@ class TrainConfig:
     amp: str = "none"                    # none | bf16 | fp16 (autocast; fp16 uses a GradScaler on CUDA)
     compile: bool = False                # torch.compile the decoder's recurrent step
     hard: HardAttentionConfig = field(default_factory=HardAttentionConfig)
+    # --- objective (issue 11): "xe" cross-entropy, or "scst" self-critical from `init` or a resume
+    objective: str = "xe"
+    init: str | None = None              # start from this checkpoint's weights (fresh optimizer)
+    scst: ScstConfig = field(default_factory=ScstConfig)
+
+    def __post_init__(self):
+        if self.objective not in ("xe", "scst"):
+            raise ValueError(f"objective must be 'xe' or 'scst', got {self.objective!r}")
+        if self.lr is None:
+            self.lr = SCST_LR if self.objective == "scst" else 1e-3
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,6 +82,7 @@ class TrainConfig:
     def from_dict(cls, d: dict) -> "TrainConfig":
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         kw["hard"] = HardAttentionConfig(**d.get("hard", {}))
+        kw["scst"] = ScstConfig(**d.get("scst", {}))
         return cls(**kw)
 
 
@@ -92,7 +105,8 @@ class Objective(nn.Module):
         super().__init__()
         self.decoder, self.cfg = decoder, cfg
 
-    def forward(self, features, captions, lengths, words, baseline: float, generator=None):
+    def forward(self, batch, words, baseline: float, generator=None):
+        features, captions, lengths = batch.features, batch.captions, batch.lengths
         if self.decoder.config.attention == "hard":
             return hard_attention_loss(self.decoder, features, captions, lengths, baseline=baseline,
                                        cfg=self.cfg.hard, alpha_c=self.cfg.alpha_c, generator=generator, words=words)
@@ -104,12 +118,14 @@ def train_step(objective, batch, optimizer, scaler, cfg: TrainConfig, progress: 
                generator: torch.Generator, d: distributed.Dist, device: torch.device) -> dict:
     """One optimisation step on this process's share of a global batch; returns the loss terms."""
     objective.train()
-    # Normalise by the global word count so N processes give the gradient of one big batch.
-    words = distributed.all_sum(d, [float((batch.lengths - 1).sum())], device)[0] / d.world
+    # Normalise by the global count (XE: predicted words; SCST: images) so N processes give the
+    # gradient of one big batch.
+    units = float(len(batch.rows)) if cfg.objective == "scst" else float((batch.lengths - 1).sum())
+    words = distributed.all_sum(d, [units], device)[0] / d.world
     amp = AMP_DTYPES[cfg.amp]
     autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
     with autocast:
-        loss, terms = objective(batch.features, batch.captions, batch.lengths, words, progress.baseline, generator)
+        loss, terms = objective(batch, words, progress.baseline, generator)
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
@@ -154,10 +170,30 @@ def _resume_config(ck: dict, data: CaptionData, cfg: TrainConfig, path: str) -> 
     if ck["data"]["fingerprint"] != data.encoder.fingerprint or ck["vocab"] != data.vocab.words:
         raise CaptionerError(f"--resume: {path} was trained on other data than {data.dir}")
     saved = TrainConfig.from_dict(ck["train"])
+    if cfg.objective == "scst" and saved.objective != "scst":
+        raise CaptionerError(f"--resume --objective scst: {path} is a cross-entropy run; start self-critical "
+                             f"training from it with --init {os.path.join(os.path.dirname(path), 'best.pt')} "
+                             "and a new --out")
     # What may change on resume: how long to go on, and how often to save.
     return DecoderConfig(**ck["decoder"]), TrainConfig.from_dict(
         {**saved.to_dict(), "epochs": cfg.epochs, "max_minutes": cfg.max_minutes,
          "checkpoint_every": cfg.checkpoint_every, "checkpoint_minutes": cfg.checkpoint_minutes})
+
+
+def _init_checkpoint(path: str, data: CaptionData, dev) -> dict:
+    """The checkpoint of --init, refused unless it was trained on this vocabulary and encoder."""
+    try:
+        ck = load_checkpoint(path, map_location=dev)
+    except CaptionerError as e:
+        raise CaptionerError(f"--init: {e}") from None
+    if ck["vocab"] != data.vocab.words:
+        raise CaptionerError(f"--init: {path} has a vocabulary of {len(ck['vocab'])} words that differs from "
+                             f"{data.dir}'s ({len(data.vocab)} words); start from a model trained on this data")
+    fingerprint = ck.get("data", {}).get("fingerprint") or EncoderSpec.from_dict(ck["encoder"]).fingerprint
+    if fingerprint != data.encoder.fingerprint:
+        raise CaptionerError(f"--init: {path} was trained on features of encoder {fingerprint}, but {data.dir} "
+                             f"holds features of encoder {data.encoder.fingerprint}")
+    return ck
 
 
 def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
@@ -170,8 +206,10 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         out_dir: the run directory.
         model_cfg: decoder sizes (vocab_size is taken from the data); ignored on resume.
         cfg: optimisation settings; on resume the saved ones are used, except epochs,
-            max_minutes and checkpoint_every.
-        resume: continue from out_dir/last.pt.
+            max_minutes and checkpoint_every. With cfg.init, training starts from that
+            checkpoint's weights and decoder config (a fresh optimizer); cfg.objective "scst"
+            needs cfg.init or a resume.
+        resume: continue from out_dir/last.pt (cfg.init is then ignored).
         device: "auto", "cpu" or "cuda" (under torchrun each process takes its local GPU).
     """
     start = time.monotonic()
@@ -184,6 +222,13 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
             raise CaptionerError(f"--resume: {last_path} does not exist; nothing to resume")
         ck = load_checkpoint(last_path, map_location=dev)
         model_cfg, cfg = _resume_config(ck, data, cfg, last_path)
+    init = None
+    if ck is None and cfg.init:
+        init = _init_checkpoint(cfg.init, data, dev)
+        model_cfg = DecoderConfig(**init["decoder"])
+    elif ck is None and cfg.objective == "scst":
+        raise CaptionerError("--objective scst starts from a trained model: pass --init RUN/best.pt "
+                             "(or --resume to continue a self-critical run)")
     model_cfg = DecoderConfig(**{**(model_cfg or DecoderConfig(0)).to_dict(), "vocab_size": len(data.vocab)})
     torch.manual_seed(cfg.seed)
     model = AttentionDecoder.from_config(model_cfg)
@@ -195,6 +240,8 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
     # Hard attention's draws: a stream per process, saved with the checkpoint.
     generator = torch.Generator(device=dev).manual_seed(cfg.seed + 1 + d.rank)
     progress = Progress()
+    if init is not None:
+        model.load_state_dict(init["model"])
     if ck is not None:
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
@@ -205,6 +252,10 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         if ck["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in ck["rng"]["cuda"]])
     objective: nn.Module = Objective(model, cfg)
+    source = data                                        # where batches come from
+    if cfg.objective == "scst":
+        objective = SelfCritical(model, cfg.scst, training_scorer(data, cfg.scst.end_token), data.max_len)
+        source = TrainingImages(data)
     if d.active:
         objective = DistributedDataParallel(objective, device_ids=[dev.index] if dev.type == "cuda" else None)
     if cfg.compile:
@@ -230,7 +281,7 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
             last_save = time.monotonic()
 
     budget = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
-    n_batches = data.num_batches(cfg.batch_size, world=d.world)
+    n_batches = source.num_batches(cfg.batch_size, world=d.world)
     metrics: dict = ck["metrics"] if ck is not None else {}
     write_log({"event": "start", "step": progress.step, "epoch": progress.epoch, "resume": resume,
                "decoder": model_cfg.to_dict(), "train": cfg.to_dict(), "device": str(dev), "world": d.world,
@@ -240,7 +291,7 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
     while progress.epoch < cfg.epochs and not out_of_time:
         bar = tqdm(total=n_batches, initial=progress.batch_in_epoch, desc=f"epoch {progress.epoch + 1}",
                    disable=not (progress_bar and d.main), dynamic_ncols=True, leave=False)
-        for batch in data.batches(cfg.batch_size, seed=cfg.seed, epoch=progress.epoch,
+        for batch in source.batches(cfg.batch_size, seed=cfg.seed, epoch=progress.epoch,
                                   start=progress.batch_in_epoch, rank=d.rank, world=d.world, pin=pin):
             terms = train_step(objective, batch.to(dev, non_blocking=pin), optimizer, scaler, cfg, progress,
                                generator, d, dev)
