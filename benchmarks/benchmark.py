@@ -7,6 +7,7 @@
   196 locations every step) and beside the floor: the step's FLOPs at the measured matmul rate.
 - prepare: feature extraction images/s on COCO-sized JPEGs, beside the bare VGG16 forward.
 - caption: one image through `Captioner.caption` at beam 3, beside the bare VGG16 forward.
+- scst: one self-critical step (sampling, CIDEr-D reward, backward, Adam) and the reward's share.
 """
 from __future__ import annotations
 
@@ -183,9 +184,49 @@ def bench_caption(repeats: int) -> None:
     print(f"  ratio: {statistics.median(t_cap) / statistics.median(t_vgg):.2f}x the bare forward")
 
 
+def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
+    """One `fit --objective scst` step at the default batch (32 images x 5 samples), sizes 512,
+    V=10,000, 5 references of 10-23 tokens per image. An untrained model samples until max_len
+    (20 words): the longest captions, so the most work for sampling and for the reward alike."""
+    from captioner.cider import DocumentFrequency, NgramScorer, References
+    from captioner.scst import ImageBatch, ScstConfig, SelfCritical
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(10, 24, (images * 5,), generator=g)                  # 5 references per image
+    refs = References(torch.randint(4, V, (images * 5, 24), generator=g), lengths,
+                      torch.arange(images).repeat_interleave(5), base=V)
+    scorer = NgramScorer(refs, DocumentFrequency.from_references(refs))
+    torch.manual_seed(0)
+    dec = AttentionDecoder(vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512, dropout=0.2)
+    objective = SelfCritical(dec, ScstConfig(samples=samples), scorer, max_len=20)
+    opt = make_optimizer(dec, 5e-5)
+    batch = ImageBatch(torch.rand(images, L, D, generator=g), torch.arange(images))
+    spent: list[float] = []
+    reward = objective.reward
+
+    def timed_reward(*args):
+        t0 = time.perf_counter()
+        out = reward(*args)
+        spent.append(time.perf_counter() - t0)
+        return out
+    objective.reward = timed_reward
+
+    def step():
+        loss, _ = objective(batch, float(images), generator=g)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    t_step = timed(step, steps, warmup=1)
+    t_reward = spent[-steps:]
+    share = sum(t_reward) / sum(t_step)
+    print(f"self-critical step ({images} images x {samples} samples = {images * samples} captions of "
+          f"{objective.max_len} words + <end>, sizes 512, V={V}): sampling with gradients, CIDEr-D, backward, Adam")
+    print(f"  whole step {fmt(t_step)}")
+    print(f"  reward     {fmt(t_reward)}  ({share:.1%} of the step)")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="decoder,prepare,caption", help="comma-separated sections")
+    p.add_argument("--only", default="decoder,prepare,caption,scst", help="comma-separated sections")
     p.add_argument("--steps", type=int, default=10, help="timed repetitions per measurement")
     args = p.parse_args(argv)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
@@ -197,6 +238,8 @@ def main(argv=None) -> None:
         bench_prepare()
     if "caption" in sections:
         bench_caption(args.steps)
+    if "scst" in sections:
+        bench_scst(args.steps)
 
 
 if __name__ == "__main__":

@@ -66,27 +66,30 @@ def attention_stats(captions: Iterable[Caption | SplitCaption]) -> dict[str, np.
 class TrainingLog:
     """A run's metrics.jsonl as arrays, each sorted by step.
 
-    `train` holds step, epoch, lr, loss, nll... per logged step; `val` holds step, epoch,
-    BLEU-4, CIDEr, lr per validation. `epoch` is step / batches per epoch: fractional where a
-    time budget ended an epoch early.
+    `train` holds step, epoch, lr, loss, nll... per logged step (self-critical runs: reward,
+    baseline, entropy... too); `val` holds step, epoch, BLEU-4, CIDEr, lr per validation.
+    `epoch` is step / batches per epoch: fractional where a time budget ended an epoch early.
     """
     path: str
     batches_per_epoch: int
+    objective: str = "xe"            # "xe" cross-entropy or "scst" self-critical (from the start record)
     train: dict[str, np.ndarray] = field(default_factory=dict)
     val: dict[str, np.ndarray] = field(default_factory=dict)
 
     def per_epoch(self) -> dict[str, np.ndarray]:
         """One entry per validation: epoch, mean training loss (and its word NLL part) since the
-        previous validation, BLEU-4, CIDEr and the learning rate then in use."""
+        previous validation, BLEU-4, CIDEr and the learning rate then in use; for a self-critical
+        run, the mean reward of the sampled captions instead of the word NLL."""
         steps, train_steps = self.val["step"], self.train.get("step", np.zeros(0))
-        out: dict[str, list] = {"loss": [], "nll": [], "lr": []}
+        second = "reward" if self.objective == "scst" else "nll"
+        out: dict[str, list] = {"loss": [], second: [], "lr": []}
         for k, s in enumerate(steps):
             lo = steps[k - 1] if k else -np.inf
             pick = (train_steps > lo) & (train_steps <= s)
-            for key in ("loss", "nll"):
+            for key in ("loss", second):
                 out[key].append(float(self.train[key][pick].mean()) if pick.any() and key in self.train else np.nan)
             out["lr"].append(float(self.train["lr"][pick][-1]) if pick.any() else np.nan)
-        return {"epoch": self.val["epoch"], "loss": np.asarray(out["loss"]), "nll": np.asarray(out["nll"]),
+        return {"epoch": self.val["epoch"], "loss": np.asarray(out["loss"]), second: np.asarray(out[second]),
                 "BLEU-4": self.val["BLEU-4"], "CIDEr": self.val["CIDEr"], "lr": np.asarray(out["lr"])}
 
 
@@ -115,7 +118,7 @@ def read_training_log(path: str) -> TrainingLog:
         raise CaptionerError(f"{path}: no such training log (fit writes RUN_DIR/metrics.jsonl)")
     with open(path, encoding="utf-8") as f:
         lines = [line for line in f.read().splitlines() if line.strip()]
-    per_epoch, train, val = 0, {}, {}
+    per_epoch, objective, train, val = 0, "xe", {}, {}
     for k, line in enumerate(lines):
         try:
             r = json.loads(line)
@@ -126,11 +129,13 @@ def read_training_log(path: str) -> TrainingLog:
         event = r.get("event")
         if event == "start":
             per_epoch = int(r.get("batches_per_epoch") or 0)
+            objective = (r.get("train") or {}).get("objective", "xe")
         elif event in ("train", "val"):
             (train if event == "train" else val)[int(r["step"])] = r
     if not val:
         raise CaptionerError(f"{path}: no validation records yet (the first comes at the end of epoch 1)")
-    return TrainingLog(path, per_epoch, _columns(train, per_epoch) if train else {}, _columns(val, per_epoch))
+    return TrainingLog(path, per_epoch, objective, _columns(train, per_epoch) if train else {},
+                       _columns(val, per_epoch))
 
 
 # datasets

@@ -35,8 +35,9 @@ def get_train_parser() -> argparse.ArgumentParser:
     from .decoder import DecoderConfig
     from .finetune import STARTS as FINE_TUNE_STARTS, FineTuneConfig
     from .reinforce import HardAttentionConfig
+    from .scst import LR as SCST_LR, ScstConfig
     from .training import TrainConfig
-    t, m, h, ft = TrainConfig(), DecoderConfig(0), HardAttentionConfig(), FineTuneConfig()
+    t, m, h, ft, sc = TrainConfig(), DecoderConfig(0), HardAttentionConfig(), FineTuneConfig(), ScstConfig()
     p = argparse.ArgumentParser(prog="train.py", description="Train and evaluate Show, Attend and Tell.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -86,7 +87,8 @@ def get_train_parser() -> argparse.ArgumentParser:
     fp.add_argument("--resume", action="store_true", help="continue from RUN_DIR/last.pt")
     fp.add_argument("--device", default="auto", help="auto, cpu or cuda")
     fp.add_argument("--batch-size", type=_positive_int, default=t.batch_size)
-    fp.add_argument("--lr", type=_positive_float, default=t.lr, help="Adam learning rate")
+    fp.add_argument("--lr", type=_positive_float, default=None,
+                    help=f"Adam learning rate (default: {t.lr:g} for xe, {SCST_LR:g} for scst)")
     fp.add_argument("--grad-clip", type=_positive_float, default=t.grad_clip)
     fp.add_argument("--alpha-c", type=float, default=t.alpha_c, help="doubly stochastic regularisation λ of eq. (14); the paper uses 1")
     fp.add_argument("--dropout", type=float, default=None,
@@ -125,6 +127,19 @@ def get_train_parser() -> argparse.ArgumentParser:
                     help=f"Adam learning rate of the encoder's layers (default {ft.lr})")
     fp.add_argument("--workers", type=int, default=ft.workers,
                     help="DataLoader workers decoding images when fine-tuning (pool4 cache, conv4_1 batches)")
+    # self-critical training (issue 11)
+    fp.add_argument("--objective", choices=["xe", "scst"], default=t.objective,
+                    help="xe: cross-entropy; scst: self-critical training on CIDEr-D, from --init or --resume "
+                         "(a resumed run keeps its own objective)")
+    fp.add_argument("--init", metavar="CKPT", default=None,
+                    help="start from this checkpoint's weights and decoder sizes, with a fresh optimizer "
+                         "(e.g. RUN/best.pt of a cross-entropy run)")
+    fp.add_argument("--samples", type=_positive_int, default=sc.samples, help="scst: captions sampled per image")
+    fp.add_argument("--scst-baseline", choices=["mean", "greedy"], default=sc.baseline,
+                    help="scst: mean reward of the image's other samples (Luo 2020) or of the greedy caption (Rennie 2017)")
+    fp.add_argument("--bleu-weight", type=float, default=sc.bleu_weight, help="scst: reward = CIDEr-D + this x BLEU-4")
+    fp.add_argument("--scst-context", choices=["expected", "sample"], default=sc.context,
+                    help="scst, hard attention: sample words with the expected context, or sample locations too")
 
     ep = sub.add_parser("evaluate", help="caption a split and score it with coco-caption",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -171,16 +186,22 @@ def _fit(args) -> int:
     from .decoder import DecoderConfig
     from .faults import GracefulStop
     from .reinforce import HardAttentionConfig
+    from .scst import ScstConfig
     from .training import TrainConfig, fit
     model = DecoderConfig(0, embed_dim=args.embed_dim, hidden_dim=args.hidden_dim,
                           attention_dim=args.attention_dim, dropout=args.dropout, attention=args.attention)
     hard = HardAttentionConfig(args.entropy_weight, args.reward_scale, args.semi_sampling, args.baseline_decay)
+    if args.scst_baseline == "mean" and args.samples < 2:
+        raise CaptionerError("--samples: the mean baseline needs at least 2 samples per image "
+                             "(or pass --scst-baseline greedy)")
+    scst = ScstConfig(samples=args.samples, baseline=args.scst_baseline, bleu_weight=args.bleu_weight,
+                      context=args.scst_context)
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, grad_clip=args.grad_clip,
                       alpha_c=args.alpha_c, max_minutes=args.max_minutes, patience=args.patience,
                       metric=args.metric, val_beam_size=args.val_beam_size, val_images=args.val_images,
                       checkpoint_every=args.checkpoint_every,
                       checkpoint_minutes=args.checkpoint_minutes, log_every=args.log_every, seed=args.seed, amp=args.amp,
-                      compile=args.compile, hard=hard,
+                      compile=args.compile, hard=hard, objective=args.objective, init=args.init, scst=scst,
                       fine_tune=_fine_tune_config(args))
     from . import distributed
     main = int(os.environ.get("RANK", "0")) == 0

@@ -86,18 +86,21 @@ def entropy_figure(captions: Sequence[Caption | SplitCaption], titles: Sequence[
 
 
 def training_figure(log: TrainingLog, title: str | None = None) -> Figure:
-    """Loss, BLEU-4, CIDEr and the learning rate of a run, against epochs."""
+    """Loss (self-critical runs: the reward), BLEU-4, CIDEr and the learning rate of a run, against epochs."""
     ep = log.per_epoch()
     fig = Figure(figsize=(11, 6.5))
     (ax_loss, ax_bleu), (ax_cider, ax_lr) = fig.subplots(2, 2, sharex=True)
-    if log.train:
-        ax_loss.plot(log.train["epoch"], log.train["loss"], c="tab:blue", alpha=0.35, lw=1, label="logged steps")
-    ax_loss.plot(ep["epoch"], ep["loss"], "o-", c="tab:blue", label="mean since last validation")
-    # Hard attention's loss is a REINFORCE surrogate; the word NLL is the comparable part.
-    if np.isfinite(ep["nll"]).any() and not np.allclose(ep["nll"], ep["loss"], equal_nan=True, rtol=1e-3):
-        ax_loss.plot(ep["epoch"], ep["nll"], "s--", c="tab:cyan", label="of which word NLL")
-    ax_loss.set(title="training loss (per word)", ylabel="loss")
-    ax_loss.legend(fontsize=8)
+    if log.objective == "scst":
+        _reward_panel(ax_loss, log, ep)
+    else:
+        if log.train:
+            ax_loss.plot(log.train["epoch"], log.train["loss"], c="tab:blue", alpha=0.35, lw=1, label="logged steps")
+        ax_loss.plot(ep["epoch"], ep["loss"], "o-", c="tab:blue", label="mean since last validation")
+        # Hard attention's loss is a REINFORCE surrogate; the word NLL is the comparable part.
+        if np.isfinite(ep["nll"]).any() and not np.allclose(ep["nll"], ep["loss"], equal_nan=True, rtol=1e-3):
+            ax_loss.plot(ep["epoch"], ep["nll"], "s--", c="tab:cyan", label="of which word NLL")
+        ax_loss.set(title="training loss (per word)", ylabel="loss")
+        ax_loss.legend(fontsize=8)
     for ax, key in ((ax_bleu, "BLEU-4"), (ax_cider, "CIDEr")):
         ax.plot(ep["epoch"], ep[key], "o-", c="tab:green")
         best = int(np.argmax(ep[key]))
@@ -114,6 +117,17 @@ def training_figure(log: TrainingLog, title: str | None = None) -> Figure:
     fig.suptitle(title or os.path.basename(os.path.dirname(os.path.abspath(log.path))))
     fig.tight_layout()
     return fig
+
+
+def _reward_panel(ax, log: TrainingLog, ep: dict) -> None:
+    """Self-critical training: its loss is a REINFORCE surrogate, so show what it raises, the
+    sampled captions' mean reward (CIDEr-D against the training references), and the baseline."""
+    if log.train:
+        ax.plot(log.train["epoch"], log.train["reward"], c="tab:blue", alpha=0.35, lw=1, label="logged steps")
+        ax.plot(log.train["epoch"], log.train["baseline"], c="tab:orange", alpha=0.6, lw=1, label="baseline")
+    ax.plot(ep["epoch"], ep["reward"], "o-", c="tab:blue", label="mean since last validation")
+    ax.set(title="reward of sampled captions (CIDEr-D, training references)", ylabel="reward")
+    ax.legend(fontsize=8)
 
 
 def model_comparison_figure(metrics: Mapping[str, Mapping],

@@ -27,12 +27,14 @@ from . import distributed, faults
 from .checkpoint import load_checkpoint
 from .data import CaptionData
 from .decoder import AttentionDecoder, DecoderConfig, sequence_loss
+from .encoder import EncoderSpec
 from .errors import CaptionerError
 from .evaluation import caption_split, score_validation
 from .health import ADVICE, attention_health, problems
 from .health import summary as health_summary
 from .finetune import FineTuneConfig, FineTuning
 from .reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
+from .scst import LR as SCST_LR, ScstConfig, SelfCritical, TrainingImages, training_scorer
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,8 +49,8 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Adam:
 class TrainConfig:
     """Optimisation settings; saved in every checkpoint."""
     epochs: int = 30
-    batch_size: int = 32                 # per process
-    lr: float = 1e-3
+    batch_size: int = 32                 # per process (SCST: images, each sampled scst.samples times)
+    lr: float | None = None              # None: 1e-3 for xe, scst.LR for scst
     grad_clip: float = 5.0
     # λ of the doubly stochastic penalty, eq. (14); the paper's value is 1. Off by default:
     # Σ_i (1 − Σ_t α_ti)² over 196 cells is smallest when every map is spread evenly, and
@@ -67,6 +69,16 @@ class TrainConfig:
     compile: bool = False                # torch.compile the decoder's recurrent step
     hard: HardAttentionConfig = field(default_factory=HardAttentionConfig)
     fine_tune: FineTuneConfig | None = None  # train the encoder's last layers too (finetune.py); None: frozen
+    # --- objective (issue 11): "xe" cross-entropy, or "scst" self-critical from `init` or a resume
+    objective: str = "xe"
+    init: str | None = None              # start from this checkpoint's weights (fresh optimizer)
+    scst: ScstConfig = field(default_factory=ScstConfig)
+
+    def __post_init__(self):
+        if self.objective not in ("xe", "scst"):
+            raise ValueError(f"objective must be 'xe' or 'scst', got {self.objective!r}")
+        if self.lr is None:
+            self.lr = SCST_LR if self.objective == "scst" else 1e-3
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,6 +88,7 @@ class TrainConfig:
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         kw["hard"] = HardAttentionConfig(**d.get("hard", {}))
         kw["fine_tune"] = FineTuneConfig(**d["fine_tune"]) if d.get("fine_tune") else None
+        kw["scst"] = ScstConfig(**d.get("scst", {}))
         return cls(**kw)
 
 
@@ -101,9 +114,10 @@ class Objective(nn.Module):
         self.decoder, self.cfg = decoder, cfg
         self.encoder = encoder  # fine-tuned encoder layers (finetune.TunedEncoder), None on cached features
 
-    def forward(self, features, captions, lengths, words, baseline: float, generator=None, image_index=None):
+    def forward(self, batch, words, baseline: float, generator=None):
+        features, captions, lengths = batch.features, batch.captions, batch.lengths
         if self.encoder is not None:
-            features = self.encoder(features, image_index)  # encoder inputs, one per image → (B, L, D)
+            features = self.encoder(features, batch.image_index)  # encoder inputs, one per image → (B, L, D)
         if self.decoder.config.attention == "hard":
             return hard_attention_loss(self.decoder, features, captions, lengths, baseline=baseline,
                                        cfg=self.cfg.hard, alpha_c=self.cfg.alpha_c, generator=generator, words=words)
@@ -119,13 +133,14 @@ def train_step(objective, batch, optimizer, scaler, cfg: TrainConfig, progress: 
     the weights stay as they were, and the returned terms show the non-finite value.
     """
     objective.train()
-    # Normalise by the global word count so N processes give the gradient of one big batch.
-    words = distributed.all_sum(d, [float((batch.lengths - 1).sum())], device)[0] / d.world
+    # Normalise by the global count (XE: predicted words; SCST: images) so N processes give the
+    # gradient of one big batch.
+    units = float(len(batch.rows)) if cfg.objective == "scst" else float((batch.lengths - 1).sum())
+    words = distributed.all_sum(d, [units], device)[0] / d.world
     amp = AMP_DTYPES[cfg.amp]
     autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
     with autocast:
-        loss, terms = objective(batch.features, batch.captions, batch.lengths, words, progress.baseline, generator,
-                                batch.image_index)
+        loss, terms = objective(batch, words, progress.baseline, generator)
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
@@ -182,6 +197,10 @@ def _resume_config(ck: dict, data: CaptionData, cfg: TrainConfig, path: str) -> 
     if ck["data"]["fingerprint"] != data.encoder.fingerprint or ck["vocab"] != data.vocab.words:
         raise CaptionerError(f"--resume: {path} was trained on other data than {data.dir}")
     saved = TrainConfig.from_dict(ck["train"])
+    if cfg.objective == "scst" and saved.objective != "scst":
+        raise CaptionerError(f"--resume --objective scst: {path} is a cross-entropy run; start self-critical "
+                             f"training from it with --init {os.path.join(os.path.dirname(path), 'best.pt')} "
+                             "and a new --out")
     # --- encoder fine-tuning: the layers and their learning rate are the saved ones; workers may change
     if cfg.fine_tune is not None and (saved.fine_tune is None or (cfg.fine_tune.start, cfg.fine_tune.lr)
                                       != (saved.fine_tune.start, saved.fine_tune.lr)):
@@ -199,6 +218,22 @@ def _resume_config(ck: dict, data: CaptionData, cfg: TrainConfig, path: str) -> 
          "fine_tune": fine_tune})
 
 
+def _init_checkpoint(path: str, data: CaptionData, dev) -> dict:
+    """The checkpoint of --init, refused unless it was trained on this vocabulary and encoder."""
+    try:
+        ck = load_checkpoint(path, map_location=dev)
+    except CaptionerError as e:
+        raise CaptionerError(f"--init: {e}") from None
+    if ck["vocab"] != data.vocab.words:
+        raise CaptionerError(f"--init: {path} has a vocabulary of {len(ck['vocab'])} words that differs from "
+                             f"{data.dir}'s ({len(data.vocab)} words); start from a model trained on this data")
+    fingerprint = ck.get("data", {}).get("fingerprint") or EncoderSpec.from_dict(ck["encoder"]).fingerprint
+    if fingerprint != data.encoder.fingerprint:
+        raise CaptionerError(f"--init: {path} was trained on features of encoder {fingerprint}, but {data.dir} "
+                             f"holds features of encoder {data.encoder.fingerprint}")
+    return ck
+
+
 def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         cfg: TrainConfig = TrainConfig(), *, resume: bool = False, device: str = "auto",
         progress_bar: bool = True, stop: faults.GracefulStop | None = None) -> Progress:
@@ -209,8 +244,10 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         out_dir: the run directory.
         model_cfg: decoder sizes (vocab_size is taken from the data); ignored on resume.
         cfg: optimisation settings; on resume the saved ones are used, except epochs,
-            max_minutes and checkpoint_every.
-        resume: continue from out_dir/last.pt.
+            max_minutes and checkpoint_every. With cfg.init, training starts from that
+            checkpoint's weights and decoder config (a fresh optimizer); cfg.objective "scst"
+            needs cfg.init or a resume.
+        resume: continue from out_dir/last.pt (cfg.init is then ignored).
         device: "auto", "cpu" or "cuda" (under torchrun each process takes its local GPU).
         stop: once it is requested (SIGTERM, SIGINT), every process finishes its step, rank 0
             saves last.pt, and fit returns; `resume` continues from there exactly.
@@ -229,6 +266,13 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
             raise CaptionerError(f"--resume: {last_path} does not exist; nothing to resume")
         ck = load_checkpoint(last_path, map_location=dev)
         model_cfg, cfg = _resume_config(ck, data, cfg, last_path)
+    init = None
+    if ck is None and cfg.init:
+        init = _init_checkpoint(cfg.init, data, dev)
+        model_cfg = DecoderConfig(**init["decoder"])
+    elif ck is None and cfg.objective == "scst":
+        raise CaptionerError("--objective scst starts from a trained model: pass --init RUN/best.pt "
+                             "(or --resume to continue a self-critical run)")
     model_cfg = DecoderConfig(**{**(model_cfg or DecoderConfig(0)).to_dict(), "vocab_size": len(data.vocab)})
     torch.manual_seed(cfg.seed)
     model = AttentionDecoder.from_config(model_cfg)
@@ -252,6 +296,8 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
     # Hard attention's draws: a stream per process, saved with the checkpoint.
     generator = torch.Generator(device=dev).manual_seed(cfg.seed + 1 + d.rank)
     progress = Progress()
+    if init is not None:
+        model.load_state_dict(init["model"])
     if ck is not None:
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
@@ -262,6 +308,12 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         if ck["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in ck["rng"]["cuda"]])
     objective: nn.Module = Objective(model, cfg, tuning.encoder if tuning else None)
+    source = tuning or data  # batches of cached features, or of the fine-tuned encoder's inputs
+    if cfg.objective == "scst":
+        if tuning:
+            raise CaptionerError("--objective scst does not fine-tune the encoder; leave out --fine-tune-encoder")
+        objective = SelfCritical(model, cfg.scst, training_scorer(data, cfg.scst.end_token), data.max_len)
+        source = TrainingImages(data)
     if d.active:
         objective = DistributedDataParallel(objective, device_ids=[dev.index] if dev.type == "cuda" else None)
     if cfg.compile:
@@ -300,7 +352,6 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
             last_save = time.monotonic()
 
     budget = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
-    source = tuning or data  # batches of cached features, or of the fine-tuned encoder's inputs
     n_batches = source.num_batches(cfg.batch_size, world=d.world)
     metrics: dict = ck["metrics"] if ck is not None else {}
     write_log({"event": "start", "step": progress.step, "epoch": progress.epoch, "resume": resume,

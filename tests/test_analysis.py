@@ -118,6 +118,26 @@ def test_training_figure_of_a_real_run(small_run):
     np.testing.assert_allclose(axes["learning rate"].lines[0].get_ydata(), log.train["lr"])
 
 
+def test_self_critical_log_shows_the_reward_curve(tmp_path):
+    """An SCST run's loss is a REINFORCE surrogate: the figure and table show the reward instead."""
+    scst = lambda step, reward: {"event": "train", "step": step, "epoch": 0, "lr": 5e-5, "loss": -0.1,
+                                 "reward": reward, "baseline": reward - 0.1, "entropy": 1.0}
+    _write_log(tmp_path / "metrics.jsonl", [
+        {"event": "start", "step": 0, "epoch": 0, "batches_per_epoch": 2, "train": {"objective": "scst"}},
+        scst(1, 1.0), scst(2, 2.0),
+        {"event": "val", "step": 2, "epoch": 1, "BLEU-4": 0.1, "CIDEr": 0.2, "lr": 5e-5},
+        scst(3, 3.0), scst(4, 5.0),
+        {"event": "val", "step": 4, "epoch": 2, "BLEU-4": 0.2, "CIDEr": 0.4, "lr": 5e-5},
+    ])
+    log = analysis.read_training_log(str(tmp_path))
+    assert log.objective == "scst"
+    np.testing.assert_array_equal(log.per_epoch()["reward"], [1.5, 4.0])
+    axes = {ax.get_title(): ax for ax in plots.training_figure(log).axes}
+    reward = axes["reward of sampled captions (CIDEr-D, training references)"]
+    np.testing.assert_array_equal(reward.lines[0].get_ydata(), [1, 2, 3, 5])
+    np.testing.assert_array_equal(reward.lines[1].get_ydata(), [0.9, 1.9, 2.9, 4.9])
+
+
 # datasets
 
 def test_vocabulary_coverage_follows_vocabulary_build():
