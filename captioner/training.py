@@ -28,6 +28,7 @@ from .data import CaptionData
 from .decoder import AttentionDecoder, DecoderConfig, sequence_loss
 from .errors import CaptionerError
 from .evaluation import caption_split, score_validation
+from .familiarity import fit_stats as familiarity_stats
 from .reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -220,12 +221,16 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
             log.flush()
 
     last_save = time.monotonic()
+    # --- familiarity (captioner.familiarity): training features' statistics, for "unlike the training images"
+    familiarity = familiarity_stats(data, seed=cfg.seed) if d.main else None
+    familiarity = familiarity.to_dict() if familiarity is not None else None
+    # --- end familiarity
 
     def save(path: str, metrics: dict) -> None:
         nonlocal last_save
         if d.main:
-            save_checkpoint(_checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data,
-                                        generator, metrics), path)
+            save_checkpoint({**_checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data,
+                                           generator, metrics), "familiarity": familiarity}, path)
         if path == last_path:
             last_save = time.monotonic()
 
