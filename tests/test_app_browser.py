@@ -28,7 +28,7 @@ from test_app import serve
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-WAIT_MS = 120_000  # readiness waits only: how long to wait for the page, never a speed limit
+WAIT_MS = 600_000  # readiness waits only: how long to wait for the page, never a speed limit
 
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
                                 reason=f"{CHROMIUM} is absent (install Debian's chromium: apt-get install -y chromium)")
