@@ -36,7 +36,8 @@ CSS = """
 .familiarity { margin: 0 0.5rem; }
 .familiarity.unfamiliar { color: #b45309; font-weight: 600; }
 .familiarity.familiar { color: #15803d; }
-#model-card table td, #model-card table th { white-space: nowrap; word-break: normal; }
+#model-card table td { white-space: nowrap; word-break: normal; }
+#model-card table th { white-space: normal; word-break: normal; }  /* headers wrap between words only */
 """
 COLORS = {"word": "#93c5fd", "shown": "#f97316"}  # shown at half opacity by Gradio
 # Download the figure once the server has drawn it: one click, and nothing drawn until asked.
