@@ -14,6 +14,7 @@ from .decode import beam_search
 from .decoder import ARGMAX, CONTEXT_MODES, EXPECTED, SAMPLE, AttentionDecoder, DecoderConfig
 from .encoder import EncoderSpec, apply_encoder_state, build_encoder
 from .errors import CaptionerError
+from .familiarity import FamiliarityStats, familiarity
 from .images import load_image
 from .vocab import Vocabulary
 
@@ -28,6 +29,9 @@ class Caption:
     locations: list[tuple[int, int]] | None = None   # (row, col) chosen per word (hard: argmax/sample)
     alternatives: list[tuple[str, float]] = field(default_factory=list)  # other beams, best first
     size: tuple[int, int] = (0, 0)    # (width, height) of the upright image
+    # Is the image like the training images? {"score", "unfamiliar", "message", "threshold"}
+    # (captioner.familiarity); None when the checkpoint holds no training-feature statistics.
+    familiarity: dict | None = None
 
 
 class Captioner:
@@ -36,13 +40,14 @@ class Captioner:
     def __init__(self, decoder: AttentionDecoder, vocab: Vocabulary, spec: EncoderSpec, *,
                  encoder: torch.nn.Module | None = None, max_len: int = 20, step: int = 0,
                  info: dict | None = None, device: str | torch.device = "cpu",
-                 encoder_state: dict | None = None):
+                 encoder_state: dict | None = None, familiarity: FamiliarityStats | None = None):
         self.device = torch.device(device)
         self.encoder_state = encoder_state  # fine-tuned encoder layers (checkpoint "encoder_state"), if any
         self.decoder = decoder.to(self.device).eval()
         self.vocab, self.encoder_spec, self.max_len, self.step = vocab, spec, max_len, step
         self.encoder = encoder.to(self.device).eval() if encoder is not None else None
         self.info = info or {}
+        self.familiarity = familiarity
 
     @property
     def attention_type(self) -> str:
@@ -77,7 +82,8 @@ class Captioner:
                 "train": ck.get("train", {}), "data": ck.get("data", {}), "step": ck["step"],
                 "card": ck.get("card", {}), "fine_tune": (ck.get("train") or {}).get("fine_tune")}
         return cls(decoder, vocab, spec, encoder=encoder, max_len=int(ck.get("max_len", 20)),
-                   step=int(ck["step"]), info=info, device=device, encoder_state=encoder_state)
+                   step=int(ck["step"]), info=info, device=device, encoder_state=encoder_state,
+                   familiarity=FamiliarityStats.from_dict(ck.get("familiarity")))
 
     @torch.inference_mode()
     def encode(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -123,9 +129,11 @@ class Captioner:
         out = []
         grid = self.encoder_spec.grid
         for i in range(0, len(images), batch_size):
-            feats, sizes = self.encode(images[i:i + batch_size])
-            for beams, size in zip(beam_search(self.decoder, feats, beam_size=int(beam_size), max_len=max_len,
-                                               length_norm=length_norm, mode=mode, generator=generator), sizes):
+            feats, sizes = self.encode(images[i:i + batch_size])                  # (b, L, D)
+            verdicts = familiarity(feats, self.familiarity)                # is each image like the training ones?
+            for beams, size, verdict in zip(beam_search(self.decoder, feats, beam_size=int(beam_size), max_len=max_len,
+                                                       length_norm=length_norm, mode=mode, generator=generator),
+                                           sizes, verdicts):
                 best = beams[0]
                 words = self.vocab.decode(best.tokens)
                 locs = None
@@ -135,7 +143,7 @@ class Captioner:
                     text=" ".join(words), words=words, score=best.score,
                     attention=best.attention.reshape(len(words), grid, grid), locations=locs,
                     alternatives=[(" ".join(self.vocab.decode(h.tokens)), h.score) for h in beams],
-                    size=size))
+                    size=size, familiarity=verdict))
         return out
 
 

@@ -3,104 +3,95 @@
 `app.py` lays out the page and wires its events to a `Demo`; nothing here knows the layout.
 Uploads arrive undecoded and are read once by `load_image`, so each error says what is wrong
 with the image. Concurrent requests share `caption_batch` calls through a `Batcher`, each
-image's failure staying its own. `captioner.viz` draws the heatmaps from the attention kept in
-a per-session `View`, so changing their opacity never re-runs the model.
+image's failure staying its own. Each browser tab has a `Session`: its current `View` (what a
+captioned image leaves: enough to redraw every heatmap, and the heatmaps already drawn) and a
+ticket counter, so that a caption request overtaken by a newer one never shows its results.
+The page's caption event returns a `PageOutputs`, every output of the page at once: a new
+image, an error or a cleared input each set all of them, so nothing stale stays on the page.
 Symbols: n words, g×g attention grid (14×14 for VGG at 224).
 """
 from __future__ import annotations
 
 import collections
+import html
 import os
-import queue
 import re
 import shutil
 import tempfile
 import threading
 import weakref
-from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import gradio as gr
 import numpy as np
 from gradio_client.utils import decode_base64_to_binary
-from PIL import Image
+from PIL import Image, ImageOps
 
 from . import viz
 from .api import Caption, Captioner
+from .batcher import Batcher
 from .errors import CaptionerError, ImageError
 from .images import Preprocess, load_image
 
-VIEW_SIDE = 512       # longest side of the stored image and its overlays: enough for a screen
+VIEW_SIDE = 512       # longest side of the stored image and the large heatmap: enough for a screen
+THUMB_SIDE = 160      # longest side of the per-word thumbnails, about the size the gallery shows
 FIGURES_KEPT = 64     # attention PNGs kept on disk for download; older ones are deleted
+MARK = (249, 115, 22)     # frame of the selected word's thumbnail (the page's orange)
+FRAME = 4                 # its width in pixels; the other thumbnails get a white frame
 
 
 @dataclass
 class View:
     """What one captioned image leaves in a session: enough to redraw every heatmap."""
     image: Image.Image                # upright RGB, longest side VIEW_SIDE
+    thumb: Image.Image                # the same, longest side THUMB_SIDE
     text: str
     words: list[str]
     attention: np.ndarray             # (n, g, g)
     locations: list[tuple[int, int]] | None
     preprocess: Preprocess            # tells viz which part of the image the grid covers
     selected: int = 0                 # the word shown large
+    # Heatmaps drawn so far at `opacity`: ("thumbs",) → list, ("large", k) → image, ("figure",) → path.
+    drawn: dict = field(default_factory=dict)
+    opacity: float | None = None
+
+    def drawn_at(self, opacity: float) -> dict:
+        """The cache of what is drawn at this opacity (emptied when the opacity changes)."""
+        if opacity != self.opacity:
+            self.drawn, self.opacity = {}, opacity
+        return self.drawn
 
 
-class Batcher:
-    """Runs concurrent caption requests through the model together, one thread owning it.
+class Session:
+    """One browser tab: the image it shows, and which caption request is the newest."""
 
-    Requests that wait while a batch runs form the next batch (up to `max_batch_size`,
-    grouped by beam size and maximum length). If a batch fails, its images are retried one
-    at a time, so an error reaches only the request that caused it.
-    """
+    def __init__(self):
+        self.view: View | None = None
+        self.newest = 0                     # the ticket of the newest caption request
+        self._lock = threading.Lock()
 
-    def __init__(self, captioner: Captioner, *, max_batch_size: int = 8):
-        self.captioner, self.max_batch_size = captioner, max_batch_size
-        self._queue: queue.Queue[tuple | None] = queue.Queue()  # (image, beam_size, max_len, Future)
-        self._thread = threading.Thread(target=self._loop, name="captioner-batcher", daemon=True)
-        self._thread.start()
+    def ticket(self) -> int:
+        """A number for a caption request starting now; later requests get larger ones."""
+        with self._lock:
+            self.newest += 1
+            return self.newest
 
-    def caption(self, image: Image.Image, beam_size: int = 3, max_len: int | None = None) -> Caption:
-        """Caption one decoded image, sharing a forward pass with concurrent callers."""
-        done: Future[Caption] = Future()
-        self._queue.put((image, int(beam_size), max_len, done))
-        return done.result()
 
-    def close(self) -> None:
-        """Stop the worker after the requests already queued."""
-        self._queue.put(None)
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while (first := self._queue.get()) is not None:
-            batch = [first]
-            while len(batch) < self.max_batch_size:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:          # close() was called: finish this batch, then stop
-                    self._queue.put(None)
-                    break
-                batch.append(nxt)
-            groups = collections.defaultdict(list)  # caption_batch takes one beam size and length
-            for image, beam_size, max_len, done in batch:
-                groups[beam_size, max_len].append((image, done))
-            for (beam_size, max_len), group in groups.items():
-                self._run(group, beam_size, max_len)
-
-    def _run(self, group: list[tuple[Image.Image, Future]], beam_size: int, max_len: int | None) -> None:
-        try:
-            outs = self.captioner.caption_batch([im for im, _ in group], beam_size=beam_size, max_len=max_len)
-        except Exception as e:
-            if len(group) == 1:
-                group[0][1].set_exception(e)
-            else:  # find the culprit: retry alone, so the others still get their captions
-                for item in group:
-                    self._run([item], beam_size, max_len)
-            return
-        for (_, done), out in zip(group, outs):
-            done.set_result(out)
+class PageOutputs(NamedTuple):
+    """Every output of the page's caption event, in the order app.py lists the components."""
+    image: object          # the input image (set when an example is chosen), else gr.skip()
+    error: object          # the one error line next to the image
+    caption: object
+    familiarity: object    # "like / unlike the training images", next to the caption
+    words: object
+    large_label: object
+    large: object
+    gallery: object
+    alternatives: object
+    data: object
+    download: object
+    session: object
 
 
 # helpers
@@ -119,6 +110,14 @@ def upload_source(payload: dict | str | None) -> str | bytes | None:
     return payload["path"]
 
 
+def upload_name(payload: dict | str | None) -> str | None:
+    """The name the user knows the upload by (its own file name, not the server's cache path)."""
+    if isinstance(payload, dict) and payload.get("orig_name"):
+        return os.path.basename(payload["orig_name"])
+    source = upload_source(payload)
+    return os.path.basename(source) if isinstance(source, str) else None
+
+
 def read_upload(payload: dict | str | None) -> Image.Image:
     """Decode an upload with `load_image`; errors become a gr.Error about that image.
 
@@ -130,7 +129,7 @@ def read_upload(payload: dict | str | None) -> Image.Image:
     try:
         return load_image(image)
     except ImageError as e:
-        message = str(e).replace(image, os.path.basename(image)) if isinstance(image, str) else str(e)
+        message = str(e).replace(image, upload_name(payload)) if isinstance(image, str) else str(e)
         raise gr.Error(message, title="Cannot read this image", duration=None,
                        print_exception=False) from None
 
@@ -140,9 +139,7 @@ def fit_view(image: Image.Image) -> Image.Image:
 
     The attention grid covers the resized image just as it covered the original.
     """
-    w, h = image.size
-    scale = VIEW_SIDE / max(w, h)
-    return image.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BILINEAR)
+    return viz.fit_side(image, VIEW_SIDE)
 
 
 def caption_data(out: Caption, decimals: int = 6) -> dict:
@@ -155,12 +152,36 @@ def caption_data(out: Caption, decimals: int = 6) -> dict:
         "alternatives": [{"caption": text, "log_prob": float(lp)} for text, lp in out.alternatives],
         "locations": [list(loc) for loc in out.locations] if out.locations is not None else None,
         "image_size": list(out.size),
+        "familiarity": out.familiarity,
     }
 
 
 def highlighted(view: View) -> list[tuple[str, str]]:
     """The caption as (word, label) tokens for gr.HighlightedText; the shown word stands out."""
     return [(w, "shown" if i == view.selected else "word") for i, w in enumerate(view.words)]
+
+
+def familiarity_html(verdict: dict | None) -> str:
+    """The line beside the caption saying whether the image is like the training images."""
+    if verdict is None:
+        return ""
+    kind = "unfamiliar" if verdict["unfamiliar"] else "familiar"
+    mark = "⚠" if verdict["unfamiliar"] else "✓"
+    return f'<p class="familiarity {kind}">{mark} {html.escape(verdict["message"])}</p>'
+
+
+def error_html(message: str) -> str:
+    return f'<p class="image-error" role="alert">⚠ {html.escape(message)}</p>'
+
+
+def large_label(view: View) -> str:
+    k = view.selected
+    return (f'Where the model looked for **"{view.words[k]}"** (word {k + 1} of {len(view.words)}); '
+            "brighter means more attention")
+
+
+def _frame(thumb: Image.Image, selected: bool) -> Image.Image:
+    return ImageOps.expand(thumb, border=FRAME, fill=MARK if selected else (255, 255, 255))
 
 
 class Demo:
@@ -191,42 +212,74 @@ class Demo:
             beam_size: K of the beam search (1 is greedy).
 
         Returns:
-            The caption, and a dict with words, score, attention (n, 14, 14) and alternatives.
+            The caption, and a dict with words, score, attention (n, 14, 14), alternatives and
+            familiarity (is the image like the training images; None if the model cannot tell).
         """
         out = self._caption(read_upload(image), beam_size)
         return out.text, caption_data(out)
 
-    def caption_view(self, image: dict | str | None, beam_size: float, max_len: float, opacity: float):
-        """The page's caption event → (caption, words, large heatmap, gallery, beams, data, View)."""
-        if image is None:  # the input was cleared
-            return "", [], None, [], [], None, None
-        picture = read_upload(image)
-        out = self._caption(picture, beam_size, max_len)
-        view = View(fit_view(picture), out.text, out.words, out.attention, out.locations,
-                    self.captioner.encoder_spec.preprocess)
-        large, gallery = self.heatmaps(view, opacity)
-        rows = [[text, round(lp, 3)] for text, lp in out.alternatives]
-        return (out.text or "(no words)", highlighted(view), large, gallery, rows, caption_data(out), view)
+    def caption_view(self, image: dict | str | None, beam_size: float, max_len: float, opacity: float,
+                     session: Session | None, *, show: str | None = None):
+        """The page's caption event: yields `PageOutputs`, first with the outputs cleared, then filled.
 
-    def select_word(self, view: View | None, opacity: float, evt: gr.SelectData):
-        """A word (of the caption or the gallery) was clicked → (words, its large heatmap, View)."""
+        Args:
+            image: the upload (gr.Image's payload, or a path); None clears the page.
+            show: a path to put in the image input first (an example was chosen).
+        """
+        session = session or Session()
+        ticket = session.ticket()
+        session.view = None
+        cleared = self._cleared(session, image=show if show is not None else gr.skip())
+        yield cleared
+        if image is None:  # the input was cleared: so is the page
+            return
+        cleared = cleared._replace(image=gr.skip())   # an example's picture is sent once
+        try:
+            picture = read_upload(image)
+            out = self._caption(picture, beam_size, max_len)
+        except gr.Error as e:  # shown beside the image: no toast, no error badge on every output
+            if ticket == session.newest:
+                yield cleared._replace(error=gr.update(value=error_html(str(e.message)), visible=True))
+            return
+        view_image = fit_view(picture)
+        view = View(view_image, viz.fit_side(view_image, THUMB_SIDE), out.text, out.words, out.attention,
+                    out.locations, self.captioner.encoder_spec.preprocess)
+        large, gallery = self.heatmaps(view, opacity)
+        if ticket != session.newest:  # a newer request started meanwhile: its results win
+            return
+        session.view = view
+        rows = [[text, round(lp, 3)] for text, lp in out.alternatives]
+        yield cleared._replace(
+            caption=out.text or "(no words)", familiarity=familiarity_html(out.familiarity),
+            words=highlighted(view), large_label=large_label(view) if view.words else "The model wrote no words",
+            large=large, gallery=gallery, alternatives=rows, data=caption_data(out),
+            download=gr.update(interactive=bool(view.words)))
+
+    def select_word(self, session: Session | None, opacity: float, evt: gr.SelectData):
+        """A word (of the caption or the gallery) was clicked → (words, label, large heatmap, gallery)."""
+        view = session.view if session else None
         if view is None or not view.words:
-            return gr.skip(), gr.skip(), view
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         view.selected = min(int(evt.index if not isinstance(evt.index, list) else evt.index[0]),
                             len(view.words) - 1)
-        large, _ = self.heatmaps(view, opacity, gallery=False)
-        return highlighted(view), large, view
+        large, gallery = self.heatmaps(view, opacity)
+        return highlighted(view), large_label(view), large, gallery
 
-    def redraw(self, view: View | None, opacity: float):
+    def redraw(self, session: Session | None, opacity: float):
         """Opacity changed → (large heatmap, gallery), redrawn from the View, not the model."""
+        view = session.view if session else None
         if view is None:
             return gr.skip(), gr.skip()
         return self.heatmaps(view, opacity)
 
-    def figure(self, view: View | None, opacity: float) -> dict:
-        """The paper-style attention figure as a PNG file: an update for the download button."""
-        if view is None:
-            return gr.update(value=None, interactive=False)
+    def figure(self, session: Session | None, opacity: float) -> str | None:
+        """The paper-style attention figure of the shown image as a PNG file (drawn when asked)."""
+        view = session.view if session else None
+        if view is None or not view.words:
+            return None
+        drawn = view.drawn_at(float(opacity))
+        if ("figure",) in drawn and os.path.exists(drawn["figure",]):
+            return drawn["figure",]
         fig = viz.attention_figure(view.image, view.words, view.attention, preprocess=view.preprocess,
                                    opacity=float(opacity), locations=view.locations, title=view.text)
         name = re.sub(r"[^a-z0-9]+", "-", view.text.lower()).strip("-")[:48] or "no-words"
@@ -238,9 +291,16 @@ class Demo:
             self._figures.append(path)
             while len(self._figures) > FIGURES_KEPT:
                 os.remove(self._figures.popleft())
-        return gr.update(value=path, interactive=True)
+        drawn["figure",] = path
+        return path
 
     # helpers
+
+    def _cleared(self, session: Session, image) -> PageOutputs:
+        """Every output emptied, the error line hidden and the download disabled."""
+        return PageOutputs(image=image, error=gr.update(value="", visible=False), caption="", familiarity="",
+                           words=[], large_label="", large=None, gallery=[], alternatives=[], data=None,
+                           download=gr.update(interactive=False), session=session)
 
     def _caption(self, picture: Image.Image, beam_size: float, max_len: float | None = None) -> Caption:
         # The caption events skip Gradio's preprocessing, so the numbers arrive unchecked.
@@ -254,81 +314,20 @@ class Demo:
         except CaptionerError as e:  # e.g. a beam size out of range: the caller can fix it
             raise gr.Error(str(e), print_exception=False) from None
 
-    def heatmaps(self, view: View, opacity: float, gallery: bool = True):
-        """The selected word's overlay (large, labelled) and, optionally, the captioned gallery."""
+    def heatmaps(self, view: View, opacity: float) -> tuple[Image.Image | None, list]:
+        """The selected word's overlay at VIEW_SIDE, and every word's thumbnail (the selected one framed).
+
+        Each is drawn once per opacity and kept in the View: clicking words redraws nothing.
+        """
         if not view.words:
-            return gr.Image(value=view.image, label="The model wrote no words"), []
-        words = range(len(view.words)) if gallery else [view.selected]
-        overlays = dict(zip(words, viz.word_overlays(view.image, view.attention[list(words)],
-                                                     preprocess=view.preprocess, opacity=float(opacity))))
+            return view.image, []
+        drawn = view.drawn_at(float(opacity))
+        if ("thumbs",) not in drawn:
+            drawn["thumbs",] = viz.word_overlays(view.thumb, view.attention, preprocess=view.preprocess,
+                                                 opacity=float(opacity), max_side=None)
         k = view.selected
-        label = f'Where the model looked for "{view.words[k]}" (word {k + 1} of {len(view.words)})'
-        large = gr.Image(value=overlays[k], label=label)
-        return large, [(overlays[i], f"{i + 1}. {view.words[i]}") for i in words] if gallery else []
-
-
-# the model panel
-
-METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr")
-CARD_DATA_KEYS = ("trained_on", "data", "dataset", "description")  # card fields that say what it learnt from
-
-
-def trained_on(captioner: Captioner) -> str:
-    """What the model was trained on, from its card, else from its encoder and data record."""
-    card = captioner.info.get("card") or {}
-    for text in (card.get(k) for k in CARD_DATA_KEYS):
-        if isinstance(text, str) and text.strip():
-            return text.strip()
-    if captioner.encoder_spec.weights == "none":
-        return "synthetic scenes of coloured shapes (`captioner.synthetic`), with a random, seeded VGG encoder"
-    data = captioner.info.get("data") or {}
-    return f"the data prepared in `{data['dir']}`" if data.get("dir") else "unknown (the checkpoint does not say)"
-
-
-def model_notice(captioner: Captioner) -> str:
-    """The plain paragraph above the page: what this model can describe, and what it cannot."""
-    text = f"**This model was trained on {trained_on(captioner)}.**"
-    if captioner.encoder_spec.weights == "none":
-        # A random encoder only separates what the synthetic scenes vary: colours, shapes, places.
-        text += (" It describes scenes like the examples below and nothing else: for real photos you need a "
-                 "checkpoint trained on MS-COCO (see README.md, section 'Train on MS-COCO'), served with "
-                 "`python app.py --checkpoint runs/coco/best.pt`.")
-    return text
-
-
-def model_card(captioner: Captioner) -> str:
-    """Markdown for the model panel: training data, metrics, vocabulary, attention type."""
-    info, spec, cfg = captioner.info, captioner.encoder_spec, captioner.decoder.config
-    weights = {"none": f"random, seeded ({spec.seed})", "imagenet": "ImageNet"}.get(spec.weights, spec.weights)
-    train = info.get("train") or {}
-    lines = [
-        f"- **Trained on:** {trained_on(captioner)}",
-        f"- **Checkpoint:** `{os.path.basename(info.get('checkpoint', '?'))}`, {info.get('step', 0)} optimizer steps",
-        f"- **Attention:** {captioner.attention_type}",
-        f"- **Vocabulary:** {len(captioner.vocab)} words (special tokens included)",
-        f"- **Encoder:** {spec.arch.upper()} ({weights} weights), {spec.image_size}×{spec.image_size} input "
-        f"→ {spec.grid}×{spec.grid} attention grid",
-        f"- **Decoder:** embedding {cfg.embed_dim}, LSTM {cfg.hidden_dim}, attention {cfg.attention_dim}",
-    ]
-    if train:
-        lines.append(f"- **Training:** up to {train.get('epochs', '?')} epochs, batch {train.get('batch_size', '?')}, "
-                     f"lr {train.get('lr', '?')}, best checkpoint by {train.get('metric', '?')}")
-    card = info.get("card") or {}
-    shown = {k: v for k, v in card.items()
-             if k not in (*CARD_DATA_KEYS, "test_images") and isinstance(v, (str, int, float))}
-    lines += [f"- **{k.replace('_', ' ').capitalize()}:** " + (f"`{v}`" if k == "rebuild" else f"{v}")
-              for k, v in shown.items()]
-    test = {k: v for k, v in (card.get("test_metrics") or {}).items() if isinstance(v, (int, float))}
-    if test:
-        where = f" on {card['test_images']} held-out test images" if "test_images" in card else ""
-        lines += ["", f"**Test metrics**{where} (coco-caption; pointing: share of object words whose "
-                  "attention peak lies on the object):", "",
-                  "| " + " | ".join(test) + " |", "|" + "---|" * len(test),
-                  "| " + " | ".join(f"{v:.3f}" for v in test.values()) + " |"]
-    metrics = {k: v for k, v in (info.get("metrics") or {}).items() if k in METRICS and isinstance(v, (int, float))}
-    if metrics:
-        where = f" on {info['metrics']['images']} validation images" if "images" in info["metrics"] else ""
-        lines += ["", f"**Validation metrics**{where} (coco-caption; BLEU, METEOR, ROUGE-L as fractions):", "",
-                  "| " + " | ".join(metrics) + " |", "|" + "---|" * len(metrics),
-                  "| " + " | ".join(f"{v:.3f}" for v in metrics.values()) + " |"]
-    return "\n".join(lines)
+        if ("large", k) not in drawn:
+            drawn["large", k] = viz.word_overlays(view.image, view.attention[k:k + 1], preprocess=view.preprocess,
+                                                  opacity=float(opacity), max_side=None)[0]
+        gallery = [(_frame(t, i == k), f"{i + 1}. {w}") for i, (t, w) in enumerate(zip(drawn["thumbs",], view.words))]
+        return drawn["large", k], gallery

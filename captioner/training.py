@@ -33,6 +33,7 @@ from .evaluation import caption_split, score_validation
 from .health import ADVICE, attention_health, problems
 from .health import summary as health_summary
 from .finetune import FineTuneConfig, FineTuning
+from .familiarity import fit_stats as familiarity_stats
 from .reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
 from .scst import LR as SCST_LR, ScstConfig, SelfCritical, TrainingImages, training_scorer
 
@@ -338,11 +339,16 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
     saver = faults.CheckpointSaver(good={last_path: progress.step} if ck is not None else {})
     if ck is not None and os.path.exists(best_path):
         saver.good[best_path] = progress.best_step
+    # --- familiarity (captioner.familiarity): training features' statistics, for "unlike the training images"
+    familiarity = familiarity_stats(data, seed=cfg.seed) if d.main else None
+    familiarity = familiarity.to_dict() if familiarity is not None else None
+    # --- end familiarity
 
     def save(path: str, metrics: dict, final: bool = False) -> None:
         nonlocal last_save
         if d.main:
             state = _checkpoint(model, optimizer, scheduler, progress, cfg, model_cfg, data, generator, metrics)
+            state["familiarity"] = familiarity
             if tuning:
                 state["encoder_state"] = tuning.encoder.encoder_state()  # the trained layers, trunk names
             if not saver.save(state, path):

@@ -1,22 +1,34 @@
 """The web demo in a real browser: Debian's Chromium driven by Playwright (never a downloaded browser).
 
-Upload a scene, wait for the caption and the heatmaps, click a word, and check that its heatmap
-is shown large. The screenshot is saved in pytest's tmp dir for a human to look at.
+The server is `python app.py` on its bundled model and examples, as a new user runs it. The
+tests click examples and time the page against the `/caption` API on the same images, count
+the caption requests an upload sends, upload a file that is not an image, click a word and
+check in a screenshot that its heatmap is drawn where the model looked, and download the
+figure. Screenshots are saved in pytest's tmp dir for a human to look at.
 """
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
-from pathlib import Path
+import statistics
+import time
+import urllib.request
 
+import numpy as np
 import pytest
+from gradio_client import Client, handle_file
+from PIL import Image
 
+from captioner import viz
+from captioner.assets import DEMO_CHECKPOINT, example_images
 from test_app import serve
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-WAIT_MS = 120_000  # readiness waits only: how long to wait for the page, never a speed limit
+WAIT_MS = 600_000  # readiness waits only: how long to wait for the page, never a speed limit
 
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
                                 reason=f"{CHROMIUM} is absent (install Debian's chromium: apt-get install -y chromium)")
@@ -31,34 +43,149 @@ def browser():
         b.close()
 
 
-def test_upload_caption_click_a_word_see_its_heatmap(browser, small_run, scenes, tmp_path):
-    scene = sorted((scenes / "images").iterdir())[0]
-    with serve(small_run / "best.pt", tmp_path / "app.log", "--examples", str(scene)) as url:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(WAIT_MS)
-        page.goto(url)
-        page.locator("input[type=file]").first.set_input_files(str(scene))
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`python app.py` on the bundled model and its examples."""
+    with serve(DEMO_CHECKPOINT, tmp_path_factory.mktemp("browser") / "app.log") as url:
+        yield url
 
-        # The caption, one clickable token per word, and one gallery overlay per word.
-        tokens = page.locator("#words .token")
-        tokens.first.wait_for()
-        words = [w.strip() for w in tokens.all_inner_texts()]
-        page.locator("#word-gallery img").nth(len(words) - 1).wait_for()
-        assert page.locator("#word-gallery img").count() == len(words)
-        assert page.locator("#caption textarea").input_value() == " ".join(words)
 
-        # Click the last word: the large view switches to its heatmap.
-        k = len(words) - 1
-        tokens.nth(k).click()
-        large = page.locator("#large-heatmap")
-        large.get_by_text(re.compile(rf'"{re.escape(words[k])}" \(word {k + 1} of')).wait_for()
-        heatmap = large.locator("img")
-        heatmap.wait_for(state="visible")
-        page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=heatmap.element_handle())
-        page.screenshot(path=str(tmp_path / "demo.png"), full_page=True)
+def caption_fn(url: str) -> int:
+    """The id of the page's caption event: the one the image input's `input` event triggers."""
+    config = json.load(urllib.request.urlopen(url + "config"))
+    image = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "image")
+    return next(d["id"] for d in config["dependencies"] if [image, "input"] in d["targets"])
 
-        box = heatmap.bounding_box()
-        assert box is not None and box["width"] >= 250 and box["height"] >= 250   # shown large
-        page.locator("#download-figure:not([disabled])").wait_for()   # the whole figure, as a PNG
-        assert Path(tmp_path / "demo.png").stat().st_size > 0
-        page.close()
+
+def open_page(browser, url: str):
+    """A 1400 px page on the demo, recording the caption requests it sends."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+    page.set_default_timeout(WAIT_MS)
+    fn, sent = caption_fn(url), []
+
+    def record(request):
+        if "queue/join" in request.url and json.loads(request.post_data or "{}").get("fn_index") == fn:
+            sent.append(json.loads(request.post_data)["data"])
+    page.on("request", record)
+    page.goto(url)
+    page.locator("#examples button").first.wait_for()
+    return page, sent
+
+
+def wait_for_caption(page, previous: str = "") -> tuple[str, str]:
+    """Wait until a caption and a new, loaded large heatmap are on the page (two images may have
+    the same caption, never the same heatmap); returns the caption and the heatmap's URL."""
+    page.wait_for_function(
+        """prev => {
+            const text = document.querySelector('#caption textarea')?.value || '';
+            const img = document.querySelector('#large-heatmap img');
+            return text && img && img.src !== prev && img.complete && img.naturalWidth > 0;
+        }""", arg=previous, polling=25)
+    return (page.locator("#caption textarea").input_value(),
+            page.locator("#large-heatmap img").get_attribute("src"))
+
+
+def test_example_click_answers_about_as_fast_as_the_api(browser, server, tmp_path):
+    client = Client(server, verbose=False)
+    examples = example_images()[:3]
+    client.predict(handle_file(examples[0]), 3, api_name="/caption")          # warm up the model
+    page, sent = open_page(browser, server)
+    api, shown, heatmap = [], [], ""
+    for i, path in enumerate(examples):
+        t0 = time.perf_counter()
+        text, _ = client.predict(handle_file(path), 3, api_name="/caption")
+        api.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        page.locator("#examples button").nth(i).click()
+        caption, heatmap = wait_for_caption(page, heatmap)
+        shown.append(time.perf_counter() - t0)
+        assert caption == text                                                 # the same model, the same answer
+        assert page.locator("#word-gallery img").count() == len(text.split())
+    page.screenshot(path=str(tmp_path / "examples.png"), full_page=True)
+    assert len(sent) == len(examples)                                          # one request per click
+    page.close()
+    api_s, page_s = statistics.median(api), statistics.median(shown)
+    print(f"\n/caption API: median {api_s:.2f} s {[round(t, 2) for t in api]}; "
+          f"page (caption and heatmap shown): median {page_s:.2f} s {[round(t, 2) for t in shown]}")
+    # The issue's acceptance: the page within twice the API's time plus a second (medians).
+    assert page_s <= 2 * api_s + 1.0, (shown, api)
+
+
+def test_one_request_per_upload_and_an_error_beside_the_image(browser, server, tmp_path):
+    scenes = example_images()
+    notes = tmp_path / "notes.jpg"
+    notes.write_text("these are notes, not a picture\n")
+    page, sent = open_page(browser, server)
+    upload = page.locator("#image input[type=file]")
+
+    upload.set_input_files(scenes[0])
+    _, first = wait_for_caption(page)
+    upload.set_input_files(scenes[1])                  # while an image is shown: once, not twice
+    wait_for_caption(page, first)
+    assert len(sent) == 2
+
+    page.locator("#download-figure:not([disabled])").wait_for()
+    upload.set_input_files(str(notes))
+    error = page.locator("#image-error")
+    error.get_by_text("notes.jpg").wait_for()
+    page.screenshot(path=str(tmp_path / "error.png"), full_page=True)
+    assert len(sent) == 3
+    # Exactly one message naming the file, beside the image; nothing left of the previous image.
+    assert page.get_by_text(re.compile(r"notes\.jpg")).count() == 1
+    assert "not an image file" in error.inner_text()
+    assert page.locator(".toast-body").count() == 0                           # no toasts
+    assert page.get_by_text(re.compile(r"^Error$")).count() == 0               # no red badges
+    assert page.locator("#caption textarea").input_value() == ""
+    assert page.locator("#word-gallery img").count() == 0 and page.locator("#large-heatmap img").count() == 0
+    assert page.locator("#download-figure").is_disabled()
+
+    upload.set_input_files(scenes[2])                  # the next image clears the error
+    wait_for_caption(page)
+    assert not error.is_visible() and len(sent) == 4
+    page.close()
+
+
+def test_click_a_word_see_its_heatmap_where_the_model_looked(browser, server, tmp_path):
+    scene = example_images()[0]
+    _, data = Client(server, verbose=False).predict(handle_file(scene), 3, api_name="/caption")
+    page, _ = open_page(browser, server)
+    page.locator("#image input[type=file]").set_input_files(scene)
+    wait_for_caption(page)
+    tokens = page.locator("#words .token")
+    words = [w.strip() for w in tokens.all_inner_texts()]
+    assert words == data["words"]
+
+    # Click the last word: the large view switches to its heatmap, and says which word it is.
+    k = len(words) - 1
+    tokens.nth(k).click()
+    page.locator("#large-label").get_by_text(re.compile(rf'"?{re.escape(words[k])}"? \(word {k + 1} of')).wait_for()
+    img = page.locator("#large-heatmap img")
+    page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=img.element_handle())
+    page.screenshot(path=str(tmp_path / "demo.png"), full_page=True)
+
+    # The screenshot of the drawn image against the plain image: the heatmap is where the
+    # attention is, and the places the model did not look stay as they were.
+    shot = Image.open(io.BytesIO(img.screenshot())).convert("RGB")
+    box = page.evaluate("""img => {
+        const r = img.getBoundingClientRect(), s = Math.min(r.width / img.naturalWidth, r.height / img.naturalHeight);
+        const w = img.naturalWidth * s, h = img.naturalHeight * s;
+        return [(r.width - w) / 2, (r.height - h) / 2, w, h];   // the picture inside the element (object-fit)
+    }""", img.element_handle())
+    scale = shot.size[0] / page.evaluate("img => img.getBoundingClientRect().width", img.element_handle())
+    x, y, w, h = (round(v * scale) for v in box)
+    drawn = np.asarray(shot.crop((x, y, x + w, y + h)), dtype=np.float32)
+    plain = np.asarray(Image.open(scene).convert("RGB").resize((w, h), Image.BILINEAR), dtype=np.float32)
+    heat = viz.upsample(np.asarray(data["attention"][k]), (w, h))
+    change = np.abs(drawn - plain).mean(axis=2)                                 # (h, w)
+    looked, ignored = change[heat > 0.7].mean(), change[heat < 0.05].mean()
+    print(f"\nmean change of the pixels: {looked:.1f} where the model looked, {ignored:.1f} where it did not")
+    assert looked > 40 and ignored < 12 and (heat < 0.05).mean() > 0.2
+
+    # The figure is drawn when asked, and downloaded.
+    with page.expect_download() as download:
+        page.locator("#download-figure").click()
+    path = tmp_path / "figure.png"
+    download.value.save_as(path)
+    with Image.open(path) as fig:
+        assert fig.format == "PNG" and fig.size[0] > 400
+    page.close()

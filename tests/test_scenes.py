@@ -1,0 +1,46 @@
+"""Judging captions of synthetic scenes object by object, and how the demo's examples are drawn."""
+from __future__ import annotations
+
+import json
+
+from captioner.assets.build import pick_examples
+from captioner.scenes import accuracy, judge, read_objects
+from captioner.vocab import tokenize
+
+
+def test_wrong_shape_and_colour_are_caught_where_bleu_would_not():
+    truth = [("orange", "circle"), ("yellow", "star")]
+    verdict = judge("an orange square and a white star".split(), truth)
+    assert not verdict["correct"]
+    assert verdict["wrong"] == ["an orange square", "a white star"]
+    assert verdict["missing"] == ["an orange circle", "a yellow star"]
+    assert verdict["objects"] == "an orange circle, a yellow star"
+
+
+def test_order_and_wording_do_not_matter_but_a_left_out_object_does():
+    truth = [("red", "circle"), ("blue", "square"), ("red", "circle")]
+    assert judge("a blue square is left of a red circle and a red circle".split(), truth)["correct"]
+    left_out = judge("a red circle to the left of a blue square".split(), truth)
+    assert not left_out["correct"] and left_out["missing"] == ["a red circle"] and left_out["wrong"] == []
+    assert not judge("a red circle a blue square a red circle a red circle".split(), truth)["correct"]  # one extra
+
+
+def test_the_generators_own_captions_are_judged_right(scenes):
+    objects = read_objects(str(scenes / "boxes.json"))
+    captions = json.loads((scenes / "captions.json").read_text())["annotations"]
+    by_image: dict[int, list[bool]] = {}
+    for a in captions:
+        by_image.setdefault(a["image_id"], []).append(judge(tokenize(a["caption"]), objects[a["image_id"]])["correct"])
+    for image_id, verdicts in by_image.items():
+        # Scenes of one or two objects: every caption names them all; of three, some captions name two.
+        assert all(verdicts) if len(objects[image_id]) < 3 else any(verdicts), (image_id, verdicts)
+    first = {a["image_id"]: tokenize(a["caption"]) for a in captions}
+    assert 0.5 < accuracy(first, objects) <= 1.0
+
+
+def test_examples_are_drawn_at_random_from_the_split():
+    ids = list(range(100, 300, 2))
+    picked = pick_examples(ids, 6, seed=0)
+    assert picked == pick_examples(ids, 6, seed=0) and picked != pick_examples(ids, 6, seed=1)
+    assert len(set(picked)) == 6 and set(picked) <= set(ids) and picked != ids[:6]
+    assert sorted(pick_examples(ids[:4], 6, seed=0)) == ids[:4]   # a small split gives all it has
