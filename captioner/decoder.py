@@ -194,10 +194,7 @@ class AttentionDecoder(nn.Module):
              c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Eqs. (1)–(3) given the embedding's share of the gates (B, 4H)."""
         gates = gates_y + self.lstm_h(h) + self.lstm_z(z)        # (B, 4H)
-        i, f, o, g = gates.chunk(4, dim=1)                       # (B, H) each
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
-        return h, c
+        return lstm_cell(gates, c)
 
     def output(self, emb: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Deep output layer, eq. (7): logits over the vocabulary (..., V)."""
@@ -224,16 +221,39 @@ class AttentionDecoder(nn.Module):
     def step(self, features: torch.Tensor, projected: torch.Tensor, words: torch.Tensor,
              h: torch.Tensor, c: torch.Tensor, mode: str = EXPECTED,
              generator: torch.Generator | None = None):
-        """One generation step from the previous words (B,).
+        """One generation step from the previous words (B,): `lstm` and `output` with their
+        inputs' weights side by side, so each is one matrix product (the decoding hot loop).
 
         Returns:
             logits (B, V), h (B, H), c (B, H), α (B, L), chosen locations (B,) or None.
         """
+        W_gates, W_out = self.step_weights()
         emb = self.embedding(words)                                   # (B, E)
         alpha = self.attention(projected, h)                          # (B, L)
         z, loc = self.context(features, alpha, h, mode, generator)    # (B, D)
-        h, c = self.lstm(self.lstm_y(emb), z, h, c)                   # (B, H)
-        return self.output(emb, h, z), h, c, alpha, loc
+        # Eq. (1): [E y_{t-1}; h_{t-1}; ẑ_t] through the three input maps at once.
+        gates = F.linear(torch.cat([emb, h, z], dim=1), W_gates, self.lstm_y.bias)  # (B, 4H)
+        h, c = lstm_cell(gates, c)                                    # (B, H)
+        # Eq. (7): E y_{t-1} + L_h h_t + L_z ẑ_t, the last two as one product.
+        out = emb + F.linear(torch.cat([h, z], dim=1), W_out, self.L_h.bias)  # (B, E)
+        return self.L_o(self.dropout(out)), h, c, alpha, loc
+
+    def step_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[W_y | W_h | W_z] (4H, E+H+D) of the LSTM and [L_h | L_z] (E, H+D) of the output.
+
+        Without gradients (decoding) they are built once and kept until a weight changes
+        (an optimizer step or load_state_dict bumps its version); with gradients, every call.
+        """
+        parts = (self.lstm_y.weight, self.lstm_h.weight, self.lstm_z.weight, self.L_h.weight, self.L_z.weight)
+        if torch.is_grad_enabled():
+            return torch.cat(parts[:3], dim=1), torch.cat(parts[3:], dim=1)
+        key = tuple((p.data_ptr(), p.dtype, p._version) for p in parts)
+        cached = self.__dict__.get("_step_weights")
+        if cached is None or cached[0] != key:
+            with torch.inference_mode(False), torch.no_grad():   # ordinary tensors, usable anywhere
+                cached = key, torch.cat(parts[:3], dim=1), torch.cat(parts[3:], dim=1)
+            self.__dict__["_step_weights"] = cached
+        return cached[1], cached[2]
 
     # teacher forcing
 
@@ -335,6 +355,14 @@ class AttentionDecoder(nn.Module):
         """
         u = self.unroll(features, captions)
         return self.output(u.emb, u.h, u.z), u.alphas
+
+
+def lstm_cell(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eqs. (2)–(3): the LSTM's gates (B, 4H) and c_{t-1} (B, H) → h_t, c_t (B, H)."""
+    i, f, o, g = gates.chunk(4, dim=1)                       # (B, H) each
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    h = torch.sigmoid(o) * torch.tanh(c)
+    return h, c
 
 
 def step_mask(lengths: torch.Tensor, steps: int) -> torch.Tensor:
