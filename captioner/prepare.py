@@ -17,6 +17,7 @@ from .data import FORMAT, write_json_atomic
 from .distributed import Dist, barrier
 from .encoder import FEATURE_DIM, EncoderSpec, build_encoder
 from .errors import CaptionerError
+from .fast_encoder import optimize_encoder
 from .features import BAD, FeatureCache, extract_features
 from .vocab import Vocabulary, tokenize
 
@@ -70,7 +71,8 @@ def prepare(captions: Sequence[str], image_dirs: Sequence[str], out_dir: str, *,
         FeatureCache(out_dir, len(records), grid * grid, FEATURE_DIM, mode="r+")  # create the files once
     barrier(dist)
     cache = FeatureCache(out_dir, len(records), grid * grid, FEATURE_DIM, mode="r+")
-    extract_features(cache, meta["paths"], enc, spec.preprocess, batch_size=batch_size, workers=workers,
+    fast = optimize_encoder(enc, device, image_size=spec.image_size)  # same features as enc, faster
+    extract_features(cache, meta["paths"], fast, spec.preprocess, batch_size=batch_size, workers=workers,
                      device=device, skip_bad=skip_bad, rank=dist.rank, world=dist.world, progress=progress)
     barrier(dist)  # every rank's rows are on disk before the dataset files are written
     if not dist.main:
