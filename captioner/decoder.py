@@ -45,15 +45,17 @@ class DecoderConfig:
 
 
 class _Score(torch.autograd.Function):
-    """e_ti = v·tanh(p_ti + q_t) up to a per-row constant, computed as 2v·σ(2(p + q)).
+    """e_ti = v·tanh(p_ti + q_t) up to a per-row constant, computed as 2v·σ(2p + 2q).
 
     tanh(x) = 2σ(2x) − 1, so the two differ by −Σv for every location, which softmax ignores:
     α is exactly the paper's. On CPU σ is about 10× cheaper than tanh, and the hand-written
-    backward saves two passes over the (B, L, A) tensor; this is the decoder's hot loop.
+    backward saves two passes over the (B, L, A) tensor; this is the decoder's hot loop. It
+    takes 2p and 2q (`Attention.project` doubles p once per image), which saves a third pass
+    over (B, L, A) at every step.
     """
 
     @staticmethod
-    def forward(ctx, projected, q, v):
+    def forward(ctx, projected, q, v):  # projected = 2p (B, L, A), q = 2q (n, A), v (A,)
         # projected may hold more rows than q (captions that have ended): only the first len(q)
         # are used, and their gradient is written straight into a full-sized tensor, so no
         # slicing of `projected` goes through autograd (each slice would cost a zero-filled
@@ -62,7 +64,7 @@ class _Score(torch.autograd.Function):
         ctx.dtypes = projected.dtype, q.dtype, v.dtype            # under autocast they may differ
         ctx.rows = projected.size(0)
         v = v.to(projected.dtype)
-        s = torch.add(projected[:n], q.to(projected.dtype).unsqueeze(1)).mul_(2).sigmoid_()  # (n, L, A), σ(2(p + q))
+        s = torch.add(projected[:n], q.to(projected.dtype).unsqueeze(1)).sigmoid_()  # (n, L, A), σ(2p + 2q)
         ctx.save_for_backward(s, v)
         return s @ (2 * v)                                             # (n, L)
 
@@ -74,8 +76,8 @@ class _Score(torch.autograd.Function):
         grad_v = 2 * torch.einsum("bl,bla->a", grad_e, s)                         # (A,)
         grad_p = s.new_empty(ctx.rows, L, A)                                      # (B, L, A)
         grad_p[n:].zero_()
-        # d e / d p = 4 v σ(1 − σ), times the incoming gradient
-        torch.addcmul(s, s, s, value=-1, out=grad_p[:n]).mul_(grad_e.unsqueeze(2)).mul_(4 * v)
+        # d e / d(2p) = 2 v σ(1 − σ), times the incoming gradient
+        torch.addcmul(s, s, s, value=-1, out=grad_p[:n]).mul_(grad_e.unsqueeze(2)).mul_(2 * v)
         p_dtype, q_dtype, v_dtype = ctx.dtypes
         return grad_p.to(p_dtype), grad_p[:n].sum(dim=1).to(q_dtype), grad_v.to(v_dtype)
 
@@ -99,12 +101,12 @@ class Attention(nn.Module):
         self.v = nn.Linear(attention_dim, 1, bias=False)             # score per location
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """W_a a_i for all locations: once per image, not once per step."""
-        return self.W_a(features)  # (B, L, A)
+        """2 W_a a_i for all locations: once per image, not once per step (doubled for `_Score`)."""
+        return F.linear(features, 2 * self.W_a.weight, 2 * self.W_a.bias)  # (B, L, A)
 
     def forward(self, projected: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """α_t (n, L) for the n = len(h) states; `projected` (B ≥ n, L, A): its first n rows are used."""
-        e = _Score.apply(projected, self.W_h(h), self.v.weight.view(-1))  # (n, L)
+        e = _Score.apply(projected, 2 * self.W_h(h), self.v.weight.view(-1))  # (n, L)
         return e.softmax(dim=1)                                          # (n, L), sums to 1
 
 
