@@ -1,65 +1,161 @@
-"""Speed of the parts that matter, each printed beside its floor on this machine.
+"""Speed of the parts that matter, each printed beside its floor, on a CPU or a GPU.
 
-    python benchmarks/benchmark.py [--only decoder,prepare,caption] [--steps 10]
+    python benchmarks/benchmark.py [--device cpu|cuda] [--only encoder,decoder,prepare,caption]
+        [--steps 10] [--decoder-variants fp32,bf16,compile] [--tutorial-models PATH/models.py]
+        [--compile-encoder]
 
-- decoder: one training step (forward, backward, Adam) at batch 32, all sizes 512, vocabulary
-  10,000, captions of 10–23 tokens; ours beside sgrvinod's tutorial decoder (re-projects all
-  196 locations every step) and beside the floor: the step's FLOPs at the measured matmul rate.
-- prepare: feature extraction images/s on COCO-sized JPEGs, beside the bare VGG16 forward.
+- encoder: one 224×224 image through the VGG16 trunk: eager torchvision fp32 (the floor the
+  captioning goal is set against), channels-last, TorchScript freeze, torch.fx, ours
+  (`optimize_encoder`), torch.compile with freezing (--compile-encoder); beside the FLOP floor
+  (the trunk's FLOPs at the measured matmul rate).
+- decoder: one training step as `fit` runs it (`train_step`: loss, backward, clipping, fused
+  Adam) at batch 32, sizes 512, vocabulary 10,000, captions of 10–23 tokens; in fp32, bf16
+  autocast and with the compiled step (default: all three on a GPU, fp32 on a CPU); beside
+  sgrvinod's tutorial decoder restated in `sgrvinod_decoder.py`, and the tutorial's own
+  models.py run as its train.py runs it when given its path; beside the FLOP floor.
+- prepare: feature extraction, images/s, and captioning many files (`captioner caption`'s
+  path), captions/s, on COCO-sized JPEGs; beside the bare VGG16 forward.
 - caption: one image through `Captioner.caption` at beam 3, beside the bare VGG16 forward.
 - scst: one self-critical step (sampling, CIDEr-D reward, backward, Adam) and the reward's share.
+Then an estimate of COCO's times from the figures measured: `prepare`, one epoch of `fit`, and
+captioning the 5,000 test images. Timings alternate between the things compared, so that
+machine noise hits them alike, and report medians.
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import json
+import math
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import torch
+import torchvision
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sgrvinod_decoder import TutorialDecoder, tutorial_loss  # noqa: E402
+from sgrvinod_decoder import (TutorialDecoder, load_tutorial_models, tutorial_loss,  # noqa: E402
+                              tutorial_train_step)
 
-from captioner.decoder import AttentionDecoder, sequence_loss  # noqa: E402
+from captioner.decoder import AttentionDecoder  # noqa: E402
+from captioner.distributed import Dist  # noqa: E402
 from captioner.encoder import EncoderSpec, build_encoder  # noqa: E402
-from captioner.training import make_optimizer  # noqa: E402
+from captioner.fast_encoder import optimize_encoder  # noqa: E402
+from captioner.training import Objective, Progress, TrainConfig, make_optimizer, train_step  # noqa: E402
 
 B, L, D, V = 32, 196, 512, 10_000
+# COCO with Karpathy's splits: 113,287 training images with 5 captions each; 5,000 test images.
+COCO_IMAGES, COCO_TRAIN_CAPTIONS, COCO_TEST_IMAGES = 123_287, 113_287 * 5, 5_000
 
 
-def timed(fn, repeats: int, warmup: int = 2) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
+# helpers
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved(fns: dict, repeats: int, device: torch.device, warmup: int = 1) -> dict[str, list[float]]:
+    """Time each function `repeats` times, taking turns, after `warmup` untimed calls each."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync(device)
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def med(ts: list[float]) -> float:
+    return statistics.median(ts)
 
 
 def fmt(ts: list[float]) -> str:
-    return f"median {statistics.median(ts) * 1e3:8.1f} ms (min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})"
+    return f"median {med(ts) * 1e3:8.1f} ms (min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})"
 
 
-def matmul_rate() -> float:
-    """FLOP/s of float32 matmuls shaped like the decoder's (best of several)."""
+def matmul_rate(device: torch.device) -> float:
+    """FLOP/s of float32 matmuls shaped like the models' (best of several shapes)."""
     rates = []
-    for m, k, n in ((512, 512, 10_000), (6272, 512, 512), (32, 1024, 2048)):
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        reps = max(1, int(2e9 // (2 * m * k * n)))
-        ts = timed(lambda: [a @ b for _ in range(reps)], 5)
+    for m, k, n in ((512, 512, 10_000), (6272, 512, 512), (3136, 1152, 256), (2048, 2048, 2048)):
+        a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+        reps = max(1, int((2e9 if device.type == "cpu" else 2e11) // (2 * m * k * n)))
+        ts = interleaved({"mm": lambda: [a @ b for _ in range(reps)]}, 5, device)["mm"]
         rates.append(2 * m * k * n * reps / min(ts))
     return max(rates)
 
 
-def caption_batch(seed: int = 0):
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def flops_of(fn) -> int:
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    return fc.get_total_flops()
+
+
+# sections
+
+def bench_encoder(device: torch.device, repeats: int, rate: float, compile_too: bool) -> dict:
+    plain, _ = build_encoder(EncoderSpec(weights="none"))
+    plain = plain.to(device)
+    x = torch.randn(1, 3, 224, 224, device=device)
+    variants = {"eager torchvision fp32": plain}
+    variants["channels-last"] = copy.deepcopy(plain).to(memory_format=torch.channels_last)
+    if device.type == "cpu":
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")             # TorchScript is deprecated, still measured
+            variants["TorchScript freeze + optimize_for_inference"] = torch.jit.optimize_for_inference(
+                torch.jit.freeze(torch.jit.trace(copy.deepcopy(plain), x)))
+        from torch.fx.experimental.optimization import optimize_for_inference as fx_optimize
+        variants["torch.fx optimize_for_inference"] = fx_optimize(copy.deepcopy(plain))
+    variants["ours: optimize_encoder"] = optimize_encoder(plain, device)
+    if compile_too:
+        import torch._inductor.config as inductor_config
+        inductor_config.freezing = True                 # weights as constants: packed convolutions
+        compiled = torch.compile(copy.deepcopy(plain).to(memory_format=torch.channels_last))
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            compiled(x)
+        print(f"  (torch.compile with freezing: {time.perf_counter() - t0:.0f} s to compile)")
+        variants["torch.compile, freezing"] = compiled
+    fns = {}
+    for name, module in variants.items():
+        xin = x.contiguous(memory_format=torch.channels_last) if name == "channels-last" else x
+        fns[name] = (lambda m, xi: lambda: m(xi))(module, xin)
+    with torch.inference_mode():
+        ref = plain(x)
+        errors = {name: float(((fn() - ref).abs().max() / ref.abs().max())) for name, fn in fns.items()}
+        flops = flops_of(lambda: plain(x))
+        t = interleaved(fns, repeats, device)
+    floor = flops / rate
+    base = med(t["eager torchvision fp32"])
+    print(f"encoder: VGG16 trunk to conv5_3, one 224x224 image, {flops / 1e9:.1f} GFLOP")
+    for name, ts in t.items():
+        print(f"  {name:44s} {fmt(ts)}  {med(ts) / base:5.2f}x eager  {med(ts) / floor:5.2f}x floor  "
+              f"(max rel. difference {errors[name]:.1e})")
+    print(f"  floor: {flops / 1e9:.1f} GFLOP at the measured matmul rate {rate / 1e9:.0f} GFLOP/s = {floor * 1e3:.1f} ms")
+    return {"eager": base, "ours": med(t["ours: optimize_encoder"])}
+
+
+def caption_batch(device: torch.device, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(10, 24, (B,), generator=g)
     T = int(lengths.max())
@@ -68,64 +164,68 @@ def caption_batch(seed: int = 0):
     for b, n in enumerate(lengths):
         caps[b, n - 1] = 2
         caps[b, n:] = 0
-    return torch.rand(B, L, D, generator=g), caps, lengths
+    return torch.rand(B, L, D, generator=g).to(device), caps.to(device), lengths.to(device)
 
 
-def bench_decoder(steps: int) -> None:
-    feats, caps, lengths = caption_batch()
+def our_train_step(device: torch.device, feats, caps, lengths, amp: str, compiled: bool):
+    """`fit`'s own step (`training.train_step`) on one batch."""
+    from types import SimpleNamespace
     torch.manual_seed(0)
-    ours = AttentionDecoder(vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512, dropout=0.5)
-    theirs = TutorialDecoder(attention_dim=512, embed_dim=512, decoder_dim=512, vocab_size=V, encoder_dim=D)
-
-    def training_step(loss, opt):
-        def step():
-            opt.zero_grad()
-            loss().backward()
-            opt.step()
-        return step
-
-    step_ours = training_step(lambda: sum(sequence_loss(ours, feats, caps, lengths)),  # what `fit` runs
-                              make_optimizer(ours, 4e-4))
-    step_theirs = training_step(lambda: tutorial_loss(theirs, feats, caps, lengths),  # as the tutorial runs it
-                                torch.optim.Adam(theirs.parameters(), 4e-4))
-    step_theirs_fused = training_step(lambda: tutorial_loss(theirs, feats, caps, lengths),  # same optimizer
-                                      make_optimizer(theirs, 4e-4))
-
-    with FlopCounterMode(display=False) as fc:
-        sum(sequence_loss(ours, feats, caps, lengths)).backward()
-    flops = fc.get_total_flops()
-    with FlopCounterMode(display=False) as fc2:
-        tutorial_loss(theirs, feats, caps, lengths).backward()
-    rate = matmul_rate()
-    # Interleave the two so that machine noise hits both alike.
-    t_ours, t_theirs, t_fused = [], [], []
-    for _ in range(steps):
-        t_ours += timed(step_ours, 1, warmup=1 if not t_ours else 0)
-        t_theirs += timed(step_theirs, 1, warmup=1 if not t_theirs else 0)
-        t_fused += timed(step_theirs_fused, 1, warmup=1 if not t_fused else 0)
-    mo, mt, mf = statistics.median(t_ours), statistics.median(t_theirs), statistics.median(t_fused)
-    print(f"decoder training step (B={B}, sizes 512, V={V}, captions 10-23 tokens, T={caps.shape[1]}),")
-    print("forward, backward and Adam update, each as its training code runs it:")
-    print(f"  captioner AttentionDecoder   {fmt(t_ours)}   {flops / 1e9:6.1f} GFLOP  (fused Adam, as `fit`)")
-    print(f"  sgrvinod DecoderWithAttention {fmt(t_theirs)}   {fc2.get_total_flops() / 1e9:6.1f} GFLOP  (Adam, as the tutorial)")
-    print(f"  sgrvinod, given our fused Adam {fmt(t_fused)}")
-    print(f"  speed-up over sgrvinod: {mt / mo:.2f}x; over sgrvinod with the same optimizer: {mf / mo:.2f}x")
-    print(f"  floor: {flops / 1e9:.1f} GFLOP at the measured matmul rate {rate / 1e9:.0f} GFLOP/s = "
-          f"{flops / rate * 1e3:.1f} ms; ours is {mo / (flops / rate):.2f}x the floor")
+    decoder = AttentionDecoder(vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512,
+                               dropout=0.5).to(device)
+    if compiled:
+        decoder.compile_step()
+    cfg = TrainConfig(amp=amp)
+    objective = Objective(decoder, cfg)
+    optimizer = make_optimizer(decoder, cfg.lr)
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
+    batch = SimpleNamespace(features=feats, captions=caps, lengths=lengths)
+    gen, progress = torch.Generator(device=device).manual_seed(0), Progress()
+    return lambda: train_step(objective, batch, optimizer, scaler, cfg, progress, gen, Dist(), device), decoder
 
 
-def vgg_forward_rate(batch: int, repeats: int = 3) -> float:
-    enc, _ = build_encoder(EncoderSpec(weights="none"))
-    x = torch.randn(batch, 3, 224, 224)
-    with torch.inference_mode():
-        ts = timed(lambda: enc(x), repeats, warmup=1)
-    return batch / statistics.median(ts)
+def bench_decoder(device: torch.device, steps: int, rate: float, variants: list[str],
+                  tutorial_models: str | None) -> dict:
+    feats, caps, lengths = caption_batch(device)
+    fns, decoder = {}, None
+    for v in variants:
+        fn, dec = our_train_step(device, feats, caps, lengths, amp="bf16" if v == "bf16" else "none",
+                                 compiled=v == "compile")
+        fns[f"captioner, {v}"] = fn
+        decoder = decoder or dec
+    torch.manual_seed(0)
+    restated = TutorialDecoder(attention_dim=512, embed_dim=512, decoder_dim=512, vocab_size=V, encoder_dim=D).to(device)
+    opt = torch.optim.Adam(restated.parameters(), 4e-4)
+
+    def restated_step():
+        opt.zero_grad()
+        tutorial_loss(restated, feats, caps, lengths).backward()
+        opt.step()
+    fns["sgrvinod restated (sgrvinod_decoder.py)"] = restated_step
+    if tutorial_models:
+        fns["sgrvinod's own models.py, as its train.py"] = tutorial_train_step(
+            load_tutorial_models(tutorial_models), feats, caps, lengths, V, device)
+    if "compile" in variants:
+        t0 = time.perf_counter()
+        fns["captioner, compile"]()
+        sync(device)
+        print(f"  (compiling the decoder step: {time.perf_counter() - t0:.0f} s)")
+    flops = flops_of(lambda: our_train_step(device, feats, caps, lengths, "none", False)[0]())
+    t = interleaved(fns, steps, device)
+    ours = med(t[f"captioner, {variants[0]}"])
+    floor = flops / rate
+    print(f"decoder training step (B={B}, sizes 512, V={V}, captions 10-23 tokens, T={caps.shape[1]}): "
+          "forward, backward, update, each as its training code runs it")
+    for name, ts in t.items():
+        rel = f"{med(ts) / ours:5.2f}x ours ({variants[0]})" if not name.startswith("captioner") else ""
+        print(f"  {name:44s} {fmt(ts)}  {med(ts) / floor:5.2f}x floor  {rel}")
+    print(f"  floor: {flops / 1e9:.1f} GFLOP (ours, fp32) at the measured matmul rate {rate / 1e9:.0f} GFLOP/s = "
+          f"{floor * 1e3:.1f} ms")
+    return {name: med(ts) for name, ts in t.items()} | {"ours": ours}
 
 
-def _photo_set(root: str, n: int) -> str:
-    """n COCO-sized photos (640x480 JPEG with texture) and their captions file; returns its path."""
-    import json
-
+def _photo_set(root: str, n: int) -> tuple[str, str]:
+    """n COCO-sized photos (640x480 JPEG with texture) and their captions file."""
     from PIL import Image
     images = os.path.join(root, "images")
     os.makedirs(images)
@@ -139,49 +239,101 @@ def _photo_set(root: str, n: int) -> str:
     caps = os.path.join(root, "captions.json")
     with open(caps, "w") as f:
         json.dump({"images": entries, "annotations": anns}, f)
-    return caps
+    return caps, images
 
 
-def bench_prepare(small: int = 32, large: int = 160) -> None:
+def vgg_rates(device: torch.device, batches=(1, 4, 8, 32)) -> dict[int, float]:
+    """Images/s of the bare eager VGG16 trunk per batch size."""
+    enc = build_encoder(EncoderSpec(weights="none"))[0].to(device)
+    out = {}
+    with torch.inference_mode():
+        for b in batches:
+            x = torch.randn(b, 3, 224, 224, device=device)
+            out[b] = b / med(interleaved({"vgg": lambda: enc(x)}, max(3, 32 // b), device)["vgg"])
+    return out
+
+
+def bench_prepare(device: torch.device, small: int, large: int) -> dict:
     """Whole `prepare` runs on two set sizes: the difference is the steady rate, without the
-    fixed start-up (building the encoder, starting workers, writing the vocabulary)."""
+    fixed start-up (building the encoder, starting workers, writing the vocabulary). Then the
+    large set captioned through `captioner caption`'s path."""
+    from captioner import Captioner
+    from captioner.assets import demo_checkpoint
+    from captioner.bulk import caption_files, image_ids
     from captioner.prepare import prepare
-    rates = {b: vgg_forward_rate(b, repeats=max(3, 32 // b)) for b in (4, 8, 32)}
+    rates = vgg_rates(device)
     best = max(rates, key=rates.get)
     took = {}
-    for n in (small, large):
-        with tempfile.TemporaryDirectory() as tmp:
-            caps = _photo_set(tmp, n)
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (small, large):
+            caps, images = _photo_set(os.path.join(tmp, str(n)), n)
             t0 = time.perf_counter()
-            prepare([caps], [os.path.join(tmp, "images")], os.path.join(tmp, "data"),
-                    encoder=EncoderSpec(weights="none"), min_count=1, progress=False)
+            prepare([caps], [images], os.path.join(tmp, f"data{n}"), encoder=EncoderSpec(weights="none"),
+                    min_count=1, progress=False, device=str(device))
             took[n] = time.perf_counter() - t0
+        cap = Captioner.load(demo_checkpoint(), device=str(device))
+        paths = sorted(os.path.join(images, f) for f in os.listdir(images))
+        batch = 8 if device.type == "cpu" else 64
+        caption_files(cap, paths[:batch], image_ids(paths[:batch]), batch_size=batch)   # warm-up
+        t0 = time.perf_counter()
+        caption_files(cap, paths, image_ids(paths), batch_size=batch, workers=2)
+        captions_per_s = len(paths) / (time.perf_counter() - t0)
     steady = (large - small) / (took[large] - took[small])
-    print(f"prepare (JPEGs of 640x480, default batch, 2 workers): {large} images in {took[large]:.1f} s "
-          f"({large / took[large]:.2f} images/s with start-up); steady rate {steady:.2f} images/s "
-          f"(from {small} vs {large} images)")
-    print("  bare VGG16 forward: " + ", ".join(f"batch {b}: {r:.2f}" for b, r in rates.items()) + " images/s")
-    print(f"  floor: the fastest, batch {best}: {rates[best]:6.2f} images/s; prepare's steady rate is "
+    print(f"prepare (JPEGs of 640x480, default batch, 2 workers): {large} images in {took[large]:.1f} s; "
+          f"steady rate {steady:.2f} images/s (from {small} vs {large} images)")
+    print("  bare eager VGG16 forward: " + ", ".join(f"batch {b}: {r:.2f}" for b, r in rates.items()) + " images/s")
+    print(f"  floor: the fastest bare forward, batch {best}: {rates[best]:.2f} images/s; prepare's steady rate is "
           f"{steady / rates[best]:.2f}x of it")
+    print(f"captioning files (`captioner caption` path: decode threads, batch {batch}, beam 3), bundled model: "
+          f"{captions_per_s:.2f} captions/s over {large} images, {captions_per_s / rates[best]:.2f}x the bare "
+          "forward's images/s")
+    return {"prepare": steady, "captions": captions_per_s}
 
 
-def bench_caption(repeats: int) -> None:
+def bench_caption(device: torch.device, repeats: int) -> dict:
     from PIL import Image
 
     from captioner import Captioner
     from captioner.assets import demo_checkpoint
-    cap = Captioner.load(demo_checkpoint())
+    from captioner.decode import beam_search
+    cap = Captioner.load(demo_checkpoint(), device=str(device))
+    # The floor the goal is set against: torchvision's own VGG16 conv stack up to conv5_3 + ReLU,
+    # eager, fp32, contiguous input (random weights: the speed does not depend on them).
+    plain = torchvision.models.vgg16(weights=None).features[:30].eval().requires_grad_(False).to(device)
     rs = np.random.RandomState(1)
-    img = Image.fromarray((rs.rand(480, 640, 3) * 255).astype(np.uint8))
-    enc = cap.encoder
-    x = cap.encoder_spec.preprocess(img).unsqueeze(0)
+    img = Image.fromarray((rs.rand(480 // 8, 640 // 8, 3) * 255).astype(np.uint8)).resize((640, 480), Image.BICUBIC)
+    x = cap.encoder_spec.preprocess(img).unsqueeze(0).to(device)
     with torch.inference_mode():
-        t_vgg = timed(lambda: enc(x), repeats)
-    t_cap = timed(lambda: cap.caption(img, beam_size=3), repeats)
-    print("one 640x480 image, beam 3:")
-    print(f"  Captioner.caption  {fmt(t_cap)}")
-    print(f"  bare VGG16 forward {fmt(t_vgg)}")
-    print(f"  ratio: {statistics.median(t_cap) / statistics.median(t_vgg):.2f}x the bare forward")
+        feats = cap.encoder(x)
+        t = interleaved({
+            "Captioner.caption": lambda: cap.caption(img, beam_size=3),
+            "bare torchvision VGG16 conv stack, eager fp32": lambda: plain(x),
+            "  of which the encoder (ours)": lambda: cap.encoder(x),
+            "  of which beam search": lambda: beam_search(cap.decoder, feats, beam_size=3, max_len=cap.max_len),
+            "  of which preprocessing": lambda: cap.encoder_spec.preprocess(img),
+        }, repeats, device, warmup=2)
+    base = med(t["bare torchvision VGG16 conv stack, eager fp32"])
+    print(f"one 640x480 image (224x224 into the encoder), beam 3, bundled model ({len(cap.caption(img).words)} words):")
+    for name, ts in t.items():
+        print(f"  {name:46s} {fmt(ts)}  {med(ts) / base:5.2f}x the bare forward")
+    return {"caption": med(t["Captioner.caption"]), "vgg": base}
+
+
+def estimate_coco(decoder: dict | None, prepare: dict | None) -> None:
+    print("estimated COCO times on this machine (Karpathy splits; the benchmark's captions are 10-23 "
+          "tokens, COCO's average about 13, so the epoch is an upper estimate):")
+    if prepare:
+        print(f"  prepare, {COCO_IMAGES:,} images at {prepare['prepare']:.2f} images/s: "
+              f"{COCO_IMAGES / prepare['prepare'] / 3600:.1f} h")
+    if decoder:
+        steps = math.ceil(COCO_TRAIN_CAPTIONS / B)
+        for name, s in decoder.items():
+            if name.startswith("captioner"):
+                print(f"  one epoch of fit ({name.split(', ')[1]}), {steps:,} steps of {B} at {s * 1e3:.0f} ms: "
+                      f"{steps * s / 3600:.1f} h")
+    if prepare:
+        print(f"  captioning the {COCO_TEST_IMAGES:,} test images at {prepare['captions']:.2f} captions/s: "
+              f"{COCO_TEST_IMAGES / prepare['captions'] / 60:.0f} min")
 
 
 def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
@@ -226,20 +378,43 @@ def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="decoder,prepare,caption,scst", help="comma-separated sections")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--only", default="encoder,decoder,prepare,caption,scst", help="comma-separated sections")
     p.add_argument("--steps", type=int, default=10, help="timed repetitions per measurement")
+    p.add_argument("--decoder-variants", default=None,
+                   help="of fp32, bf16, compile (default: all three on a GPU, fp32 on a CPU)")
+    p.add_argument("--tutorial-models", metavar="PATH", help="the tutorial's models.py (git clone "
+                   "https://github.com/sgrvinod/a-PyTorch-Tutorial-to-Image-Captioning), timed as its train.py runs it")
+    p.add_argument("--compile-encoder", action="store_true", help="also time torch.compile of the encoder "
+                   "(compiling takes 15-45 s on 2 cores)")
+    p.add_argument("--prepare-images", type=int, default=None,
+                   help="images in prepare's larger set (default 160 on a CPU, 2,000 on a GPU)")
     args = p.parse_args(argv)
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA device is available here")
+    if args.tutorial_models and not os.path.isfile(args.tutorial_models):
+        p.error(f"--tutorial-models {args.tutorial_models}: no such file (the tutorial's models.py)")
+    gpu = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores{gpu}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     sections = args.only.split(",")
+    variants = (args.decoder_variants or ("fp32,bf16,compile" if device.type == "cuda" else "fp32")).split(",")
+    rate = matmul_rate(device)
+    decoder = prepare = None
+    if "encoder" in sections:
+        bench_encoder(device, args.steps, rate, args.compile_encoder)
     if "decoder" in sections:
-        bench_decoder(args.steps)
+        decoder = bench_decoder(device, args.steps, rate, variants, args.tutorial_models)
     if "prepare" in sections:
-        bench_prepare()
+        large = args.prepare_images or (160 if device.type == "cpu" else 2000)
+        prepare = bench_prepare(device, small=large // 5, large=large)
     if "caption" in sections:
-        bench_caption(args.steps)
+        bench_caption(device, args.steps)
     if "scst" in sections:
         bench_scst(args.steps)
+    if decoder or prepare:
+        estimate_coco({k: v for k, v in (decoder or {}).items() if k.startswith("captioner")}, prepare)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """The decoder of sgrvinod's "a-PyTorch-Tutorial-to-Image-Captioning" (models.py), restated as the
 benchmark's baseline: the same computation, written here so the benchmark needs no download.
+Given the path of the tutorial's own models.py, the benchmark also times that code, run as the
+tutorial's train.py runs it (`load_tutorial_models`, `tutorial_train_step`).
 
 What makes it the baseline: at every time step it re-projects all L annotation vectors
 through the attention's encoder layer (B_t·L·D·A multiply-adds per step, where our decoder
@@ -71,3 +73,55 @@ def tutorial_loss(model, features, captions, lengths, alpha_c: float = 1.0):
     targets = pack_padded_sequence(targets, decode_lengths, batch_first=True).data
     loss = nn.functional.cross_entropy(scores, targets)
     return loss + alpha_c * ((1.0 - alphas.sum(dim=1)) ** 2).mean()
+
+
+# the original code, when the user has it
+
+def load_tutorial_models(path: str):
+    """Import the tutorial's own `models.py` from a path (it is not copied into this repository).
+
+    Get it with `git clone https://github.com/sgrvinod/a-PyTorch-Tutorial-to-Image-Captioning`.
+    Its module-level `device` is set to the device the benchmark runs on.
+    """
+    import importlib.util
+    import os
+    if not os.path.isfile(path):
+        raise SystemExit(f"--tutorial-models {path}: no such file (the tutorial's models.py)")
+    spec = importlib.util.spec_from_file_location("sgrvinod_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "DecoderWithAttention"):
+        raise SystemExit(f"--tutorial-models {path}: no DecoderWithAttention in it")
+    return module
+
+
+def tutorial_train_step(module, features, captions, lengths, vocab_size: int, device, grad_clip: float = 5.0,
+                        alpha_c: float = 1.0, lr: float = 4e-4):
+    """One training step of the tutorial's DecoderWithAttention as its train.py runs it: forward,
+    packed cross-entropy plus the doubly stochastic penalty, backward, `clip_gradient` (clamp
+    each gradient to ±grad_clip), Adam."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+    module.device = device
+    torch.manual_seed(0)
+    decoder = module.DecoderWithAttention(attention_dim=512, embed_dim=512, decoder_dim=512,
+                                          vocab_size=vocab_size, encoder_dim=features.size(-1),
+                                          dropout=0.5).to(device).train()
+    optimizer = torch.optim.Adam(decoder.parameters(), lr=lr)
+    criterion = nn.CrossEntropyLoss()
+    caplens = lengths.unsqueeze(1)                                     # (B, 1), as its dataset gives
+
+    def step():
+        scores, caps_sorted, decode_lengths, alphas, _ = decoder(features, captions, caplens)
+        targets = caps_sorted[:, 1:]
+        scores = pack_padded_sequence(scores, decode_lengths, batch_first=True).data
+        targets = pack_padded_sequence(targets, decode_lengths, batch_first=True).data
+        loss = criterion(scores, targets) + alpha_c * ((1. - alphas.sum(dim=1)) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        for group in optimizer.param_groups:                           # its utils.clip_gradient
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.data.clamp_(-grad_clip, grad_clip)
+        optimizer.step()
+    return step
+

@@ -15,6 +15,7 @@ from .decoder import ARGMAX, CONTEXT_MODES, EXPECTED, SAMPLE, AttentionDecoder, 
 from .encoder import EncoderSpec, apply_encoder_state, build_encoder
 from .errors import CaptionerError
 from .familiarity import FamiliarityStats, familiarity
+from .fast_encoder import optimize_encoder
 from .images import load_image
 from .vocab import Vocabulary
 
@@ -39,15 +40,22 @@ class Captioner:
 
     def __init__(self, decoder: AttentionDecoder, vocab: Vocabulary, spec: EncoderSpec, *,
                  encoder: torch.nn.Module | None = None, max_len: int = 20, step: int = 0,
-                 info: dict | None = None, device: str | torch.device = "cpu",
+                 info: dict | None = None, device: str | torch.device = "cpu", fast: bool = True,
                  encoder_state: dict | None = None, familiarity: FamiliarityStats | None = None):
         self.device = torch.device(device)
         self.encoder_state = encoder_state  # fine-tuned encoder layers (checkpoint "encoder_state"), if any
         self.decoder = decoder.to(self.device).eval()
         self.vocab, self.encoder_spec, self.max_len, self.step = vocab, spec, max_len, step
-        self.encoder = encoder.to(self.device).eval() if encoder is not None else None
+        self.fast = fast
+        self.encoder = self._ready(encoder) if encoder is not None else None
         self.info = info or {}
         self.familiarity = familiarity
+
+    def _ready(self, encoder: torch.nn.Module) -> torch.nn.Module:
+        # The encoder's weights are final here: make it fast for inference (same features).
+        if self.fast:
+            return optimize_encoder(encoder, self.device, image_size=self.encoder_spec.image_size)
+        return encoder.to(self.device).eval()
 
     @property
     def attention_type(self) -> str:
@@ -58,13 +66,15 @@ class Captioner:
         return EXPECTED
 
     @classmethod
-    def load(cls, path: str, *, device: str = "cpu", build_encoder: bool = True) -> "Captioner":
+    def load(cls, path: str, *, device: str = "cpu", build_encoder: bool = True, fast: bool = True) -> "Captioner":
         """Load a checkpoint written by `fit` (weights_only: pickled objects are refused).
 
         Args:
             path: the .pt file.
             device: where to run.
             build_encoder: also rebuild the image encoder (not needed on cached features).
+            fast: run the encoder through `optimize_encoder` (same features, faster); False
+                keeps the plain PyTorch modules.
         """
         ck = load_checkpoint(path)
         try:
@@ -82,15 +92,14 @@ class Captioner:
                 "train": ck.get("train", {}), "data": ck.get("data", {}), "step": ck["step"],
                 "card": ck.get("card", {}), "fine_tune": (ck.get("train") or {}).get("fine_tune")}
         return cls(decoder, vocab, spec, encoder=encoder, max_len=int(ck.get("max_len", 20)),
-                   step=int(ck["step"]), info=info, device=device, encoder_state=encoder_state,
+                   step=int(ck["step"]), info=info, device=device, fast=fast, encoder_state=encoder_state,
                    familiarity=FamiliarityStats.from_dict(ck.get("familiarity")))
 
     @torch.inference_mode()
     def encode(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Images (paths, bytes, PIL or HxWxC arrays) → features (B, L, D) and their sizes."""
         if self.encoder is None:
-            self.encoder, _ = _build(self.encoder_spec, "this checkpoint", self.encoder_state)
-            self.encoder.to(self.device)
+            self.encoder = self._ready(_build(self.encoder_spec, "this checkpoint", self.encoder_state)[0])
         pils = [load_image(Image.fromarray(im) if isinstance(im, np.ndarray) else im) for im in images]
         x = torch.stack([self.encoder_spec.preprocess(p) for p in pils]).to(self.device)  # (B, 3, S, S)
         return self.encoder(x), [p.size for p in pils]

@@ -11,6 +11,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -22,6 +23,20 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _device(text: str) -> str:
+    # Checked here so that a typo is a usage error, not torch's traceback at load time.
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
 
 
 def _positive_float(text: str) -> float:
@@ -248,57 +263,114 @@ def get_caption_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     cp = sub.add_parser("caption", help="caption images, optionally drawing attention figures",
+                        description="Caption image files, directories and glob patterns, in batches. "
+                        "Prints one 'path<TAB>caption' line per image; --json writes COCO results.",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    cp.add_argument("images", nargs="+", metavar="IMG")
-    cp.add_argument("--checkpoint", required=True, metavar="CKPT")
-    cp.add_argument("--beam-size", type=_positive_int, default=3)
-    cp.add_argument("--max-len", type=_positive_int, default=None)
+    cp.add_argument("images", nargs="+", metavar="IMAGE",
+                    help="image files, directories of images, or glob patterns such as 'photos/*.jpg' "
+                    "(quoted, so that the shell leaves them alone; '**' matches subdirectories)")
+    cp.add_argument("--checkpoint", metavar="CKPT", default=None,
+                    help="a checkpoint written by `train.py fit` (default: the bundled demo model, "
+                    "which knows synthetic coloured shapes only)")
+    cp.add_argument("--recursive", action="store_true", help="also take images in subdirectories of a directory")
+    cp.add_argument("--beam-size", type=_positive_int, default=3, help="beams per image (1: greedy)")
+    cp.add_argument("--max-len", type=_positive_int, default=None,
+                    help="most words per caption (default: the checkpoint's training maximum)")
     cp.add_argument("--mode", choices=["expected", "argmax", "sample"], default=None,
                     help="context for hard-attention models: expected (default), argmax or sampled location")
     cp.add_argument("--seed", type=int, default=0, help="random seed of --mode sample")
-    cp.add_argument("--json", metavar="OUT", help="write COCO results format [{image_id, caption}]")
+    cp.add_argument("--json", metavar="OUT", help="write the results at the end as COCO results JSON "
+                    "[{image_id, caption, file_name, ...}]; the results are also appended as they are made "
+                    "to the --jsonl log, by default OUT with extension .jsonl")
+    cp.add_argument("--jsonl", metavar="LOG", help="append one JSON line per captioned image as it is made "
+                    "(a killed run keeps them)")
+    cp.add_argument("--resume", action="store_true",
+                    help="skip the images already in the --jsonl log and append the rest")
+    cp.add_argument("--attention", action="store_true",
+                    help="put each caption's words and per-word attention maps (grid x grid, rows "
+                    "top to bottom) in the JSON")
     cp.add_argument("--figures", metavar="DIR", help="write one attention figure (PNG) per image")
-    cp.add_argument("--device", default="cpu")
+    cp.add_argument("--batch-size", type=_positive_int, default=8, help="images per batch through the model")
+    cp.add_argument("--workers", type=_non_negative_int, default=2, help="threads decoding images while the model runs (0: none)")
+    cp.add_argument("--device", type=_device, default="auto", help="auto (a GPU if there is one), cpu, cuda or cuda:N")
+    cp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="progress bar on stderr (default: when stderr is a terminal)")
     return p
 
 
-def _image_id(path: str, index: int) -> int | str:
-    # COCO file names end in the image id (COCO_val2014_000000391895.jpg); otherwise the file name.
-    stem = os.path.splitext(os.path.basename(path))[0]
-    digits = stem.rsplit("_", 1)[-1]
-    return int(digits) if digits.isdigit() else stem
+def _log_path(args) -> str | None:
+    if args.jsonl:
+        return args.jsonl
+    if args.json:
+        return (args.json[:-5] if args.json.endswith(".json") else args.json) + ".jsonl"
+    return None
 
 
 def _caption(args) -> None:
+    from tqdm import tqdm
+
+    from . import bulk
     from .api import Captioner
+    from .assets import demo_checkpoint
     from .data import write_json_atomic
-    from .errors import ImageError
-    from .images import load_image
+    from .distributed import choose_device
     from .viz import attention_figure, figure_png
-    cap = Captioner.load(args.checkpoint, device=args.device)
-    results, failed = [], 0
+    log_path = _log_path(args)
+    if args.resume and not log_path:
+        raise CaptionerError("--resume needs the log to resume from: give --jsonl LOG (or --json OUT)")
+    paths = bulk.expand_inputs(args.images, recursive=args.recursive)
+    device = choose_device(args.device)
+    if args.checkpoint is None:
+        print("using the bundled demo model (synthetic coloured shapes only); "
+              "--checkpoint chooses another", file=sys.stderr)
+    cap = Captioner.load(args.checkpoint or demo_checkpoint(), device=str(device))
+    log = bulk.ResultLog(log_path, resume=args.resume) if log_path else None
+    done = log.done if log else {}
+    ids = bulk.image_ids(list(dict.fromkeys([*done, *paths])))   # one id type over old and new
+    todo = [p for p in paths if p not in done]
+    if done:
+        print(f"{log_path}: {len(paths) - len(todo)} of {len(paths)} images already captioned, skipped",
+              file=sys.stderr)
     if args.figures:
         os.makedirs(args.figures, exist_ok=True)
-    for i, path in enumerate(args.images):
-        try:
-            image = load_image(path)
-            out = cap.caption(image, beam_size=args.beam_size, max_len=args.max_len, mode=args.mode, seed=args.seed)
-        except ImageError as e:
-            print(f"error: {e}", file=sys.stderr)
-            failed += 1
-            continue
-        print(f"{path}\t{out.text}")
-        results.append({"image_id": _image_id(path, i), "caption": out.text, "file_name": path})
+    bar = tqdm(total=len(todo), unit="img", desc="captioning", file=sys.stderr, dynamic_ncols=True,
+               disable=not (sys.stderr.isatty() if args.progress is None else args.progress))
+
+    def on_result(path, image, out, record):
+        bar.update()
+        tqdm.write(f"{path}\t{out.text}", file=sys.stdout)
+        familiarity = record.get("familiarity")
+        if familiarity and familiarity.get("unfamiliar"):
+            tqdm.write(f"note: {path}: {familiarity.get('message', 'unlike the training images')}", file=sys.stderr)
         if args.figures:
-            stem = os.path.splitext(os.path.basename(path))[0]
             fig = attention_figure(image, out.words, out.attention, preprocess=cap.encoder_spec.preprocess,
                                    locations=out.locations, title=out.text)
-            with open(os.path.join(args.figures, f"{stem}.png"), "wb") as f:
+            # Named after the file; after its path where file names repeat (the ids are paths then).
+            name = os.path.splitext(os.path.basename(path))[0]
+            if record["image_id"] == path:
+                name = re.sub(r"[^\w.-]+", "_", path)
+            with open(os.path.join(args.figures, f"{name}.png"), "wb") as f:
                 f.write(figure_png(fig))
+
+    def on_error(path, error):
+        bar.update()
+        tqdm.write(f"error: {error}", file=sys.stderr)
+
+    try:
+        outcome = bulk.caption_files(cap, todo, ids, batch_size=args.batch_size, workers=args.workers,
+                                     attention=args.attention, log=log, on_result=on_result, on_error=on_error,
+                                     beam_size=args.beam_size, max_len=args.max_len, mode=args.mode,
+                                     seed=args.seed)
+    finally:
+        bar.close()
+        if log:
+            log.close()
     if args.json:
-        write_json_atomic(args.json, results)
-    if failed:
-        raise CaptionerError(f"{failed} of {len(args.images)} images could not be read")
+        # Every image of this run's inputs that has a result, this run's or the log's, in input order.
+        results = {**done, **{r["file_name"]: r for r in outcome.records}}
+        write_json_atomic(args.json, [{**results[p], "image_id": ids[p]} for p in paths if p in results])
+    if outcome.failed:
+        raise CaptionerError(f"{len(outcome.failed)} of {len(paths)} images could not be read")
 
 
 def _run(handler: Callable, args) -> int:
@@ -314,7 +386,8 @@ def _run(handler: Callable, args) -> int:
         print(f"error: {e.strerror}{f' ({e.filename})' if e.filename else ''}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted; finished work is kept (prepare resumes, fit --resume continues)", file=sys.stderr)
+        print("interrupted; finished work is kept (prepare resumes, fit --resume continues, "
+              "caption --resume skips the images already captioned)", file=sys.stderr)
         return 130
 
 

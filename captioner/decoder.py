@@ -45,15 +45,17 @@ class DecoderConfig:
 
 
 class _Score(torch.autograd.Function):
-    """e_ti = v·tanh(p_ti + q_t) up to a per-row constant, computed as 2v·σ(2(p + q)).
+    """e_ti = v·tanh(p_ti + q_t) up to a per-row constant, computed as 2v·σ(2p + 2q).
 
     tanh(x) = 2σ(2x) − 1, so the two differ by −Σv for every location, which softmax ignores:
     α is exactly the paper's. On CPU σ is about 10× cheaper than tanh, and the hand-written
-    backward saves two passes over the (B, L, A) tensor; this is the decoder's hot loop.
+    backward saves two passes over the (B, L, A) tensor; this is the decoder's hot loop. It
+    takes 2p and 2q (`Attention.project` doubles p once per image), which saves a third pass
+    over (B, L, A) at every step.
     """
 
     @staticmethod
-    def forward(ctx, projected, q, v):
+    def forward(ctx, projected, q, v):  # projected = 2p (B, L, A), q = 2q (n, A), v (A,)
         # projected may hold more rows than q (captions that have ended): only the first len(q)
         # are used, and their gradient is written straight into a full-sized tensor, so no
         # slicing of `projected` goes through autograd (each slice would cost a zero-filled
@@ -62,7 +64,7 @@ class _Score(torch.autograd.Function):
         ctx.dtypes = projected.dtype, q.dtype, v.dtype            # under autocast they may differ
         ctx.rows = projected.size(0)
         v = v.to(projected.dtype)
-        s = torch.add(projected[:n], q.to(projected.dtype).unsqueeze(1)).mul_(2).sigmoid_()  # (n, L, A), σ(2(p + q))
+        s = torch.add(projected[:n], q.to(projected.dtype).unsqueeze(1)).sigmoid_()  # (n, L, A), σ(2p + 2q)
         ctx.save_for_backward(s, v)
         return s @ (2 * v)                                             # (n, L)
 
@@ -74,8 +76,8 @@ class _Score(torch.autograd.Function):
         grad_v = 2 * torch.einsum("bl,bla->a", grad_e, s)                         # (A,)
         grad_p = s.new_empty(ctx.rows, L, A)                                      # (B, L, A)
         grad_p[n:].zero_()
-        # d e / d p = 4 v σ(1 − σ), times the incoming gradient
-        torch.addcmul(s, s, s, value=-1, out=grad_p[:n]).mul_(grad_e.unsqueeze(2)).mul_(4 * v)
+        # d e / d(2p) = 2 v σ(1 − σ), times the incoming gradient
+        torch.addcmul(s, s, s, value=-1, out=grad_p[:n]).mul_(grad_e.unsqueeze(2)).mul_(2 * v)
         p_dtype, q_dtype, v_dtype = ctx.dtypes
         return grad_p.to(p_dtype), grad_p[:n].sum(dim=1).to(q_dtype), grad_v.to(v_dtype)
 
@@ -99,12 +101,12 @@ class Attention(nn.Module):
         self.v = nn.Linear(attention_dim, 1, bias=False)             # score per location
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """W_a a_i for all locations: once per image, not once per step."""
-        return self.W_a(features)  # (B, L, A)
+        """2 W_a a_i for all locations: once per image, not once per step (doubled for `_Score`)."""
+        return F.linear(features, 2 * self.W_a.weight, 2 * self.W_a.bias)  # (B, L, A)
 
     def forward(self, projected: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """α_t (n, L) for the n = len(h) states; `projected` (B ≥ n, L, A): its first n rows are used."""
-        e = _Score.apply(projected, self.W_h(h), self.v.weight.view(-1))  # (n, L)
+        e = _Score.apply(projected, 2 * self.W_h(h), self.v.weight.view(-1))  # (n, L)
         return e.softmax(dim=1)                                          # (n, L), sums to 1
 
 
@@ -194,10 +196,7 @@ class AttentionDecoder(nn.Module):
              c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Eqs. (1)–(3) given the embedding's share of the gates (B, 4H)."""
         gates = gates_y + self.lstm_h(h) + self.lstm_z(z)        # (B, 4H)
-        i, f, o, g = gates.chunk(4, dim=1)                       # (B, H) each
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
-        return h, c
+        return lstm_cell(gates, c)
 
     def output(self, emb: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Deep output layer, eq. (7): logits over the vocabulary (..., V)."""
@@ -224,16 +223,39 @@ class AttentionDecoder(nn.Module):
     def step(self, features: torch.Tensor, projected: torch.Tensor, words: torch.Tensor,
              h: torch.Tensor, c: torch.Tensor, mode: str = EXPECTED,
              generator: torch.Generator | None = None):
-        """One generation step from the previous words (B,).
+        """One generation step from the previous words (B,): `lstm` and `output` with their
+        inputs' weights side by side, so each is one matrix product (the decoding hot loop).
 
         Returns:
             logits (B, V), h (B, H), c (B, H), α (B, L), chosen locations (B,) or None.
         """
+        W_gates, W_out = self.step_weights()
         emb = self.embedding(words)                                   # (B, E)
         alpha = self.attention(projected, h)                          # (B, L)
         z, loc = self.context(features, alpha, h, mode, generator)    # (B, D)
-        h, c = self.lstm(self.lstm_y(emb), z, h, c)                   # (B, H)
-        return self.output(emb, h, z), h, c, alpha, loc
+        # Eq. (1): [E y_{t-1}; h_{t-1}; ẑ_t] through the three input maps at once.
+        gates = F.linear(torch.cat([emb, h, z], dim=1), W_gates, self.lstm_y.bias)  # (B, 4H)
+        h, c = lstm_cell(gates, c)                                    # (B, H)
+        # Eq. (7): E y_{t-1} + L_h h_t + L_z ẑ_t, the last two as one product.
+        out = emb + F.linear(torch.cat([h, z], dim=1), W_out, self.L_h.bias)  # (B, E)
+        return self.L_o(self.dropout(out)), h, c, alpha, loc
+
+    def step_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[W_y | W_h | W_z] (4H, E+H+D) of the LSTM and [L_h | L_z] (E, H+D) of the output.
+
+        Without gradients (decoding) they are built once and kept until a weight changes
+        (an optimizer step or load_state_dict bumps its version); with gradients, every call.
+        """
+        parts = (self.lstm_y.weight, self.lstm_h.weight, self.lstm_z.weight, self.L_h.weight, self.L_z.weight)
+        if torch.is_grad_enabled():
+            return torch.cat(parts[:3], dim=1), torch.cat(parts[3:], dim=1)
+        key = tuple((p.data_ptr(), p.dtype, p._version) for p in parts)
+        cached = self.__dict__.get("_step_weights")
+        if cached is None or cached[0] != key:
+            with torch.inference_mode(False), torch.no_grad():   # ordinary tensors, usable anywhere
+                cached = key, torch.cat(parts[:3], dim=1), torch.cat(parts[3:], dim=1)
+            self.__dict__["_step_weights"] = cached
+        return cached[1], cached[2]
 
     # teacher forcing
 
@@ -335,6 +357,14 @@ class AttentionDecoder(nn.Module):
         """
         u = self.unroll(features, captions)
         return self.output(u.emb, u.h, u.z), u.alphas
+
+
+def lstm_cell(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eqs. (2)–(3): the LSTM's gates (B, 4H) and c_{t-1} (B, H) → h_t, c_t (B, H)."""
+    i, f, o, g = gates.chunk(4, dim=1)                       # (B, H) each
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    h = torch.sigmoid(o) * torch.tanh(c)
+    return h, c
 
 
 def step_mask(lengths: torch.Tensor, steps: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from .data import FORMAT, write_json_atomic
 from .distributed import Dist, barrier
 from .encoder import FEATURE_DIM, EncoderSpec, build_encoder
 from .errors import CaptionerError
+from .fast_encoder import optimize_encoder
 from .faults import GracefulStop, check_free_space, describe_os_error, nonfinite_rows, stop_requested
 from .features import BAD, DONE, TODO, FeatureCache, extract_features
 from .karpathy import load_karpathy
@@ -97,7 +98,8 @@ def prepare(captions: Sequence[str] | None, image_dirs: Sequence[str], out_dir: 
             print(f"warning: {short}; prepare stops when the disk is full, keeping finished rows", file=sys.stderr)
     barrier(dist)
     cache = FeatureCache(out_dir, len(records), grid * grid, FEATURE_DIM, mode="r+")
-    extract_features(cache, meta["paths"], enc, spec.preprocess, batch_size=batch_size, workers=workers,
+    fast = optimize_encoder(enc, device, image_size=spec.image_size)  # same features as enc, faster
+    extract_features(cache, meta["paths"], fast, spec.preprocess, batch_size=batch_size, workers=workers,
                      device=device, skip_bad=skip_bad, rank=dist.rank, world=dist.world, progress=progress,
                      stop=stop)
     if stop_requested(stop) and len(cache.todo(dist.rank, dist.world)):
