@@ -155,8 +155,15 @@ def _sample(rows: np.ndarray, most: int, seed: int) -> np.ndarray:
 
 
 def _pooled(data, rows: np.ndarray, mean: torch.Tensor, std: torch.Tensor, batch: int = 64) -> torch.Tensor:
-    """Pooled standardised vectors (N, D) of feature-cache rows, read a batch at a time."""
-    return torch.cat([pool(data.features(rows[i:i + batch]), mean, std) for i in range(0, len(rows), batch)])
+    """Pooled standardised vectors (N, D) of feature-cache rows, read a batch at a time.
+
+    Rows whose features are not finite (damaged; `fit` names them) are left out quietly.
+    """
+    out = []
+    for i in range(0, len(rows), batch):
+        raw = torch.from_numpy(data.cache[rows[i:i + batch]].astype(np.float32))   # (b, L, D)
+        out.append(pool(raw[torch.isfinite(raw).flatten(1).all(1)], mean, std))
+    return torch.cat(out)
 
 
 def calibration_photos() -> list[str]:

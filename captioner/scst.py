@@ -69,9 +69,10 @@ class ImageBatch:
     """Training images: features and the feature row (image) of each, for its references."""
     features: torch.Tensor   # (B, L, D) float32
     rows: torch.Tensor       # (B,) long
+    dropped: tuple[int, ...] = ()  # rows left out for non-finite features (none here: see `fit`)
 
     def to(self, device, non_blocking: bool = False) -> "ImageBatch":
-        return ImageBatch(self.features.to(device, non_blocking=non_blocking), self.rows.to(device))
+        return ImageBatch(self.features.to(device, non_blocking=non_blocking), self.rows.to(device), self.dropped)
 
 
 class TrainingImages:

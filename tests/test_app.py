@@ -183,9 +183,11 @@ def test_every_valid_image_is_captioned(demo, images, name):
 
 
 def test_caption_event_clears_the_page_first(demo, images):
-    first, *_ = demo.caption_view(str(images["rgb.jpg"]), 2, 8, 0.6, Session())
+    events = demo.caption_view(str(images["rgb.jpg"]), 2, 8, 0.6, Session())
+    first = next(events)            # checked before the generator goes on and fills the session
     assert first.caption == "" and first.words == [] and first.gallery == [] and first.large is None
     assert first.data is None and first.download["interactive"] is False and first.session.view is None
+    assert list(events)[-1].caption
 
 
 def test_exif_rotated_image_is_upright(demo, images):

@@ -120,11 +120,12 @@ def test_vocabulary_round_trip(sentences, min_count):
 
 def test_last_checkpoint_is_also_written_on_a_clock(data_dir, tmp_path, monkeypatch):
     """A run whose epochs outlast a kill still leaves last.pt: it is saved every checkpoint_minutes."""
+    import captioner.faults as faults
     import captioner.training as training
     from captioner.decoder import DecoderConfig
     saved = []
-    real = training.save_checkpoint
-    monkeypatch.setattr(training, "save_checkpoint", lambda ck, path: (saved.append((ck["step"], path)), real(ck, path)))
+    real = faults.save_checkpoint   # fit saves through faults.CheckpointSaver
+    monkeypatch.setattr(faults, "save_checkpoint", lambda ck, path: (saved.append((ck["step"], path)), real(ck, path)))
     cfg = training.TrainConfig(epochs=1, batch_size=8, val_beam_size=1, checkpoint_every=0, checkpoint_minutes=1e-6)
     progress = training.fit(str(data_dir), str(tmp_path / "run"), DecoderConfig(0, embed_dim=16, hidden_dim=16,
                             attention_dim=8), cfg, device="cpu", progress_bar=False)

@@ -11,7 +11,7 @@ import torch
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
 
-import captioner.training as training
+import captioner.faults as faults
 from captioner.checkpoint import load_checkpoint
 from captioner.cider import DocumentFrequency, NgramScorer, References, cached_document_frequency
 from captioner.cli import train_main
@@ -221,16 +221,16 @@ def scst_config(init, **kw) -> TrainConfig:
 def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkeypatch):
     init = small_run / "best.pt"
     whole = fit(str(data_dir), str(tmp_path / "whole"), cfg=scst_config(init), device="cpu", progress_bar=False)
-    real = training.save_checkpoint
+    real = faults.save_checkpoint   # fit saves through faults.CheckpointSaver
 
     def save_then_die(ck, path):
         real(ck, path)
         if ck["step"] == 3:
             raise KeyboardInterrupt  # as if killed right after the step-3 checkpoint
-    monkeypatch.setattr(training, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(faults, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         fit(str(data_dir), str(tmp_path / "run"), cfg=scst_config(init), device="cpu", progress_bar=False)
-    monkeypatch.setattr(training, "save_checkpoint", real)
+    monkeypatch.setattr(faults, "save_checkpoint", real)
     resumed = fit(str(data_dir), str(tmp_path / "run"), cfg=TrainConfig(epochs=2), resume=True, device="cpu",
                   progress_bar=False)
     assert resumed.step == whole.step > 3
