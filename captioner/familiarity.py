@@ -39,6 +39,7 @@ from PIL import Image
 
 from .encoder import EncoderSpec, build_encoder
 from .errors import CaptionerError
+from .faults import nonfinite_rows
 from .images import load_image
 
 METHOD = "pooled-mahalanobis/1"
@@ -161,8 +162,8 @@ def _pooled(data, rows: np.ndarray, mean: torch.Tensor, std: torch.Tensor, batch
     """
     out = []
     for i in range(0, len(rows), batch):
-        raw = torch.from_numpy(data.cache[rows[i:i + batch]].astype(np.float32))   # (b, L, D)
-        out.append(pool(raw[torch.isfinite(raw).flatten(1).all(1)], mean, std))
+        raw = data.cache[rows[i:i + batch]]                                       # (b, L, D) fp16
+        out.append(pool(torch.from_numpy(raw[~nonfinite_rows(raw)].astype(np.float32)), mean, std))
     return torch.cat(out)
 
 

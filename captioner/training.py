@@ -340,8 +340,11 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
     if ck is not None and os.path.exists(best_path):
         saver.good[best_path] = progress.best_step
     # --- familiarity (captioner.familiarity): training features' statistics, for "unlike the training images"
-    familiarity = familiarity_stats(data, seed=cfg.seed) if d.main else None
-    familiarity = familiarity.to_dict() if familiarity is not None else None
+    # A resumed run keeps the statistics it saved (same data and seed), without rebuilding the encoder.
+    familiarity = ck.get("familiarity") if ck is not None else None
+    if familiarity is None and d.main:
+        stats = familiarity_stats(data, seed=cfg.seed)
+        familiarity = stats.to_dict() if stats is not None else None
     # --- end familiarity
 
     def save(path: str, metrics: dict, final: bool = False) -> None:
@@ -418,7 +421,7 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
                        f"e.g. {metrics['example']!r}; {health_summary(metrics['attention_health'])}")
         found = problems(metrics["attention_health"])
         if found and d.main:
-            print(f"warning: step {progress.step}: {'; '.join(found)}: {ADVICE}", file=sys.stderr, flush=True)
+            tqdm.write(f"warning: step {progress.step}: {'; '.join(found)}: {ADVICE}", file=sys.stderr)
         # A signal during validation: last.pt is saved next, so stop there.
         stopped = distributed.any_true(d, faults.stop_requested(stop), dev)
         final = stopped or out_of_time or progress.epoch >= cfg.epochs or progress.stale >= cfg.patience
