@@ -91,7 +91,7 @@ def problems(health: dict) -> list[str]:
 
 
 ADVICE = ("the heatmaps may not show what the model names. Maps spread evenly: lower --alpha-c; "
-          "parked maps: try hard attention (--attention hard), which pointed best in every measurement; "
+          "parked maps: try hard attention (--attention hard), which pointed best in most measurements; "
           "see the README's 'Attention health'")
 
 
