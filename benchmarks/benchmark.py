@@ -367,7 +367,7 @@ def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    t_step = timed(step, steps, warmup=1)
+    t_step = interleaved({"scst": step}, steps, torch.device("cpu"))["scst"]
     t_reward = spent[-steps:]
     share = sum(t_reward) / sum(t_step)
     print(f"self-critical step ({images} images x {samples} samples = {images * samples} captions of "

@@ -90,6 +90,10 @@ def get_train_parser() -> argparse.ArgumentParser:
     pp.add_argument("--device", default="auto", help="auto, cpu or cuda")
     pp.add_argument("--recheck", action="store_true", help="read every finished feature row first and "
                     "extract again those holding inf or NaN (a damaged disk or copy)")
+    pp.add_argument("--no-rotated", dest="rotated", action="store_false",
+                    help="skip the features of the images turned 180° (they let soft attention learn to look "
+                    "at the objects themselves, README 'Does attention look at the right thing?'; "
+                    "without them the encoder runs half as long)")
 
     fp = sub.add_parser("fit", help="train the decoder on a prepared data directory",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -127,6 +131,9 @@ def get_train_parser() -> argparse.ArgumentParser:
                     help="mixed precision (autocast); fp16 adds a gradient scaler on CUDA")
     fp.add_argument("--compile", action="store_true", help="torch.compile the decoder's recurrent step (for GPUs; on a 2-core CPU it gained "
                     "nothing measurable, after ~30 s of compiling)")
+    fp.add_argument("--equivariance", type=float, default=t.equivariance, metavar="LAMBDA",
+                    help="soft attention: weight of the half-turn equivariance of its maps (needs the rotated "
+                    "features prepare writes by default; 0: the paper's objective)")
     fp.add_argument("--entropy-weight", type=float, default=h.entropy_weight, help="hard attention: λ_e")
     fp.add_argument("--reward-scale", type=float, default=h.reward_scale, help="hard attention: λ_r")
     fp.add_argument("--semi-sampling", type=float, default=h.semi_sampling,
@@ -185,7 +192,7 @@ def _prepare(args) -> int:
                           encoder=spec, min_count=args.min_word_freq, max_len=args.max_len,
                           skip_missing=args.skip_missing, skip_bad=args.skip_bad, batch_size=args.batch_size,
                           workers=args.workers, device=str(device), dist=d, progress=d.main,
-                          recheck=args.recheck, stop=stop)
+                          recheck=args.recheck, stop=stop, rotated=args.rotated)
     distributed.cleanup()
     if "stopped" in summary:
         if d.main:
@@ -212,7 +219,8 @@ def _fit(args) -> int:
     scst = ScstConfig(samples=args.samples, baseline=args.scst_baseline, bleu_weight=args.bleu_weight,
                       context=args.scst_context)
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, grad_clip=args.grad_clip,
-                      alpha_c=args.alpha_c, max_minutes=args.max_minutes, patience=args.patience,
+                      alpha_c=args.alpha_c, equivariance=args.equivariance, max_minutes=args.max_minutes,
+                      patience=args.patience,
                       metric=args.metric, val_beam_size=args.val_beam_size, val_images=args.val_images,
                       checkpoint_every=args.checkpoint_every,
                       checkpoint_minutes=args.checkpoint_minutes, log_every=args.log_every, seed=args.seed, amp=args.amp,

@@ -21,6 +21,7 @@ import torch
 
 from .coco import read_json
 from .encoder import EncoderSpec
+from .equivariance import ROTATED
 from .errors import CaptionerError
 from .faults import damaged_row_message, nonfinite_rows
 from .features import FeatureCache
@@ -37,10 +38,12 @@ class Batch:
     lengths: torch.Tensor    # (B,) long, counting <start> and <end>
     image_index: torch.Tensor | None = None  # (B,) long: each caption's row in `features` when fine-tuning
     dropped: tuple[int, ...] = ()  # feature rows of captions left out: their features are not finite
+    rotated: torch.Tensor | None = None  # (B, L, D) features of the images turned 180° (equivariance.py)
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        return Batch(*(t if t is None else t.to(device, non_blocking=non_blocking)
-                       for t in (self.features, self.captions, self.lengths, self.image_index)), self.dropped)
+        moved = [t if t is None else t.to(device, non_blocking=non_blocking)
+                 for t in (self.features, self.captions, self.lengths, self.image_index, self.rotated)]
+        return Batch(*moved[:4], self.dropped, moved[4])
 
 
 class CaptionData:
@@ -63,6 +66,10 @@ class CaptionData:
         self.max_len = int(self.meta["max_len"])
         self.cache = FeatureCache(data_dir, len(self.meta["image_ids"]), self.meta["locations"],
                                   self.meta["feature_dim"], mode="r")
+        # The same images turned 180°, for the attention's equivariance term (older directories: None).
+        self.rotated = (FeatureCache(data_dir, len(self.meta["image_ids"]), self.meta["locations"],
+                                     self.meta["feature_dim"], mode="r", name=ROTATED)
+                        if self.meta.get("rotated") else None)
         splits = read_json(os.path.join(data_dir, "splits.json"), "splits")
         self.images = {s: np.asarray(v, dtype=np.int64).reshape(-1, 2) for s, v in splits["images"].items()}
         self.references = {s: {int(k): v for k, v in refs.items()} for s, refs in splits["references"].items()}
@@ -122,7 +129,8 @@ class CaptionData:
         for idx in bucket_batches(self.lengths, batch_size, seed=seed, epoch=epoch,
                                   rank=rank, world=world)[start:]:
             raw = self.cache[self.rows[idx]]                      # (B, L, D) fp16
-            bad = nonfinite_rows(raw)                             # (B,)
+            turned = None if self.rotated is None else self.rotated[self.rows[idx]]
+            bad = nonfinite_rows(raw) if turned is None else nonfinite_rows(raw) | nonfinite_rows(turned)  # (B,)
             dropped = tuple(int(r) for r in self.rows[idx][bad])
             if bad.all():
                 raise CaptionerError(f"{self.cache.path}: the features of every image in a batch hold inf or "
@@ -132,9 +140,12 @@ class CaptionData:
             T = int(self.lengths[idx].max())
             batch = Batch(torch.from_numpy(raw.astype(np.float32)),
                           torch.from_numpy(self.tokens[idx, :T].astype(np.int64)),
-                          torch.from_numpy(self.lengths[idx].astype(np.int64)), dropped=dropped)
-            yield Batch(*(t.pin_memory() for t in (batch.features, batch.captions, batch.lengths)),
-                        dropped=dropped) if pin else batch
+                          torch.from_numpy(self.lengths[idx].astype(np.int64)), dropped=dropped,
+                          rotated=None if turned is None else torch.from_numpy(turned[~bad].astype(np.float32)))
+            if pin:
+                batch = Batch(*(t.pin_memory() for t in (batch.features, batch.captions, batch.lengths)),
+                              dropped=dropped, rotated=None if turned is None else batch.rotated.pin_memory())
+            yield batch
 
 
 def bucket_batches(lengths: np.ndarray, batch_size: int, *, seed: int, epoch: int,

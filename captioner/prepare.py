@@ -19,6 +19,7 @@ from .coco import SPLITS, load_dataset, read_json
 from .data import FORMAT, write_json_atomic
 from .distributed import Dist, barrier
 from .encoder import FEATURE_DIM, EncoderSpec, build_encoder
+from .equivariance import ROTATED, HalfTurn
 from .errors import CaptionerError
 from .fast_encoder import optimize_encoder
 from .faults import GracefulStop, check_free_space, describe_os_error, nonfinite_rows, stop_requested
@@ -44,7 +45,7 @@ def prepare(captions: Sequence[str] | None, image_dirs: Sequence[str], out_dir: 
             min_count: int = 5, max_len: int = 20, skip_missing: bool = False,
             skip_bad: bool = False, batch_size: int | None = None, workers: int = 2,
             device: str = "cpu", dist: Dist = Dist(), progress: bool = True, recheck: bool = False,
-            stop: GracefulStop | None = None) -> dict:
+            stop: GracefulStop | None = None, rotated: bool = True) -> dict:
     """Build a data directory; returns a summary (counts per split, vocabulary size, skipped).
 
     Args:
@@ -64,6 +65,8 @@ def prepare(captions: Sequence[str] | None, image_dirs: Sequence[str], out_dir: 
         recheck: first read every finished feature row and re-extract those holding inf or NaN.
         stop: once requested (SIGTERM, SIGINT), end after the current batch of features; the
             summary then says {"stopped": signal name, ...} and a rerun goes on from there.
+        rotated: also store the features of every image turned 180°, for the soft attention's
+            equivariance term (equivariance.py); about doubles the encoder's time.
     """
     if batch_size is None:
         batch_size = 64 if str(device).startswith("cuda") else 8
@@ -83,12 +86,14 @@ def prepare(captions: Sequence[str] | None, image_dirs: Sequence[str], out_dir: 
     meta = {"format": FORMAT, "encoder": spec.to_dict(), "locations": grid * grid,
             "feature_dim": FEATURE_DIM, "max_len": max_len, "min_count": min_count,
             "image_ids": [r.image_id for r in records], "paths": [r.path for r in records],
-            "sources": sources}
+            "sources": sources, "rotated": rotated}
     os.makedirs(out_dir, exist_ok=True)
     if dist.main:
         _check_resumable(out_dir, meta)
         write_json_atomic(os.path.join(out_dir, "meta.json"), {**meta, "complete": False})
         cache = FeatureCache(out_dir, len(records), grid * grid, FEATURE_DIM, mode="r+")  # create the files once
+        if rotated:
+            FeatureCache(out_dir, len(records), grid * grid, FEATURE_DIM, mode="r+", name=ROTATED)
         if recheck:
             _recheck(cache, meta, progress)
         # faults (issue 15): say up front when the features will not fit; a full disk then stops
@@ -99,12 +104,19 @@ def prepare(captions: Sequence[str] | None, image_dirs: Sequence[str], out_dir: 
     barrier(dist)
     cache = FeatureCache(out_dir, len(records), grid * grid, FEATURE_DIM, mode="r+")
     fast = optimize_encoder(enc, device, image_size=spec.image_size)  # same features as enc, faster
-    extract_features(cache, meta["paths"], fast, spec.preprocess, batch_size=batch_size, workers=workers,
-                     device=device, skip_bad=skip_bad, rank=dist.rank, world=dist.world, progress=progress,
-                     stop=stop)
-    if stop_requested(stop) and len(cache.todo(dist.rank, dist.world)):
-        return {"stopped": stop.signal_name, "rank": dist.rank, "features_done": int((cache.done == DONE).sum()),
-                "features_to_do": int((cache.done == TODO).sum())}
+    caches = [(cache, fast)]
+    if rotated:
+        caches.append((FeatureCache(out_dir, len(records), grid * grid, FEATURE_DIM, mode="r+", name=ROTATED),
+                       HalfTurn(fast)))
+    for target, encoder_ in caches:
+        extract_features(target, meta["paths"], encoder_, spec.preprocess, batch_size=batch_size, workers=workers,
+                         device=device, skip_bad=skip_bad, rank=dist.rank, world=dist.world, progress=progress,
+                         stop=stop)
+        if stop_requested(stop) and len(target.todo(dist.rank, dist.world)):
+            return {"stopped": stop.signal_name, "rank": dist.rank,
+                    "features_done": int((target.done == DONE).sum()),
+                    "features_to_do": int((target.done == TODO).sum()),
+                    **({"cache": ROTATED} if target is not cache else {})}
     barrier(dist)  # every rank's rows are on disk before the dataset files are written
     if not dist.main:
         return {"rank": dist.rank}

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from . import distributed, faults
 from .checkpoint import load_checkpoint
 from .data import CaptionData
-from .decoder import AttentionDecoder, DecoderConfig, sequence_loss
+from .decoder import AttentionDecoder, DecoderConfig, attention_penalty, sequence_loss
 from .encoder import EncoderSpec
 from .errors import CaptionerError
 from .evaluation import caption_split, score_validation
@@ -34,6 +34,7 @@ from .health import ADVICE, attention_health, problems
 from .health import summary as health_summary
 from .finetune import FineTuneConfig, FineTuning
 from .familiarity import fit_stats as familiarity_stats
+from .equivariance import equivariance_loss
 from .reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
 from .scst import LR as SCST_LR, ScstConfig, SelfCritical, TrainingImages, training_scorer
 
@@ -57,6 +58,9 @@ class TrainConfig:
     # Σ_i (1 − Σ_t α_ti)² over 196 cells is smallest when every map is spread evenly, and
     # measured on synthetic scenes it halves pointing accuracy (README, 'Soft and hard').
     alpha_c: float = 0.0
+    # λ of the soft attention's half-turn equivariance term (equivariance.py), used when the data
+    # directory holds the turned images' features; 0: off (the paper's objective).
+    equivariance: float = 1.0
     max_minutes: float | None = None
     patience: int = 8                    # validations without improvement before stopping
     metric: str = "CIDEr"                # early stopping / best.pt on this validation metric
@@ -90,6 +94,7 @@ class TrainConfig:
         kw["hard"] = HardAttentionConfig(**d.get("hard", {}))
         kw["fine_tune"] = FineTuneConfig(**d["fine_tune"]) if d.get("fine_tune") else None
         kw["scst"] = ScstConfig(**d.get("scst", {}))
+        kw.setdefault("equivariance", 0.0)  # saved before the term existed: resume as trained
         return cls(**kw)
 
 
@@ -122,8 +127,27 @@ class Objective(nn.Module):
         if self.decoder.config.attention == "hard":
             return hard_attention_loss(self.decoder, features, captions, lengths, baseline=baseline,
                                        cfg=self.cfg.hard, alpha_c=self.cfg.alpha_c, generator=generator, words=words)
+        if self.uses_equivariance(batch):
+            return self.equivariant_loss(features, batch.rotated, captions, lengths, words)
         nll, penalty = sequence_loss(self.decoder, features, captions, lengths, self.cfg.alpha_c, words=words)
         return nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
+
+    def uses_equivariance(self, batch) -> bool:
+        """Soft attention on cached features, with the turned images' features in the batch."""
+        return (self.cfg.equivariance > 0 and self.encoder is None and batch.rotated is not None
+                and self.decoder.config.attention == "soft")
+
+    def equivariant_loss(self, features, rotated, captions, lengths, words):
+        """The soft loss plus λ × the half-turn equivariance of the maps, per word (equivariance.py)."""
+        u = self.decoder.unroll(features, captions)
+        nll, mask = self.decoder.word_nll(u, captions, lengths)
+        turned = self.decoder.unroll(rotated, captions)            # same caption, image turned 180°
+        words = mask.sum() if words is None else words
+        nll = nll.sum() / words
+        penalty = attention_penalty(u.alphas.float(), mask, self.cfg.alpha_c).sum() / words
+        equi = equivariance_loss(u.alphas, turned.alphas, mask.float()).sum() / words
+        return nll + penalty + self.cfg.equivariance * equi, {
+            "nll": nll.detach(), "penalty": penalty.detach(), "equivariance": equi.detach()}
 
 
 def train_step(objective, batch, optimizer, scaler, cfg: TrainConfig, progress: Progress,
@@ -275,6 +299,12 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         raise CaptionerError("--objective scst starts from a trained model: pass --init RUN/best.pt "
                              "(or --resume to continue a self-critical run)")
     model_cfg = DecoderConfig(**{**(model_cfg or DecoderConfig(0)).to_dict(), "vocab_size": len(data.vocab)})
+    if (d.main and cfg.equivariance > 0 and data.rotated is None and model_cfg.attention == "soft"
+            and cfg.objective == "xe" and cfg.fine_tune is None):
+        print(f"note: {data_dir} has no features of the images turned 180° (prepared with --no-rotated or by "
+              "an older version), so soft attention trains without its equivariance term and its heatmaps "
+              "may sit beside the objects they name; run prepare again into a new directory to add them",
+              file=sys.stderr)
     torch.manual_seed(cfg.seed)
     model = AttentionDecoder.from_config(model_cfg)
     model.set_feature_stats(*data.feature_stats())
