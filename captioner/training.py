@@ -127,15 +127,10 @@ class Objective(nn.Module):
         if self.decoder.config.attention == "hard":
             return hard_attention_loss(self.decoder, features, captions, lengths, baseline=baseline,
                                        cfg=self.cfg.hard, alpha_c=self.cfg.alpha_c, generator=generator, words=words)
-        if self.uses_equivariance(batch):
+        if batch.rotated is not None:                             # `fit` reads them only for the term
             return self.equivariant_loss(features, batch.rotated, captions, lengths, words)
         nll, penalty = sequence_loss(self.decoder, features, captions, lengths, self.cfg.alpha_c, words=words)
         return nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
-
-    def uses_equivariance(self, batch) -> bool:
-        """Soft attention on cached features, with the turned images' features in the batch."""
-        return (self.cfg.equivariance > 0 and self.encoder is None and batch.rotated is not None
-                and self.decoder.config.attention == "soft")
 
     def equivariant_loss(self, features, rotated, captions, lengths, words):
         """The soft loss plus λ × the half-turn equivariance of the maps, per word (equivariance.py)."""
@@ -299,8 +294,13 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         raise CaptionerError("--objective scst starts from a trained model: pass --init RUN/best.pt "
                              "(or --resume to continue a self-critical run)")
     model_cfg = DecoderConfig(**{**(model_cfg or DecoderConfig(0)).to_dict(), "vocab_size": len(data.vocab)})
-    if (d.main and cfg.equivariance > 0 and data.rotated is None and model_cfg.attention == "soft"
-            and cfg.objective == "xe" and cfg.fine_tune is None):
+    # The equivariance term: soft attention, cross-entropy on cached features. Without it the
+    # turned features are not read at all (hard attention, --equivariance 0: no extra I/O per batch).
+    equivariant = (cfg.equivariance > 0 and model_cfg.attention == "soft" and cfg.objective == "xe"
+                   and cfg.fine_tune is None)
+    if not equivariant:
+        data.rotated = None
+    elif d.main and data.rotated is None:
         print(f"note: {data_dir} has no features of the images turned 180° (prepared with --no-rotated or by "
               "an older version), so soft attention trains without its equivariance term and its heatmaps "
               "may sit beside the objects they name; run prepare again into a new directory to add them",
