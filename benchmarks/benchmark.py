@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sgrvinod_decoder import (TutorialDecoder, load_tutorial_models, tutorial_loss,  # noqa: E402
                               tutorial_train_step)
 
+from captioner.data import Batch  # noqa: E402
 from captioner.decoder import AttentionDecoder  # noqa: E402
 from captioner.distributed import Dist  # noqa: E402
 from captioner.encoder import EncoderSpec, build_encoder  # noqa: E402
@@ -168,8 +169,7 @@ def caption_batch(device: torch.device, seed: int = 0):
 
 
 def our_train_step(device: torch.device, feats, caps, lengths, amp: str, compiled: bool):
-    """`fit`'s own step (`training.train_step`) on one batch."""
-    from types import SimpleNamespace
+    """`fit`'s own step (`training.train_step`) on one batch (the paper's objective: no turned features)."""
     torch.manual_seed(0)
     decoder = AttentionDecoder(vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512,
                                dropout=0.5).to(device)
@@ -179,7 +179,7 @@ def our_train_step(device: torch.device, feats, caps, lengths, amp: str, compile
     objective = Objective(decoder, cfg)
     optimizer = make_optimizer(decoder, cfg.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=False)
-    batch = SimpleNamespace(features=feats, captions=caps, lengths=lengths)
+    batch = Batch(feats, caps, lengths)
     gen, progress = torch.Generator(device=device).manual_seed(0), Progress()
     return lambda: train_step(objective, batch, optimizer, scaler, cfg, progress, gen, Dist(), device), decoder
 

@@ -117,3 +117,16 @@ def test_captioner_fast_and_plain_agree(small_run, scenes):
     plain = Captioner.load(str(small_run / "best.pt"), fast=False)
     for a, b in zip(fast.caption_batch(paths, beam_size=3), plain.caption_batch(paths, beam_size=3)):
         assert a.words == b.words and a.score == pytest.approx(b.score, abs=1e-3)
+
+
+def test_the_benchmark_times_fits_own_step():
+    """benchmarks/benchmark.py builds its decoder step from `fit`'s code: one step runs and learns."""
+    import sys
+    from conftest import REPO
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import benchmark as bm
+    feats, caps, lengths = bm.caption_batch(torch.device("cpu"))
+    step, decoder = bm.our_train_step(torch.device("cpu"), feats, caps, lengths, "none", False)
+    before = decoder.L_o.weight.detach().clone()
+    step()
+    assert not torch.equal(before, decoder.L_o.weight)
