@@ -55,14 +55,15 @@ class _Score(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, projected, q, v):  # projected = 2p (B, L, A), q = 2q (n, A), v (A,)
+    def forward(ctx, projected, q, v, total=None):  # projected = 2p (B, L, A), q = 2q (n, A), v (A,)
         # projected may hold more rows than q (captions that have ended): only the first len(q)
         # are used, and their gradient is written straight into a full-sized tensor, so no
         # slicing of `projected` goes through autograd (each slice would cost a zero-filled
-        # (B, L, A) gradient per step).
+        # (B, L, A) gradient per step). With `total` (from `_GradientSum`, in a training pass)
+        # the gradient is added into it instead: no (B, L, A) tensor per step at all.
         n = q.size(0)
         ctx.dtypes = projected.dtype, q.dtype, v.dtype            # under autocast they may differ
-        ctx.rows = projected.size(0)
+        ctx.rows, ctx.total = projected.size(0), total
         v = v.to(projected.dtype)
         s = torch.add(projected[:n], q.to(projected.dtype).unsqueeze(1)).sigmoid_()  # (n, L, A), σ(2p + 2q)
         ctx.save_for_backward(s, v)
@@ -74,12 +75,78 @@ class _Score(torch.autograd.Function):
         n, L, A = s.shape
         grad_e = grad_e.to(s.dtype)
         grad_v = 2 * torch.einsum("bl,bla->a", grad_e, s)                         # (A,)
+        p_dtype, q_dtype, v_dtype = ctx.dtypes
+        # d e / d(2p) = 2 v σ(1 − σ), times the incoming gradient
+        if ctx.total is not None:
+            total, scratch = ctx.total
+            ds = torch.addcmul(s, s, s, value=-1, out=scratch[:n]).mul_(2 * v)       # (n, L, A)
+            total[:n].addcmul_(ds, grad_e.unsqueeze(2))
+            grad_q = torch.bmm(grad_e.unsqueeze(1), ds).squeeze(1)                   # (n, A)
+            return None, grad_q.to(q_dtype), grad_v.to(v_dtype), None
         grad_p = s.new_empty(ctx.rows, L, A)                                      # (B, L, A)
         grad_p[n:].zero_()
-        # d e / d(2p) = 2 v σ(1 − σ), times the incoming gradient
         torch.addcmul(s, s, s, value=-1, out=grad_p[:n]).mul_(grad_e.unsqueeze(2)).mul_(2 * v)
-        p_dtype, q_dtype, v_dtype = ctx.dtypes
-        return grad_p.to(p_dtype), grad_p[:n].sum(dim=1).to(q_dtype), grad_v.to(v_dtype)
+        return grad_p.to(p_dtype), grad_p[:n].sum(dim=1).to(q_dtype), grad_v.to(v_dtype), None
+
+
+class _GradientSum(torch.autograd.Function):
+    """x, unchanged, for a recurrence whose steps add their gradients for x into `total`
+    themselves (`_Score`), in place, through one reused scratch tensor: left to autograd, each
+    step would allocate a gradient the size of x, and autograd would add them up."""
+
+    @staticmethod
+    def forward(ctx, x, buffers: tuple[torch.Tensor, torch.Tensor]):
+        ctx.total = buffers[0]
+        ctx.set_materialize_grads(False)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.total if grad is None else ctx.total + grad, None
+
+
+class _SharedWeight(torch.autograd.Function):
+    """W, unchanged, for a recurrence whose every step multiplies by it (`_StepProduct`).
+
+    Left to autograd, each step computes its own small W gradient (n rows deep, n ≤ B) and adds
+    it to the running sum: two passes over W per step. Here the steps hand their (output
+    gradient, input) pairs to this node, which autograd runs after all of them, and W's gradient
+    is one product over every step's rows at once.
+    """
+
+    @staticmethod
+    def forward(ctx, W, pairs: list):
+        ctx.pairs, ctx.dtype = pairs, W.dtype
+        ctx.set_materialize_grads(False)    # the steps send W no gradient: nothing to zero-fill
+        return W.view_as(W)
+
+    @staticmethod
+    def backward(ctx, _):
+        if not ctx.pairs:
+            return None, None
+        grads, inputs = zip(*ctx.pairs)
+        ctx.pairs.clear()
+        g, x = (torch.cat(t).to(ctx.dtype) for t in (grads, inputs))   # (Σn, out), (Σn, in)
+        return g.t() @ x, None
+
+
+class _StepProduct(torch.autograd.Function):
+    """x Wᵀ for one step of a recurrence, W from `_SharedWeight`: its backward computes x's
+    gradient and leaves W's to `_SharedWeight`, with the pair it needs."""
+
+    @staticmethod
+    def forward(ctx, x, W, pairs: list):
+        ctx.save_for_backward(x, W)
+        ctx.pairs = pairs
+        return F.linear(x, W.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, W = ctx.saved_tensors
+        if ctx.needs_input_grad[1]:
+            ctx.pairs.append((g, x))
+        grad_x = (g @ W.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None
 
 
 class Unrolled(NamedTuple):
@@ -106,8 +173,12 @@ class Attention(nn.Module):
 
     def forward(self, projected: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """α_t (n, L) for the n = len(h) states; `projected` (B ≥ n, L, A): its first n rows are used."""
-        e = _Score.apply(projected, 2 * self.W_h(h), self.v.weight.view(-1))  # (n, L)
-        return e.softmax(dim=1)                                          # (n, L), sums to 1
+        return self.weights(projected, 2 * self.W_h(h))
+
+    def weights(self, projected: torch.Tensor, q: torch.Tensor, total=None) -> torch.Tensor:
+        """α_t (n, L) from q = 2 W_h h_{t-1} (n, A), already computed; `total`: see `_Score`."""
+        e = _Score.apply(projected, q, self.v.weight.view(-1), total)  # (n, L)
+        return e.softmax(dim=1)                                  # (n, L), sums to 1
 
 
 class AttentionDecoder(nn.Module):
@@ -147,6 +218,7 @@ class AttentionDecoder(nn.Module):
         self.L_z = nn.Linear(D, E, bias=False)
         self.L_o = nn.Linear(E, vocab_size)
         self.dropout = nn.Dropout(self.config.dropout)
+        self._compiled = False  # compile_step
         # Fixed per-channel standardisation of the annotation vectors, set from the training
         # features by `fit` (VGG activations are non-negative with channel scales that differ
         # by orders of magnitude; standardised inputs train much faster). Saved with the weights.
@@ -202,23 +274,38 @@ class AttentionDecoder(nn.Module):
         """Deep output layer, eq. (7): logits over the vocabulary (..., V)."""
         return self.L_o(self.dropout(emb + self.L_h(h) + self.L_z(z)))
 
+    def h_weights(self) -> torch.Tensor:
+        """[2 W_h (attention); W_h (LSTM); f_β] (A + 4H + 1, H): every map of h_{t-1} in a step,
+        stacked so that training computes them as one matrix product per step."""
+        return torch.cat([2 * self.attention.W_h.weight, self.lstm_h.weight, self.f_beta.weight])
+
     def soft_step(self, features: torch.Tensor, projected: torch.Tensor, gates_y: torch.Tensor,
-                  h: torch.Tensor, c: torch.Tensor):
+                  h: torch.Tensor, c: torch.Tensor, W_hh: torch.Tensor, W_z: torch.Tensor,
+                  shared: tuple | None = None):
         """One teacher-forced soft step for the n = len(h) captions still running: attend with
         h_{t-1}, then the LSTM. `features` and `gates_y` hold those n rows; `projected` may hold
-        the whole batch (its first n rows are used).
+        the whole batch (its first n rows are used); W_hh is `h_weights()`, W_z the LSTM's map
+        of ẑ. The same math as `attention`, `context` and `lstm`, with their three maps of
+        h_{t-1} in one product. With `shared` (a training pass, `_unroll_soft`), W_hh and W_z come
+        from `_SharedWeight` and `projected` from `_GradientSum`, which sum their gradients.
 
         Returns:
             h (n, H), c (n, H), ẑ (n, D), α (n, L).
         """
-        alpha = self.attention(projected, h)                 # (B, L)
-        z, _ = self.context(features, alpha, h)              # (B, D), expected context
-        h, c = self.lstm(gates_y, z, h, c)                   # (B, H)
+        pairs_h, pairs_z, total = shared or (None, None, None)
+        hh = F.linear(h, W_hh) if shared is None else _StepProduct.apply(h, W_hh, pairs_h)  # (n, A + 4H + 1)
+        q, gates_h, f = hh.split([self.config.attention_dim, gates_y.size(1), 1], dim=1)
+        alpha = self.attention.weights(projected, q, total)                 # (n, L)
+        beta = torch.sigmoid(f + self.f_beta.bias)                          # (n, 1)
+        z = beta * torch.bmm(alpha.unsqueeze(1), features).squeeze(1)      # (n, D), expected context
+        gates_z = F.linear(z, W_z) if shared is None else _StepProduct.apply(z, W_z, pairs_z)
+        h, c = lstm_cell(gates_y + gates_h + gates_z, c)                   # (n, H)
         return h, c, z, alpha
 
     def compile_step(self) -> None:
         """torch.compile the recurrent step (fixed shapes; the step loop itself stays Python)."""
         self.soft_step = torch.compile(self.soft_step, dynamic=True)  # the batch shrinks as captions end
+        self._compiled = True   # compiled steps keep autograd's own weight gradients
 
     def step(self, features: torch.Tensor, projected: torch.Tensor, words: torch.Tensor,
              h: torch.Tensor, c: torch.Tensor, mode: str = EXPECTED,
@@ -318,10 +405,18 @@ class AttentionDecoder(nn.Module):
         # where indexing [:, t] at every step would zero-fill a (B, T-1, 4H) gradient each time.
         gates_y = self.lstm_y(emb[order]).unbind(1)                # T-1 × (B, 4H)
         z, alpha = features[:, 0], projected.new_zeros(B, L)        # only read when no caption runs
+        W_hh, W_z = self.h_weights(), self.lstm_z.weight           # once per pass, not per step
+        shared = None
+        if torch.is_grad_enabled() and not self._compiled:  # gradients summed once per pass, not per step
+            sums = torch.zeros_like(projected), torch.empty_like(projected)   # total, scratch
+            shared = [], [], sums
+            W_hh, W_z = _SharedWeight.apply(W_hh, shared[0]), _SharedWeight.apply(W_z, shared[1])
+            projected = _GradientSum.apply(projected, sums)
         hs, zs, alphas = [], [], []
         for t, n in enumerate(active):
             if n:
-                h, c, z, alpha = self.soft_step(features[:n], projected, gates_y[t][:n], h[:n], c[:n])
+                h, c, z, alpha = self.soft_step(features[:n], projected, gates_y[t][:n], h[:n], c[:n],
+                                                W_hh, W_z, shared)
             rest = (0, 0, 0, B - n)                                   # pad the finished rows back in
             hs.append(F.pad(h[:n], rest)), zs.append(F.pad(z[:n], rest))
             alphas.append(F.pad(alpha[:n], rest, value=1.0 / L))

@@ -229,3 +229,29 @@ def test_training_loss_skips_padding_but_equals_the_full_one():
     torch.testing.assert_close(packed, full)
     for a, b in zip(g_packed, g_full):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("compiled_path", [False, True])
+def test_soft_pass_with_summed_gradients_equals_step_by_step(compiled_path):
+    """The soft training pass (h's three maps in one product; W and p gradients summed once per
+    pass, decoder._SharedWeight and _GradientSum) gives the values and gradients of the plain
+    step-by-step pass (`attention`, `context`, `lstm` at each step), in float64."""
+    dec = tiny().double()
+    dec._compiled = compiled_path     # the compiled step keeps autograd's own sums: same math, checked too
+    feats, caps, lengths = batch(B=3, T=7)
+    feats = feats.double()
+    weights = torch.rand(3, 6, L, dtype=torch.float64)
+
+    def run(**kw):
+        u = dec.unroll(feats, caps, **kw)
+        nll, mask = dec.word_nll(u, caps, lengths)
+        loss = nll.sum() + (u.alphas * weights * mask.unsqueeze(2)).sum()
+        return nll, torch.autograd.grad(loss, list(dec.parameters()), allow_unused=True)
+
+    nll, grads = run()
+    ref_nll, ref_grads = run(locations=torch.full((3, 6), -1))   # expected context at every step
+    torch.testing.assert_close(nll, ref_nll)
+    for name, g, r in zip([n for n, _ in dec.named_parameters()], grads, ref_grads):
+        assert (g is None) == (r is None), name
+        if g is not None:
+            torch.testing.assert_close(g, r, msg=name)
