@@ -41,7 +41,14 @@ class Batch:
     rotated: torch.Tensor | None = None  # (B, L, D) features of the images turned 180° (equivariance.py)
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        moved = [t if t is None else t.to(device, non_blocking=non_blocking)
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "Batch":
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, fn) -> "Batch":
+        """The batch with fn applied to each of its tensors."""
+        moved = [t if t is None else fn(t)
                  for t in (self.features, self.captions, self.lengths, self.image_index, self.rotated)]
         return Batch(*moved[:4], self.dropped, moved[4])
 
@@ -130,7 +137,9 @@ class CaptionData:
                                   rank=rank, world=world)[start:]:
             raw = self.cache[self.rows[idx]]                      # (B, L, D) fp16
             turned = None if self.rotated is None else self.rotated[self.rows[idx]]
-            bad = nonfinite_rows(raw) if turned is None else nonfinite_rows(raw) | nonfinite_rows(turned)  # (B,)
+            bad = nonfinite_rows(raw)                             # (B,)
+            if turned is not None:
+                bad |= nonfinite_rows(turned)
             dropped = tuple(int(r) for r in self.rows[idx][bad])
             if bad.all():
                 raise CaptionerError(f"{self.cache.path}: the features of every image in a batch hold inf or "
@@ -142,10 +151,7 @@ class CaptionData:
                           torch.from_numpy(self.tokens[idx, :T].astype(np.int64)),
                           torch.from_numpy(self.lengths[idx].astype(np.int64)), dropped=dropped,
                           rotated=None if turned is None else torch.from_numpy(turned[~bad].astype(np.float32)))
-            if pin:
-                batch = Batch(*(t.pin_memory() for t in (batch.features, batch.captions, batch.lengths)),
-                              dropped=dropped, rotated=None if turned is None else batch.rotated.pin_memory())
-            yield batch
+            yield batch.pin_memory() if pin else batch
 
 
 def bucket_batches(lengths: np.ndarray, batch_size: int, *, seed: int, epoch: int,

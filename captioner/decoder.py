@@ -480,10 +480,22 @@ def sequence_loss(decoder: "AttentionDecoder", features: torch.Tensor, captions:
     Returns:
         (negative log-likelihood per word, penalty per word).
     """
+    nll, penalty, _, _ = sequence_terms(decoder, features, captions, lengths, alpha_c, words)
+    return nll, penalty
+
+
+def sequence_terms(decoder: "AttentionDecoder", features: torch.Tensor, captions: torch.Tensor,
+                   lengths: torch.Tensor, alpha_c: float = 1.0, words: torch.Tensor | float | None = None):
+    """`sequence_loss`, with the teacher-forced pass and its (B, T-1) mask of real steps, for
+    terms computed on the same maps (training.Objective's equivariance term).
+
+    Returns:
+        (nll per word, penalty per word, the `Unrolled` pass, the mask).
+    """
     u = decoder.unroll(features, captions)
     nll, mask = decoder.word_nll(u, captions, lengths)
     words = mask.sum() if words is None else words
-    return nll.sum() / words, attention_penalty(u.alphas.float(), mask, alpha_c).sum() / words
+    return nll.sum() / words, attention_penalty(u.alphas.float(), mask, alpha_c).sum() / words, u, mask
 
 
 def caption_loss(logits: torch.Tensor, alphas: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor,

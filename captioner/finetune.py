@@ -188,8 +188,7 @@ class FineTuning:
             batch = Batch(x, torch.from_numpy(self.data.tokens[idx, :T].astype(np.int64)),
                           torch.from_numpy(self.data.lengths[idx].astype(np.int64)),
                           torch.from_numpy(np.searchsorted(r, self.data.rows[idx])))  # (B,) caption → image
-            yield Batch(*(t.pin_memory() for t in (batch.features, batch.captions, batch.lengths,
-                                                    batch.image_index))) if pin else batch
+            yield batch.pin_memory() if pin else batch
 
     def features(self, rows: np.ndarray) -> torch.Tensor:
         """The fine-tuned encoder's features of rows (n, L, D), for validation."""

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from . import distributed, faults
 from .checkpoint import load_checkpoint
 from .data import CaptionData
-from .decoder import AttentionDecoder, DecoderConfig, attention_penalty, sequence_loss
+from .decoder import AttentionDecoder, DecoderConfig, sequence_loss, sequence_terms
 from .encoder import EncoderSpec
 from .errors import CaptionerError
 from .evaluation import caption_split, score_validation
@@ -134,12 +134,9 @@ class Objective(nn.Module):
 
     def equivariant_loss(self, features, rotated, captions, lengths, words):
         """The soft loss plus λ × the half-turn equivariance of the maps, per word (equivariance.py)."""
-        u = self.decoder.unroll(features, captions)
-        nll, mask = self.decoder.word_nll(u, captions, lengths)
+        nll, penalty, u, mask = sequence_terms(self.decoder, features, captions, lengths, self.cfg.alpha_c, words)
         turned = self.decoder.unroll(rotated, captions)            # same caption, image turned 180°
         words = mask.sum() if words is None else words
-        nll = nll.sum() / words
-        penalty = attention_penalty(u.alphas.float(), mask, self.cfg.alpha_c).sum() / words
         equi = equivariance_loss(u.alphas, turned.alphas, mask.float()).sum() / words
         return nll + penalty + self.cfg.equivariance * equi, {
             "nll": nll.detach(), "penalty": penalty.detach(), "equivariance": equi.detach()}
