@@ -60,7 +60,7 @@ class _Score(torch.autograd.Function):
         # are used, and their gradient is written straight into a full-sized tensor, so no
         # slicing of `projected` goes through autograd (each slice would cost a zero-filled
         # (B, L, A) gradient per step). With `total` (from `_GradientSum`, in a training pass)
-        # the gradient is added into it instead: no (B, L, A) tensor per step at all.
+        # the gradient, less its factor 2v, is added into it instead: no (B, L, A) tensor per step.
         n = q.size(0)
         ctx.dtypes = projected.dtype, q.dtype, v.dtype            # under autocast they may differ
         ctx.rows, ctx.total = projected.size(0), total
@@ -77,11 +77,11 @@ class _Score(torch.autograd.Function):
         grad_v = 2 * torch.einsum("bl,bla->a", grad_e, s)                         # (A,)
         p_dtype, q_dtype, v_dtype = ctx.dtypes
         # d e / d(2p) = 2 v σ(1 − σ), times the incoming gradient
-        if ctx.total is not None:
+        if ctx.total is not None:   # total gathers Σ_t grad_e σ(1 − σ); `_GradientSum` applies 2v once
             total, scratch = ctx.total
-            ds = torch.addcmul(s, s, s, value=-1, out=scratch[:n]).mul_(2 * v)       # (n, L, A)
+            ds = torch.addcmul(s, s, s, value=-1, out=scratch[:n])                   # (n, L, A), σ(1 − σ)
             total[:n].addcmul_(ds, grad_e.unsqueeze(2))
-            grad_q = torch.bmm(grad_e.unsqueeze(1), ds).squeeze(1)                   # (n, A)
+            grad_q = torch.bmm(grad_e.unsqueeze(1), ds).squeeze(1).mul_(2 * v)      # (n, A)
             return None, grad_q.to(q_dtype), grad_v.to(v_dtype), None
         grad_p = s.new_empty(ctx.rows, L, A)                                      # (B, L, A)
         grad_p[n:].zero_()
@@ -92,17 +92,20 @@ class _Score(torch.autograd.Function):
 class _GradientSum(torch.autograd.Function):
     """x, unchanged, for a recurrence whose steps add their gradients for x into `total`
     themselves (`_Score`), in place, through one reused scratch tensor: left to autograd, each
-    step would allocate a gradient the size of x, and autograd would add them up."""
+    step would allocate a gradient the size of x, and autograd would add them up. The steps add
+    their gradients without the factor `scale` that all of them share (2v); it is applied here,
+    once per pass, which saves a pass over the step's (n, L, A) tensor at every step."""
 
     @staticmethod
-    def forward(ctx, x, buffers: tuple[torch.Tensor, torch.Tensor]):
-        ctx.total = buffers[0]
+    def forward(ctx, x, buffers: tuple[torch.Tensor, torch.Tensor], scale: torch.Tensor):
+        ctx.total, ctx.scale = buffers[0], scale
         ctx.set_materialize_grads(False)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.total if grad is None else ctx.total + grad, None
+        total = ctx.total.mul_(ctx.scale)                          # the buffer is used once
+        return (total if grad is None else total + grad), None, None
 
 
 class _SharedWeight(torch.autograd.Function):
@@ -401,9 +404,11 @@ class AttentionDecoder(nn.Module):
         features = self.normalize(features[order])                 # (B, L, D), sorted from here on
         projected = self.attention.project(features)               # (B, L, A), once per image
         h, c = self.init_state(features)                           # (B, H)
-        # All steps at once, then one (B, 4H) view per step: unbind's backward is a single stack,
-        # where indexing [:, t] at every step would zero-fill a (B, T-1, 4H) gradient each time.
-        gates_y = self.lstm_y(emb[order]).unbind(1)                # T-1 × (B, 4H)
+        # All steps at once, for the running captions only (time-major, step t's n rows after
+        # step t-1's), then one (n, 4H) view per step: split's backward is a single cat, where
+        # indexing at every step would zero-fill a (B, T-1, 4H) gradient each time.
+        running = torch.arange(B, device=steps.device) < torch.tensor(active, device=steps.device).unsqueeze(1)
+        gates_y = self.lstm_y(emb[order].transpose(0, 1)[running]).split(active)   # T-1 × (n, 4H)
         z, alpha = features[:, 0], projected.new_zeros(B, L)        # only read when no caption runs
         W_hh, W_z = self.h_weights(), self.lstm_z.weight           # once per pass, not per step
         shared = None
@@ -411,11 +416,12 @@ class AttentionDecoder(nn.Module):
             sums = torch.zeros_like(projected), torch.empty_like(projected)   # total, scratch
             shared = [], [], sums
             W_hh, W_z = _SharedWeight.apply(W_hh, shared[0]), _SharedWeight.apply(W_z, shared[1])
-            projected = _GradientSum.apply(projected, sums)
+            scale = 2 * self.attention.v.weight.detach().view(-1).to(projected.dtype)   # (A,)
+            projected = _GradientSum.apply(projected, sums, scale)
         hs, zs, alphas = [], [], []
         for t, n in enumerate(active):
             if n:
-                h, c, z, alpha = self.soft_step(features[:n], projected, gates_y[t][:n], h[:n], c[:n],
+                h, c, z, alpha = self.soft_step(features[:n], projected, gates_y[t], h[:n], c[:n],
                                                 W_hh, W_z, shared)
             rest = (0, 0, 0, B - n)                                   # pad the finished rows back in
             hs.append(F.pad(h[:n], rest)), zs.append(F.pad(z[:n], rest))
