@@ -132,8 +132,9 @@ def get_train_parser() -> argparse.ArgumentParser:
     fp.add_argument("--compile", action="store_true", help="torch.compile the decoder's recurrent step (for GPUs; on a 2-core CPU it gained "
                     "nothing measurable, after ~30 s of compiling)")
     fp.add_argument("--equivariance", type=float, default=t.equivariance, metavar="LAMBDA",
-                    help="soft attention: weight of the half-turn equivariance of its maps (needs the rotated "
-                    "features prepare writes by default; 0: the paper's objective)")
+                    help="weight of the half-turn equivariance of the attention maps (soft; hard: on its "
+                    "expected-context captions); needs the rotated features prepare writes by default; "
+                    "0: the paper's objective")
     fp.add_argument("--entropy-weight", type=float, default=h.entropy_weight, help="hard attention: λ_e")
     fp.add_argument("--reward-scale", type=float, default=h.reward_scale, help="hard attention: λ_r")
     fp.add_argument("--semi-sampling", type=float, default=h.semi_sampling,

@@ -36,6 +36,7 @@ from . import distributed
 from .data import Batch, CaptionData, write_json_atomic
 from .encoder import FEATURE_DIM, VGGEncoder, apply_encoder_state, build_encoder
 from .errors import CaptionerError, ImageError
+from .fast_encoder import optimize_encoder
 from .features import BAD, TODO, FeatureCache, extract_features
 from .images import Preprocess, load_image
 
@@ -225,7 +226,7 @@ def input_cache(data: CaptionData, base: VGGEncoder, start: int, d: distributed.
     distributed.barrier(d)
     cache = FeatureCache(data.dir, n, L, FEATURE_DIM, mode="r+", name=INPUT_CACHE)
     if len(cache.todo(d.rank, d.world)):
-        frozen = VGGEncoder(base.features[:start]).eval()
+        frozen = optimize_encoder(VGGEncoder(base.features[:start]), device)   # same outputs, faster (prepare's)
         extract_features(cache, data.meta["paths"], frozen, data.encoder.preprocess,
                          batch_size=64 if device.type == "cuda" else 8, workers=workers, device=str(device),
                          rank=d.rank, world=d.world, progress=progress)

@@ -6,6 +6,11 @@ the Monte-Carlo gradient
 with a moving-average baseline b ← 0.9 b + 0.1 log p(y|s̃,a). We build a surrogate loss whose
 gradient is exactly that estimator. With probability `semi_sampling` an image uses the
 expected context (soft attention) for the whole caption instead, as the authors did.
+
+Those expected-context captions also carry the half-turn equivariance term of soft attention
+(equivariance.py) when the batch has the turned images' features: without it hard attention,
+which learns its α from them as much as from its samples, settled one cell beside the objects on
+one of the two held-out scene sets (README, 'Soft attention on scenes made elsewhere').
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .decoder import attention_penalty
+from .equivariance import equivariance_loss
 
 LOG_EPS = 1e-12  # floor under α before the log: a sampled location always has α > 0, but float32 may round
 
@@ -43,13 +49,16 @@ def reinforce_surrogate(logp_y: torch.Tensor, logp_s: torch.Tensor, entropy: tor
 
 def hard_attention_loss(model, features, captions, lengths, *, baseline: float, cfg: HardAttentionConfig,
                         alpha_c: float, generator: torch.Generator | None = None,
-                        words: torch.Tensor | float | None = None):
+                        words: torch.Tensor | float | None = None, rotated: torch.Tensor | None = None,
+                        equivariance: float = 0.0):
     """Loss for one batch of hard attention training.
 
     Args:
         baseline: b, the moving average of log p(y|s̃,a) so far.
         words: what to divide the batch totals by (default: this batch's predicted words;
             under DDP, the global count over processes).
+        rotated: (B, L, D) features of the images turned 180°; with `equivariance` > 0, the
+            expected-context captions add λ × their maps' half-turn equivariance (equivariance.py).
 
     Returns:
         (loss to minimise, dict of detached terms for logging, with "reward_sum" and
@@ -70,10 +79,19 @@ def hard_attention_loss(model, features, captions, lengths, *, baseline: float, 
     words = mask.sum() if words is None else words
     penalty = attention_penalty(alphas.float(), mask, alpha_c).sum() / words
     loss = -objective.sum() / words + penalty
+    terms = {}
+    if rotated is not None and equivariance > 0:
+        soft = ~sampled                                           # the expected-context captions
+        equi = alphas.new_zeros(())
+        if soft.any():
+            turned = model.unroll(rotated[soft], captions[soft])  # same captions, images turned 180°
+            equi = equivariance_loss(alphas[soft], turned.alphas, mask[soft]).sum() / words
+        loss = loss + equivariance * equi
+        terms["equivariance"] = equi.detach()
     drawn = (locs >= 0).any(dim=1)                                                            # (B,)
-    terms = {"nll": -logp_y.detach().sum() / words, "penalty": penalty.detach(),
-             "entropy": entropy.detach().sum() / words,
-             "reward_sum": logp_y.detach()[drawn].sum(), "sampled": drawn.sum().float()}
+    terms |= {"nll": -logp_y.detach().sum() / words, "penalty": penalty.detach(),
+              "entropy": entropy.detach().sum() / words,
+              "reward_sum": logp_y.detach()[drawn].sum(), "sampled": drawn.sum().float()}
     return loss, terms
 
 

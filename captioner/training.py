@@ -126,7 +126,8 @@ class Objective(nn.Module):
             features = self.encoder(features, batch.image_index)  # encoder inputs, one per image → (B, L, D)
         if self.decoder.config.attention == "hard":
             return hard_attention_loss(self.decoder, features, captions, lengths, baseline=baseline,
-                                       cfg=self.cfg.hard, alpha_c=self.cfg.alpha_c, generator=generator, words=words)
+                                       cfg=self.cfg.hard, alpha_c=self.cfg.alpha_c, generator=generator, words=words,
+                                       rotated=batch.rotated, equivariance=self.cfg.equivariance)
         if batch.rotated is not None:                             # `fit` reads them only for the term
             return self.equivariant_loss(features, batch.rotated, captions, lengths, words)
         nll, penalty = sequence_loss(self.decoder, features, captions, lengths, self.cfg.alpha_c, words=words)
@@ -291,15 +292,14 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         raise CaptionerError("--objective scst starts from a trained model: pass --init RUN/best.pt "
                              "(or --resume to continue a self-critical run)")
     model_cfg = DecoderConfig(**{**(model_cfg or DecoderConfig(0)).to_dict(), "vocab_size": len(data.vocab)})
-    # The equivariance term: soft attention, cross-entropy on cached features. Without it the
-    # turned features are not read at all (hard attention, --equivariance 0: no extra I/O per batch).
-    equivariant = (cfg.equivariance > 0 and model_cfg.attention == "soft" and cfg.objective == "xe"
-                   and cfg.fine_tune is None)
+    # The equivariance term: cross-entropy (soft, or hard's expected-context captions) on cached
+    # features. Without it the turned features are not read at all (no extra I/O per batch).
+    equivariant = cfg.equivariance > 0 and cfg.objective == "xe" and cfg.fine_tune is None
     if not equivariant:
         data.rotated = None
     elif d.main and data.rotated is None:
         print(f"note: {data_dir} has no features of the images turned 180° (prepared with --no-rotated or by "
-              "an older version), so soft attention trains without its equivariance term and its heatmaps "
+              "an older version), so attention trains without its equivariance term and its heatmaps "
               "may sit beside the objects they name; run prepare again into a new directory to add them",
               file=sys.stderr)
     torch.manual_seed(cfg.seed)
