@@ -399,7 +399,8 @@ class AttentionDecoder(nn.Module):
         L = features.size(1)
         steps = (captions != 0).sum(dim=1) - 1                     # (B,) positions predicting a word or <end>
         order = torch.argsort(steps, descending=True, stable=True)  # (B,)
-        active = (steps.unsqueeze(0) > torch.arange(T1, device=steps.device).unsqueeze(1)).sum(1).tolist()
+        running = steps[order] > torch.arange(T1, device=steps.device).unsqueeze(1)   # (T-1, B), a prefix per step
+        active = running.sum(1).tolist()                           # captions still running at each step
         emb = self.embedding(captions[:, :-1])                     # (B, T-1, E), in the caller's order
         features = self.normalize(features[order])                 # (B, L, D), sorted from here on
         projected = self.attention.project(features)               # (B, L, A), once per image
@@ -407,7 +408,6 @@ class AttentionDecoder(nn.Module):
         # All steps at once, for the running captions only (time-major, step t's n rows after
         # step t-1's), then one (n, 4H) view per step: split's backward is a single cat, where
         # indexing at every step would zero-fill a (B, T-1, 4H) gradient each time.
-        running = torch.arange(B, device=steps.device) < torch.tensor(active, device=steps.device).unsqueeze(1)
         gates_y = self.lstm_y(emb[order].transpose(0, 1)[running]).split(active)   # T-1 × (n, 4H)
         z, alpha = features[:, 0], projected.new_zeros(B, L)        # only read when no caption runs
         W_hh, W_z = self.h_weights(), self.lstm_z.weight           # once per pass, not per step

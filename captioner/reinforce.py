@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .decoder import attention_penalty
-from .equivariance import equivariance_loss
+from .equivariance import equivariance_term
 
 LOG_EPS = 1e-12  # floor under α before the log: a sampled location always has α > 0, but float32 may round
 
@@ -84,8 +84,7 @@ def hard_attention_loss(model, features, captions, lengths, *, baseline: float, 
         soft = ~sampled                                           # the expected-context captions
         equi = alphas.new_zeros(())
         if soft.any():
-            turned = model.unroll(rotated[soft], captions[soft])  # same captions, images turned 180°
-            equi = equivariance_loss(alphas[soft], turned.alphas, mask[soft]).sum() / words
+            equi = equivariance_term(model, alphas[soft], rotated[soft], captions[soft], mask[soft], words)
         loss = loss + equivariance * equi
         terms["equivariance"] = equi.detach()
     drawn = (locs >= 0).any(dim=1)                                                            # (B,)

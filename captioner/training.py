@@ -34,7 +34,7 @@ from .health import ADVICE, attention_health, problems
 from .health import summary as health_summary
 from .finetune import FineTuneConfig, FineTuning
 from .familiarity import fit_stats as familiarity_stats
-from .equivariance import equivariance_loss
+from .equivariance import equivariance_term
 from .reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
 from .scst import LR as SCST_LR, ScstConfig, SelfCritical, TrainingImages, training_scorer
 
@@ -136,9 +136,8 @@ class Objective(nn.Module):
     def equivariant_loss(self, features, rotated, captions, lengths, words):
         """The soft loss plus λ × the half-turn equivariance of the maps, per word (equivariance.py)."""
         nll, penalty, u, mask = sequence_terms(self.decoder, features, captions, lengths, self.cfg.alpha_c, words)
-        turned = self.decoder.unroll(rotated, captions)            # same caption, image turned 180°
         words = mask.sum() if words is None else words
-        equi = equivariance_loss(u.alphas, turned.alphas, mask.float()).sum() / words
+        equi = equivariance_term(self.decoder, u.alphas, rotated, captions, mask, words)
         return nll + penalty + self.cfg.equivariance * equi, {
             "nll": nll.detach(), "penalty": penalty.detach(), "equivariance": equi.detach()}
 
