@@ -97,28 +97,31 @@ def get_train_parser() -> argparse.ArgumentParser:
 
     fp = sub.add_parser("fit", help="train the decoder on a prepared data directory",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    fp.add_argument("--data", required=True, metavar="DATA_DIR")
+    fp.add_argument("--data", required=True, metavar="DATA_DIR", help="a directory written by prepare")
     fp.add_argument("--out", required=True, metavar="RUN_DIR", help="writes last.pt, best.pt, metrics.jsonl")
-    fp.add_argument("--attention", choices=["soft", "hard"], default=m.attention)
-    fp.add_argument("--epochs", type=_positive_int, default=t.epochs)
+    fp.add_argument("--attention", choices=["soft", "hard"], default=m.attention,
+                    help="soft: deterministic attention; hard: sampled locations trained with REINFORCE")
+    fp.add_argument("--epochs", type=_positive_int, default=t.epochs, help="passes over the training captions")
     fp.add_argument("--max-minutes", type=_positive_float, default=None,
                     help="stop at a step boundary after this long, then validate and save")
     fp.add_argument("--resume", action="store_true", help="continue from RUN_DIR/last.pt")
     fp.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    fp.add_argument("--batch-size", type=_positive_int, default=t.batch_size)
+    fp.add_argument("--batch-size", type=_positive_int, default=t.batch_size, help="captions per step")
     fp.add_argument("--lr", type=_positive_float, default=None,
                     help=f"Adam learning rate (default: {t.lr:g} for xe, {SCST_LR:g} for scst)")
-    fp.add_argument("--grad-clip", type=_positive_float, default=t.grad_clip)
+    fp.add_argument("--grad-clip", type=_positive_float, default=t.grad_clip, help="clip the gradients' total norm to this")
     fp.add_argument("--alpha-c", type=float, default=t.alpha_c, help="doubly stochastic regularisation λ of eq. (14); the paper uses 1")
     fp.add_argument("--dropout", type=float, default=None,
                     help="dropout before the output layer (default: 0.2 soft, 0.5 hard; 0.5 is usual on COCO)")
-    fp.add_argument("--embed-dim", type=_positive_int, default=m.embed_dim)
-    fp.add_argument("--hidden-dim", type=_positive_int, default=m.hidden_dim)
-    fp.add_argument("--attention-dim", type=_positive_int, default=m.attention_dim)
+    fp.add_argument("--embed-dim", type=_positive_int, default=m.embed_dim, help="word embedding size m")
+    fp.add_argument("--hidden-dim", type=_positive_int, default=m.hidden_dim, help="LSTM state size n")
+    fp.add_argument("--attention-dim", type=_positive_int, default=m.attention_dim,
+                    help="hidden size of the attention MLP")
     fp.add_argument("--patience", type=_positive_int, default=t.patience,
                     help="validations without improvement before stopping early")
     fp.add_argument("--metric", choices=["CIDEr", "BLEU-4"], default=t.metric, help="for best.pt and early stopping")
-    fp.add_argument("--val-beam-size", type=_positive_int, default=t.val_beam_size)
+    fp.add_argument("--val-beam-size", type=_positive_int, default=t.val_beam_size,
+                    help="beam size of the validation captions (1: greedy)")
     fp.add_argument("--val-images", type=_positive_int, default=t.val_images, help="validation images per epoch")
     fp.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every,
                     help="also write last.pt every N steps (0: off)")
@@ -126,7 +129,7 @@ def get_train_parser() -> argparse.ArgumentParser:
                     help="also write last.pt when this many minutes have passed since the last save "
                          "(0: off), so a killed run loses at most that much")
     fp.add_argument("--log-every", type=_positive_int, default=t.log_every, help="steps between log lines")
-    fp.add_argument("--seed", type=int, default=t.seed)
+    fp.add_argument("--seed", type=int, default=t.seed, help="seed of the initial weights, batches and dropout")
     fp.add_argument("--amp", choices=["none", "bf16", "fp16"], default=t.amp,
                     help="mixed precision (autocast); fp16 adds a gradient scaler on CUDA")
     fp.add_argument("--compile", action="store_true", help="torch.compile the decoder's recurrent step (for GPUs; on a 2-core CPU it gained "
@@ -166,18 +169,18 @@ def get_train_parser() -> argparse.ArgumentParser:
 
     ep = sub.add_parser("evaluate", help="caption a split and score it with coco-caption",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ep.add_argument("--checkpoint", required=True, metavar="CKPT")
-    ep.add_argument("--data", required=True, metavar="DATA_DIR")
-    ep.add_argument("--split", choices=["test", "val"], default="test")
+    ep.add_argument("--checkpoint", required=True, metavar="CKPT", help="a checkpoint written by fit (best.pt, last.pt)")
+    ep.add_argument("--data", required=True, metavar="DATA_DIR", help="a directory written by prepare")
+    ep.add_argument("--split", choices=["test", "val"], default="test", help="which split to caption and score")
     ep.add_argument("--out", required=True, metavar="METRICS_JSON",
                     help="metrics; the captions go beside it in *_results.json")
-    ep.add_argument("--beam-size", type=_positive_int, default=3)
+    ep.add_argument("--beam-size", type=_positive_int, default=3, help="beam width (1: greedy)")
     ep.add_argument("--max-len", type=_positive_int, default=None, help="default: the training maximum")
     ep.add_argument("--mode", choices=["expected", "argmax", "sample"], default=None,
                     help="context for hard-attention models (default expected)")
     ep.add_argument("--grounding", metavar="BOXES", help="COCO instances file (instances_val2014.json or "
                     "the synthetic boxes.json): also report attention pointing accuracy")
-    ep.add_argument("--device", default="auto")
+    ep.add_argument("--device", default="auto", help="auto, cpu or cuda")
     return p
 
 

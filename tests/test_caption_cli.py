@@ -49,12 +49,17 @@ def test_image_ids_are_one_type():
     assert image_ids(["x/1.jpg", "y/1.jpg"]) == {"x/1.jpg": "x/1.jpg", "y/1.jpg": "y/1.jpg"}  # same number
 
 
+def _subcommands(parser):
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
 def test_every_option_has_help():
-    parser = cli.get_caption_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["caption"]
-    for action in sub._actions:
-        assert action.help and action.help.strip(), action.dest
-    assert next(a for a in sub._actions if a.dest == "checkpoint").default is None  # the bundled model
+    for parser in (cli.get_caption_parser(), cli.get_train_parser()):
+        for name, sub in _subcommands(parser).items():
+            for action in sub._actions:
+                assert action.help and action.help.strip(), (name, action.dest)
+    caption = _subcommands(cli.get_caption_parser())["caption"]
+    assert next(a for a in caption._actions if a.dest == "checkpoint").default is None  # the bundled model
 
 
 def test_folder_in_batches_with_attention_resume_and_one_id_type(small_run, folder, tmp_path, capsys):
