@@ -100,3 +100,26 @@ def _nltk_bleu(gts, res, ids) -> list[float]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # nltk warns when an n-gram order has no match: BLEU is 0 then
         return [corpus_bleu(refs, hyps, weights=w) for w in weights]
+
+
+def reference_agreement(references: Mapping[int, Sequence[str]], *, metrics: Sequence[str] = ("BLEU-4", "CIDEr"),
+                        use_java: bool | None = None) -> dict[str, float]:
+    """How well the references agree with each other: the score a model could expect from
+    writing like one more annotator.
+
+    Each image's k-th reference is scored against its other references, for every k up to
+    the smallest count, and the scores are averaged over k. (A model is scored against all of
+    them, one more, so its ceiling is a little higher than this.)
+
+    Args:
+        references: image id → its reference captions; every image needs at least two.
+    """
+    counts = [len(r) for r in references.values()]
+    if not counts or min(counts) < 2:
+        raise ValueError("reference agreement needs at least two references per image")
+    runs = []
+    for k in range(min(counts)):
+        held = {i: refs[k] for i, refs in references.items()}
+        rest = {i: [*refs[:k], *refs[k + 1:]] for i, refs in references.items()}
+        runs.append(score_captions(held, rest, metrics=metrics, use_java=use_java))
+    return {m: sum(r[m] for r in runs) / len(runs) for m in metrics}

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from captioner.metrics import ALL_METRICS, java_available, score_captions
+from captioner.metrics import ALL_METRICS, java_available, reference_agreement, score_captions
 
 REFS = {
     11: ["A red circle left of a blue square.", "a red circle and a blue square", "Two shapes: red circle, blue square"],
@@ -71,3 +71,16 @@ def test_python_fallback_without_java():
 def test_missing_references_rejected():
     with pytest.raises(ValueError, match="no reference"):
         score_captions({99: "x"}, REFS, use_java=False)
+
+
+def test_reference_agreement_is_the_leave_one_out_score():
+    same = {i: [refs[0]] * 3 for i, refs in REFS.items()}
+    assert reference_agreement(same, use_java=False)["BLEU-4"] == pytest.approx(1.0)
+    agreement = reference_agreement(REFS, use_java=False)
+    by_hand = [score_captions({i: r[k] for i, r in REFS.items()},
+                              {i: r[:k] + r[k + 1:] for i, r in REFS.items()}, use_java=False)["CIDEr"]
+               for k in range(3)]
+    assert agreement["CIDEr"] == pytest.approx(sum(by_hand) / 3)
+    assert 0 < agreement["BLEU-4"] < 1
+    with pytest.raises(ValueError, match="two references"):
+        reference_agreement({1: ["one caption"]})
