@@ -61,8 +61,14 @@ _TEMPLATES: dict[int, tuple[str, ...]] = {
     2: ("{a} {rel} {b}", "{a} is {srel} {b}", "the image shows {a} {rel} {b}",
         "there is {a} next to {b}", "{a} and {b}", "{a} and {b} on a {bg} background"),
 }
+# Three-object scenes are described whole: every template names all three objects, so a model
+# is never taught to leave one out. Nine of them, as many as the pool they replace (six pair and
+# three triple templates up to version 1.0), so the random stream, and every image, is unchanged.
 _TRIPLE_TEMPLATES = ("{a}, {b} and {c}", "{a}, {b} and {c} on a {bg} background",
-                     "there is {a}, {b} and {c}")
+                     "there is {a}, {b} and {c}", "the image shows {a}, {b} and {c}",
+                     "{a} {rel} {b}, and {c}", "{a} is {srel} {b}, and there is {c}",
+                     "{a} next to {b} and {c}", "{a} and {b} with {c}",
+                     "a {bg} background with {a}, {b} and {c}")
 
 Obj = dict[str, Any]  # {"color", "shape", "box": (x0, y0, side), "area"}
 
@@ -168,7 +174,7 @@ def _phrase(o: Obj) -> str:
 def _captions(rng: np.random.Generator, objs: list[Obj], bg: str,
               w: int, h: int) -> list[str]:
     """Five captions from distinct templates, with varied case and full stop."""
-    pool = _TEMPLATES[min(len(objs), 2)] + (_TRIPLE_TEMPLATES if len(objs) == 3 else ())
+    pool = _TRIPLE_TEMPLATES if len(objs) == 3 else _TEMPLATES[len(objs)]
     caps = []
     for t in rng.choice(len(pool), size=5, replace=False):
         # A fresh object order per caption, so each mentions a random pair/order.
@@ -269,7 +275,7 @@ def generate(out_dir: str | os.PathLike[str], n: int, seed: int = 0) -> dict[str
         karpathy.append({"filepath": "images", "filename": fname, "imgid": idx,
                          "cocoid": img_id, "split": split_of[idx],
                          "sentids": [s["sentid"] for s in sents], "sentences": sents})
-    info = {"description": "captioner synthetic coloured shapes", "version": "1.0",
+    info = {"description": "captioner synthetic coloured shapes", "version": "1.1",
             "year": 2024, "contributor": "captioner.synthetic", "seed": seed}
     _write_json(out / "captions.json", {"info": info, "licenses": [], "images": images,
                                         "annotations": caps_anns})
