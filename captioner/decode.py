@@ -3,7 +3,9 @@
 Used by validation, evaluation, the Python API, the web demo and the notebooks. Each image
 keeps K beams; a beam that emits <end> is frozen (it extends only with <pad> at no cost) so all
 beams advance in lock-step as tensors; at `max_len` words every unfinished beam is made to end,
-so the search always terminates.
+so the search always terminates; <end> is not allowed as the first word, so every caption has at
+least one (a barely trained model otherwise ranks the empty caption first, and the page, the API
+and the metrics get nothing to show).
 
 Cost per step: the decoder runs only on the beams still writing (not on finished beams, nor on
 the K−1 empty beams of the first step); its LSTM inputs are one matrix product
@@ -91,6 +93,8 @@ def beam_search(decoder: AttentionDecoder, features: torch.Tensor, *, beam_size:
             hist_loc[t].index_copy_(0, rows, loc)
         step_logp = logits.float().log_softmax(dim=-1)                    # (n, V)
         step_logp[:, banned] = float("-inf")
+        if t == 0:
+            step_logp[:, END_ID] = float("-inf")                          # at least one word
         if t == max_len:                                                  # out of room: end now
             step_logp[:, :END_ID] = step_logp[:, END_ID + 1:] = float("-inf")
             step_logp[:, END_ID] = 0.0

@@ -121,12 +121,12 @@ def plain_greedy(dec, feats, max_len):
         for t in range(max_len + 1):
             logits, h, c, _, _ = dec.step(f, proj, word, h, c)
             logp = logits.log_softmax(-1)[0]
-            logp[[PAD_ID, START_ID, UNK_ID]] = float("-inf")
-            if t == max_len:
+            logp[[PAD_ID, START_ID, UNK_ID] + ([END_ID] if t == 0 else [])] = float("-inf")
+            if t == max_len:                                            # made to end, at no cost
                 best = END_ID
             else:
                 best = int(logp.argmax())
-            score += float(logp[best])
+                score += float(logp[best])
             if best == END_ID:
                 break
             words.append(best)
@@ -158,6 +158,16 @@ def test_beam_search_terminates_and_ranks():
             assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
             assert all(h.attention.shape == (len(h.tokens), L) for h in hyps)
             assert len({tuple(h.tokens) for h in hyps}) == len(hyps)  # no duplicate beams
+
+
+def test_every_caption_has_a_word_even_when_end_is_likeliest():
+    dec = tiny().eval()
+    with torch.no_grad():
+        dec.L_o.bias[END_ID] = 50.0                                     # <end> is almost certain at every step
+    feats = torch.rand(3, L, D, generator=torch.Generator().manual_seed(4))
+    for K in (1, 3):
+        for hyps in beam_search(dec, feats, beam_size=K, max_len=6):
+            assert all(len(h.tokens) == 1 for h in hyps)                # one word, then <end>
 
 
 def test_wider_beam_never_scores_worse_than_greedy():
