@@ -1,4 +1,4 @@
-"""Rebuild the bundled demo model: `python -m captioner.assets.build [--minutes 20]`.
+"""Rebuild the bundled demo model: `python -m captioner.assets.build [--n 8000 --minutes 35]`.
 
 Generates synthetic scenes, prepares them with the seeded random VGG16 (no download needed),
 trains a soft-attention decoder, scores it on the held-out test scenes, and writes
@@ -106,9 +106,9 @@ def build(work: str, *, n: int, seed: int, minutes: float, examples: int = 6,
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--n", type=int, default=2000, help="synthetic scenes to generate")
+    p.add_argument("--n", type=int, default=8000, help="synthetic scenes to generate")
     p.add_argument("--seed", type=int, default=0, help="seed of the scenes, the training and the examples drawn")
-    p.add_argument("--minutes", type=float, default=20.0, help="training budget")
+    p.add_argument("--minutes", type=float, default=35.0, help="training budget")
     p.add_argument("--examples", type=int, default=6, help="example scenes drawn at random from the test split")
     p.add_argument("--work", help="keep the scenes, features and run here (default: a temporary directory)")
     args = p.parse_args(argv)
