@@ -15,6 +15,7 @@ from captioner.decoder import DecoderConfig
 from captioner.decoder import AttentionDecoder
 from captioner.encoder import EncoderSpec, build_encoder
 from captioner.features import FeatureCache
+from captioner.fast_encoder import native_bf16
 from captioner.finetune import (FineTuneConfig, FineTuning, TunedEncoder, checkpoint_features, encoded_features,
                                 image_batches, start_index)
 from captioner.images import load_image
@@ -178,7 +179,12 @@ def test_conv4_1_from_images(scenes, tmp_path):
     tuned = TunedEncoder(trunk.features, 17, from_cache=False)
     tuned.load_encoder_state(ck["encoder_state"], "test")
     seen = encoded_features(tuned, data, rows, cache=None, device=torch.device("cpu"), workers=0)
-    torch.testing.assert_close(ours, seen)                 # the same images, the same layers
+    # The same images through the same layers. On a CPU with native bf16 the Captioner's fast
+    # encoder computes in bf16 (measured: 0.2% apart, against 119% between tuned and frozen).
+    if native_bf16():
+        assert float((ours - seen).norm() / seen.norm()) < 1e-2
+    else:
+        torch.testing.assert_close(ours, seen)
     assert float((data.features(rows) - seen).norm() / seen.norm()) > 1e-2
 
 
