@@ -2,7 +2,7 @@
 
 The demo model named colours right and shapes wrong; this asks whether the features carry the
 shape at all. For every object of a synthetic set (`python -m captioner.synthetic`, prepared with
-`train.py prepare`), its box's cells on the 14×14 grid are averaged into one 512-vector
+`train.py prepare`), its box's cells on the encoder's grid are averaged into one 512-vector
 (standardised as the decoder standardises them); a linear classifier and a small MLP
 (512-256-5) are fitted on the train split's objects and scored on the test split's, for growing
 numbers of training objects. A curve still rising at its end says more scenes would help; a flat
@@ -25,23 +25,23 @@ from captioner.data import CaptionData
 def box_vectors(data: CaptionData, boxes: dict, split: str, attribute: str) -> tuple[torch.Tensor, list[str]]:
     """One standardised, box-averaged feature vector per object of a split, and its label."""
     mean, std = data.feature_stats()
-    std = std.clamp_min(1e-3)                                   # a channel that never fires has std 0
+    std = std.clamp_min(1e-3)          # as AttentionDecoder.set_feature_stats: a channel that never fires has std 0
     size = {im["id"]: (im["width"], im["height"]) for im in boxes["images"]}
     shapes = {c["id"]: c["name"] for c in boxes["categories"]}
     by_image: dict[int, list[dict]] = {}
     for a in boxes["annotations"]:
         by_image.setdefault(a["image_id"], []).append(a)
+    g = data.encoder.grid
     ids, rows = data.split_images(split)
     vectors, labels = [], []
     for image_id, row in zip(ids.tolist(), rows.tolist()):
-        w, h = size[image_id]
-        feats = (data.features([row])[0].float() - mean) / std   # (L, D)
-        g = int(round(feats.shape[0] ** 0.5))
-        grid = feats.view(g, g, -1)                               # the image was resized whole to the grid
+        grid = ((data.features([row])[0].float() - mean) / std).view(g, g, -1)   # (g, g, D)
+        # The region of the image the grid covers (all of it, or the centre crop with --crop).
+        left, top, right, bottom = data.encoder.preprocess.grid_box(*size[image_id])
         for a in by_image.get(image_id, []):
             x0, y0, bw, bh = a["bbox"]
-            c0, c1 = int(x0 / w * g), min(g - 1, int((x0 + bw) / w * g))
-            r0, r1 = int(y0 / h * g), min(g - 1, int((y0 + bh) / h * g))
+            c0, c1 = (max(0, min(g - 1, int((x - left) * g / (right - left)))) for x in (x0, x0 + bw))
+            r0, r1 = (max(0, min(g - 1, int((y - top) * g / (bottom - top)))) for y in (y0, y0 + bh))
             vectors.append(grid[r0:r1 + 1, c0:c1 + 1].reshape(-1, grid.shape[-1]).mean(0))
             labels.append(shapes[a["category_id"]] if attribute == "shape" else a["color"])
     return torch.stack(vectors), labels

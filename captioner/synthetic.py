@@ -177,7 +177,7 @@ def _captions(rng: np.random.Generator, objs: list[Obj], bg: str,
     pool = _TRIPLE_TEMPLATES if len(objs) == 3 else _TEMPLATES[len(objs)]
     caps = []
     for t in rng.choice(len(pool), size=5, replace=False):
-        # A fresh object order per caption, so each mentions a random pair/order.
+        # A fresh object order per caption: the objects are named, and related, in a random order.
         order = [objs[i] for i in rng.permutation(len(objs))]
         rel = _relation(order[0], order[1]) if len(order) > 1 else "left"
         a, b, c = ([_phrase(o) for o in order] + ["", ""])[:3]
