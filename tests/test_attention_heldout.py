@@ -1,0 +1,48 @@
+"""Soft attention at the defaults looks at the objects on scenes of the independent generator.
+
+A short training on `captioner.heldout` scenes (issue 10, item 5). Before the half-turn equivariance
+term, soft attention parked on the grid's border cells on such scenes, whatever the word. This
+budget (1,200 scenes at 112×112, a 7×7 grid, three epochs of the default decoder, ~2 minutes) was
+measured at training seeds 0 and 1 (README, 'Attention health'):
+  defaults (term on):      pointing 0.175 / 0.361 (chance 0.053), border 0.23 / 0.00 x its area share
+  --equivariance 0 (old):  pointing 0.020 / 0.089,                border 1.26 / 0.60
+so the paper's objective fails this test at both seeds. Pointing is noisy at this budget (on
+held-out seed 2 one old-objective run pointed 0.29), hence the fixed data seed; what the test
+guards is that the defaults keep attention on the objects and off the border.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from captioner.decoder import DecoderConfig
+from captioner.encoder import EncoderSpec
+from captioner.evaluation import evaluate
+from captioner.heldout import generate
+from captioner.prepare import prepare
+from captioner.training import TrainConfig, fit
+
+
+@pytest.fixture(scope="module")
+def heldout_112(tmp_path_factory):
+    root = tmp_path_factory.mktemp("heldout_train")
+    generate(root / "scenes", 1200, seed=1)
+    prepare([str(root / "scenes" / "captions.json")], [str(root / "scenes" / "images")], str(root / "data"),
+            splits=str(root / "scenes" / "splits.json"), encoder=EncoderSpec(weights="none", image_size=112),
+            workers=0, progress=False)
+    return root
+
+
+def test_defaults_point_at_objects_not_the_border(heldout_112, tmp_path):
+    data, run = heldout_112 / "data", tmp_path / "run"
+    fit(str(data), str(run), DecoderConfig(0), TrainConfig(epochs=3, val_beam_size=1),
+        device="cpu", progress_bar=False)
+    log = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("equivariance", 0) > 0 for r in log if r["event"] == "train"), "the term was not on"
+    m = evaluate(str(run / "best.pt"), str(data), "test", str(run / "m.json"), beam_size=3, use_java=False,
+                 grounding=str(heldout_112 / "scenes" / "boxes.json"))
+    health, g = m["attention_health"], m["grounding"]
+    assert json.loads((run / "m.json").read_text())["attention_health"] == health
+    assert health["border"] < 0.5, health                     # not parked on the grid's edge
+    assert g["pointing"] >= 2 * g["chance"], g               # on the named object, well above chance
