@@ -13,37 +13,33 @@ one says the encoder is the limit.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from captioner.data import CaptionData
+from captioner.grounding import GroundingBoxes
 
 
-def box_vectors(data: CaptionData, boxes: dict, split: str, attribute: str) -> tuple[torch.Tensor, list[str]]:
+def box_vectors(data: CaptionData, boxes: GroundingBoxes, split: str,
+                attribute: str) -> tuple[torch.Tensor, list[str]]:
     """One standardised, box-averaged feature vector per object of a split, and its label."""
     mean, std = data.feature_stats()
     std = std.clamp_min(1e-3)          # as AttentionDecoder.set_feature_stats: a channel that never fires has std 0
-    size = {im["id"]: (im["width"], im["height"]) for im in boxes["images"]}
-    shapes = {c["id"]: c["name"] for c in boxes["categories"]}
-    by_image: dict[int, list[dict]] = {}
-    for a in boxes["annotations"]:
-        by_image.setdefault(a["image_id"], []).append(a)
     g = data.encoder.grid
     ids, rows = data.split_images(split)
     vectors, labels = [], []
     for image_id, row in zip(ids.tolist(), rows.tolist()):
         grid = ((data.features([row])[0].float() - mean) / std).view(g, g, -1)   # (g, g, D)
         # The region of the image the grid covers (all of it, or the centre crop with --crop).
-        left, top, right, bottom = data.encoder.preprocess.grid_box(*size[image_id])
-        for a in by_image.get(image_id, []):
+        left, top, right, bottom = data.encoder.preprocess.grid_box(*boxes.size(image_id))
+        for a in boxes.coco.imgToAnns.get(image_id, []):
             x0, y0, bw, bh = a["bbox"]
             c0, c1 = (max(0, min(g - 1, int((x - left) * g / (right - left)))) for x in (x0, x0 + bw))
             r0, r1 = (max(0, min(g - 1, int((y - top) * g / (bottom - top)))) for y in (y0, y0 + bh))
             vectors.append(grid[r0:r1 + 1, c0:c1 + 1].reshape(-1, grid.shape[-1]).mean(0))
-            labels.append(shapes[a["category_id"]] if attribute == "shape" else a["color"])
+            labels.append(boxes.coco.cats[a["category_id"]]["name"] if attribute == "shape" else a["color"])
     return torch.stack(vectors), labels
 
 
@@ -65,8 +61,7 @@ def main(argv=None) -> None:
     p.add_argument("--attribute", choices=("shape", "color"), default="shape", help="what to read off")
     args = p.parse_args(argv)
     data = CaptionData(args.data)
-    with open(args.boxes, encoding="utf-8") as f:
-        boxes = json.load(f)
+    boxes = GroundingBoxes(args.boxes)       # read and checked as `evaluate --grounding` reads them
     x, labels = box_vectors(data, boxes, "train", args.attribute)
     xt, labels_t = box_vectors(data, boxes, "test", args.attribute)
     names = sorted(set(labels))
