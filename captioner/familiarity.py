@@ -23,14 +23,15 @@ geometric mean with the photographs' lowest score), so neither side sits on the 
 do not, it stays at the validation bound, since a scene flagged as unlike its own training
 scenes would be worse than a photograph missed. Statistics, threshold and the photographs'
 scores are computed by `fit` and stored in the checkpoint under "familiarity" as plain tensors
-and numbers; a checkpoint without them reports nothing (None).
+and numbers (a fine-tuned encoder's checkpoints get them when `fit` ends, from the layers each
+holds: `finetune.add_tuned_familiarity`); a checkpoint without them reports nothing (None).
 Symbols: B images, L locations, D annotation size, N images sampled from a split.
 """
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +40,6 @@ from PIL import Image
 
 from .encoder import EncoderSpec, build_encoder
 from .errors import CaptionerError
-from .faults import nonfinite_rows
 from .images import load_image
 
 METHOD = "pooled-mahalanobis/1"
@@ -155,15 +155,16 @@ def _sample(rows: np.ndarray, most: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(rows, size=most, replace=False))
 
 
-def _pooled(data, rows: np.ndarray, mean: torch.Tensor, std: torch.Tensor, batch: int = 64) -> torch.Tensor:
-    """Pooled standardised vectors (N, D) of feature-cache rows, read a batch at a time.
+def _pooled(read: Callable[[np.ndarray], torch.Tensor], rows: np.ndarray, mean: torch.Tensor,
+            std: torch.Tensor, batch: int = 64) -> torch.Tensor:
+    """Pooled standardised vectors (N, D) of the features `read` gives for rows, a batch at a time.
 
     Rows whose features are not finite (damaged; `fit` names them) are left out quietly.
     """
     out = []
     for i in range(0, len(rows), batch):
-        raw = data.cache[rows[i:i + batch]]                                       # (b, L, D) fp16
-        out.append(pool(torch.from_numpy(raw[~nonfinite_rows(raw)].astype(np.float32)), mean, std))
+        raw = read(rows[i:i + batch]).float()                                     # (b, L, D)
+        out.append(pool(raw[torch.isfinite(raw).flatten(1).all(1)], mean, std))
     return torch.cat(out)
 
 
@@ -195,32 +196,42 @@ def photo_views(image: Image.Image) -> dict[str, Image.Image]:
     return {name: image.crop(box) for name, box in boxes.items()}
 
 
-@functools.lru_cache(maxsize=4)
-def _photo_features(spec: EncoderSpec, photos: tuple[str, ...]) -> tuple[tuple[str, ...], torch.Tensor]:
-    """Names and annotation vectors (N, L, D) of the photographs' views (cached: one encoder pass per process)."""
-    encoder, _ = build_encoder(spec)
+def _photo_views(photos: Sequence[str]) -> tuple[list[str], list[Image.Image]]:
     names, pils = [], []
     for path in photos:
         for view, pil in photo_views(load_image(path)).items():
             names.append(f"{os.path.basename(path)}:{view}")
             pils.append(pil)
-    with torch.inference_mode():
-        x = torch.stack([spec.preprocess(p) for p in pils])                  # (N, 3, S, S)
-        return tuple(names), encoder(x).float()                               # (N, L, D)
+    return names, pils
+
+
+@torch.inference_mode()
+def _encode_views(encoder: torch.nn.Module, spec: EncoderSpec, photos: Sequence[str]):
+    """Names and annotation vectors (N, L, D) of the photographs' views."""
+    names, pils = _photo_views(photos)
+    return tuple(names), encoder(torch.stack([spec.preprocess(p) for p in pils])).float()  # (N, L, D)
+
+
+@functools.lru_cache(maxsize=4)
+def _photo_features(spec: EncoderSpec, photos: tuple[str, ...]) -> tuple[tuple[str, ...], torch.Tensor]:
+    """The views' vectors by the spec's own encoder (cached: one encoder pass per process)."""
+    return _encode_views(build_encoder(spec)[0], spec, photos)
 
 
 def photo_scores(spec: EncoderSpec, mean: torch.Tensor, std: torch.Tensor, mu: torch.Tensor,
-                 precision: torch.Tensor, photos: Sequence[str] | None = None) -> dict[str, float]:
+                 precision: torch.Tensor, photos: Sequence[str] | None = None,
+                 encoder: torch.nn.Module | None = None) -> dict[str, float]:
     """Scores of the calibration photographs' views; empty when there are none or no encoder.
 
-    The encoder is the one the features were made with (the data's spec): if it cannot be
-    built here (e.g. weights not in the cache), the threshold is calibrated on the scenes alone.
+    The encoder is the one the features were made with: the data's spec unless `encoder` is
+    given (a fine-tuned one). If the spec's cannot be built here (e.g. weights not in the
+    cache), the threshold is calibrated on the scenes alone.
     """
     photos = tuple(calibration_photos() if photos is None else photos)
     if not photos:
         return {}
     try:
-        names, feats = _photo_features(spec, photos)
+        names, feats = _photo_features(spec, photos) if encoder is None else _encode_views(encoder, spec, photos)
     except CaptionerError:
         return {}
     scores = mahalanobis(pool(feats, mean, std), mu, precision)              # (N,)
@@ -234,7 +245,9 @@ def threshold(val_bound: float, photos: dict[str, float]) -> float:
 
 
 def fit_stats(data, *, seed: int = 0, max_train: int = MAX_TRAIN_IMAGES, max_val: int = MAX_VAL_IMAGES,
-              photos: Sequence[str] | None = None) -> FamiliarityStats | None:
+              photos: Sequence[str] | None = None,
+              features: Callable[[np.ndarray], torch.Tensor] | None = None,
+              encoder: torch.nn.Module | None = None) -> FamiliarityStats | None:
     """Statistics of a prepared data directory's training features, calibrated on its val split
     and on real photographs.
 
@@ -242,21 +255,24 @@ def fit_stats(data, *, seed: int = 0, max_train: int = MAX_TRAIN_IMAGES, max_val
         data: a `captioner.data.CaptionData`.
         seed: which images are sampled when a split has more than max_train / max_val.
         photos: calibration photographs (default: `calibration_photos()`; [] for none).
+        features, encoder: a fine-tuned encoder's features of cache rows (rows → (n, L, D)) and
+            that encoder for the photographs; default: the feature cache and the data's encoder.
 
     Returns:
         The stats, or None when the data has no training or no validation images.
     """
     if any(len(data.images.get(split, ())) == 0 for split in ("train", "val")):
         return None  # nothing to learn from, or nothing to calibrate on
+    read = features or (lambda rows: torch.from_numpy(data.cache[rows]))
     _, train_rows = data.split_images("train")
     _, val_rows = data.split_images("val")
     mean, std = data.feature_stats()
     std = std.clamp_min(EPS)
-    train = _pooled(data, _sample(np.asarray(train_rows), max_train, seed), mean, std)   # (N, D)
+    train = _pooled(read, _sample(np.asarray(train_rows), max_train, seed), mean, std)   # (N, D)
     mu, precision, shrinkage = gaussian(train)
-    val = mahalanobis(_pooled(data, _sample(np.asarray(val_rows), max_val, seed), mean, std), mu, precision)
+    val = mahalanobis(_pooled(read, _sample(np.asarray(val_rows), max_val, seed), mean, std), mu, precision)
     quantile = float(torch.quantile(val, QUANTILE))
-    photo = photo_scores(data.encoder, mean, std, mu, precision, photos)
+    photo = photo_scores(data.encoder, mean, std, mu, precision, photos, encoder)
     return FamiliarityStats(mean, std, mu, precision, threshold=threshold(MARGIN * quantile, photo),
                             train_images=len(train), val_images=len(val), val_quantile=quantile,
                             shrinkage=shrinkage, photo_scores=photo)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -33,9 +34,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import distributed
+from .checkpoint import load_checkpoint
 from .data import Batch, CaptionData, write_json_atomic
 from .encoder import FEATURE_DIM, VGGEncoder, apply_encoder_state, build_encoder
 from .errors import CaptionerError, ImageError
+from .familiarity import fit_stats
 from .fast_encoder import optimize_encoder
 from .features import BAD, TODO, FeatureCache, extract_features
 from .images import Preprocess, load_image
@@ -285,3 +288,36 @@ def checkpoint_features(spec_encoder: VGGEncoder, encoder_state: dict, data: Cap
         encoder = apply_encoder_state(spec_encoder, encoder_state, source)
     encoder = encoder.to(device).eval()
     return lambda rows: encoded_features(encoder, data, rows, cache=cache, device=device, workers=workers)
+
+
+def add_tuned_familiarity(paths: list[str], data: CaptionData, saver, device: torch.device, *, seed: int,
+                          workers: int = 2) -> float:
+    """Put into each fine-tuned checkpoint the familiarity statistics of the encoder it holds.
+
+    `fit` saves fine-tuned checkpoints without them (the feature cache holds the frozen
+    encoder's output, not theirs) and calls this when training ends: the training and
+    validation images' features come from the checkpoint's layers (on the pool4 cache, or on
+    the images), and so do the calibration photographs'. Checkpoints holding the same step
+    share one computation. A failed save is the saver's to report, as for any save.
+
+    Args:
+        paths: the run's checkpoints (missing ones are skipped).
+        saver: `faults.CheckpointSaver` of the run.
+
+    Returns:
+        The seconds it took.
+    """
+    t0, done = time.monotonic(), {}
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        ck = load_checkpoint(path)
+        state = ck["encoder_state"]
+        if ck["step"] not in done:
+            encoder = apply_encoder_state(build_encoder(data.encoder)[0], state, path).to(device).eval()
+            read = checkpoint_features(encoder, state, data, device, path, workers)   # shares its layers
+            stats = fit_stats(data, seed=seed, features=read, encoder=encoder)
+            done[ck["step"]] = stats.to_dict() if stats is not None else None
+        ck["familiarity"] = done[ck["step"]]
+        saver.save(ck, path)
+    return time.monotonic() - t0

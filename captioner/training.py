@@ -32,7 +32,7 @@ from .errors import CaptionerError
 from .evaluation import caption_split, score_validation
 from .health import ADVICE, attention_health, problems
 from .health import summary as health_summary
-from .finetune import FineTuneConfig, FineTuning
+from .finetune import FineTuneConfig, FineTuning, add_tuned_familiarity
 from .familiarity import fit_stats as familiarity_stats
 from .equivariance import equivariance_term
 from .reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
@@ -367,8 +367,9 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         saver.good[best_path] = progress.best_step
     # --- familiarity (captioner.familiarity): training features' statistics, for "unlike the training images"
     # A resumed run keeps the statistics it saved (same data and seed), without rebuilding the encoder.
-    familiarity = ck.get("familiarity") if ck is not None else None
-    if familiarity is None and d.main:
+    # A fine-tuned encoder's features are not the cache's: its checkpoints get theirs when fit ends.
+    familiarity = ck.get("familiarity") if ck is not None and tuning is None else None
+    if familiarity is None and d.main and tuning is None:
         stats = familiarity_stats(data, seed=cfg.seed)
         familiarity = stats.to_dict() if stats is not None else None
     # --- end familiarity
@@ -465,6 +466,10 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
                    "saved": last_path not in saver.failed})
     elif d.main and not os.path.exists(best_path):  # e.g. resumed after the run had finished
         save(best_path, metrics, final=True)
+    if tuning is not None and d.main and not stopped:
+        seconds = add_tuned_familiarity([best_path, last_path], data, saver, dev, seed=cfg.seed,
+                                        workers=cfg.fine_tune.workers)
+        write_log({"event": "familiarity", "step": progress.step, "seconds": round(seconds, 2)})
     write_log({"event": "end", "step": progress.step, "epoch": progress.epoch, "best": progress.best,
                "skipped_steps": progress.skipped_steps, "skipped_captions": progress.skipped_captions})
     if log:

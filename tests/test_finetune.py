@@ -1,6 +1,8 @@
 """`fit --fine-tune-encoder`: the trained layers reach the checkpoint, and everything that loads it uses them."""
 from __future__ import annotations
 
+import json
+import os
 import shutil
 
 import numpy as np
@@ -14,6 +16,7 @@ from captioner.data import CaptionData
 from captioner.decoder import DecoderConfig
 from captioner.decoder import AttentionDecoder
 from captioner.encoder import EncoderSpec, build_encoder
+from captioner.familiarity import FamiliarityStats, calibration_photos, pool
 from captioner.features import FeatureCache
 from captioner.fast_encoder import native_bf16
 from captioner.finetune import (FineTuneConfig, FineTuning, TunedEncoder, checkpoint_features, encoded_features,
@@ -120,6 +123,26 @@ def test_evaluate_re_encodes_and_falls_back_to_images(tuned_run, tuned_data, tmp
     a = checkpoint_features(build_encoder(data.encoder)[0], state, data, "cpu", "t", workers=0)(rows)
     b = checkpoint_features(build_encoder(data.encoder)[0], state, bare_data, "cpu", "t", workers=1)(rows)
     assert float((a - b).norm() / a.norm()) < 2e-3
+
+
+def test_familiarity_describes_the_tuned_encoder(tuned_run, tuned_data):
+    """Each fine-tuned checkpoint's "unlike the training images" statistics are of its own features."""
+    data = CaptionData(str(tuned_data))
+    _, rows = data.split_images("train")
+    events = [json.loads(line)["event"] for line in open(tuned_run / "metrics.jsonl", encoding="utf-8")]
+    assert "familiarity" in events
+    for name in ("best.pt", "last.pt"):
+        ck = load_checkpoint(str(tuned_run / name))
+        stats = FamiliarityStats.from_dict(ck["familiarity"])
+        read = checkpoint_features(build_encoder(data.encoder)[0], ck["encoder_state"], data, "cpu", "t", workers=0)
+        tuned = pool(read(rows), stats.feature_mean, stats.feature_std).mean(0)           # (D,)
+        frozen = pool(data.features(rows), stats.feature_mean, stats.feature_std).mean(0)
+        assert torch.allclose(stats.pooled_mean, tuned, atol=1e-4)
+        assert (stats.pooled_mean - frozen).abs().max() > 100 * (stats.pooled_mean - tuned).abs().max()
+        # The captioner scores a calibration photograph as the calibration did: same encoder, same statistics.
+        photo = calibration_photos()[0]
+        score = Captioner.load(str(tuned_run / name)).caption(photo, beam_size=1, max_len=3).familiarity["score"]
+        assert score == pytest.approx(stats.photo_scores[f"{os.path.basename(photo)}:whole"], rel=2e-3)
 
 
 def test_resumed_fine_tuning_equals_uninterrupted(tuned_run, tuned_data, tmp_path):
