@@ -68,13 +68,15 @@ def model_card(captioner: Captioner) -> str:
     info, spec, cfg = captioner.info, captioner.encoder_spec, captioner.decoder.config
     weights = {"none": f"random, seeded ({spec.seed})", "imagenet": "ImageNet"}.get(spec.weights, spec.weights)
     train = info.get("train") or {}
+    fine_tune = train.get("fine_tune") if captioner.encoder_state is not None else None
+    tuned = f"; {fine_tune.get('start', 'its last layers')} onward trained on the captions" if fine_tune else ""
     lines = [
         f"- **Trained on:** {trained_on(captioner)}",
         f"- **Checkpoint:** `{os.path.basename(info.get('checkpoint', '?'))}`, {info.get('step', 0)} optimizer steps",
         f"- **Attention:** {captioner.attention_type}",
         f"- **Vocabulary:** {len(captioner.vocab)} words (special tokens included)",
-        f"- **Encoder:** {spec.arch.upper()} ({weights} weights), {spec.image_size}×{spec.image_size} input "
-        f"→ {spec.grid}×{spec.grid} attention grid",
+        f"- **Encoder:** {spec.arch.upper()} ({weights} weights{tuned}), {spec.image_size}×{spec.image_size} "
+        f"input → {spec.grid}×{spec.grid} attention grid",
         f"- **Decoder:** embedding {cfg.embed_dim}, LSTM {cfg.hidden_dim}, attention {cfg.attention_dim}",
     ]
     if train:

@@ -11,6 +11,7 @@ import torch
 import torchvision
 
 from captioner import Captioner
+from captioner.card import model_card
 from captioner.checkpoint import load_checkpoint
 from captioner.data import CaptionData
 from captioner.decoder import DecoderConfig
@@ -77,6 +78,7 @@ def test_checkpoint_holds_the_trained_layers(tuned_run, tuned_data):
     assert set(ck["encoder_state"]) == TUNED
     assert all(type(v) is torch.Tensor for v in ck["encoder_state"].values())
     assert ck["train"]["fine_tune"] == {"start": "conv5_1", "lr": 1e-3, "workers": 0}
+    assert "conv5_1 onward trained on the captions" in model_card(Captioner.load(str(tuned_run / "best.pt")))
     # The decoder's standardisation stays the frozen features' statistics, the same everywhere.
     mean, std = CaptionData(str(tuned_data)).feature_stats()
     assert torch.equal(ck["model"]["feature_mean"], mean)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from captioner.assets.build import pick_examples
+from captioner.assets.build import finished, pick_examples
 from captioner.scenes import accuracy, judge, read_objects
 from captioner.vocab import tokenize
 
@@ -44,3 +44,20 @@ def test_examples_are_drawn_at_random_from_the_split():
     assert picked == pick_examples(ids, 6, seed=0) and picked != pick_examples(ids, 6, seed=1)
     assert len(set(picked)) == 6 and set(picked) <= set(ids) and picked != ids[:6]
     assert sorted(pick_examples(ids[:4], 6, seed=0)) == ids[:4]   # a small split gives all it has
+
+
+def test_build_reuses_only_stages_that_ran_to_their_end(tmp_path):
+    def run(name, events, best=True):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"event": e}) + "\n" for e in events))
+        if best:
+            (d / "best.pt").write_bytes(b"x")
+        return str(d)
+
+    assert finished(run("done", ["start", "val", "end"]))
+    assert finished(run("resumed", ["start", "stopped", "end", "start", "val", "end"]))
+    assert not finished(run("stopped", ["start", "val", "stopped", "end"]))
+    assert not finished(run("crashed", ["start", "val"]))
+    assert not finished(run("no_best", ["start", "val", "end"], best=False))
+    assert not finished(str(tmp_path / "absent"))
