@@ -163,7 +163,7 @@ def _pooled(read: Callable[[np.ndarray], torch.Tensor], rows: np.ndarray, mean: 
     """
     out = []
     for i in range(0, len(rows), batch):
-        raw = read(rows[i:i + batch]).float()                                     # (b, L, D)
+        raw = read(rows[i:i + batch]).float().cpu()                               # (b, L, D)
         out.append(pool(raw[torch.isfinite(raw).flatten(1).all(1)], mean, std))
     return torch.cat(out)
 
@@ -209,7 +209,8 @@ def _photo_views(photos: Sequence[str]) -> tuple[list[str], list[Image.Image]]:
 def _encode_views(encoder: torch.nn.Module, spec: EncoderSpec, photos: Sequence[str]):
     """Names and annotation vectors (N, L, D) of the photographs' views."""
     names, pils = _photo_views(photos)
-    return tuple(names), encoder(torch.stack([spec.preprocess(p) for p in pils])).float()  # (N, L, D)
+    x = torch.stack([spec.preprocess(p) for p in pils]).to(next(encoder.parameters()).device)  # (N, 3, S, S)
+    return tuple(names), encoder(x).float().cpu()                            # (N, L, D)
 
 
 @functools.lru_cache(maxsize=4)
