@@ -40,6 +40,7 @@ from PIL import Image
 
 from .encoder import EncoderSpec, build_encoder
 from .errors import CaptionerError
+from .faults import nonfinite_rows
 from .images import load_image
 
 METHOD = "pooled-mahalanobis/1"
@@ -163,8 +164,8 @@ def _pooled(read: Callable[[np.ndarray], torch.Tensor], rows: np.ndarray, mean: 
     """
     out = []
     for i in range(0, len(rows), batch):
-        raw = read(rows[i:i + batch]).float().cpu()                               # (b, L, D)
-        out.append(pool(raw[torch.isfinite(raw).flatten(1).all(1)], mean, std))
+        raw = read(rows[i:i + batch]).cpu()                                      # (b, L, D), fp16 if cached
+        out.append(pool(raw[~torch.from_numpy(nonfinite_rows(raw.numpy()))], mean, std))
     return torch.cat(out)
 
 
@@ -196,19 +197,14 @@ def photo_views(image: Image.Image) -> dict[str, Image.Image]:
     return {name: image.crop(box) for name, box in boxes.items()}
 
 
-def _photo_views(photos: Sequence[str]) -> tuple[list[str], list[Image.Image]]:
+@torch.inference_mode()
+def _encode_views(encoder: torch.nn.Module, spec: EncoderSpec, photos: Sequence[str]):
+    """Names and annotation vectors (N, L, D) of the photographs' views."""
     names, pils = [], []
     for path in photos:
         for view, pil in photo_views(load_image(path)).items():
             names.append(f"{os.path.basename(path)}:{view}")
             pils.append(pil)
-    return names, pils
-
-
-@torch.inference_mode()
-def _encode_views(encoder: torch.nn.Module, spec: EncoderSpec, photos: Sequence[str]):
-    """Names and annotation vectors (N, L, D) of the photographs' views."""
-    names, pils = _photo_views(photos)
     x = torch.stack([spec.preprocess(p) for p in pils]).to(next(encoder.parameters()).device)  # (N, 3, S, S)
     return tuple(names), encoder(x).float().cpu()                            # (N, L, D)
 

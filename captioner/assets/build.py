@@ -64,13 +64,17 @@ def judge_examples(checkpoint: str, paths: dict[int, str], objects: dict[int, li
             for i, out in zip(paths, outs)]
 
 
+def _events(run: str) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    with open(os.path.join(run, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def finished(run: str) -> bool:
     """Whether a run directory holds a training that ended on its own (not stopped or crashed)."""
-    log = os.path.join(run, "metrics.jsonl")
-    if not os.path.exists(os.path.join(run, "best.pt")) or not os.path.exists(log):
+    if not all(os.path.exists(os.path.join(run, f)) for f in ("best.pt", "metrics.jsonl")):
         return False
-    with open(log, encoding="utf-8") as f:
-        events = [json.loads(line).get("event") for line in f if line.strip()]
+    events = [e.get("event") for e in _events(run)]
     last_start = len(events) - 1 - events[::-1].index("start") if "start" in events else 0
     return bool(events) and events[-1] == "end" and "stopped" not in events[last_start:]
 
@@ -88,8 +92,7 @@ def stage_steps(work: str, tune_minutes: float) -> dict:
     out = {}
     for name, stage in (("frozen encoder", "run"), ("conv5 fine-tuned", "tuned"))[:2 if tune_minutes else 1]:
         ck = load_checkpoint(os.path.join(work, stage, "best.pt"))
-        with open(os.path.join(work, stage, "metrics.jsonl"), encoding="utf-8") as f:
-            end = [e for e in map(json.loads, f) if e.get("event") == "end"][-1]
+        end = [e for e in _events(os.path.join(work, stage)) if e.get("event") == "end"][-1]
         out[name] = {"steps": int(end["step"]), "best_step": int(ck["step"])}
     return out
 
