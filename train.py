@@ -1,7 +1,10 @@
-"""Train and evaluate: `python train.py prepare|fit|evaluate ...` (see --help)."""
+"""Train and evaluate: `python train.py prepare|fit|evaluate ...` (see --help).
+
+The same as `captioner-train` from an installed package; the command line is `captioner.cli.train`.
+"""
 import sys
 
-from captioner.cli import train_main
+from captioner.cli.train import main
 
 if __name__ == "__main__":
-    sys.exit(train_main())
+    sys.exit(main())

@@ -44,12 +44,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sgrvinod_decoder import (TutorialDecoder, load_tutorial_models, tutorial_loss,  # noqa: E402
                               tutorial_train_step)
 
-from captioner.data import Batch  # noqa: E402
-from captioner.decoder import AttentionDecoder  # noqa: E402
-from captioner.distributed import Dist  # noqa: E402
-from captioner.encoder import EncoderSpec, build_encoder  # noqa: E402
-from captioner.fast_encoder import optimize_encoder  # noqa: E402
-from captioner.training import Objective, Progress, TrainConfig, make_optimizer, train_step  # noqa: E402
+from captioner.data.dataset import Batch  # noqa: E402
+from captioner.models.decoder import AttentionDecoder  # noqa: E402
+from captioner.train.distributed import Dist  # noqa: E402
+from captioner.models.encoder import EncoderSpec, build_encoder  # noqa: E402
+from captioner.models.fast_encoder import optimize_encoder  # noqa: E402
+from captioner.train.config import Progress, TrainConfig  # noqa: E402
+from captioner.train.step import Objective, make_optimizer, train_step  # noqa: E402
 
 B, L, D, V = 32, 196, 512, 10_000
 # COCO with Karpathy's splits: 113,287 training images with 5 captions each; 5,000 test images.
@@ -258,9 +259,9 @@ def bench_prepare(device: torch.device, small: int, large: int) -> dict:
     fixed start-up (building the encoder, starting workers, writing the vocabulary). Then the
     large set captioned through `captioner caption`'s path."""
     from captioner import Captioner
-    from captioner.assets import demo_checkpoint
-    from captioner.bulk import caption_files, image_ids
-    from captioner.prepare import prepare
+    from captioner.serve.sources import demo_checkpoint
+    from captioner.serve.bulk import caption_files, image_ids
+    from captioner.train.prepare import PrepareConfig, prepare
     rates = vgg_rates(device)
     best = max(rates, key=rates.get)
     took = {}
@@ -268,8 +269,7 @@ def bench_prepare(device: torch.device, small: int, large: int) -> dict:
         for n in (small, large):
             caps, images = _photo_set(os.path.join(tmp, str(n)), n)
             t0 = time.perf_counter()
-            prepare([caps], [images], os.path.join(tmp, f"data{n}"), encoder=EncoderSpec(weights="none"),
-                    min_count=1, progress=False, device=str(device))
+            prepare(PrepareConfig(captions=[caps], images=[images], out=os.path.join(tmp, f'data{n}'), encoder=EncoderSpec(weights='none'), min_count=1, device=str(device)), progress=False)
             took[n] = time.perf_counter() - t0
         cap = Captioner.load(demo_checkpoint(), device=str(device))
         paths = sorted(os.path.join(images, f) for f in os.listdir(images))
@@ -294,8 +294,8 @@ def bench_caption(device: torch.device, repeats: int) -> dict:
     from PIL import Image
 
     from captioner import Captioner
-    from captioner.assets import demo_checkpoint
-    from captioner.decode import beam_search
+    from captioner.serve.sources import demo_checkpoint
+    from captioner.models.decode import beam_search
     cap = Captioner.load(demo_checkpoint(), device=str(device))
     # The floor the goal is set against: torchvision's own VGG16 conv stack up to conv5_3 + ReLU,
     # eager, fp32, contiguous input (random weights: the speed does not depend on them).
@@ -340,8 +340,8 @@ def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
     """One `fit --objective scst` step at the default batch (32 images x 5 samples), sizes 512,
     V=10,000, 5 references of 10-23 tokens per image. An untrained model samples until max_len
     (20 words): the longest captions, so the most work for sampling and for the reward alike."""
-    from captioner.cider import DocumentFrequency, NgramScorer, References
-    from captioner.scst import ImageBatch, ScstConfig, SelfCritical
+    from captioner.objectives.cider import DocumentFrequency, NgramScorer, References
+    from captioner.objectives.scst import ImageBatch, ScstConfig, SelfCritical
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(10, 24, (images * 5,), generator=g)                  # 5 references per image
     refs = References(torch.randint(4, V, (images * 5, 24), generator=g), lengths,

@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from captioner import distributed
-from captioner.data import CaptionData
-from captioner.decoder import AttentionDecoder, DecoderConfig
-from captioner.finetune import FineTuneConfig, FineTuning
-from captioner.training import Objective, Progress, TrainConfig, make_optimizer, train_step
+from captioner.train import distributed
+from captioner.data.dataset import CaptionData
+from captioner.models.decoder import AttentionDecoder, DecoderConfig
+from captioner.train.finetune import FineTuneConfig, FineTuning
+from captioner.train.loop import Objective, Progress, TrainConfig, make_optimizer, train_step
 
 
 def time_steps(data: CaptionData, mode: str, steps: int, batch_size: int,

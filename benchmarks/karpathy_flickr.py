@@ -1,12 +1,12 @@
 """Rewrite a Karpathy dataset file in COCO layout into Flickr8k/30k layout, for the acceptance check.
 
-`python -m captioner.heldout OUT --n N --seed S` writes OUT/splits.json as Karpathy's
+`python -m captioner.scenes.heldout OUT --n N --seed S` writes OUT/splits.json as Karpathy's
 dataset_coco.json does (filepath "images", cocoid ids). Flickr's files have neither: images are
 DIR/filename and `imgid` (0, 1, 2, ...) is the only id; part of the training images is marked
 `restval`. This script makes such a file from the COCO-layout one, so that `prepare --karpathy`
 is checked on the layout most people start with (Flickr8k):
 
-    python -m captioner.heldout /tmp/k_scenes --n 1500 --seed 3
+    python -m captioner.scenes.heldout /tmp/k_scenes --n 1500 --seed 3
     python benchmarks/karpathy_flickr.py /tmp/k_scenes/splits.json /tmp/k_scenes/dataset_flickr.json
     python train.py prepare --karpathy /tmp/k_scenes/dataset_flickr.json --images /tmp/k_scenes/images \\
         --out /tmp/k_data --encoder-weights none

@@ -37,7 +37,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     from gradio_client import Client, handle_file
 
-    from captioner.assets import example_images
+    from captioner.serve.sources import example_images
     images = example_images()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

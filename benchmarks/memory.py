@@ -23,9 +23,9 @@ sys.path.insert(0, REPO)
 
 from load_test import rss_mb  # noqa: E402  (this script's directory is on sys.path)
 
-from captioner.data import FORMAT  # noqa: E402
-from captioner.encoder import EncoderSpec, build_encoder  # noqa: E402
-from captioner.vocab import SPECIALS  # noqa: E402
+from captioner.data.dataset import FORMAT  # noqa: E402
+from captioner.models.encoder import EncoderSpec, build_encoder  # noqa: E402
+from captioner.models.vocab import SPECIALS  # noqa: E402
 
 
 def make_cache(out: str, n: int, vocab_size: int = 10_000, captions_per_image: int = 5, val: int = 5000) -> None:

@@ -1,7 +1,7 @@
 """Can an object's shape be read from the cached encoder features? Probes, with a learning curve.
 
 The demo model named colours right and shapes wrong; this asks whether the features carry the
-shape at all. For every object of a synthetic set (`python -m captioner.synthetic`, prepared with
+shape at all. For every object of a synthetic set (`python -m captioner.scenes.synthetic`, prepared with
 `train.py prepare`), its box's cells on the encoder's grid are averaged into one 512-vector
 (standardised as the decoder standardises them); a linear classifier and a small MLP
 (512-256-5) are fitted on the train split's objects and scored on the test split's, for growing
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from captioner.data import CaptionData
-from captioner.grounding import GroundingBoxes
+from captioner.data.dataset import CaptionData
+from captioner.evaluation.grounding import GroundingBoxes
 
 
 def box_vectors(data: CaptionData, boxes: GroundingBoxes, split: str,

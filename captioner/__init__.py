@@ -4,8 +4,8 @@
     cap = Captioner.load("best.pt")
     out = cap.caption("photo.jpg", beam_size=3)   # out.text, out.words, out.attention (n, 14, 14)
 """
-from .api import Caption, Captioner
-from .errors import CaptionerError, ImageError
+from captioner.serve.api import Caption, Captioner
+from captioner.errors import CaptionerError, ImageError
 
 __all__ = ["Caption", "Captioner", "CaptionerError", "ImageError"]
 __version__ = "0.1.0"

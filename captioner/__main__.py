@@ -1,6 +1,6 @@
-"""`python -m captioner caption IMG... --checkpoint CKPT` (same as the `captioner` command)."""
+"""`python -m captioner ...`: the same as the `captioner` command."""
 import sys
 
-from .cli import main
+from captioner.cli.main import main
 
 sys.exit(main())

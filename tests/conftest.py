@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner.decoder import DecoderConfig
-from captioner.encoder import EncoderSpec
-from captioner.prepare import prepare
-from captioner.synthetic import generate
-from captioner.training import TrainConfig, fit
+from captioner.models.decoder import DecoderConfig
+from captioner.models.encoder import EncoderSpec
+from captioner.train.prepare import PrepareConfig, prepare
+from captioner.scenes.synthetic import generate
+from captioner.train.config import TrainConfig
+from captioner.train.loop import fit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,9 +38,7 @@ def scenes(tmp_path_factory) -> Path:
 def data_dir(scenes, tmp_path_factory) -> Path:
     """The scenes prepared: vocabulary and the feature cache of the seeded random VGG16."""
     out = tmp_path_factory.mktemp("data")
-    prepare([str(scenes / "captions.json")], [str(scenes / "images")], str(out),
-            splits=str(scenes / "splits.json"), encoder=EncoderSpec(weights="none"), min_count=1,
-            workers=0, progress=False)
+    prepare(PrepareConfig(captions=[str(scenes / 'captions.json')], images=[str(scenes / 'images')], out=str(out), splits=str(scenes / 'splits.json'), encoder=EncoderSpec(weights='none'), min_count=1, workers=0), progress=False)
     return out
 
 

@@ -11,14 +11,14 @@ import pytest
 from matplotlib.figure import Figure
 from pycocotools.coco import COCO
 
-from captioner import analysis, plots, recipes
-from captioner.api import Caption, Captioner
-from captioner.data import CaptionData
-from captioner.decoder import DecoderConfig
+from captioner.lab import analysis, plots, recipes
+from captioner.serve.api import Caption, Captioner
+from captioner.data.dataset import CaptionData
+from captioner.models.decoder import DecoderConfig
 from captioner.errors import CaptionerError
-from captioner.evaluation import caption_split
-from captioner.training import TrainConfig
-from captioner.vocab import Vocabulary
+from captioner.evaluation.captioning import caption_split
+from captioner.train.config import TrainConfig
+from captioner.models.vocab import Vocabulary
 
 
 def _caption(words: list[str], attention: np.ndarray) -> Caption:

@@ -26,9 +26,9 @@ import pytest
 from PIL import Image
 
 from captioner import Captioner, CaptionerError
-from captioner.card import examples_note, model_card, model_notice
-from captioner.demo import Batcher, Demo, PageOutputs, Session, fit_view, upload_source
-from captioner.remote import download_checkpoint, resolve_checkpoint, sha256_file
+from captioner.demo.card import examples_note, model_card, model_notice
+from captioner.demo.handlers import Batcher, Demo, PageOutputs, Session, fit_view, upload_source
+from captioner.serve.sources import download_checkpoint, resolve_checkpoint, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,8 +21,8 @@ import pytest
 from gradio_client import Client, handle_file
 from PIL import Image
 
-from captioner import viz
-from captioner.assets import DEMO_CHECKPOINT, example_images
+from captioner.evaluation import maps
+from captioner.serve.sources import DEMO_CHECKPOINT, example_images
 from test_app import serve
 
 CHROMIUM = "/usr/bin/chromium"
@@ -178,7 +178,7 @@ def test_click_a_word_see_its_heatmap_where_the_model_looked(browser, server, tm
     x, y, w, h = (round(v * scale) for v in box)
     drawn = np.asarray(shot.crop((x, y, x + w, y + h)), dtype=np.float32)
     plain = np.asarray(Image.open(scene).convert("RGB").resize((w, h), Image.BILINEAR), dtype=np.float32)
-    heat = viz.upsample(np.asarray(data["attention"][k]), (w, h))
+    heat = maps.upsample(np.asarray(data["attention"][k]), (w, h))
     change = np.abs(drawn - plain).mean(axis=2)                                 # (h, w)
     # The median where it did not look: the browser's and Pillow's resampling differ by a pixel at
     # the shapes' edges, which moves a mean but not a median.

@@ -16,21 +16,20 @@ import json
 
 import pytest
 
-from captioner.decoder import DecoderConfig
-from captioner.encoder import EncoderSpec
-from captioner.evaluation import evaluate
-from captioner.heldout import generate
-from captioner.prepare import prepare
-from captioner.training import TrainConfig, fit
+from captioner.models.decoder import DecoderConfig
+from captioner.models.encoder import EncoderSpec
+from captioner.evaluation.evaluate import evaluate
+from captioner.scenes.heldout import generate
+from captioner.train.prepare import PrepareConfig, prepare
+from captioner.train.config import TrainConfig
+from captioner.train.loop import fit
 
 
 @pytest.fixture(scope="module")
 def heldout_112(tmp_path_factory):
     root = tmp_path_factory.mktemp("heldout_train")
     generate(root / "scenes", 1200, seed=1)
-    prepare([str(root / "scenes" / "captions.json")], [str(root / "scenes" / "images")], str(root / "data"),
-            splits=str(root / "scenes" / "splits.json"), encoder=EncoderSpec(weights="none", image_size=112),
-            workers=0, progress=False)
+    prepare(PrepareConfig(captions=[str(root / 'scenes' / 'captions.json')], images=[str(root / 'scenes' / 'images')], out=str(root / 'data'), splits=str(root / 'scenes' / 'splits.json'), encoder=EncoderSpec(weights='none', image_size=112), workers=0), progress=False)
     return root
 
 

@@ -7,8 +7,9 @@ import shutil
 
 import pytest
 
-from captioner import cli
-from captioner.bulk import expand_inputs, image_ids
+from captioner.cli import main as cli
+from captioner.cli import train as train_cli
+from captioner.serve.bulk import expand_inputs, image_ids
 from captioner.errors import CaptionerError
 
 from conftest import run_cli
@@ -54,11 +55,11 @@ def _subcommands(parser):
 
 
 def test_every_option_has_help():
-    for parser in (cli.get_caption_parser(), cli.get_train_parser()):
+    for parser in (cli.get_parser(), train_cli.get_parser()):
         for name, sub in _subcommands(parser).items():
             for action in sub._actions:
                 assert action.help and action.help.strip(), (name, action.dest)
-    caption = _subcommands(cli.get_caption_parser())["caption"]
+    caption = _subcommands(cli.get_parser())["caption"]
     assert next(a for a in caption._actions if a.dest == "checkpoint").default is None  # the bundled model
 
 
@@ -94,7 +95,7 @@ def test_folder_in_batches_with_attention_resume_and_one_id_type(small_run, fold
 
 
 def test_default_model_unfamiliar_note_and_guarded_cuda(folder, tmp_path, capsys, monkeypatch):
-    from captioner.api import Captioner
+    from captioner.serve.api import Captioner
     real = Captioner.caption_batch
 
     def with_familiarity(self, images, **kw):

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from captioner.coco import default_splits, load_dataset
-from captioner.data import CaptionData, bucket_batches
-from captioner.encoder import EncoderSpec
+from captioner.data.coco import default_splits, load_dataset
+from captioner.data.dataset import CaptionData, bucket_batches
+from captioner.models.encoder import EncoderSpec
 from captioner.errors import CaptionerError
-from captioner.features import DONE, TODO
-from captioner.prepare import prepare
-from captioner.vocab import END_ID, START_ID, UNK_ID, Vocabulary, tokenize
+from captioner.data.features import DONE, TODO
+from captioner.train.prepare import PrepareConfig, prepare
+from captioner.models.vocab import END_ID, START_ID, UNK_ID, Vocabulary, tokenize
 
 from conftest import run_cli
 
@@ -142,10 +142,8 @@ def test_prepare_unreadable_image_named_then_skipped(tmp_path):
     path = write(tmp_path / "c.json", coco)
     out = tmp_path / "data"
     with pytest.raises(CaptionerError, match="im2.png.*--skip-bad"):
-        prepare([path], [str(images)], str(out), encoder=EncoderSpec(weights="none"), min_count=1,
-                workers=0, progress=False)
-    summary = prepare([path], [str(images)], str(out), encoder=EncoderSpec(weights="none"), min_count=1,
-                      workers=0, progress=False, skip_bad=True)
+        prepare(PrepareConfig(captions=[path], images=[str(images)], out=str(out), encoder=EncoderSpec(weights='none'), min_count=1, workers=0), progress=False)
+    summary = prepare(PrepareConfig(captions=[path], images=[str(images)], out=str(out), encoder=EncoderSpec(weights='none'), min_count=1, workers=0, skip_bad=True), progress=False)
     assert summary["bad_images"] == 1
     data = CaptionData(str(out))
     assert 114 not in np.concatenate([data.split_images(s)[0] for s in ("train",)]).tolist()
@@ -165,9 +163,7 @@ def test_prepare_resumes_without_redoing_work(tmp_path, scenes, data_dir):
     feats.flush(), done.flush()
     with pytest.raises(CaptionerError, match="has not finished"):
         CaptionData(str(out))
-    prepare([str(scenes / "captions.json")], [str(scenes / "images")], str(out),
-            splits=str(scenes / "splits.json"), encoder=EncoderSpec(weights="none"), min_count=1,
-            workers=0, progress=False)
+    prepare(PrepareConfig(captions=[str(scenes / 'captions.json')], images=[str(scenes / 'images')], out=str(out), splits=str(scenes / 'splits.json'), encoder=EncoderSpec(weights='none'), min_count=1, workers=0), progress=False)
     feats = np.load(out / "features.npy", mmap_mode="r")
     np.testing.assert_array_equal(feats[3], reference[3])
     assert (feats[0] == 7).all()
@@ -179,9 +175,7 @@ def test_prepare_refuses_to_mix_caches(tmp_path, scenes, data_dir):
     out = tmp_path / "data"
     shutil.copytree(data_dir, out)
     with pytest.raises(CaptionerError, match="different encoder"):
-        prepare([str(scenes / "captions.json")], [str(scenes / "images")], str(out),
-                splits=str(scenes / "splits.json"), encoder=EncoderSpec(weights="none", seed=5),
-                workers=0, progress=False)
+        prepare(PrepareConfig(captions=[str(scenes / 'captions.json')], images=[str(scenes / 'images')], out=str(out), splits=str(scenes / 'splits.json'), encoder=EncoderSpec(weights='none', seed=5), workers=0), progress=False)
 
 
 def test_prepare_cli_errors_are_one_line(tmp_path, scenes):

@@ -4,9 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captioner.decode import beam_search
-from captioner.decoder import ARGMAX, EXPECTED, SAMPLE, AttentionDecoder, caption_loss
-from captioner.vocab import END_ID, PAD_ID, START_ID, UNK_ID
+from captioner.models.decode import beam_search
+from captioner.models.decoder import ARGMAX, EXPECTED, SAMPLE, AttentionDecoder
+from captioner.models.fused import fused_unroll
+from captioner.objectives.cross_entropy import caption_loss, sequence_terms, word_nll
+from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
 
 V, L, D = 30, 196, 64
 
@@ -207,7 +209,7 @@ def test_hard_modes_report_locations():
 
 def test_attention_equals_the_paper_formula_with_gradients():
     """The fast score (2v·σ(2z)) gives the α and the gradients of softmax(v·tanh(z))."""
-    from captioner.decoder import Attention
+    from captioner.models.decoder import Attention
     torch.manual_seed(0)
     att = Attention(6, 5, 4).double()
     feats = torch.randn(2, 7, 6, dtype=torch.float64)
@@ -227,39 +229,39 @@ def test_attention_equals_the_paper_formula_with_gradients():
 
 
 def test_training_loss_skips_padding_but_equals_the_full_one():
-    """`sequence_loss` computes logits on real words only; value and gradients match eq. (14) in full."""
-    from captioner.decoder import sequence_loss
+    """`sequence_terms` computes logits on real words only; value and gradients match eq. (14) in full."""
     dec = tiny(dropout=0.0)
     feats, caps, lengths = batch()
     logits, alphas = dec(feats, caps, lengths)
     full = sum(caption_loss(logits, alphas, caps, lengths))
     g_full = torch.autograd.grad(full, list(dec.parameters()))
-    packed = sum(sequence_loss(dec, feats, caps, lengths))
+    packed = sum(sequence_terms(dec, feats, caps, lengths)[:2])
     g_packed = torch.autograd.grad(packed, list(dec.parameters()))
     torch.testing.assert_close(packed, full)
     for a, b in zip(g_packed, g_full):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("compiled_path", [False, True])
-def test_soft_pass_with_summed_gradients_equals_step_by_step(compiled_path):
-    """The soft training pass (h's three maps in one product; W and p gradients summed once per
-    pass, decoder._SharedWeight and _GradientSum) gives the values and gradients of the plain
-    step-by-step pass (`attention`, `context`, `lstm` at each step), in float64."""
+@pytest.mark.parametrize("fixed_locations", [False, True])
+def test_fused_pass_equals_the_plain_one(fixed_locations):
+    """The fused soft pass (models.fused: h's three maps in one product, the hand-written score
+    backward, W and p gradients summed once per pass) gives the values and gradients of the plain
+    step-by-step pass (`attend`, `advance` at each step), in float64, on a padded, unsorted batch."""
     dec = tiny().double()
-    dec._compiled = compiled_path     # the compiled step keeps autograd's own sums: same math, checked too
     feats, caps, lengths = batch(B=3, T=7)
     feats = feats.double()
     weights = torch.rand(3, 6, L, dtype=torch.float64)
 
-    def run(**kw):
-        u = dec.unroll(feats, caps, **kw)
-        nll, mask = dec.word_nll(u, caps, lengths)
+    def run(unroll):
+        u = unroll()
+        nll, mask = word_nll(dec, u, caps, lengths)
         loss = nll.sum() + (u.alphas * weights * mask.unsqueeze(2)).sum()
         return nll, torch.autograd.grad(loss, list(dec.parameters()), allow_unused=True)
 
-    nll, grads = run()
-    ref_nll, ref_grads = run(locations=torch.full((3, 6), -1))   # expected context at every step
+    nll, grads = run(lambda: fused_unroll(dec, feats, caps))
+    # The expected context at every step, given as fixed locations (-1) or by default.
+    plain = {"locations": torch.full((3, 6), -1)} if fixed_locations else {}
+    ref_nll, ref_grads = run(lambda: dec.unroll(feats, caps, **plain))
     torch.testing.assert_close(nll, ref_nll)
     for name, g, r in zip([n for n, _ in dec.named_parameters()], grads, ref_grads):
         assert (g is None) == (r is None), name

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torchvision
 
-from captioner.encoder import EncoderSpec, build_encoder
+from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.errors import CaptionerError
-from captioner.images import Preprocess
+from captioner.models.preprocess import Preprocess
 
 # The seeded random VGG16 must be the same network on every machine and library release:
 # its weights come from NumPy's frozen legacy RandomState. A change here breaks every

@@ -7,13 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from captioner.data import CaptionData
-from captioner.decoder import AttentionDecoder, DecoderConfig
-from captioner.encoder import EncoderSpec, build_encoder
-from captioner.equivariance import equivariance_loss, half_turn
-from captioner.images import load_image
-from captioner.reinforce import HardAttentionConfig, hard_attention_loss
-from captioner.training import TrainConfig, fit
+from captioner.data.dataset import CaptionData
+from captioner.models.decoder import AttentionDecoder, DecoderConfig
+from captioner.models.encoder import EncoderSpec, build_encoder
+from captioner.objectives.equivariance import equivariance_loss, half_turn
+from captioner.data.images import load_image
+from captioner.objectives.reinforce import HardAttentionConfig, hard_attention_loss
+from captioner.models.checkpoint import migrate
+from captioner.train.config import TrainConfig
+from captioner.train.loop import fit
 
 S = 14
 
@@ -115,19 +117,19 @@ def test_fit_adds_the_term_when_the_data_has_turned_features(data_dir, tmp_path,
     assert all("equivariance" not in r for r in rows["off"] if r["event"] == "train")
 
 
-def test_fit_says_when_the_data_has_no_turned_features(scenes, tmp_path, capsys):
-    from captioner.prepare import prepare
+def test_fit_says_when_the_data_has_no_turned_features(scenes, tmp_path, caplog):
+    from captioner.train.prepare import PrepareConfig, prepare
     out = tmp_path / "plain"
-    prepare([str(scenes / "captions.json")], [str(scenes / "images")], str(out), splits=str(scenes / "splits.json"),
-            encoder=EncoderSpec(weights="none"), min_count=1, workers=0, progress=False, rotated=False)
+    prepare(PrepareConfig(captions=[str(scenes / 'captions.json')], images=[str(scenes / 'images')], out=str(out), splits=str(scenes / 'splits.json'), encoder=EncoderSpec(weights='none'), min_count=1, workers=0, rotated=False), progress=False)
     assert CaptionData(str(out)).rotated is None
     fit(str(out), str(tmp_path / "run"), DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12),
         TrainConfig(epochs=1, batch_size=16, val_images=2), device="cpu", progress_bar=False)
-    err = capsys.readouterr().err
-    assert "no features of the images turned 180°" in err and "prepare again" in err
+    assert "no features of the images turned 180°" in caplog.text and "prepare again" in caplog.text
 
 
 @pytest.mark.parametrize("saved", [{}, {"equivariance": 0.5}])
 def test_resume_keeps_the_objective_a_run_was_trained_with(saved):
-    """Runs saved before the term existed resume without it."""
-    assert TrainConfig.from_dict(saved).equivariance == saved.get("equivariance", 0.0)
+    """Runs saved before the term existed (format version 1) resume without it."""
+    old = {"format": "captioner-checkpoint/1", "model": {}, "decoder": {}, "vocab": [], "encoder": {}, "step": 1,
+           "train": dict(saved)}
+    assert TrainConfig.from_dict(migrate(old, "old.pt")["train"]).equivariance == saved.get("equivariance", 0.0)

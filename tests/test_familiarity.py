@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from captioner import Captioner
-from captioner.checkpoint import load_checkpoint, save_checkpoint
-from captioner.data import CaptionData
-from captioner.demo import caption_data
-from captioner.familiarity import (METHOD, FamiliarityStats, calibration_photos, familiarity, gaussian,
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.data.dataset import CaptionData
+from captioner.demo.handlers import caption_data
+from captioner.evaluation.familiarity import (METHOD, FamiliarityStats, calibration_photos, familiarity, gaussian,
                                    mahalanobis, threshold)
 
 # A real photograph the threshold was not set with (calibration uses matplotlib's and scikit-image's).

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import signal
@@ -13,17 +14,19 @@ import numpy as np
 import pytest
 import torch
 
-import captioner.checkpoint as checkpoint
-import captioner.features as features
-from captioner import faults
-from captioner.checkpoint import load_checkpoint
-from captioner.data import CaptionData
-from captioner.decoder import AttentionDecoder, DecoderConfig
-from captioner.distributed import Dist
-from captioner.encoder import EncoderSpec
+import captioner.models.checkpoint as checkpoint
+import captioner.data.features as features
+from captioner.train import resilience as faults
+from captioner.models.checkpoint import load_checkpoint
+from captioner.data.dataset import CaptionData
+from captioner.models.decoder import AttentionDecoder, DecoderConfig
+from captioner.train.distributed import Dist
+from captioner.models.encoder import EncoderSpec
 from captioner.errors import CaptionerError
-from captioner.prepare import prepare
-from captioner.training import Objective, Progress, TrainConfig, fit, make_optimizer, train_step
+from captioner.train.prepare import PrepareConfig, prepare
+from captioner.train.config import Progress, TrainConfig
+from captioner.train.loop import fit
+from captioner.train.step import Objective, make_optimizer, train_step
 
 from test_reliability import start, wait_for
 
@@ -99,9 +102,9 @@ def test_graceful_stop_catches_sigint_and_sigterm_then_restores_the_handlers():
 def test_sigterm_stops_prepare_after_a_batch_then_a_full_disk_then_it_completes(scenes, data_dir, tmp_path,
                                                                                monkeypatch):
     out = tmp_path / "data"
-    inputs = dict(captions=[str(scenes / "captions.json")], image_dirs=[str(scenes / "images")],
+    inputs = dict(captions=[str(scenes / "captions.json")], images=[str(scenes / "images")],
                   splits=str(scenes / "splits.json"))
-    args = ["prepare", "--images", inputs["image_dirs"][0], "--captions", inputs["captions"][0],
+    args = ["prepare", "--images", inputs["images"][0], "--captions", inputs["captions"][0],
             "--splits", inputs["splits"], "--out", str(out), "--encoder-weights", "none", "--min-count", "1",
             "--batch-size", "4", "--workers", "2"]
     p = start(*args)
@@ -136,13 +139,11 @@ def test_sigterm_stops_prepare_after_a_batch_then_a_full_disk_then_it_completes(
 
     monkeypatch.setattr(features.os, "pwrite", pwrite)
     with pytest.raises(CaptionerError, match="no space left on the device holding .*rows finished so far are kept"):
-        prepare(**inputs, out_dir=str(out), encoder=EncoderSpec(weights="none"), min_count=1, batch_size=4,
-                workers=0, progress=False)
+        prepare(PrepareConfig(**inputs, out=str(out), encoder=EncoderSpec(weights='none'), min_count=1, batch_size=4, workers=0), progress=False)
     after_full = check_done_rows()
     assert after_stop < after_full < 48
     monkeypatch.setattr(features.os, "pwrite", real_pwrite)
-    prepare(**inputs, out_dir=str(out), encoder=EncoderSpec(weights="none"), min_count=1, batch_size=4,
-            workers=0, progress=False)
+    prepare(PrepareConfig(**inputs, out=str(out), encoder=EncoderSpec(weights='none'), min_count=1, batch_size=4, workers=0), progress=False)
     assert check_done_rows() == 48 and json.loads((out / "meta.json").read_text())["complete"]
     assert not temp_files(out)
 
@@ -261,7 +262,7 @@ def test_failed_final_save_raises_naming_the_last_good_checkpoint(data_dir, tmp_
 
 # damaged features, non-finite steps
 
-def test_damaged_feature_row_is_named_left_out_and_rechecked(scenes, data_dir, tmp_path, capsys):
+def test_damaged_feature_row_is_named_left_out_and_rechecked(scenes, data_dir, tmp_path, caplog):
     data = tmp_path / "data"
     shutil.copytree(data_dir, data)
     d = CaptionData(str(data))
@@ -275,10 +276,11 @@ def test_damaged_feature_row_is_named_left_out_and_rechecked(scenes, data_dir, t
     del cache, d
     out = tmp_path / "run"
     cfg = TrainConfig(epochs=2, batch_size=8, val_beam_size=1, checkpoint_minutes=0)
+    caplog.set_level(logging.INFO, logger="captioner")
     progress = fit(str(data), str(out), TINY, cfg, device="cpu", progress_bar=False)
-    err = capsys.readouterr().err
-    named = [line for line in err.splitlines() if line.startswith("warning: ") and "heatmaps" not in line]
-    assert len(named) == 2, err               # each image once, though met in every epoch
+    named = [r.getMessage() for r in caplog.records
+             if r.levelno == logging.WARNING and "heatmaps" not in r.getMessage()]
+    assert len(named) == 2, named             # each image once, though met in every epoch
     assert f"image {image_id} ({path})" in named[0] and "left out of training" in named[0] and "--recheck" in named[0]
     assert f"image {val_id} (" in named[1] and "captioned from zeros" in named[1]
     captions = int((CaptionData(str(data)).rows == row).sum())
@@ -288,10 +290,8 @@ def test_damaged_feature_row_is_named_left_out_and_rechecked(scenes, data_dir, t
     for name in ("last.pt", "best.pt"):
         assert all_finite(load_checkpoint(str(out / name)))
     # `prepare --recheck` finds the row, extracts it again, and the cache is whole.
-    prepare([str(scenes / "captions.json")], [str(scenes / "images")], str(data), splits=str(scenes / "splits.json"),
-            encoder=EncoderSpec(weights="none"), min_count=1, workers=0, progress=False, recheck=True)
-    err = capsys.readouterr().err
-    assert f"recheck: image {image_id} ({path})" in err and "recheck: 2 of 48 feature rows" in err
+    prepare(PrepareConfig(captions=[str(scenes / 'captions.json')], images=[str(scenes / 'images')], out=str(data), splits=str(scenes / 'splits.json'), encoder=EncoderSpec(weights='none'), min_count=1, workers=0, recheck=True), progress=False)
+    assert f"recheck: image {image_id} ({path})" in caplog.text and "recheck: 2 of 48 feature rows" in caplog.text
     repaired = np.load(data / "features.npy", mmap_mode="r")[[row, val_row]].astype(np.float32)
     reference = np.load(data_dir / "features.npy", mmap_mode="r")[[row, val_row]].astype(np.float32)
     np.testing.assert_allclose(repaired, reference, rtol=2e-3, atol=1e-3)
@@ -301,11 +301,11 @@ def test_nonfinite_rows_finds_inf_and_nan_in_fp16_and_fp32():
     x = np.random.default_rng(0).standard_normal((5, 7, 3)).astype(np.float16)
     x[1, 2, 0], x[3, 6, 2] = np.inf, np.nan
     x[4, 0, 0] = -65504.0                                       # the largest finite fp16 is not flagged
-    assert faults.nonfinite_rows(x).tolist() == [False, True, False, True, False]
+    assert features.nonfinite_rows(x).tolist() == [False, True, False, True, False]
     y = x.astype(np.float32)
     y[0, 0, 0] = -np.inf
-    assert faults.nonfinite_rows(y).tolist() == [True, True, False, True, False]
-    assert faults.nonfinite_rows(x[:0]).shape == (0,)
+    assert features.nonfinite_rows(y).tolist() == [True, True, False, True, False]
+    assert features.nonfinite_rows(x[:0]).shape == (0,)
 
 
 def test_a_step_with_a_nonfinite_loss_is_not_applied(data_dir):

@@ -11,21 +11,25 @@ import torch
 import torchvision
 
 from captioner import Captioner
-from captioner.card import model_card
-from captioner.checkpoint import load_checkpoint
-from captioner.data import CaptionData
-from captioner.decoder import DecoderConfig
-from captioner.decoder import AttentionDecoder
-from captioner.encoder import EncoderSpec, build_encoder
-from captioner.familiarity import FamiliarityStats, calibration_photos, pool
-from captioner.features import FeatureCache
-from captioner.fast_encoder import native_bf16
-from captioner.finetune import (FineTuneConfig, FineTuning, TunedEncoder, checkpoint_features, encoded_features,
-                                image_batches, start_index)
-from captioner.images import load_image
-from captioner.prepare import prepare
-from captioner.training import Objective, Progress, TrainConfig, fit, make_optimizer, train_step
-from captioner import distributed
+from captioner.demo.card import model_card
+from captioner.models.checkpoint import load_checkpoint
+from captioner.data.dataset import CaptionData
+from captioner.models.decoder import DecoderConfig
+from captioner.models.decoder import AttentionDecoder
+from captioner.models.encoder import FEATURE_DIM, EncoderSpec, build_encoder
+from captioner.evaluation.familiarity import FamiliarityStats, calibration_photos, pool
+from captioner.data.features import FeatureCache
+from captioner.models.fast_encoder import native_bf16
+from captioner.data.encoder_inputs import encoded_features
+from captioner.evaluation.captioning import checkpoint_features
+from captioner.models.tuned import TunedEncoder, start_index
+from captioner.train.finetune import FineTuneConfig, FineTuning, image_batches
+from captioner.data.images import load_image
+from captioner.train.prepare import PrepareConfig, prepare
+from captioner.train.config import Progress, TrainConfig
+from captioner.train.loop import fit
+from captioner.train.step import Objective, make_optimizer, train_step
+from captioner.train import distributed
 
 from conftest import run_cli
 
@@ -99,11 +103,14 @@ def test_round_trip_gives_the_features_training_saw(tuned_run, tuned_data, scene
     trunk, _ = build_encoder(data.encoder)
     tuned = TunedEncoder(trunk.features, 24, from_cache=True)
     tuned.load_encoder_state(ck["encoder_state"], "test")
-    pool4 = FeatureCache(str(tuned_data), len(data.meta["image_ids"]), name="pool4")[[int(rows[0])]]
+    pool4 = FeatureCache(str(tuned_data), len(data.meta["image_ids"]), data.meta["locations"], FEATURE_DIM,
+                         name="pool4")[[int(rows[0])]]
     with torch.inference_mode():
         seen = tuned(torch.from_numpy(pool4.astype(np.float32)))
     rel = lambda a, b: float((a - b).norm() / b.norm())
-    assert rel(ours, seen) < 2e-3            # the same up to the fp16 rounding of the cached pool4 maps
+    # The same up to the fp16 rounding of the cached pool4 maps, and the fast encoder's bf16
+    # arithmetic on CPUs that have it (about 0.2% there).
+    assert rel(ours, seen) < (5e-3 if native_bf16() else 2e-3)
     assert rel(before, seen) > 20 * rel(ours, seen)   # and not the seeded encoder's features any more
     # evaluate's features: the trained layers on the pool4 cache, exactly what training saw.
     read = checkpoint_features(build_encoder(data.encoder)[0], ck["encoder_state"], data, "cpu", "test", workers=0)
@@ -186,9 +193,7 @@ def test_amp_step_trains_the_encoder(tuned_data):
 def test_conv4_1_from_images(scenes, tmp_path):
     # Small images (64 px, a 4×4 grid) keep the conv4 block cheap; the path is the same at 224.
     data_dir = tmp_path / "data"
-    prepare([str(scenes / "captions.json")], [str(scenes / "images")], str(data_dir),
-            splits=str(scenes / "splits.json"), encoder=EncoderSpec(weights="none", image_size=64), min_count=1,
-            workers=0, progress=False)
+    prepare(PrepareConfig(captions=[str(scenes / 'captions.json')], images=[str(scenes / 'images')], out=str(data_dir), splits=str(scenes / 'splits.json'), encoder=EncoderSpec(weights='none', image_size=64), min_count=1, workers=0), progress=False)
     run = tmp_path / "run"
     cfg = tune_cfg(1, start="conv4_1")
     cfg.fine_tune.workers = 1                               # images decoded by a DataLoader worker

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from captioner.errors import CaptionerError
-from captioner.grounding import SYNONYMS, GroundingBoxes, peak, pointing_accuracy
-from captioner.images import Preprocess
+from captioner.data.boxes import SYNONYMS, GroundingBoxes
+from captioner.evaluation.grounding import peak, pointing_accuracy
+from captioner.models.preprocess import Preprocess
 
 # A hand-made COCO instances file: one 280×140 image with a person on the left and a dog on the right.
 INSTANCES = {

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from captioner.health import attention_health, problems, summary
+from captioner.evaluation.health import attention_health, problems, summary
 
 G = 14
 

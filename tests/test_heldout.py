@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from captioner.coco import load_dataset
-from captioner.heldout import PALETTE, SHAPES, generate
+from captioner.data.coco import load_dataset
+from captioner.scenes.heldout import PALETTE, SHAPES, generate
 
 
 @pytest.fixture(scope="module")

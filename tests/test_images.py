@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from captioner.errors import ImageError
-from captioner.images import load_image
+from captioner.data.images import load_image
 
 
 def encode(img: Image.Image, fmt: str, **kw) -> bytes:

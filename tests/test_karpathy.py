@@ -6,11 +6,11 @@ import json
 import pytest
 from PIL import Image
 
-from captioner.data import CaptionData
-from captioner.encoder import EncoderSpec
+from captioner.data.dataset import CaptionData
+from captioner.models.encoder import EncoderSpec
 from captioner.errors import CaptionerError
-from captioner.karpathy import load_karpathy
-from captioner.prepare import prepare
+from captioner.data.karpathy import load_karpathy
+from captioner.train.prepare import PrepareConfig, prepare
 
 from conftest import run_cli
 
@@ -109,8 +109,7 @@ def test_prepare_karpathy_vocabulary_from_training_captions_only(tmp_path):
     for img in data["images"]:
         if img["split"] in ("val", "test"):
             img["sentences"].append({"raw": "zebra zebra zebra zebra", "imgid": img["imgid"]})
-    summary = prepare(None, [str(root)], str(tmp_path / "data"), karpathy=write(tmp_path / "d.json", data),
-                      encoder=EncoderSpec(weights="none", image_size=32), min_count=2, workers=0, progress=False)
+    summary = prepare(PrepareConfig(images=[str(root)], out=str(tmp_path / 'data'), karpathy=write(tmp_path / 'd.json', data), encoder=EncoderSpec(weights='none', image_size=32), min_count=2, workers=0), progress=False)
     d = CaptionData(str(tmp_path / "data"))
     assert "zebra" not in d.vocab.words and {"dog", "runs", "dogs", "play"} <= set(d.vocab.words)
     # The digits 0, 1, 4, 5 occur twice each in training captions (kept); nothing else is rarer.
@@ -144,7 +143,7 @@ def test_prepare_cli_karpathy_and_its_errors(tmp_path):
 
 def test_held_out_scenes_rewritten_in_flickr_layout(tmp_path):
     # The acceptance check's input: benchmarks/karpathy_flickr.py on captioner.heldout's splits.json.
-    from captioner.heldout import generate
+    from captioner.scenes.heldout import generate
     generate(tmp_path / "scenes", 30, seed=2)
     out = tmp_path / "dataset_flickr.json"
     p = run_cli("benchmarks/karpathy_flickr.py", str(tmp_path / "scenes" / "splits.json"), str(out))

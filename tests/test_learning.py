@@ -6,12 +6,13 @@ import json
 import pytest
 import torch
 
-from captioner.decoder import DecoderConfig
-from captioner.encoder import EncoderSpec
-from captioner.evaluation import evaluate
-from captioner.prepare import prepare
-from captioner.synthetic import generate
-from captioner.training import TrainConfig, fit
+from captioner.models.decoder import DecoderConfig
+from captioner.models.encoder import EncoderSpec
+from captioner.evaluation.evaluate import evaluate
+from captioner.train.prepare import PrepareConfig, prepare
+from captioner.scenes.synthetic import generate
+from captioner.train.config import TrainConfig
+from captioner.train.loop import fit
 
 SMALL = DecoderConfig(0, embed_dim=64, hidden_dim=128, attention_dim=64, dropout=0.1)
 
@@ -21,9 +22,7 @@ def scenes_112(tmp_path_factory):
     """240 scenes encoded at 112×112 (a 7×7 grid): four times cheaper than 224, same pipeline."""
     root = tmp_path_factory.mktemp("learn")
     generate(str(root / "scenes"), 240, seed=5)
-    prepare([str(root / "scenes" / "captions.json")], [str(root / "scenes" / "images")], str(root / "data"),
-            splits=str(root / "scenes" / "splits.json"), encoder=EncoderSpec(weights="none", image_size=112),
-            workers=0, progress=False)
+    prepare(PrepareConfig(captions=[str(root / 'scenes' / 'captions.json')], images=[str(root / 'scenes' / 'images')], out=str(root / 'data'), splits=str(root / 'scenes' / 'splits.json'), encoder=EncoderSpec(weights='none', image_size=112), workers=0), progress=False)
     return root / "data"
 
 

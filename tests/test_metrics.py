@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from captioner.metrics import ALL_METRICS, java_available, reference_agreement, score_captions
+from captioner.evaluation.metrics import ALL_METRICS, java_available, reference_agreement, score_captions
 
 REFS = {
     11: ["A red circle left of a blue square.", "a red circle and a blue square", "Two shapes: red circle, blue square"],

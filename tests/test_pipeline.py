@@ -9,9 +9,10 @@ import torch
 from PIL import Image
 
 from captioner import Captioner, CaptionerError
-from captioner.checkpoint import load_checkpoint, save_checkpoint
-from captioner.data import CaptionData
-from captioner.viz import attention_figure, upsample
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.data.dataset import CaptionData
+from captioner.evaluation.maps import upsample
+from captioner.serve.heatmaps import attention_figure
 
 from conftest import run_cli
 

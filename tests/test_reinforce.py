@@ -6,8 +6,8 @@ import itertools
 import pytest
 import torch
 
-from captioner.decoder import AttentionDecoder
-from captioner.reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
+from captioner.models.decoder import AttentionDecoder
+from captioner.objectives.reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
 
 L, V = 3, 6       # 3 locations, 2 steps: 9 location sequences to enumerate
 CAPTION = torch.tensor([[1, 4, 2]])     # <start> w <end>

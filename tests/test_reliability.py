@@ -14,8 +14,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from captioner.checkpoint import load_checkpoint
-from captioner.vocab import SPECIALS, Vocabulary, tokenize
+from captioner.models.checkpoint import load_checkpoint
+from captioner.models.vocab import SPECIALS, Vocabulary, tokenize
 
 from conftest import REPO, run_cli
 
@@ -120,9 +120,9 @@ def test_vocabulary_round_trip(sentences, min_count):
 
 def test_last_checkpoint_is_also_written_on_a_clock(data_dir, tmp_path, monkeypatch):
     """A run whose epochs outlast a kill still leaves last.pt: it is saved every checkpoint_minutes."""
-    import captioner.faults as faults
-    import captioner.training as training
-    from captioner.decoder import DecoderConfig
+    import captioner.train.resilience as faults
+    import captioner.train.loop as training
+    from captioner.models.decoder import DecoderConfig
     saved = []
     real = faults.save_checkpoint   # fit saves through faults.CheckpointSaver
     monkeypatch.setattr(faults, "save_checkpoint", lambda ck, path: (saved.append((ck["step"], path)), real(ck, path)))

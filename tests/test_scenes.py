@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 
-from captioner.assets.build import finished, pick_examples
-from captioner.scenes import accuracy, judge, read_objects
-from captioner.vocab import tokenize
+from captioner.demo.build import finished, pick_examples
+from captioner.scenes.judge import accuracy, judge, read_objects
+from captioner.models.vocab import tokenize
 
 
 def test_wrong_shape_and_colour_are_caught_where_bleu_would_not():

@@ -11,15 +11,17 @@ import torch
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
 
-import captioner.faults as faults
-from captioner.checkpoint import load_checkpoint
-from captioner.cider import DocumentFrequency, NgramScorer, References, cached_document_frequency
-from captioner.cli import train_main
-from captioner.data import CaptionData
-from captioner.decoder import AttentionDecoder
-from captioner.scst import ScstConfig, SelfCritical, TrainingImages, sample_captions, training_scorer
-from captioner.training import TrainConfig, fit
-from captioner.vocab import END_ID, PAD_ID, START_ID, UNK_ID
+import captioner.train.resilience as faults
+from captioner.models.checkpoint import load_checkpoint
+from captioner.objectives.cider import DocumentFrequency, NgramScorer, References, cached_document_frequency
+from captioner.cli.train import main as train_main
+from captioner.data.dataset import CaptionData
+from captioner.models.decoder import AttentionDecoder
+from captioner.data.dataset import TrainingImages
+from captioner.objectives.scst import ScstConfig, SelfCritical, sample_captions, training_scorer
+from captioner.train.config import TrainConfig
+from captioner.train.loop import fit
+from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
 
 
 # helpers
@@ -152,12 +154,12 @@ def test_one_step_raises_samples_that_beat_the_baseline(baseline):
 
 
 def _batch(feats):
-    from captioner.scst import ImageBatch
+    from captioner.objectives.scst import ImageBatch
     return ImageBatch(feats, torch.zeros(len(feats), dtype=torch.long))
 
 
 def test_greedy_baseline_is_the_greedy_captions_reward():
-    from captioner.decode import beam_search
+    from captioner.models.decode import beam_search
     dec, scorer, feats = toy()
     objective = SelfCritical(dec, ScstConfig(samples=4, baseline="greedy"), scorer, max_len=6)
     _, terms = objective(_batch(feats), 1.0, generator=torch.Generator().manual_seed(0))

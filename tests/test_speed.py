@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captioner.decode import beam_search
-from captioner.decoder import AttentionDecoder
-from captioner.encoder import EncoderSpec, build_encoder
-from captioner.fast_encoder import FusedVGG, native_bf16, onednn_available, optimize_encoder
-from captioner.vocab import END_ID, PAD_ID, START_ID
+from captioner.models.decode import beam_search
+from captioner.models.decoder import AttentionDecoder
+from captioner.models.encoder import EncoderSpec, build_encoder
+from captioner.models.fast_encoder import FusedVGG, native_bf16, onednn_available, optimize_encoder
+from captioner.models.vocab import END_ID, PAD_ID, START_ID
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pycocotools.coco import COCO
 
 REPO = Path(__file__).resolve().parents[1]
 
-from captioner.synthetic import COLORS, SHAPES, generate, main
+from captioner.scenes.synthetic import COLORS, SHAPES, generate, main
 
 PAIR_RE = re.compile(r"\b({})\s+({})\b".format("|".join(COLORS), "|".join(SHAPES)))
 REL_RE = re.compile(r"\b({c}) ({s}) (?:is |to the )?(left of|right of|above|below) an? ({c}) ({s})\b"
@@ -229,17 +229,17 @@ def test_main_in_process(tmp_path: Path) -> None:
 
 def test_cli(tmp_path: Path) -> None:
     out = tmp_path / "cli_out"
-    run = subprocess.run([sys.executable, "-m", "captioner.synthetic", str(out),
+    run = subprocess.run([sys.executable, "-m", "captioner.scenes.synthetic", str(out),
                           "--n", "4", "--seed", "3"], cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert len(load(out / "captions.json")["annotations"]) == 20
 
-    bad = subprocess.run([sys.executable, "-m", "captioner.synthetic", str(tmp_path / "x"),
+    bad = subprocess.run([sys.executable, "-m", "captioner.scenes.synthetic", str(tmp_path / "x"),
                           "--n", "0"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode != 0
     assert "positive" in bad.stderr and "--n" in bad.stderr
     assert not (tmp_path / "x").exists()
 
-    helped = subprocess.run([sys.executable, "-m", "captioner.synthetic", "--help"],
+    helped = subprocess.run([sys.executable, "-m", "captioner.scenes.synthetic", "--help"],
                             cwd=REPO, capture_output=True, text=True)
     assert helped.returncode == 0 and "default: 100" in helped.stdout

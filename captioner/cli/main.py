@@ -1,0 +1,163 @@
+"""`captioner`: caption images (`caption`), serve the web demo (`demo`), share a model (`export`)."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from tqdm import tqdm
+
+from captioner.cli.run import ArgumentParser, run
+from captioner.demo.options import DemoOptions
+from captioner.errors import CaptionerError
+from captioner.io import write_json_atomic
+from captioner.options import add_options, from_args
+from captioner.serve import bulk
+from captioner.serve.api import Captioner
+from captioner.serve.sources import resolve_checkpoint
+
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+@dataclass
+class CaptionOptions:
+    """`captioner caption`'s options (the images are its positional arguments)."""
+    checkpoint: Annotated[str | None, "a checkpoint written by `train.py fit`, or URL#sha256=HEX (default: the "
+                          "bundled demo model, which knows synthetic coloured shapes only)"] = None
+    recursive: Annotated[bool, "also take images in subdirectories of a directory"] = False
+    beam_size: Annotated[int, "beams per image (1: greedy)"] = 3
+    max_len: Annotated[int | None, "most words per caption (default: the checkpoint's training maximum)"] = None
+    mode: Annotated[Literal["expected", "argmax", "sample"] | None, "context for hard-attention models: "
+                    "expected (default), argmax or sampled location"] = None
+    seed: Annotated[int, "random seed of --mode sample"] = 0
+    json: Annotated[str | None, "write the results at the end as COCO results JSON [{image_id, caption, "
+                    "file_name, ...}]; they are also appended as they are made to the --jsonl log, by default "
+                    "this name with extension .jsonl"] = None
+    jsonl: Annotated[str | None, "append one JSON line per captioned image as it is made (a killed run keeps "
+                     "them)"] = None
+    resume: Annotated[bool, "skip the images already in the --jsonl log and append the rest"] = False
+    attention: Annotated[bool, "put each caption's words and per-word attention maps (grid x grid, rows top "
+                         "to bottom) in the JSON"] = False
+    figures: Annotated[str | None, "write one attention figure (PNG) per image into this directory"] = None
+    batch_size: Annotated[int, "images per batch through the model"] = 8
+    workers: Annotated[int, "threads decoding images while the model runs (0: none)"] = 2
+    device: Annotated[str, "auto (a GPU if there is one), cpu, cuda or cuda:N"] = "auto"
+    progress: Annotated[bool | None, "progress bar on stderr (default: when stderr is a terminal)"] = None
+
+    def __post_init__(self):
+        for name in ("beam_size", "max_len", "batch_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        if self.workers < 0:
+            raise ValueError(f"--workers must be 0 or more, got {self.workers}")
+        if not DEVICE.fullmatch(self.device):
+            raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.resume and not self.log_path:
+            raise ValueError("--resume needs the log to resume from: give --jsonl LOG (or --json OUT)")
+
+    @property
+    def log_path(self) -> str | None:
+        if self.jsonl:
+            return self.jsonl
+        if self.json:
+            return (self.json[:-5] if self.json.endswith(".json") else self.json) + ".jsonl"
+        return None
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="captioner", description="Caption images with a trained model, or serve the web demo.")
+    sub = p.add_subparsers(dest="command", required=True)
+    cp = sub.add_parser("caption", help="caption images, optionally drawing attention figures",
+                        description="Caption image files, directories and glob patterns, in batches. "
+                        "Prints one 'path<TAB>caption' line per image; --json writes COCO results.")
+    cp.add_argument("images", nargs="+", metavar="IMAGE",
+                    help="image files, directories of images, or glob patterns such as 'photos/*.jpg' "
+                    "(quoted, so that the shell leaves them alone; '**' matches subdirectories)")
+    add_options(cp, CaptionOptions)
+    add_options(sub.add_parser("demo", help="serve the web demo (upload an image, see its caption and heatmaps)"),
+                DemoOptions)
+    return p
+
+
+def _caption(args: argparse.Namespace) -> int:
+    from captioner.train.distributed import choose_device
+    opts = from_args(CaptionOptions, args)
+    paths = bulk.expand_inputs(args.images, recursive=opts.recursive)
+    if opts.checkpoint is None:
+        print("using the bundled demo model (synthetic coloured shapes only); --checkpoint chooses another",
+              file=sys.stderr)
+    cap = Captioner.load(resolve_checkpoint(opts.checkpoint), device=str(choose_device(opts.device)))
+    log = bulk.ResultLog(opts.log_path, resume=opts.resume) if opts.log_path else None
+    done = log.done if log else {}
+    ids = bulk.image_ids(list(dict.fromkeys([*done, *paths])))   # one id type over old and new
+    todo = [p for p in paths if p not in done]
+    if done:
+        print(f"{opts.log_path}: {len(paths) - len(todo)} of {len(paths)} images already captioned, skipped",
+              file=sys.stderr)
+    bar = tqdm(total=len(todo), unit="img", desc="captioning", file=sys.stderr, dynamic_ncols=True,
+               disable=not (sys.stderr.isatty() if opts.progress is None else opts.progress))
+
+    def on_error(path, error):
+        bar.update()
+        tqdm.write(f"error: {error}", file=sys.stderr)
+
+    try:
+        outcome = bulk.caption_files(cap, todo, ids, batch_size=opts.batch_size, workers=opts.workers,
+                                     attention=opts.attention, log=log, on_result=_shown(cap, opts, bar),
+                                     on_error=on_error, beam_size=opts.beam_size, max_len=opts.max_len,
+                                     mode=opts.mode, seed=opts.seed)
+    finally:
+        bar.close()
+        if log:
+            log.close()
+    if opts.json:
+        # Every image of this run's inputs that has a result, this run's or the log's, in input order.
+        results = {**done, **{r["file_name"]: r for r in outcome.records}}
+        write_json_atomic(opts.json, [{**results[p], "image_id": ids[p]} for p in paths if p in results])
+    if outcome.failed:
+        raise CaptionerError(f"{len(outcome.failed)} of {len(paths)} images could not be read")
+    return 0
+
+
+def _shown(cap: Captioner, opts: CaptionOptions, bar):
+    """What happens to each captioned image: its line on stdout, notes on stderr, its figure."""
+    from captioner.serve.heatmaps import attention_figure, figure_png
+    if opts.figures:
+        os.makedirs(opts.figures, exist_ok=True)
+
+    def on_result(path, image, out, record):
+        bar.update()
+        tqdm.write(f"{path}\t{out.text}", file=sys.stdout)
+        familiarity = record.get("familiarity")
+        if familiarity and familiarity.get("unfamiliar"):
+            tqdm.write(f"note: {path}: {familiarity.get('message', 'unlike the training images')}", file=sys.stderr)
+        if opts.figures:
+            fig = attention_figure(image, out.words, out.attention, preprocess=cap.encoder_spec.preprocess,
+                                   locations=out.locations, title=out.text)
+            # Named after the file; after its path where file names repeat (the ids are paths then).
+            name = os.path.splitext(os.path.basename(path))[0]
+            if record["image_id"] == path:
+                name = re.sub(r"[^\w.-]+", "_", path)
+            with open(os.path.join(opts.figures, f"{name}.png"), "wb") as f:
+                f.write(figure_png(fig))
+    return on_result
+
+
+def _demo(args: argparse.Namespace) -> int:
+    try:
+        from captioner.demo.app import main
+    except ImportError as e:
+        if e.name != "gradio":
+            raise
+        raise CaptionerError("the web demo needs gradio: pip install 'captioner[demo]'") from None
+    main(from_args(DemoOptions, args))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `captioner` (and `python -m captioner`)."""
+    args = get_parser().parse_args(argv)
+    return run({"caption": _caption, "demo": _demo}[args.command], args)

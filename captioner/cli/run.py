@@ -1,0 +1,64 @@
+"""What every command line shares: logging set up for a program, and errors as one line.
+
+Mistakes in the user's input (`CaptionerError`, a bad option value) end with one `error:` line
+naming the file or flag, never a traceback; exit status 2 for such errors and for a full disk.
+Ctrl-C outside a graceful stop ends with status 130 and says what was kept.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import sys
+from collections.abc import Callable
+
+from tqdm import tqdm
+
+from captioner.errors import CaptionerError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with every subcommand's options showing their defaults (the fields' own help says them)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+class _Lines(logging.Handler):
+    """The library's messages on stderr, one line each ("warning: ..." for warnings), written
+    through tqdm so that a progress bar stays whole."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        prefix = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        tqdm.write(prefix + record.getMessage(), file=sys.stderr)
+
+
+def setup_logging() -> None:
+    """Show the package's warnings and notes (INFO and up) on stderr; idempotent."""
+    logger = logging.getLogger("captioner")
+    if not any(isinstance(h, _Lines) for h in logger.handlers):
+        logger.addHandler(_Lines())
+    logger.setLevel(logging.INFO)
+
+
+def run(handler: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
+    """Call a command's handler, turning user errors into one line and an exit status."""
+    setup_logging()
+    try:
+        return handler(args) or 0
+    except (CaptionerError, ValueError) as e:
+        if isinstance(e, ValueError) and not str(e).startswith("--"):
+            raise  # a ValueError that names no option is a bug: keep its traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        # A full disk or quota wherever a write was not given its own message.
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: {e.strerror}{f' ({e.filename})' if e.filename else ''}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; finished work is kept (prepare resumes, fit --resume continues, "
+              "caption --resume skips the images already captioned)", file=sys.stderr)
+        return 130

@@ -1,0 +1,334 @@
+"""The web demo's logic: read an upload, caption it through a shared batcher, draw its views.
+
+`app.py` lays out the page and wires its events to a `Demo`; nothing here knows the layout.
+Uploads arrive undecoded and are read once by `load_image`, so each error says what is wrong
+with the image. Concurrent requests share `caption_batch` calls through a `Batcher`, each
+image's failure staying its own. Each browser tab has a `Session`: its current `View` (what a
+captioned image leaves: enough to redraw every heatmap, and the heatmaps already drawn) and a
+ticket counter, so that a caption request overtaken by a newer one never shows its results.
+The page's caption event returns a `PageOutputs`, every output of the page at once: a new
+image, an error or a cleared input each set all of them, so nothing stale stays on the page.
+Symbols: n words, g×g attention grid (14×14 for VGG at 224).
+"""
+from __future__ import annotations
+
+import collections
+import html
+import os
+import re
+import shutil
+import tempfile
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import gradio as gr
+import numpy as np
+from gradio_client.utils import decode_base64_to_binary
+from PIL import Image, ImageOps
+
+from captioner.serve import heatmaps as viz
+from captioner.serve.api import Caption, Captioner
+from captioner.serve.batcher import Batcher
+from captioner.errors import CaptionerError, ImageError
+from captioner.data.images import load_image
+from captioner.models.preprocess import Preprocess
+
+VIEW_SIDE = 512       # longest side of the stored image and the large heatmap: enough for a screen
+THUMB_SIDE = 160      # longest side of the per-word thumbnails, about the size the gallery shows
+FIGURES_KEPT = 64     # attention PNGs kept on disk for download; older ones are deleted
+MARK = (249, 115, 22)     # frame of the selected word's thumbnail (the page's orange)
+FRAME = 4                 # its width in pixels; the other thumbnails get a white frame
+
+
+@dataclass
+class View:
+    """What one captioned image leaves in a session: enough to redraw every heatmap."""
+    image: Image.Image                # upright RGB, longest side VIEW_SIDE
+    thumb: Image.Image                # the same, longest side THUMB_SIDE
+    text: str
+    words: list[str]
+    attention: np.ndarray             # (n, g, g)
+    locations: list[tuple[int, int]] | None
+    preprocess: Preprocess            # tells viz which part of the image the grid covers
+    selected: int = 0                 # the word shown large
+    # Heatmaps drawn so far at `opacity`: ("thumbs",) → list, ("large", k) → image, ("figure",) → path.
+    drawn: dict = field(default_factory=dict)
+    opacity: float | None = None
+
+    def drawn_at(self, opacity: float) -> dict:
+        """The cache of what is drawn at this opacity (emptied when the opacity changes)."""
+        if opacity != self.opacity:
+            self.drawn, self.opacity = {}, opacity
+        return self.drawn
+
+
+class Session:
+    """One browser tab: the image it shows, and which caption request is the newest."""
+
+    def __init__(self):
+        self.view: View | None = None
+        self.newest = 0                     # the ticket of the newest caption request
+        self._lock = threading.Lock()
+
+    def ticket(self) -> int:
+        """A number for a caption request starting now; later requests get larger ones."""
+        with self._lock:
+            self.newest += 1
+            return self.newest
+
+
+class PageOutputs(NamedTuple):
+    """Every output of the page's caption event, in the order app.py lists the components."""
+    image: object          # the input image (set when an example is chosen), else gr.skip()
+    error: object          # the one error line next to the image
+    caption: object
+    familiarity: object    # "like / unlike the training images", next to the caption
+    words: object
+    large_label: object
+    large: object
+    gallery: object
+    alternatives: object
+    data: object
+    download: object
+    session: object
+
+
+# helpers
+
+def upload_source(payload: dict | str | None) -> str | bytes | None:
+    """The uploaded file from gr.Image's raw payload: its path, or bytes for a data URL.
+
+    gr.Image's own preprocessing opens each upload with Pillow and re-encodes non-RGB ones: odd
+    files fail with Pillow's bare exception before our handler runs, and 16-bit images are
+    clipped. So the caption events skip it and hand the file to `load_image` untouched.
+    """
+    if payload is None or isinstance(payload, str):  # a path: direct calls
+        return payload
+    if (payload.get("url") or "").startswith("data:"):  # webcam/clipboard sent inline
+        return decode_base64_to_binary(payload["url"])[0]
+    return payload["path"]
+
+
+def upload_name(payload: dict | str | None) -> str | None:
+    """The name the user knows the upload by (its own file name, not the server's cache path)."""
+    if isinstance(payload, dict) and payload.get("orig_name"):
+        return os.path.basename(payload["orig_name"])
+    source = upload_source(payload)
+    return os.path.basename(source) if isinstance(source, str) else None
+
+
+def read_upload(payload: dict | str | None) -> Image.Image:
+    """Decode an upload with `load_image`; errors become a gr.Error about that image.
+
+    The message names the file by its own name, not by the server's cache path.
+    """
+    image = upload_source(payload)
+    if image is None:
+        raise gr.Error("No image: upload, paste or take one first.", title="No image", print_exception=False)
+    try:
+        return load_image(image)
+    except ImageError as e:
+        message = str(e).replace(image, upload_name(payload)) if isinstance(image, str) else str(e)
+        raise gr.Error(message, title="Cannot read this image", duration=None,
+                       print_exception=False) from None
+
+
+def fit_view(image: Image.Image) -> Image.Image:
+    """Scale to VIEW_SIDE on the longest side: tiny images become visible, huge ones light.
+
+    The attention grid covers the resized image just as it covered the original.
+    """
+    return viz.fit_side(image, VIEW_SIDE)
+
+
+def caption_data(out: Caption, decimals: int = 6) -> dict:
+    """A caption as plain JSON for programs: words, score, attention (n, g, g) nested lists."""
+    return {
+        "caption": out.text,
+        "words": out.words,
+        "score": float(out.score),
+        "attention": np.round(out.attention.astype(np.float64), decimals).tolist(),
+        "alternatives": [{"caption": text, "log_prob": float(lp)} for text, lp in out.alternatives],
+        "locations": [list(loc) for loc in out.locations] if out.locations is not None else None,
+        "image_size": list(out.size),
+        "familiarity": out.familiarity,
+    }
+
+
+def highlighted(view: View) -> list[tuple[str, str]]:
+    """The caption as (word, label) tokens for gr.HighlightedText; the shown word stands out."""
+    return [(w, "shown" if i == view.selected else "word") for i, w in enumerate(view.words)]
+
+
+def familiarity_html(verdict: dict | None) -> str:
+    """The line beside the caption saying whether the image is like the training images."""
+    if verdict is None:
+        return ""
+    kind = "unfamiliar" if verdict["unfamiliar"] else "familiar"
+    mark = "⚠" if verdict["unfamiliar"] else "✓"
+    return f'<p class="familiarity {kind}">{mark} {html.escape(verdict["message"])}</p>'
+
+
+def error_html(message: str) -> str:
+    return f'<p class="image-error" role="alert">⚠ {html.escape(message)}</p>'
+
+
+def large_label(view: View) -> str:
+    k = view.selected
+    return (f'Where the model looked for **"{view.words[k]}"** (word {k + 1} of {len(view.words)}); '
+            "brighter means more attention")
+
+
+def _frame(thumb: Image.Image, selected: bool) -> Image.Image:
+    return ImageOps.expand(thumb, border=FRAME, fill=MARK if selected else (255, 255, 255))
+
+
+class Demo:
+    """The demo's event handlers around one loaded model.
+
+    Args:
+        captioner: the model.
+        max_batch_size: most images per `caption_batch` call.
+        figures_dir: where downloadable attention PNGs go (default: a fresh temporary directory).
+    """
+
+    def __init__(self, captioner: Captioner, *, max_batch_size: int = 8, figures_dir: str | None = None):
+        self.captioner = captioner
+        self.batcher = Batcher(captioner, max_batch_size=max_batch_size)
+        self.figures_dir = figures_dir or tempfile.mkdtemp(prefix="captioner-demo-")
+        if figures_dir is None:  # ours: removed when the server exits normally
+            weakref.finalize(self, shutil.rmtree, self.figures_dir, ignore_errors=True)
+        self._figures: collections.deque[str] = collections.deque()
+        self._figures_lock = threading.Lock()
+
+    # events
+
+    def caption(self, image: dict | str | None, beam_size: float = 3) -> tuple[str, dict]:
+        """The `/caption` API: an image and a beam size → the caption text, then its data.
+
+        Args:
+            image: the upload (gr.Image's payload, or a path).
+            beam_size: K of the beam search (1 is greedy).
+
+        Returns:
+            The caption, and a dict with words, score, attention (n, 14, 14), alternatives and
+            familiarity (is the image like the training images; None if the model cannot tell).
+        """
+        out = self._caption(read_upload(image), beam_size)
+        return out.text, caption_data(out)
+
+    def caption_view(self, image: dict | str | None, beam_size: float, max_len: float, opacity: float,
+                     session: Session | None, *, show: str | None = None):
+        """The page's caption event: yields `PageOutputs`, first with the outputs cleared, then filled.
+
+        Args:
+            image: the upload (gr.Image's payload, or a path); None clears the page.
+            show: a path to put in the image input first (an example was chosen).
+        """
+        session = session or Session()
+        ticket = session.ticket()
+        session.view = None
+        cleared = self._cleared(session, image=show if show is not None else gr.skip())
+        yield cleared
+        if image is None:  # the input was cleared: so is the page
+            return
+        cleared = cleared._replace(image=gr.skip())   # an example's picture is sent once
+        try:
+            picture = read_upload(image)
+            out = self._caption(picture, beam_size, max_len)
+        except gr.Error as e:  # shown beside the image: no toast, no error badge on every output
+            if ticket == session.newest:
+                yield cleared._replace(error=gr.update(value=error_html(str(e.message)), visible=True))
+            return
+        view_image = fit_view(picture)
+        view = View(view_image, viz.fit_side(view_image, THUMB_SIDE), out.text, out.words, out.attention,
+                    out.locations, self.captioner.encoder_spec.preprocess)
+        large, gallery = self.heatmaps(view, opacity)
+        if ticket != session.newest:  # a newer request started meanwhile: its results win
+            return
+        session.view = view
+        rows = [[text, round(lp, 3)] for text, lp in out.alternatives]
+        yield cleared._replace(
+            caption=out.text or "(no words)", familiarity=familiarity_html(out.familiarity),
+            words=highlighted(view), large_label=large_label(view) if view.words else "The model wrote no words",
+            large=large, gallery=gallery, alternatives=rows, data=caption_data(out),
+            download=gr.update(interactive=bool(view.words)))
+
+    def select_word(self, session: Session | None, opacity: float, evt: gr.SelectData):
+        """A word (of the caption or the gallery) was clicked → (words, label, large heatmap, gallery)."""
+        view = session.view if session else None
+        if view is None or not view.words:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        view.selected = min(int(evt.index if not isinstance(evt.index, list) else evt.index[0]),
+                            len(view.words) - 1)
+        large, gallery = self.heatmaps(view, opacity)
+        return highlighted(view), large_label(view), large, gallery
+
+    def redraw(self, session: Session | None, opacity: float):
+        """Opacity changed → (large heatmap, gallery), redrawn from the View, not the model."""
+        view = session.view if session else None
+        if view is None:
+            return gr.skip(), gr.skip()
+        return self.heatmaps(view, opacity)
+
+    def figure(self, session: Session | None, opacity: float) -> str | None:
+        """The paper-style attention figure of the shown image as a PNG file (drawn when asked)."""
+        view = session.view if session else None
+        if view is None or not view.words:
+            return None
+        drawn = view.drawn_at(float(opacity))
+        if ("figure",) in drawn and os.path.exists(drawn["figure",]):
+            return drawn["figure",]
+        fig = viz.attention_figure(view.image, view.words, view.attention, preprocess=view.preprocess,
+                                   opacity=float(opacity), locations=view.locations, title=view.text)
+        name = re.sub(r"[^a-z0-9]+", "-", view.text.lower()).strip("-")[:48] or "no-words"
+        fd, path = tempfile.mkstemp(dir=self.figures_dir, prefix=f"attention-{name}-", suffix=".png")
+        with os.fdopen(fd, "wb") as f:
+            f.write(viz.figure_png(fig))
+        with self._figures_lock:
+            # Gradio copies returned files into its cache, so all but the latest PNGs can go.
+            self._figures.append(path)
+            while len(self._figures) > FIGURES_KEPT:
+                os.remove(self._figures.popleft())
+        drawn["figure",] = path
+        return path
+
+    # helpers
+
+    def _cleared(self, session: Session, image) -> PageOutputs:
+        """Every output emptied, the error line hidden and the download disabled."""
+        return PageOutputs(image=image, error=gr.update(value="", visible=False), caption="", familiarity="",
+                           words=[], large_label="", large=None, gallery=[], alternatives=[], data=None,
+                           download=gr.update(interactive=False), session=session)
+
+    def _caption(self, picture: Image.Image, beam_size: float, max_len: float | None = None) -> Caption:
+        # The caption events skip Gradio's preprocessing, so the numbers arrive unchecked.
+        try:
+            beam, length = int(beam_size), int(max_len) if max_len else None
+        except (TypeError, ValueError):
+            raise gr.Error(f"beam size and maximum length must be numbers, got {beam_size!r} and {max_len!r}",
+                           print_exception=False) from None
+        try:
+            return self.batcher.caption(picture, beam, length)
+        except CaptionerError as e:  # e.g. a beam size out of range: the caller can fix it
+            raise gr.Error(str(e), print_exception=False) from None
+
+    def heatmaps(self, view: View, opacity: float) -> tuple[Image.Image | None, list]:
+        """The selected word's overlay at VIEW_SIDE, and every word's thumbnail (the selected one framed).
+
+        Each is drawn once per opacity and kept in the View: clicking words redraws nothing.
+        """
+        if not view.words:
+            return view.image, []
+        drawn = view.drawn_at(float(opacity))
+        if ("thumbs",) not in drawn:
+            drawn["thumbs",] = viz.word_overlays(view.thumb, view.attention, preprocess=view.preprocess,
+                                                 opacity=float(opacity), max_side=None)
+        k = view.selected
+        if ("large", k) not in drawn:
+            drawn["large", k] = viz.word_overlays(view.image, view.attention[k:k + 1], preprocess=view.preprocess,
+                                                  opacity=float(opacity), max_side=None)[0]
+        gallery = [(_frame(t, i == k), f"{i + 1}. {w}") for i, (t, w) in enumerate(zip(drawn["thumbs",], view.words))]
+        return drawn["large", k], gallery

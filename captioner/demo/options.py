@@ -1,0 +1,22 @@
+"""The web demo's options, apart from the page so that reading them needs no gradio."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from captioner.data.images import DEFAULT_MAX_PIXELS
+
+
+@dataclass
+class DemoOptions:
+    """The web demo's options (`captioner demo`, `python app.py`)."""
+    checkpoint: Annotated[str | None, "checkpoint path, or URL#sha256=HEX downloaded once into torch's hub "
+                          "cache (default: the bundled demo model)"] = None
+    host: Annotated[str, "address to serve on"] = "127.0.0.1"
+    port: Annotated[int, "port"] = 7860
+    examples: Annotated[list[str] | None, "example images shown on the page (default: the bundled examples)"] = None
+    max_file_size: Annotated[str, "largest upload"] = "20mb"
+    max_pixels: Annotated[int, "largest image in pixels, against decompression bombs"] = DEFAULT_MAX_PIXELS
+    max_batch_size: Annotated[int, "most concurrent images captioned in one forward pass"] = 8
+    queue_size: Annotated[int, "requests waiting beyond this are told the server is busy"] = 64
+    device: Annotated[str, "torch device"] = "cpu"

@@ -1,0 +1,86 @@
+"""Captioning a split of a prepared data directory: validation during `fit`, and `evaluate`.
+
+The features come from the cache, or, for a fine-tuned checkpoint, from its own encoder layers
+(the cache holds the frozen encoder's output): see `checkpoint_features`.
+Shapes: n images, L locations, D feature size.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from captioner.data.dataset import CaptionData
+from captioner.data.encoder_inputs import complete_input_cache, encoded_features
+from captioner.evaluation.metrics import score_captions
+from captioner.models.decode import Hypothesis, beam_search
+from captioner.models.decoder import EXPECTED, AttentionDecoder
+from captioner.models.encoder import VGGEncoder, apply_encoder_state
+from captioner.models.tuned import TunedEncoder, layers_of
+from captioner.models.vocab import Vocabulary
+
+
+def caption_split(decoder: AttentionDecoder, data: CaptionData, vocab: Vocabulary, split: str, *,
+                  beam_size: int = 3, max_len: int = 20, batch_size: int = 50,
+                  device: torch.device | str = "cpu", max_images: int | None = None,
+                  mode: str = EXPECTED, shard: tuple[int, int] = (0, 1),
+                  features: Callable[[np.ndarray], torch.Tensor] | None = None,
+                  ) -> tuple[dict[int, str], dict[int, Hypothesis]]:
+    """Beam-search captions for a split's images.
+
+    Args:
+        shard: (rank, world): caption only every world-th image from rank on.
+        features: rows → (n, L, D) features; default the data's cache (a fine-tuned encoder's
+            features are not in it: see finetune.py).
+
+    Returns:
+        image id → caption text, and image id → the best hypothesis (with its attention).
+    """
+    ids, rows = data.split_images(split)
+    if max_images:
+        ids, rows = ids[:max_images], rows[:max_images]
+    rank, world = shard
+    ids, rows = ids[rank::world], rows[rank::world]
+    was_training = decoder.training
+    decoder.eval()
+    texts, hyps = {}, {}
+    for i in range(0, len(ids), batch_size):
+        feats = (features or data.features)(rows[i:i + batch_size]).to(device)  # (b, L, D)
+        for image_id, beams in zip(ids[i:i + batch_size], beam_search(
+                decoder, feats, beam_size=beam_size, max_len=max_len, mode=mode)):
+            best = beams[0]
+            hyps[int(image_id)] = best
+            texts[int(image_id)] = " ".join(vocab.decode(best.tokens))
+    decoder.train(was_training)
+    return texts, hyps
+
+
+def score_validation(texts: dict[int, str], references: dict[int, list[str]]) -> dict:
+    """Validation scores: BLEU-4 and CIDEr on Python tokenisation (fast, no Java)."""
+    scores = score_captions(texts, references, metrics=("BLEU-4", "CIDEr"), use_java=False)
+    return {"BLEU-4": scores["BLEU-4"], "CIDEr": scores["CIDEr"], "images": len(texts),
+            "example": texts[min(texts)] if texts else ""}
+
+
+def checkpoint_features(spec_encoder: VGGEncoder, encoder_state: dict, data: CaptionData, device,
+                        source: str, workers: int = 2) -> Callable[[np.ndarray], torch.Tensor]:
+    """rows → features of a fine-tuned checkpoint's encoder, for `evaluate`.
+
+    The feature cache holds the frozen encoder's output, which the fine-tuned one no longer
+    gives: its layers run on the pool4 cache when the data directory has a complete one for
+    them, else on the images.
+
+    Args:
+        spec_encoder: the encoder the features were made with (`build_encoder` of the data's spec).
+        encoder_state: the checkpoint's trained layers.
+    """
+    start = layers_of(encoder_state)
+    cache = complete_input_cache(data, start)
+    if cache is not None:
+        encoder = TunedEncoder(spec_encoder.features, start, from_cache=True)
+        encoder.load_encoder_state(encoder_state, source)
+    else:
+        encoder = apply_encoder_state(spec_encoder, encoder_state, source)
+    encoder = encoder.to(device).eval()
+    return lambda rows: encoded_features(encoder, data, rows, cache=cache, device=device, workers=workers)

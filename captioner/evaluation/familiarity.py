@@ -1,0 +1,275 @@
+"""Is an image like the ones the model was trained on? A distance of its features from theirs.
+
+A captioning model describes anything in the words it knows: shown a photograph, a model
+trained on coloured shapes still writes "a red circle". This module says when an image is
+unlike the training images, so that the page, the API and the CLI can say so next to the caption.
+
+The score: the encoder's annotation vectors of an image (L, D), standardised per channel with
+the training features' mean and std, are averaged over the L locations into one D-vector x.
+The training images' vectors are modelled as one Gaussian (mean μ, covariance Σ); the score is
+the Mahalanobis distance scaled to one channel, sqrt((x − μ)ᵀ Σ⁻¹ (x − μ) / D). Σ is shrunk
+towards a multiple of the identity, since a few thousand images cannot estimate
+D² = 262,144 covariances; how much is chosen from the data (Ledoit-Wolf). The full covariance
+separates scenes from photographs far better than the diagonal alone or than per-location
+distances (docs/familiarity.md): photographs differ less in any one channel than in how
+channels go together.
+
+The threshold is calibrated on two sides. Familiar: the held-out validation images, which the
+model never trained on; the QUANTILE of their scores, times MARGIN, is the least the threshold
+may be. Unfamiliar: real photographs that Python packages ship (matplotlib's sample photograph,
+scikit-image's when installed; `calibration_photos`), each whole and in crops. When the
+photographs all score above that least value, the threshold lies halfway between the two (the
+geometric mean with the photographs' lowest score), so neither side sits on the edge; when some
+do not, it stays at the validation bound, since a scene flagged as unlike its own training
+scenes would be worse than a photograph missed. Statistics, threshold and the photographs'
+scores are computed by `fit` and stored in the checkpoint under "familiarity" as plain tensors
+and numbers (a fine-tuned encoder's checkpoints get them when `fit` ends, from the layers each
+holds: `finetune.add_tuned_familiarity`); a checkpoint without them reports nothing (None).
+Symbols: B images, L locations, D annotation size, N images sampled from a split.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from PIL import Image
+
+from captioner.data.features import nonfinite_rows
+from captioner.data.images import load_image
+from captioner.errors import CaptionerError
+from captioner.models.encoder import EncoderSpec, build_encoder
+
+METHOD = "pooled-mahalanobis/1"
+MAX_TRAIN_IMAGES = 4000   # enough for the covariance with shrinkage; bounds the reads on COCO
+MAX_VAL_IMAGES = 1000
+QUANTILE = 0.99           # of the held-out images' scores ...
+MARGIN = 1.0              # ... times this is the threshold
+EPS = 1e-3                # floor on stds, as the decoder's standardisation has
+
+
+@dataclass
+class FamiliarityStats:
+    """What `distances` needs: the training features' statistics and the calibrated threshold."""
+    feature_mean: torch.Tensor   # (D,) per-channel mean of the training annotation vectors
+    feature_std: torch.Tensor    # (D,)
+    pooled_mean: torch.Tensor    # (D,) μ of the training images' pooled standardised vectors
+    precision: torch.Tensor      # (D, D) Σ⁻¹ of the shrunk covariance
+    threshold: float             # scores above it are unfamiliar
+    train_images: int = 0
+    val_images: int = 0
+    val_quantile: float = 0.0    # the QUANTILE of the held-out scores
+    shrinkage: float = 0.0       # of the covariance (see `gaussian`)
+    photo_scores: dict = field(default_factory=dict)  # calibration photograph (view) → score
+
+    def to_dict(self) -> dict:
+        """Plain tensors and numbers, for a checkpoint read with weights_only."""
+        return {"method": METHOD, "feature_mean": self.feature_mean, "feature_std": self.feature_std,
+                "pooled_mean": self.pooled_mean, "precision": self.precision,
+                "threshold": float(self.threshold), "train_images": int(self.train_images),
+                "val_images": int(self.val_images), "val_quantile": float(self.val_quantile),
+                "quantile": QUANTILE, "margin": MARGIN, "shrinkage": float(self.shrinkage),
+                "photo_scores": {str(k): float(v) for k, v in self.photo_scores.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "FamiliarityStats | None":
+        """The stats of a checkpoint's "familiarity" entry; None when absent or of another method."""
+        if not isinstance(d, dict) or d.get("method") != METHOD:
+            return None
+        return cls(*(d[k].float().cpu() for k in ("feature_mean", "feature_std", "pooled_mean", "precision")),
+                   threshold=float(d["threshold"]), train_images=int(d.get("train_images", 0)),
+                   val_images=int(d.get("val_images", 0)), val_quantile=float(d.get("val_quantile", 0.0)),
+                   shrinkage=float(d.get("shrinkage", 0.0)),
+                   photo_scores={str(k): float(v) for k, v in (d.get("photo_scores") or {}).items()})
+
+
+def pool(features: torch.Tensor, feature_mean: torch.Tensor, feature_std: torch.Tensor) -> torch.Tensor:
+    """Annotation vectors (B, L, D) → standardised, averaged over locations (B, D)."""
+    z = (features.float() - feature_mean.to(features.device)) / feature_std.to(features.device).clamp_min(EPS)
+    return z.mean(dim=1)                                                      # (B, D)
+
+
+def gaussian(vectors: torch.Tensor, shrinkage: float | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Mean (D,) and precision (D, D) of vectors (N, D), the covariance shrunk towards m·I.
+
+    Args:
+        shrinkage: s in Σ ← (1 − s) S + s·m·I, m the mean variance; None picks it from the data
+            (Ledoit and Wolf, 2004): near 1 for a few vectors, small for many.
+
+    Returns:
+        μ, Σ⁻¹ and the shrinkage used.
+    """
+    mu = vectors.mean(0)                                                      # (D,)
+    x = (vectors - mu).double()                                               # (N, D)
+    n, D = x.shape
+    cov = x.T @ x / max(1, n)                                                 # (D, D) S
+    m = cov.diagonal().mean().clamp_min(EPS ** 2)
+    eye = torch.eye(D, dtype=cov.dtype)
+    if shrinkage is None:
+        # b² estimates how far S is from Σ (its sampling error), d² how far S is from m·I.
+        d2 = (cov - m * eye).pow(2).sum()
+        b2 = ((x.pow(2).sum(1).pow(2).sum() / n - cov.pow(2).sum()) / n).clamp_min(0)
+        shrinkage = float(min(1.0, b2 / d2)) if d2 > 0 else 1.0
+    cov = (1 - shrinkage) * cov + shrinkage * m * eye
+    return mu, torch.linalg.inv(cov).float(), float(shrinkage)
+
+
+def mahalanobis(x: torch.Tensor, mu: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
+    """sqrt((x − μ)ᵀ P (x − μ) / D) for vectors x (B, D): about 1 for typical training vectors."""
+    d = x - mu.to(x.device)                                                   # (B, D)
+    return ((d @ precision.to(x.device)) * d).sum(1).div(d.shape[1]).clamp_min(0).sqrt()   # (B,)
+
+
+def distances(features: torch.Tensor, stats: FamiliarityStats) -> torch.Tensor:
+    """Scores (B,) of images' annotation vectors (B, L, D)."""
+    return mahalanobis(pool(features, stats.feature_mean, stats.feature_std), stats.pooled_mean, stats.precision)
+
+
+def describe(score: float, stats: FamiliarityStats) -> dict:
+    """The verdict on one score, as shown next to a caption: {"score", "unfamiliar", "message", "threshold"}."""
+    unfamiliar = bool(score > stats.threshold)
+    if unfamiliar:
+        message = (f"This image is unlike the images the model was trained on (distance {score:.2f}; "
+                   f"images like them score below {stats.threshold:.2f}), so the caption is probably wrong.")
+    else:
+        message = (f"This image is like the images the model was trained on (distance {score:.2f}, "
+                   f"below {stats.threshold:.2f}).")
+    return {"score": round(float(score), 4), "unfamiliar": unfamiliar, "message": message,
+            "threshold": round(float(stats.threshold), 4)}
+
+
+def familiarity(features: torch.Tensor, stats: FamiliarityStats | None) -> list[dict | None]:
+    """One verdict per image of features (B, L, D); Nones when the checkpoint has no statistics."""
+    if stats is None:
+        return [None] * len(features)
+    return [describe(s, stats) for s in distances(features, stats).tolist()]
+
+
+# fitting, from a prepared data directory
+
+def _sample(rows: np.ndarray, most: int, seed: int) -> np.ndarray:
+    if len(rows) <= most:
+        return rows
+    return np.sort(np.random.default_rng(seed).choice(rows, size=most, replace=False))
+
+
+def _pooled(read: Callable[[np.ndarray], torch.Tensor], rows: np.ndarray, mean: torch.Tensor,
+            std: torch.Tensor, batch: int = 64) -> torch.Tensor:
+    """Pooled standardised vectors (N, D) of the features `read` gives for rows, a batch at a time.
+
+    Rows whose features are not finite (damaged; `fit` names them) are left out quietly.
+    """
+    out = []
+    for i in range(0, len(rows), batch):
+        raw = read(rows[i:i + batch]).cpu()                                      # (b, L, D), fp16 if cached
+        out.append(pool(raw[~torch.from_numpy(nonfinite_rows(raw.numpy()))], mean, std))
+    return torch.cat(out)
+
+
+def calibration_photos() -> list[str]:
+    """Real photographs shipped by installed packages: matplotlib's, and scikit-image's if installed.
+
+    Gradio's sample photographs are left out on purpose: the tests check the verdict on them,
+    so they must not be among the images the threshold was set with.
+    """
+    import matplotlib.cbook
+    photos = [str(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))]
+    try:
+        import skimage.data
+        folder = os.path.dirname(skimage.data.__file__)
+        photos += [os.path.join(folder, name) for name in ("astronaut.png", "coffee.png", "chelsea.png",
+                                                           "rocket.jpg", "motorcycle_left.png")]
+    except ImportError:
+        pass
+    return [p for p in photos if os.path.exists(p)]
+
+
+def photo_views(image: Image.Image) -> dict[str, Image.Image]:
+    """A photograph whole and in five crops of half its sides (centre, four corners)."""
+    w, h = image.size
+    cw, ch = w // 2, h // 2
+    boxes = {"whole": (0, 0, w, h), "centre": (w // 4, h // 4, w // 4 + cw, h // 4 + ch),
+             "top-left": (0, 0, cw, ch), "top-right": (w - cw, 0, w, ch),
+             "bottom-left": (0, h - ch, cw, h), "bottom-right": (w - cw, h - ch, w, h)}
+    return {name: image.crop(box) for name, box in boxes.items()}
+
+
+@torch.inference_mode()
+def _encode_views(encoder: torch.nn.Module, spec: EncoderSpec, photos: Sequence[str]):
+    """Names and annotation vectors (N, L, D) of the photographs' views."""
+    names, pils = [], []
+    for path in photos:
+        for view, pil in photo_views(load_image(path)).items():
+            names.append(f"{os.path.basename(path)}:{view}")
+            pils.append(pil)
+    x = torch.stack([spec.preprocess(p) for p in pils]).to(next(encoder.parameters()).device)  # (N, 3, S, S)
+    return tuple(names), encoder(x).float().cpu()                            # (N, L, D)
+
+
+@functools.lru_cache(maxsize=4)
+def _photo_features(spec: EncoderSpec, photos: tuple[str, ...]) -> tuple[tuple[str, ...], torch.Tensor]:
+    """The views' vectors by the spec's own encoder (cached: one encoder pass per process)."""
+    return _encode_views(build_encoder(spec)[0], spec, photos)
+
+
+def photo_scores(spec: EncoderSpec, mean: torch.Tensor, std: torch.Tensor, mu: torch.Tensor,
+                 precision: torch.Tensor, photos: Sequence[str] | None = None,
+                 encoder: torch.nn.Module | None = None) -> dict[str, float]:
+    """Scores of the calibration photographs' views; empty when there are none or no encoder.
+
+    The encoder is the one the features were made with: the data's spec unless `encoder` is
+    given (a fine-tuned one). If the spec's cannot be built here (e.g. weights not in the
+    cache), the threshold is calibrated on the scenes alone.
+    """
+    photos = tuple(calibration_photos() if photos is None else photos)
+    if not photos:
+        return {}
+    try:
+        names, feats = _photo_features(spec, photos) if encoder is None else _encode_views(encoder, spec, photos)
+    except CaptionerError:
+        return {}
+    scores = mahalanobis(pool(feats, mean, std), mu, precision)              # (N,)
+    return dict(zip(names, scores.tolist()))
+
+
+def threshold(val_bound: float, photos: dict[str, float]) -> float:
+    """The verdict's threshold from the validation bound and the photographs' scores (module doc)."""
+    lowest = min(photos.values(), default=0.0)
+    return float(np.sqrt(val_bound * lowest)) if lowest > val_bound > 0 else float(val_bound)
+
+
+def fit_stats(data, *, seed: int = 0, max_train: int = MAX_TRAIN_IMAGES, max_val: int = MAX_VAL_IMAGES,
+              photos: Sequence[str] | None = None,
+              features: Callable[[np.ndarray], torch.Tensor] | None = None,
+              encoder: torch.nn.Module | None = None) -> FamiliarityStats | None:
+    """Statistics of a prepared data directory's training features, calibrated on its val split
+    and on real photographs.
+
+    Args:
+        data: a `captioner.data.CaptionData`.
+        seed: which images are sampled when a split has more than max_train / max_val.
+        photos: calibration photographs (default: `calibration_photos()`; [] for none).
+        features, encoder: a fine-tuned encoder's features of cache rows (rows → (n, L, D)) and
+            that encoder for the photographs; default: the feature cache and the data's encoder.
+
+    Returns:
+        The stats, or None when the data has no training or no validation images.
+    """
+    if any(len(data.images.get(split, ())) == 0 for split in ("train", "val")):
+        return None  # nothing to learn from, or nothing to calibrate on
+    read = features or (lambda rows: torch.from_numpy(data.cache[rows]))
+    _, train_rows = data.split_images("train")
+    _, val_rows = data.split_images("val")
+    mean, std = data.feature_stats()
+    std = std.clamp_min(EPS)
+    train = _pooled(read, _sample(np.asarray(train_rows), max_train, seed), mean, std)   # (N, D)
+    mu, precision, shrinkage = gaussian(train)
+    val = mahalanobis(_pooled(read, _sample(np.asarray(val_rows), max_val, seed), mean, std), mu, precision)
+    quantile = float(torch.quantile(val, QUANTILE))
+    photo = photo_scores(data.encoder, mean, std, mu, precision, photos, encoder)
+    return FamiliarityStats(mean, std, mu, precision, threshold=threshold(MARGIN * quantile, photo),
+                            train_images=len(train), val_images=len(val), val_quantile=quantile,
+                            shrinkage=shrinkage, photo_scores=photo)

@@ -1,0 +1,100 @@
+"""Does attention look at what the word names? Pointing accuracy against object boxes.
+
+For each generated word that names an object present in the image, a hit is when the peak of
+that word's attention map (as drawn: upsampled and smoothed by half a grid cell, see `peak`)
+lies inside a box of such an object. Chance is the share of the encoder's view those boxes cover: what a
+peak dropped at random would score. Boxes, and which words name them: `data.boxes`.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+
+import numpy as np
+
+from captioner.data.boxes import GroundingBoxes
+from captioner.evaluation.maps import upsample
+from captioner.models.preprocess import Preprocess
+
+
+def _covered_share(boxes, grid_box, size) -> float:
+    """Share of the encoder's view (grid_box) covered by the union of boxes."""
+    W, H = size
+    mask = np.zeros((H, W), dtype=bool)
+    for x, y, w, h in boxes:
+        mask[max(0, int(y)):int(np.ceil(y + h)), max(0, int(x)):int(np.ceil(x + w))] = True
+    l, t, r, b = (int(round(v)) for v in grid_box)
+    view = mask[max(0, t):b, max(0, l):r]
+    return float(view.mean()) if view.size else 0.0
+
+
+def peak(attention: np.ndarray, cells: int = 4) -> tuple[float, float]:
+    """Where one word's map peaks, as fractions (x, y) of the region the grid covers.
+
+    The peak of the map as the figures draw it (`maps.upsample`: bilinear, smoothed by half a
+    cell), at `cells` pixels per grid cell: a cluster of strong cells outweighs one stray cell.
+    """
+    g = attention.shape[-1]
+    side = cells * g
+    m = upsample(attention, (side, side))
+    y, x = np.unravel_index(int(np.argmax(m)), m.shape)
+    return (x + 0.5) / side, (y + 0.5) / side
+
+
+def pointing_accuracy(captions: Mapping[int, tuple[list[str], np.ndarray]], boxes: GroundingBoxes,
+                      preprocess: Preprocess = Preprocess()) -> dict:
+    """Pointing accuracy of generated words, by word and by kind, and the look-ahead rate.
+
+    Args:
+        captions: image id → (words, attention (len(words), g, g)).
+        boxes: the object boxes.
+        preprocess: how images were fed to the encoder (which part the grid covers).
+
+    Returns:
+        {"pointing": hit rate, "chance": mean box share, "words": words scored,
+         "unmatched": object words with no such object in the image, "by_word": {word: [hits, n]},
+         "by_kind": {"colour" | "category": hit rate}, "lookahead": share of words whose peak
+         lies on the object named by the next object word after them, "lookahead_words": how many
+         words that was measured on}
+    """
+    hits, chances, unmatched = [], [], 0
+    by_word: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    by_kind: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    ahead: list[bool] = []
+    for image_id, (words, attention) in captions.items():
+        if image_id not in boxes:
+            continue
+        size = boxes.size(image_id)
+        l, t, r, b = preprocess.grid_box(*size)
+        points = []
+        for att in attention:
+            fx, fy = peak(att)
+            points.append((l + fx * (r - l), t + fy * (b - t)))
+
+        def on(k: int, found) -> bool:
+            px, py = points[k]
+            return any(x <= px <= x + w and y <= py <= y + h for x, y, w, h in found)
+
+        named = [boxes.boxes_for(image_id, w) if boxes.names_object(w) else None for w in words]
+        for k, (word, found) in enumerate(zip(words, named)):
+            nxt = next((f for f in named[k + 1:] if f), None)   # the next object word present in the image
+            if nxt:
+                ahead.append(on(k, nxt))
+            if found is None:
+                continue
+            if not found:
+                unmatched += 1
+                continue
+            hit = on(k, found)
+            hits.append(hit)
+            chances.append(_covered_share(found, (l, t, r, b), size))
+            by_word[word][0] += int(hit)
+            by_word[word][1] += 1
+            kind = by_kind["colour" if word in boxes.colors else "category"]
+            kind[0] += int(hit)
+            kind[1] += 1
+    return {"pointing": float(np.mean(hits)) if hits else None,
+            "chance": float(np.mean(chances)) if chances else None,
+            "words": len(hits), "unmatched": unmatched, "by_word": dict(by_word),
+            "by_kind": {k: h / n for k, (h, n) in by_kind.items()},
+            "lookahead": float(np.mean(ahead)) if ahead else None, "lookahead_words": len(ahead)}

@@ -1,0 +1,113 @@
+"""Attention health: figures that tell meaningful maps from collapsed or parked ones, with no boxes.
+
+A soft-attention model can write good captions while its maps say nothing: the words come from
+the LSTM's initial state, and attention rests on one cell (often on the grid's border, where the
+encoder's zero padding makes the features stand out), whatever the word. These figures catch
+that from the maps alone, so they can be logged at every validation and shown for any model:
+
+- entropy: the mean entropy of the maps, as a fraction of log L (0: one cell, 1: spread evenly);
+- stay: per caption, the share of its words whose peak cell is the caption's most common peak
+  cell, averaged over captions (a caption naming two objects in different places is ≤ 0.5-0.8);
+- border: the share of peaks on the grid's outer ring, divided by that ring's share of the
+  cells (about 1 for peaks spread evenly; parked models put their peaks on the border);
+- top5: the share of all peaks that fall on the five cells most often peaked at, over all
+  images (object-driven peaks spread over the grid; a model that parks uses a few cells).
+
+Symbols: n words of a caption, g grid side, L = g·g locations.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+
+import numpy as np
+
+
+# Where the figures say the maps are not meaningful, set from models scored against object
+# boxes (docs/attention.md): pointing fell as the border ratio rose, and as more peaks crowded
+# onto a few cells. "stay" is reported but never warned on: models that point well stay on one
+# object in one-object scenes.
+LIMITS = {"top5": 0.25, "border": 1.2, "entropy_low": 0.02, "entropy_high": 0.92}
+
+
+def _maps(attention: np.ndarray) -> np.ndarray:
+    a = np.asarray(attention, dtype=np.float64)
+    return a.reshape(a.shape[0], -1) if a.size else np.zeros((0, 1))          # (n, L)
+
+
+def attention_health(captions: Iterable[np.ndarray]) -> dict:
+    """Health figures of many captions' maps.
+
+    Args:
+        captions: one (n, g, g) or (n, L) array of maps per caption (L must be a square).
+
+    Returns:
+        {"entropy", "stay", "border", "top5", "words", "captions"}; figures are None without words.
+    """
+    entropies, stays, peaks = [], [], []
+    L = None
+    for attention in captions:
+        a = _maps(attention)
+        if len(a) == 0:
+            continue
+        L = a.shape[1]
+        a = a / np.maximum(a.sum(1, keepdims=True), 1e-12)                      # fp16 maps round their sums
+        entropies.append(-(a * np.log(np.clip(a, 1e-12, None))).sum(1) / math.log(L))  # (n,)
+        top = a.argmax(1)                                                       # (n,) peak cell per word
+        stays.append(Counter(top.tolist()).most_common(1)[0][1] / len(top))
+        peaks.append(top)
+    if not peaks:
+        return {"entropy": None, "stay": None, "border": None, "top5": None, "words": 0, "captions": 0}
+    g = int(round(math.sqrt(L)))
+    cells = np.concatenate(peaks)                                               # (words,)
+    row, col = cells // g, cells % g
+    on_border = (row == 0) | (row == g - 1) | (col == 0) | (col == g - 1)
+    border_share = (4 * g - 4) / (g * g) if g > 1 else 1.0
+    counts = np.bincount(cells, minlength=L)
+    return {"entropy": float(np.concatenate(entropies).mean()),
+            "stay": float(np.mean(stays)),
+            "border": float(on_border.mean() / border_share),
+            "top5": float(np.sort(counts)[::-1][:5].sum() / len(cells)),
+            "words": int(len(cells)), "captions": len(peaks)}
+
+
+def problems(health: dict) -> list[str]:
+    """What the figures say is wrong with the maps, one sentence each (empty when healthy)."""
+    if not health.get("words"):
+        return []
+    out = []
+    if health["top5"] >= LIMITS["top5"]:
+        out.append(f"{health['top5']:.0%} of all peaks fall on the same five cells, whatever the image")
+    if health["border"] >= LIMITS["border"]:
+        out.append(f"peaks fall on the grid's border {health['border']:.1f}x as often as its area would give")
+    if health["entropy"] <= LIMITS["entropy_low"]:
+        out.append("every map is a single cell")
+    if health["entropy"] >= LIMITS["entropy_high"]:
+        out.append("the maps are spread almost evenly over the image")
+    return out
+
+
+ADVICE = ("the heatmaps may not show what the model names. Maps spread evenly: lower --alpha-c; "
+          "parked maps: check that `prepare` stored the images' turned features (its default; the "
+          "equivariance term needs them), or try hard attention (--attention hard); "
+          "see docs/attention.md")
+
+
+def summary(health: dict) -> str:
+    """One line for logs and model cards."""
+    if not health.get("words"):
+        return "attention health: no words to judge"
+    figures = (f"entropy {health['entropy']:.2f}, stay {health['stay']:.2f}, border {health['border']:.2f}x, "
+               f"top-5 cells {health['top5']:.2f}")
+    found = problems(health)
+    return f"attention health: {figures}" + (f" - NOT MEANINGFUL: {'; '.join(found)}" if found else " - ok")
+
+
+def verdict(health: dict | None) -> dict | None:
+    """Whether maps are meaningful, as checkpoints record it: {"meaningful", "problems", "health"};
+    None without figures (no validation yet)."""
+    if not health or not health.get("words"):
+        return None
+    found = problems(health)
+    return {"meaningful": not found, "problems": found, "health": health}

@@ -1,0 +1,122 @@
+"""Files read and written safely: JSON read with messages that name the file, one atomic write,
+and failed writes described in words that name the place.
+
+Every file the package writes whole (checkpoints, JSON, the caption arrays, the feature cache's
+files, cached document frequencies) goes through `atomic_path`: written under a temporary name
+beside the target, fsync'ed, then renamed over it, so a reader sees the old file or the
+complete new one, never half of one, and a failed write leaves no temporary file behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+from collections.abc import Iterator
+
+from captioner.errors import CaptionerError
+
+
+def read_json(path: str, what: str):
+    """Parse a JSON file, turning every failure into a message that names the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise CaptionerError(f"{path}: no such file ({what})") from None
+    except IsADirectoryError:
+        raise CaptionerError(f"{path}: is a directory, expected a {what} file") from None
+    except OSError as e:
+        raise CaptionerError(f"{path}: cannot read it ({e.strerror})") from None
+    if not raw.strip():
+        raise CaptionerError(f"{path}: the file is empty (expected {what} JSON)")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise CaptionerError(f"{path}: not UTF-8 text (byte {e.start}); JSON must be UTF-8") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        ends_open = not text.rstrip().endswith(("}", "]"))
+        hint = " (the file looks truncated: it ends before the JSON is complete)" if ends_open else ""
+        raise CaptionerError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: "
+                             f"{e.msg}{hint}") from None
+
+
+@contextlib.contextmanager
+def atomic_path(path: str) -> Iterator[str]:
+    """A temporary path beside `path` to write the new file to; when the block ends without an
+    error it is fsync'ed and renamed onto `path`, otherwise removed.
+
+    The temporary name ends with `path`'s own extension (numpy's savez appends ".npz" otherwise).
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}{os.path.splitext(path)[1]}")
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write JSON so that the file is either the old one or the complete new one."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+
+
+# failed writes, in words
+
+def _size(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} bytes"
+    for unit in ("KB", "MB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GB"
+
+
+def describe_os_error(err: OSError, path: str) -> str:
+    """What a failed write means, in words that name the place: 'no space left on ... (3 MB free)'.
+
+    Args:
+        path: the file written, or its directory.
+    """
+    where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)) or "."
+    if err.errno == errno.ENOSPC:
+        try:
+            free = f" ({_size(shutil.disk_usage(where).free)} free)"
+        except OSError:
+            free = ""
+        return f"no space left on the device holding {where}{free}"
+    if err.errno == errno.EDQUOT:
+        return f"disk quota exceeded on {where}"
+    if err.errno == errno.EROFS:
+        return f"{where} is on a read-only file system"
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied writing in {where}"
+    return f"{err.strerror or err} (writing in {where})"
+
+
+def disk_error(err: OSError, path: str, what: str) -> CaptionerError:
+    """A CaptionerError for a failed write of `what` to `path`, in one line."""
+    return CaptionerError(f"cannot write {what} {path}: {describe_os_error(err, path)}")
+
+
+def check_free_space(path: str, needed: int, what: str) -> str | None:
+    """Why a long write of `needed` more bytes to `path` will not fit, or None if it fits.
+
+    A warning, not a refusal: free space moves while a job runs, and some file systems count
+    allocation loosely; the write itself is what fails for certain.
+    """
+    where = os.path.dirname(os.path.abspath(path)) or "."
+    free = shutil.disk_usage(where).free
+    if needed <= free:
+        return None
+    return f"{what} {path} needs {_size(needed)} more, but the device holding {where} has {_size(free)} free"

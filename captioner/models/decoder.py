@@ -1,0 +1,295 @@
+"""LSTM decoder with MLP attention, "Show, Attend and Tell" §3.1.2 and §4 (Xu et al., 2015).
+
+Symbols used in shape comments:
+    B batch, L locations (196 = 14×14), D annotation size (512), E embedding size,
+    H LSTM size, A attention size, T caption steps, V vocabulary size.
+
+Soft attention (§4.2) feeds the expected context ẑ_t = β_t Σ_i α_ti a_i; hard attention
+(§4.1) feeds one sampled annotation a_{s_t}, s_t ~ Multinoulli(α_t). One step, written once
+(`attend`, then `advance`), serves decoding, sampling and the plain teacher-forced pass
+(`unroll`); the fast soft training pass (`models.fused`) is its own module beside it, chosen
+by `fused`, and tested equal to it.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Annotated, Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# How a step turns α into the context vector.
+EXPECTED, SAMPLE, ARGMAX = "expected", "sample", "argmax"
+CONTEXT_MODES = (EXPECTED, SAMPLE, ARGMAX)
+
+
+@dataclass
+class DecoderConfig:
+    """Sizes of the decoder; travels in the checkpoint and rebuilds the model."""
+    vocab_size: int                  # V, set from the data
+    encoder_dim: int = 512           # D, set by the encoder
+    embed_dim: Annotated[int, "E, the word embedding size (also the deep output layer's width)"] = 512
+    hidden_dim: Annotated[int, "H, the LSTM state size"] = 512
+    attention_dim: Annotated[int, "A, the hidden size of the attention MLP"] = 512
+    # Soft attention points better at 0.2, hard attention writes better at 0.5 (docs/results.md).
+    dropout: Annotated[float | None, "dropout before the output layer (default: 0.2 soft, 0.5 hard; "
+                       "0.5 is usual on COCO)"] = None
+    attention: Annotated[Literal["soft", "hard"], "soft: deterministic attention; hard: sampled locations "
+                         "trained with REINFORCE (both decode with the expected context by default)"] = "soft"
+
+    def __post_init__(self):
+        if self.attention not in ("soft", "hard"):
+            raise ValueError(f"attention must be 'soft' or 'hard', got {self.attention!r}")
+        if self.dropout is None:
+            self.dropout = 0.5 if self.attention == "hard" else 0.2
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Unrolled(NamedTuple):
+    """A teacher-forced pass, stopped before the output layer."""
+    emb: torch.Tensor        # (B, T-1, E) E y_{t-1}
+    h: torch.Tensor          # (B, T-1, H) h_t
+    z: torch.Tensor          # (B, T-1, D) ẑ_t
+    alphas: torch.Tensor     # (B, T-1, L) α_t
+    locations: torch.Tensor  # (B, T-1) location used, -1 where the context was expected
+
+
+class Attention(nn.Module):
+    """f_att, the MLP of eq. (4): e_ti = v·tanh(W_a a_i + W_h h_{t-1}); α_t = softmax(e_t), eq. (5).
+
+    Computed as e_ti = 2v·σ(2 W_a a_i + 2 W_h h_{t-1}): tanh(x) = 2σ(2x) − 1, so the two differ by
+    −Σv for every location, which softmax ignores: α is exactly the paper's, and on a CPU σ is
+    about ten times cheaper than tanh. W_a a_i is computed once per image (`project`), doubled.
+    """
+
+    def __init__(self, encoder_dim: int, hidden_dim: int, attention_dim: int):
+        super().__init__()
+        self.W_a = nn.Linear(encoder_dim, attention_dim)             # annotation → attention space
+        self.W_h = nn.Linear(hidden_dim, attention_dim, bias=False)  # previous state → attention space
+        self.v = nn.Linear(attention_dim, 1, bias=False)             # score per location
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """2 W_a a_i for all locations: once per image, not once per step."""
+        return F.linear(features, 2 * self.W_a.weight, 2 * self.W_a.bias)  # (B, L, A)
+
+    def forward(self, projected: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """α_t (B, L) from `project`'s output (B, L, A) and h_{t-1} (B, H)."""
+        s = torch.sigmoid(projected + 2 * self.W_h(h).unsqueeze(1))   # (B, L, A)
+        e = s @ (2 * self.v.weight.view(-1))                          # (B, L)
+        return e.softmax(dim=1)                                       # (B, L), sums to 1
+
+
+class AttentionDecoder(nn.Module):
+    """Caption generator over annotation vectors.
+
+    Args:
+        vocab_size: V, including <pad>, <start>, <end>, <unk>.
+        encoder_dim: D, size of an annotation vector.
+        embed_dim: E, word embedding size (also the deep output layer's width).
+        hidden_dim: H, LSTM size.
+        attention_dim: A, hidden size of the attention MLP.
+        dropout: dropout before the output layer L_o (None: 0.2 for soft, 0.5 for hard).
+        attention: "soft" or "hard" (how it is trained; both decode with the expected context).
+    """
+
+    def __init__(self, *, vocab_size: int, encoder_dim: int = 512, embed_dim: int = 512,
+                 hidden_dim: int = 512, attention_dim: int = 512, dropout: float | None = None,
+                 attention: str = "soft"):
+        super().__init__()
+        self.config = DecoderConfig(vocab_size, encoder_dim, embed_dim, hidden_dim, attention_dim,
+                                    dropout, attention)
+        E, D, H = embed_dim, encoder_dim, hidden_dim
+        self.embedding = nn.Embedding(vocab_size, E)             # E, the word embedding matrix
+        self.attention = Attention(D, H, attention_dim)          # f_att
+        self.f_beta = nn.Linear(H, 1)                            # gating scalar β_t = σ(f_β(h_{t-1})), §4.2.1
+        self.init_h = nn.Linear(D, H)                            # f_init,h on the mean annotation
+        self.init_c = nn.Linear(D, H)                            # f_init,c on the mean annotation
+        # Eq. (1): the LSTM's affine map of [E y_{t-1}; h_{t-1}; ẑ_t], split by input so the
+        # embedding part can be computed for all steps at once.
+        self.lstm_y = nn.Linear(E, 4 * H)
+        self.lstm_h = nn.Linear(H, 4 * H, bias=False)
+        self.lstm_z = nn.Linear(D, 4 * H, bias=False)
+        # Eq. (7), deep output: p(y_t) ∝ exp(L_o(E y_{t-1} + L_h h_t + L_z ẑ_t)).
+        self.L_h = nn.Linear(H, E)
+        self.L_z = nn.Linear(D, E, bias=False)
+        self.L_o = nn.Linear(E, vocab_size)
+        self.dropout = nn.Dropout(self.config.dropout)
+        # Teacher forcing through the fused pass (models.fused): same values and gradients as `unroll`.
+        self.fused = True
+        # Fixed per-channel standardisation of the annotation vectors, set from the training
+        # features by `fit` (VGG channels differ in scale by orders of magnitude; standardised
+        # inputs train much faster). Saved with the weights.
+        self.register_buffer("feature_mean", torch.zeros(encoder_dim))
+        self.register_buffer("feature_std", torch.ones(encoder_dim))
+
+    @classmethod
+    def from_config(cls, config: DecoderConfig) -> AttentionDecoder:
+        return cls(**asdict(config))
+
+    # the step: attend, then advance
+
+    def set_feature_stats(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        self.feature_mean.copy_(mean)
+        self.feature_std.copy_(std.clamp_min(1e-3))
+
+    def normalize(self, features: torch.Tensor) -> torch.Tensor:
+        """Raw encoder output (B, L, D) → standardised annotation vectors a_i."""
+        return (features - self.feature_mean) / self.feature_std  # (B, L, D)
+
+    def init_state(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h_0, c_0 from the mean annotation vector (§3.1.2), as in the authors' code (tanh)."""
+        mean = features.mean(dim=1)                                   # (B, D)
+        return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))  # (B, H) each
+
+    def attend(self, projected: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """α_t (B, L), eqs. (4)-(5), from h_{t-1}."""
+        return self.attention(projected, h)
+
+    def advance(self, features: torch.Tensor, alpha: torch.Tensor, emb: torch.Tensor, h: torch.Tensor,
+                c: torch.Tensor, locations: torch.Tensor | None = None):
+        """The context from α_t, gated by β_t (§4.2.1), then the LSTM, eqs. (1)-(3).
+
+        Args:
+            locations: (B,) the location each row attends (hard attention), -1 for the
+                expected context; None: the expected context for all.
+
+        Returns:
+            h_t (B, H), c_t (B, H), ẑ_t (B, D).
+        """
+        beta = torch.sigmoid(self.f_beta(h))                                   # (B, 1)
+        z = torch.bmm(alpha.unsqueeze(1).to(features.dtype), features).squeeze(1)  # (B, D), expected
+        if locations is not None:
+            rows = torch.arange(features.size(0), device=features.device)
+            picked = features[rows, locations.clamp_min(0)]                    # (B, D)
+            z = torch.where((locations >= 0).unsqueeze(1), picked, z)
+        z = beta * z
+        gates = self.gates(emb, h, z)                                          # (B, 4H)
+        h, c = lstm_cell(gates, c)
+        return h, c, z
+
+    def gates(self, emb: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Eq. (1)'s affine map of [E y_{t-1}; h_{t-1}; ẑ_t] (B, 4H); one product when decoding."""
+        if torch.is_grad_enabled():
+            return self.lstm_y(emb) + self.lstm_h(h) + self.lstm_z(z)
+        W, _ = self._inference_weights()
+        return F.linear(torch.cat([emb, h, z], dim=1), W, self.lstm_y.bias)
+
+    def output(self, emb: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Deep output layer, eq. (7): logits over the vocabulary (..., V)."""
+        if torch.is_grad_enabled() or emb.dim() != 2:
+            return self.L_o(self.dropout(emb + self.L_h(h) + self.L_z(z)))
+        _, W = self._inference_weights()
+        return self.L_o(self.dropout(emb + F.linear(torch.cat([h, z], dim=1), W, self.L_h.bias)))
+
+    def _inference_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[W_y | W_h | W_z] (4H, E+H+D) and [L_h | L_z] (E, H+D), built once and kept until a
+        weight changes (an optimizer step or load_state_dict bumps its version)."""
+        parts = (self.lstm_y.weight, self.lstm_h.weight, self.lstm_z.weight, self.L_h.weight, self.L_z.weight)
+        key = tuple((p.data_ptr(), p.dtype, p._version) for p in parts)
+        cached = self.__dict__.get("_step_weights")
+        if cached is None or cached[0] != key:
+            with torch.inference_mode(False), torch.no_grad():   # ordinary tensors, usable anywhere
+                cached = key, torch.cat(parts[:3], dim=1), torch.cat(parts[3:], dim=1)
+            self.__dict__["_step_weights"] = cached
+        return cached[1], cached[2]
+
+    def step(self, features: torch.Tensor, projected: torch.Tensor, words: torch.Tensor, h: torch.Tensor,
+             c: torch.Tensor, mode: str = EXPECTED, generator: torch.Generator | None = None):
+        """One generation step from the previous words (B,): attend, choose the context, advance, output.
+
+        Args:
+            mode: "expected" (soft), "argmax" or "sample" (hard attention's location).
+
+        Returns:
+            logits (B, V), h (B, H), c (B, H), α (B, L), chosen locations (B,) or None.
+        """
+        alpha = self.attend(projected, h)                             # (B, L)
+        loc = choose_locations(alpha, mode, generator)                # (B,) or None
+        emb = self.embedding(words)                                   # (B, E)
+        h, c, z = self.advance(features, alpha, emb, h, c, loc)
+        return self.output(emb, h, z), h, c, alpha, loc
+
+    def compile_step(self) -> None:
+        """torch.compile the step (for GPUs); teacher forcing then takes the plain pass, `unroll`."""
+        self.attend = torch.compile(self.attend, dynamic=True)    # the batch shrinks as captions end
+        self.advance = torch.compile(self.advance, dynamic=True)
+        self.fused = False
+
+    # teacher forcing
+
+    def unroll(self, features: torch.Tensor, captions: torch.Tensor, sampled: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, locations: torch.Tensor | None = None) -> Unrolled:
+        """The plain teacher-forced pass (autograd throughout), soft by default; hard where asked.
+
+        Args:
+            features: (B, L, D) annotation vectors.
+            captions: (B, T) token ids.
+            sampled: (B,) bool, images whose context is a location drawn from α_t at every step.
+            generator: random source for those draws.
+            locations: (B, T-1) fixed locations (-1: expected context); overrides `sampled`.
+        """
+        B, T = captions.shape
+        features = self.normalize(features)                      # (B, L, D)
+        projected = self.attention.project(features)             # (B, L, A), once per image
+        h, c = self.init_state(features)                         # (B, H)
+        emb = self.embedding(captions[:, :-1])                   # (B, T-1, E)
+        hs, zs, alphas, locs = [], [], [], []
+        for t in range(T - 1):
+            alpha = self.attend(projected, h)                    # (B, L)
+            loc = None if locations is None else locations[:, t]
+            if loc is None and sampled is not None:
+                draw = torch.multinomial(alpha.detach().float(), 1, generator=generator).squeeze(1)  # (B,)
+                loc = torch.where(sampled, draw, -1)
+            h, c, z = self.advance(features, alpha, emb[:, t], h, c, loc)
+            hs.append(h), zs.append(z), alphas.append(alpha)
+            locs.append(torch.full((B,), -1, device=features.device) if loc is None else loc)
+        return Unrolled(emb, torch.stack(hs, 1), torch.stack(zs, 1), torch.stack(alphas, 1), torch.stack(locs, 1))
+
+    def teacher_forced(self, features: torch.Tensor, captions: torch.Tensor) -> Unrolled:
+        """The soft teacher-forced pass, through `models.fused` when `self.fused`, else `unroll`."""
+        if self.fused:
+            from captioner.models.fused import fused_unroll
+            return fused_unroll(self, features, captions)
+        return self.unroll(features, captions)
+
+    def forward(self, features: torch.Tensor, captions: torch.Tensor,
+                lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced soft pass.
+
+        Args:
+            features: (B, L, D) annotation vectors.
+            captions: (B, T) <start> w1 ... <end> then <pad>=0.
+            lengths: (B,) tokens per caption including <start> and <end>.
+
+        Returns:
+            logits (B, T-1, V), where position t predicts captions[:, t+1]; α (B, T-1, L).
+        """
+        u = self.teacher_forced(features, captions)
+        return self.output(u.emb, u.h, u.z), u.alphas
+
+
+def choose_locations(alpha: torch.Tensor, mode: str, generator: torch.Generator | None = None):
+    """The location each row attends (B,) for hard attention's modes; None for the expected context."""
+    if mode == EXPECTED:
+        return None
+    if mode == SAMPLE:
+        return torch.multinomial(alpha.float(), 1, generator=generator).squeeze(1)  # (B,)
+    if mode == ARGMAX:
+        return alpha.argmax(dim=1)                                                 # (B,)
+    raise ValueError(f"context mode must be one of {CONTEXT_MODES}, got {mode!r}")
+
+
+def lstm_cell(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eqs. (2)–(3): the LSTM's gates (B, 4H) and c_{t-1} (B, H) → h_t, c_t (B, H)."""
+    i, f, o, g = gates.chunk(4, dim=1)                       # (B, H) each
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    h = torch.sigmoid(o) * torch.tanh(c)
+    return h, c
+
+
+def step_mask(lengths: torch.Tensor, steps: int) -> torch.Tensor:
+    """(B, T-1) True where position t predicts a real word or <end>, False on padding."""
+    return torch.arange(steps, device=lengths.device).unsqueeze(0) < (lengths - 1).unsqueeze(1)

@@ -1,0 +1,222 @@
+"""The VGG encoder: image (B, 3, 224, 224) → annotation vectors (B, L=196, D=512) (paper §3.1.1).
+
+The encoder is described by an `EncoderSpec` that travels with the feature cache and every
+checkpoint, so inference rebuilds exactly the encoder that made the training features:
+- `imagenet`: torchvision's pretrained weights, through its weights API and download cache;
+- `none`: random weights drawn from NumPy's legacy `RandomState(seed)`, a stream NumPy keeps
+  fixed across releases (torch's own layer initialisation may change between versions);
+- a path: a VGG state dict on disk.
+Whichever it is, a fingerprint of the weights is recorded and checked when rebuilding.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict, dataclass, replace
+from typing import Annotated, Literal
+
+import numpy as np
+import torch
+import torchvision
+from torch import nn
+
+from captioner.errors import CaptionerError
+from captioner.models.preprocess import Preprocess
+
+# arch → (torchvision builder, ImageNet weights enum, layers kept: up to conv5_3 / conv5_4 + ReLU)
+ARCHS = {
+    "vgg16": (torchvision.models.vgg16, torchvision.models.VGG16_Weights.IMAGENET1K_V1, 30),
+    "vgg19": (torchvision.models.vgg19, torchvision.models.VGG19_Weights.IMAGENET1K_V1, 36),
+}
+FEATURE_DIM = 512  # channels of VGG's last conv block
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """The encoder; everything needed to rebuild it and its preprocessing.
+
+    Random weights only when asked (`weights="none"`): the default is ImageNet's, everywhere.
+    `fingerprint` (sha256 prefix of the weights) is filled in by `build_encoder`.
+    """
+    arch: Annotated[Literal["vgg16", "vgg19"], "--encoder", "VGG variant: vgg16 up to conv5_3, vgg19 up to "
+                    "conv5_4 (the paper's layer)"] = "vgg16"
+    weights: Annotated[str, "--encoder-weights", "imagenet (torchvision's, through its download cache), none "
+                       "(random, seeded: offline tests and demos) or a path to a VGG state dict"] = "imagenet"
+    seed: Annotated[int, "--encoder-seed", "seed of --encoder-weights none"] = 0
+    image_size: Annotated[int, "side of the square encoder input (224 gives the 14x14 grid)"] = 224
+    crop: Annotated[bool, "resize-256/centre-crop-224 as in the paper instead of resizing the whole image "
+                    "to 224x224"] = False
+    fingerprint: str = ""
+
+    @property
+    def preprocess(self) -> Preprocess:
+        return Preprocess(size=self.image_size, crop=self.crop)
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // 16  # four 2×2 poolings: 224 → 14
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EncoderSpec":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+class VGGEncoder(nn.Module):
+    """VGG convolutional trunk, its last ReLU'd conv map flattened to annotation vectors."""
+
+    def __init__(self, features: nn.Sequential):
+        super().__init__()
+        self.features = features
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        f = self.features(images)             # (B, D, 14, 14)
+        return f.flatten(2).transpose(1, 2)  # (B, L, D): location i = row * 14 + col
+
+
+# helpers
+
+def _seeded_init(features: nn.Sequential, seed: int) -> None:
+    """He-normal conv weights (fan-in, keeps activations' scale through ReLUs), zero biases."""
+    rs = np.random.RandomState(seed)
+    for m in features:
+        if isinstance(m, nn.Conv2d):
+            fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
+            w = rs.standard_normal(tuple(m.weight.shape)) * np.sqrt(2.0 / fan_in)
+            m.weight.data = torch.from_numpy(w.astype(np.float32))
+            m.bias.data = torch.zeros(m.out_channels)
+
+
+def _imagenet_state(arch: str) -> dict:
+    weights = ARCHS[arch][1]
+    fname = os.path.basename(weights.url)
+    target = os.path.join(torch.hub.get_dir(), "checkpoints", fname)
+    try:
+        return weights.get_state_dict(progress=True, check_hash=True)
+    except Exception as e:  # urllib errors, hash mismatch, partial file: all mean "not available"
+        raise CaptionerError(
+            f"cannot get the ImageNet weights for {arch} ({weights.url}): {e}.\n"
+            f"Offline? Download that file elsewhere and put it at {target} "
+            f"(torch's hub cache; TORCH_HOME moves it), or pass --encoder-weights PATH to a VGG "
+            "state dict, or --encoder-weights none for a random seeded encoder.") from None
+
+
+def _file_state(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise CaptionerError(f"--encoder-weights {path}: no such file (expected 'imagenet', 'none' "
+                             "or a path to a VGG state dict)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CaptionerError(f"{path}: not a loadable state dict ({e})") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise CaptionerError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
+    return state
+
+
+def _load_features(features: nn.Sequential, state: dict, source: str) -> None:
+    # Accept a whole VGG state dict ("features.0.weight") or the trunk alone ("0.weight").
+    trunk = {k.removeprefix("features."): v for k, v in state.items()
+             if k.startswith("features.") or k.split(".")[0].isdigit()}
+    wanted = features.state_dict().keys()
+    missing = [k for k in wanted if k not in trunk]
+    if missing:
+        raise CaptionerError(f"{source}: not VGG weights of this architecture; missing {missing[:3]}")
+    try:
+        features.load_state_dict({k: trunk[k] for k in wanted})
+    except RuntimeError as e:
+        raise CaptionerError(f"{source}: weights do not fit this VGG ({str(e).splitlines()[0]})") from None
+
+
+def fingerprint(module: nn.Module) -> str:
+    """A short sha256 of a module's parameters, in order."""
+    h = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# classes
+
+def build_encoder(spec: EncoderSpec) -> tuple[VGGEncoder, EncoderSpec]:
+    """Build the encoder a spec describes.
+
+    Returns:
+        The encoder in eval mode, and the spec with its fingerprint filled in.
+
+    Raises:
+        CaptionerError: unknown arch, weights unreachable or unreadable, or a fingerprint that
+            differs from the one in the spec (the features were made by another encoder).
+    """
+    if spec.arch not in ARCHS:
+        raise CaptionerError(f"unknown encoder {spec.arch!r}; choose one of {sorted(ARCHS)}")
+    builder, _, depth = ARCHS[spec.arch]
+    # Build on the meta device: the classifier's 120M parameters are never allocated.
+    with torch.device("meta"):
+        trunk = builder(weights=None).features[:depth]
+    trunk = trunk.to_empty(device="cpu")
+    if spec.weights == "none":
+        _seeded_init(trunk, spec.seed)
+    elif spec.weights == "imagenet":
+        _load_features(trunk, _imagenet_state(spec.arch), f"ImageNet {spec.arch} weights")
+    else:
+        _load_features(trunk, _file_state(spec.weights), spec.weights)
+    encoder = VGGEncoder(trunk).eval().requires_grad_(False)
+    fp = fingerprint(encoder)
+    if spec.fingerprint and spec.fingerprint != fp:
+        raise CaptionerError(
+            f"the encoder built from {spec.weights!r} ({spec.arch}, seed {spec.seed}) has fingerprint "
+            f"{fp}, but the features were made by an encoder with fingerprint {spec.fingerprint}; "
+            "use the same --encoder/--encoder-weights as at prepare time")
+    return encoder, replace(spec, fingerprint=fp)
+
+
+def apply_encoder_state(encoder: VGGEncoder, state: dict, source: str) -> VGGEncoder:
+    """Put fine-tuned layers into a built encoder (before any inference optimisation).
+
+    Args:
+        encoder: from `build_encoder`, with the weights the features were made with.
+        state: a checkpoint's "encoder_state": the trained layers under the names of
+            `VGGEncoder.features`' state dict ("24.weight", "24.bias", ...), plain tensors.
+        source: the checkpoint, for messages.
+
+    Returns:
+        The same encoder, its trained layers replaced.
+
+    Raises:
+        CaptionerError: the state names layers this VGG lacks or has tensors of other shapes.
+    """
+    own = encoder.features.state_dict()
+    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CaptionerError(f"{source}: 'encoder_state' must be a non-empty dict of tensors")
+    unknown = [k for k in state if k not in own]
+    if unknown:
+        raise CaptionerError(f"{source}: its encoder_state names layers this encoder lacks ({unknown[:3]})")
+    wrong = [k for k, v in state.items() if v.shape != own[k].shape]
+    if wrong:
+        k = wrong[0]
+        raise CaptionerError(f"{source}: its encoder_state's {k} is {tuple(state[k].shape)}, the encoder's "
+                             f"is {tuple(own[k].shape)}")
+    encoder.features.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
+    return encoder
+
+
+def rebuild_encoder(spec: EncoderSpec, encoder_state: dict | None, source: str) -> tuple[VGGEncoder, EncoderSpec]:
+    """A checkpoint's image encoder: the spec's weights, then its fine-tuned layers if any.
+
+    Raises:
+        CaptionerError: the spec's weights cannot be had here, or the layers do not fit (the
+            message names `source`).
+    """
+    try:
+        encoder, spec = build_encoder(spec)
+    except CaptionerError as e:
+        raise CaptionerError(f"{source}: cannot rebuild its image encoder: {e}") from None
+    if encoder_state is not None:
+        apply_encoder_state(encoder, encoder_state, source)
+    return encoder, spec

@@ -1,0 +1,213 @@
+"""The fast soft training pass, beside the plain one (`AttentionDecoder.unroll`) and tested equal to it.
+
+`fused_unroll` gives the plain teacher-forced pass's values and gradients with less work:
+- the attention score e = 2v·σ(2p + 2q) (`Attention`'s form) has a hand-written backward
+  (`_Score`) that saves two passes over the (B, L, A) tensor per step; its gradients for the
+  annotation projection are added in place into one buffer (`_GradientSum`), and the factor
+  2v that all steps share is applied once per pass;
+- the three maps of h_{t-1} (attention, LSTM, β gate) are one product per step, and the
+  recurrent weights' gradients are one product over every step's rows at the end of the
+  backward pass (`_SharedWeight`, `_StepProduct`), not one thin product per step;
+- it steps only the captions still being written, and maps the LSTM's word inputs for those
+  rows only.
+`AttentionDecoder.teacher_forced` uses it when `decoder.fused` is True (the default); training
+with `--no-fused` or `--compile` uses the plain pass.
+
+Symbols: B batch, L locations, D annotation size, E embedding size, H LSTM size, A attention
+size, T steps, n captions still running at a step.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from captioner.models.decoder import AttentionDecoder, Unrolled, lstm_cell
+
+
+class _Score(torch.autograd.Function):
+    """e_ti = v·tanh(p_ti + q_t) up to a per-row constant, computed as 2v·σ(2p + 2q).
+
+    tanh(x) = 2σ(2x) − 1, so the two differ by −Σv for every location, which softmax ignores:
+    α is exactly the paper's. On CPU σ is about 10× cheaper than tanh, and the hand-written
+    backward saves two passes over the (B, L, A) tensor; this is the decoder's hot loop. It
+    takes 2p and 2q (`Attention.project` doubles p once per image), which saves a third pass
+    over (B, L, A) at every step.
+    """
+
+    @staticmethod
+    def forward(ctx, projected, q, v, total=None):  # projected = 2p (B, L, A), q = 2q (n, A), v (A,)
+        # projected may hold more rows than q (captions that have ended): only the first len(q)
+        # are used, and their gradient is written straight into a full-sized tensor, so no
+        # slicing of `projected` goes through autograd (each slice would cost a zero-filled
+        # (B, L, A) gradient per step). With `total` (from `_GradientSum`, in a training pass)
+        # the gradient, less its factor 2v, is added into it instead: no (B, L, A) tensor per step.
+        n = q.size(0)
+        ctx.dtypes = projected.dtype, q.dtype, v.dtype            # under autocast they may differ
+        ctx.rows, ctx.total = projected.size(0), total
+        v = v.to(projected.dtype)
+        s = torch.add(projected[:n], q.to(projected.dtype).unsqueeze(1)).sigmoid_()  # (n, L, A), σ(2p + 2q)
+        ctx.save_for_backward(s, v)
+        return s @ (2 * v)                                             # (n, L)
+
+    @staticmethod
+    def backward(ctx, grad_e):
+        s, v = ctx.saved_tensors
+        n, L, A = s.shape
+        grad_e = grad_e.to(s.dtype)
+        grad_v = 2 * torch.einsum("bl,bla->a", grad_e, s)                         # (A,)
+        p_dtype, q_dtype, v_dtype = ctx.dtypes
+        # d e / d(2p) = 2 v σ(1 − σ), times the incoming gradient
+        if ctx.total is not None:   # total gathers Σ_t grad_e σ(1 − σ); `_GradientSum` applies 2v once
+            total, scratch = ctx.total
+            ds = torch.addcmul(s, s, s, value=-1, out=scratch[:n])                   # (n, L, A), σ(1 − σ)
+            total[:n].addcmul_(ds, grad_e.unsqueeze(2))
+            grad_q = torch.bmm(grad_e.unsqueeze(1), ds).squeeze(1).mul_(2 * v)      # (n, A)
+            return None, grad_q.to(q_dtype), grad_v.to(v_dtype), None
+        grad_p = s.new_empty(ctx.rows, L, A)                                      # (B, L, A)
+        grad_p[n:].zero_()
+        torch.addcmul(s, s, s, value=-1, out=grad_p[:n]).mul_(grad_e.unsqueeze(2)).mul_(2 * v)
+        return grad_p.to(p_dtype), grad_p[:n].sum(dim=1).to(q_dtype), grad_v.to(v_dtype), None
+
+
+class _GradientSum(torch.autograd.Function):
+    """x, unchanged, for a recurrence whose steps add their gradients for x into `total`
+    themselves (`_Score`), in place, through one reused scratch tensor: left to autograd, each
+    step would allocate a gradient the size of x, and autograd would add them up. The steps add
+    their gradients without the factor `scale` that all of them share (2v); it is applied here,
+    once per pass, which saves a pass over the step's (n, L, A) tensor at every step."""
+
+    @staticmethod
+    def forward(ctx, x, buffers: tuple[torch.Tensor, torch.Tensor], scale: torch.Tensor):
+        ctx.total, ctx.scale = buffers[0], scale
+        ctx.set_materialize_grads(False)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = ctx.total.mul_(ctx.scale)                          # the buffer is used once
+        return (total if grad is None else total + grad), None, None
+
+
+class _SharedWeight(torch.autograd.Function):
+    """W, unchanged, for a recurrence whose every step multiplies by it (`_StepProduct`).
+
+    Left to autograd, each step computes its own small W gradient (n rows deep, n ≤ B) and adds
+    it to the running sum: two passes over W per step. Here the steps hand their (output
+    gradient, input) pairs to this node, which autograd runs after all of them, and W's gradient
+    is one product over every step's rows at once.
+    """
+
+    @staticmethod
+    def forward(ctx, W, pairs: list):
+        ctx.pairs, ctx.dtype = pairs, W.dtype
+        ctx.set_materialize_grads(False)    # the steps send W no gradient: nothing to zero-fill
+        return W.view_as(W)
+
+    @staticmethod
+    def backward(ctx, _):
+        if not ctx.pairs:
+            return None, None
+        grads, inputs = zip(*ctx.pairs)
+        ctx.pairs.clear()
+        g, x = (torch.cat(t).to(ctx.dtype) for t in (grads, inputs))   # (Σn, out), (Σn, in)
+        return g.t() @ x, None
+
+
+class _StepProduct(torch.autograd.Function):
+    """x Wᵀ for one step of a recurrence, W from `_SharedWeight`: its backward computes x's
+    gradient and leaves W's to `_SharedWeight`, with the pair it needs."""
+
+    @staticmethod
+    def forward(ctx, x, W, pairs: list):
+        ctx.save_for_backward(x, W)
+        ctx.pairs = pairs
+        return F.linear(x, W.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, W = ctx.saved_tensors
+        if ctx.needs_input_grad[1]:
+            ctx.pairs.append((g, x))
+        grad_x = (g @ W.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None
+
+
+def _h_weights(decoder: AttentionDecoder) -> torch.Tensor:
+    """[2 W_h (attention); W_h (LSTM); f_β] (A + 4H + 1, H): every map of h_{t-1} in a step, stacked."""
+    return torch.cat([2 * decoder.attention.W_h.weight, decoder.lstm_h.weight, decoder.f_beta.weight])
+
+
+def _attention_weights(decoder: AttentionDecoder, projected: torch.Tensor, q: torch.Tensor, total=None):
+    """α_t (n, L) from q = 2 W_h h_{t-1} (n, A); `projected` may hold more rows (see `_Score`)."""
+    e = _Score.apply(projected, q, decoder.attention.v.weight.view(-1), total)  # (n, L)
+    return e.softmax(dim=1)                                                    # (n, L), sums to 1
+
+
+def fused_unroll(decoder: AttentionDecoder, features: torch.Tensor, captions: torch.Tensor) -> Unrolled:
+    """The soft teacher-forced pass, fast: `AttentionDecoder.unroll`'s values and gradients.
+
+    It steps only the captions still being written (longest first), maps h_{t-1} with one
+    product per step, and sums the recurrent gradients once per pass (see the module doc).
+
+    Captions are sorted by length so that those still running at step t are a prefix of
+    the batch; each step works on that prefix and finished captions cost nothing. Steps
+    past a caption's end hold zeros (α: uniform), as they do not enter the loss. The sort
+    is applied to the inputs and undone on the (small) outputs.
+    """
+    B, T1 = captions.size(0), captions.size(1) - 1
+    L = features.size(1)
+    steps = (captions != 0).sum(dim=1) - 1                     # (B,) positions predicting a word or <end>
+    order = torch.argsort(steps, descending=True, stable=True)  # (B,)
+    running = steps[order] > torch.arange(T1, device=steps.device).unsqueeze(1)   # (T-1, B), a prefix per step
+    active = running.sum(1).tolist()                           # captions still running at each step
+    emb = decoder.embedding(captions[:, :-1])                     # (B, T-1, E), in the caller's order
+    features = decoder.normalize(features[order])                 # (B, L, D), sorted from here on
+    projected = decoder.attention.project(features)               # (B, L, A), once per image
+    h, c = decoder.init_state(features)                           # (B, H)
+    # All steps at once, for the running captions only (time-major, step t's n rows after
+    # step t-1's), then one (n, 4H) view per step: split's backward is a single cat, where
+    # indexing at every step would zero-fill a (B, T-1, 4H) gradient each time.
+    gates_y = decoder.lstm_y(emb[order].transpose(0, 1)[running]).split(active)   # T-1 × (n, 4H)
+    z, alpha = features[:, 0], projected.new_zeros(B, L)        # only read when no caption runs
+    W_hh, W_z = _h_weights(decoder), decoder.lstm_z.weight           # once per pass, not per step
+    shared = None
+    if torch.is_grad_enabled():  # gradients summed once per pass, not per step
+        sums = torch.zeros_like(projected), torch.empty_like(projected)   # total, scratch
+        shared = [], [], sums
+        W_hh, W_z = _SharedWeight.apply(W_hh, shared[0]), _SharedWeight.apply(W_z, shared[1])
+        scale = 2 * decoder.attention.v.weight.detach().view(-1).to(projected.dtype)   # (A,)
+        projected = _GradientSum.apply(projected, sums, scale)
+    hs, zs, alphas = [], [], []
+    for t, n in enumerate(active):
+        if n:
+            h, c, z, alpha = _step(decoder, features[:n], projected, gates_y[t], h[:n], c[:n], W_hh, W_z, shared)
+        rest = (0, 0, 0, B - n)                                   # pad the finished rows back in
+        hs.append(F.pad(h[:n], rest)), zs.append(F.pad(z[:n], rest))
+        alphas.append(F.pad(alpha[:n], rest, value=1.0 / L))
+    back = torch.argsort(order)                                 # (B,) undoes the sort
+    h_all, z_all, a_all = (torch.stack(x, 1)[back] for x in (hs, zs, alphas))
+    locs = torch.full((B, T1), -1, dtype=torch.long, device=features.device)
+    return Unrolled(emb, h_all, z_all, a_all, locs)
+
+
+def _step(decoder: AttentionDecoder, features: torch.Tensor, projected: torch.Tensor, gates_y: torch.Tensor,
+          h: torch.Tensor, c: torch.Tensor, W_hh: torch.Tensor, W_z: torch.Tensor, shared: tuple | None = None):
+    """One teacher-forced soft step for the n = len(h) captions still running: attend with
+    h_{t-1}, then the LSTM. `features` and `gates_y` hold those n rows; `projected` may hold
+    the whole batch (its first n rows are used); W_hh is `_h_weights`, W_z the LSTM's map
+    of ẑ. The same math as `AttentionDecoder.attend` and `advance`, with their three maps of
+    h_{t-1} in one product. With `shared` (a training pass), W_hh and W_z come from
+    `_SharedWeight` and `projected` from `_GradientSum`, which sum their gradients.
+
+    Returns:
+        h (n, H), c (n, H), ẑ (n, D), α (n, L).
+    """
+    pairs_h, pairs_z, total = shared or (None, None, None)
+    hh = F.linear(h, W_hh) if shared is None else _StepProduct.apply(h, W_hh, pairs_h)  # (n, A + 4H + 1)
+    q, gates_h, f = hh.split([decoder.config.attention_dim, gates_y.size(1), 1], dim=1)
+    alpha = _attention_weights(decoder, projected, q, total)                 # (n, L)
+    beta = torch.sigmoid(f + decoder.f_beta.bias)                          # (n, 1)
+    z = beta * torch.bmm(alpha.unsqueeze(1), features).squeeze(1)      # (n, D), expected context
+    gates_z = F.linear(z, W_z) if shared is None else _StepProduct.apply(z, W_z, pairs_z)
+    h, c = lstm_cell(gates_y + gates_h + gates_z, c)                   # (n, H)
+    return h, c, z, alpha

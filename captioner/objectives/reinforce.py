@@ -1,0 +1,103 @@
+"""Hard attention's training objective, §4.1 of the paper (eqs. 10–12).
+
+With locations s sampled from α, the variational lower bound L_s = Σ_s p(s|a) log p(y|s,a) has
+the Monte-Carlo gradient
+    ∂log p(y|s̃,a) + λ_r (log p(y|s̃,a) − b) ∂log p(s̃|a) + λ_e ∂H[s̃]
+with a moving-average baseline b ← 0.9 b + 0.1 log p(y|s̃,a). We build a surrogate loss whose
+gradient is exactly that estimator. With probability `semi_sampling` an image uses the
+expected context (soft attention) for the whole caption instead, as the authors did.
+
+Those expected-context captions also carry the half-turn equivariance term of soft attention
+(equivariance.py) when the batch has the turned images' features: without it hard attention,
+which learns its α from them as much as from its samples, settled one cell beside the objects on
+one of the two held-out scene sets (README, 'Soft attention on scenes made elsewhere').
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import torch
+
+from captioner.objectives.cross_entropy import attention_penalty, word_nll
+from captioner.objectives.equivariance import equivariance_term
+
+LOG_EPS = 1e-12  # floor under α before the log: a sampled location always has α > 0, but float32 may round
+
+
+@dataclass
+class HardAttentionConfig:
+    """Hard attention (`--attention hard`): REINFORCE settings."""
+    entropy_weight: Annotated[float, "hard attention: λ_e, the weight of the entropy bonus"] = 0.002
+    reward_scale: Annotated[float, "hard attention: λ_r, the weight of the REINFORCE term"] = 0.1
+    semi_sampling: Annotated[float, "hard attention: probability that an image uses the expected context "
+                             "instead of a sampled location"] = 0.5
+    baseline_decay: Annotated[float, "hard attention: decay of the moving-average baseline"] = 0.9
+
+
+def reinforce_surrogate(logp_y: torch.Tensor, logp_s: torch.Tensor, entropy: torch.Tensor,
+                        baseline: float, reward_scale: float, entropy_weight: float) -> torch.Tensor:
+    """Per-caption surrogate whose gradient is the estimator of eq. (12); to be maximised.
+
+    Args:
+        logp_y: (B,) log p(y|s̃,a) per caption, differentiable.
+        logp_s: (B,) log p(s̃|a), summed over the caption's steps (0 for unsampled captions).
+        entropy: (B,) H[s] summed over steps.
+        baseline: b.
+    """
+    advantage = (logp_y.detach() - baseline)                          # (B,), no gradient through the reward
+    return logp_y + reward_scale * advantage * logp_s + entropy_weight * entropy
+
+
+def hard_attention_loss(model, features, captions, lengths, *, baseline: float, cfg: HardAttentionConfig,
+                        alpha_c: float, generator: torch.Generator | None = None,
+                        words: torch.Tensor | float | None = None, rotated: torch.Tensor | None = None,
+                        equivariance: float = 0.0):
+    """Loss for one batch of hard attention training.
+
+    Args:
+        baseline: b, the moving average of log p(y|s̃,a) so far.
+        words: what to divide the batch totals by (default: this batch's predicted words;
+            under DDP, the global count over processes).
+        rotated: (B, L, D) features of the images turned 180°; with `equivariance` > 0, the
+            expected-context captions add λ × their maps' half-turn equivariance (equivariance.py).
+
+    Returns:
+        (loss to minimise, dict of detached terms for logging, with "reward_sum" and
+        "sampled" to update the baseline by `update_baseline`)
+    """
+    B = features.size(0)
+    sampled = torch.rand(B, generator=generator, device=features.device) >= cfg.semi_sampling  # (B,)
+    u = model.unroll(features, captions, sampled=sampled, generator=generator)
+    alphas, locs = u.alphas, u.locations
+    nll, mask = word_nll(model, u, captions, lengths)                                          # (B, T-1)
+    mask = mask.float()
+    logp_y = -nll.sum(1)                                                                      # (B,)
+    log_alpha = alphas.float().clamp_min(LOG_EPS).log()                                       # (B, T-1, L)
+    picked = log_alpha.gather(2, locs.clamp_min(0).unsqueeze(2)).squeeze(2)                   # (B, T-1)
+    logp_s = (picked * mask * (locs >= 0)).sum(1)                                             # (B,)
+    entropy = (-(alphas.float() * log_alpha).sum(2) * mask).sum(1)                            # (B,)
+    objective = reinforce_surrogate(logp_y, logp_s, entropy, baseline, cfg.reward_scale, cfg.entropy_weight)
+    words = mask.sum() if words is None else words
+    penalty = attention_penalty(alphas.float(), mask, alpha_c).sum() / words
+    loss = -objective.sum() / words + penalty
+    terms = {}
+    if rotated is not None and equivariance > 0:
+        soft = ~sampled                                           # the expected-context captions
+        equi = alphas.new_zeros(())
+        if soft.any():
+            equi = equivariance_term(model, alphas[soft], rotated[soft], captions[soft], mask[soft], words)
+        loss = loss + equivariance * equi
+        terms["equivariance"] = equi.detach()
+    drawn = (locs >= 0).any(dim=1)                                                            # (B,)
+    terms |= {"nll": -logp_y.detach().sum() / words, "penalty": penalty.detach(),
+              "entropy": entropy.detach().sum() / words,
+              "reward_sum": logp_y.detach()[drawn].sum(), "sampled": drawn.sum().float()}
+    return loss, terms
+
+
+def update_baseline(baseline: float, reward_sum: float, sampled: float, decay: float) -> float:
+    """b ← decay·b + (1 − decay)·(mean log p(y|s̃,a) of the captions that sampled locations)."""
+    if sampled <= 0:
+        return baseline
+    return decay * baseline + (1 - decay) * reward_sum / sampled

@@ -1,0 +1,197 @@
+"""Self-critical sequence training (Rennie et al., CVPR 2017): optimise CIDEr-D directly.
+
+For each image, n captions w^1..w^n are sampled from the model p(w|a); each earns a reward
+r(w) (CIDEr-D against the image's training references, plus an optional BLEU-4 weight), and
+the REINFORCE gradient with a baseline b,
+    ∇L = −(1/n) Σ_k (r(w^k) − b_k) ∇ log p(w^k | a),
+raises the probability of the samples that beat the baseline and lowers the others'. The
+baseline is the reward of the greedy caption (Rennie's "self-critical") or, the default, the
+mean reward of the image's other n − 1 samples (Luo 2020, "a better variant of SCST"), which
+needs no extra decoding and is still independent of the sample it judges.
+
+An epoch here is one pass over the training images (not their captions). A hard-attention
+model samples its words with the expected context (as it decodes by default) unless
+`context="sample"`, when the attention locations are sampled too and their log-probabilities
+join the words'.
+
+Symbols in shape comments: B images, n samples per image, N = B·n captions, L locations,
+D feature size, T steps, V vocabulary.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Annotated, Literal
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from captioner.objectives.cider import NgramScorer, References, cached_document_frequency
+from captioner.data.dataset import CaptionData, ImageBatch
+from captioner.models.decode import beam_search
+from captioner.models.decoder import EXPECTED, SAMPLE, AttentionDecoder
+from captioner.objectives.reinforce import LOG_EPS
+from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
+
+BASELINES = ("mean", "greedy")
+LR = 5e-5                        # SCST's default learning rate, ruotianluo/self-critical.pytorch's (docs/training.md)
+
+
+@dataclass
+class ScstConfig:
+    """Self-critical training (`--objective scst`); part of TrainConfig, so saved in every checkpoint."""
+    samples: Annotated[int, "scst: captions sampled per image"] = 5
+    baseline: Annotated[Literal["mean", "greedy"], "--scst-baseline", "scst: mean reward of the image's other "
+                        "samples (Luo 2020) or of the greedy caption (Rennie 2017)"] = "mean"
+    bleu_weight: Annotated[float, "scst: reward = CIDEr-D + this x BLEU-4"] = 0.0
+    context: Annotated[Literal["expected", "sample"], "--scst-context", "scst, hard attention: sample words with "
+                       "the expected context, or sample locations too"] = EXPECTED
+    # <end> counts as a word in the reward, as in ruotianluo/ImageCaptioning.pytorch: without it
+    # a caption that stops mid-phrase ("a red circle left of a") loses nothing for it.
+    end_token: Annotated[bool, "--no-end-token", "scst: leave <end> out of the reward's n-grams"] = True
+
+    def __post_init__(self):
+        if self.baseline not in BASELINES:
+            raise ValueError(f"baseline must be one of {BASELINES}, got {self.baseline!r}")
+        if self.baseline == "mean" and self.samples < 2:
+            raise ValueError("--samples: the mean baseline needs at least 2 samples per image "
+                             "(or pass --scst-baseline greedy)")
+        if self.context not in (EXPECTED, SAMPLE):
+            raise ValueError(f"context must be {EXPECTED!r} or {SAMPLE!r}, got {self.context!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def training_scorer(data: CaptionData, end_token: bool = True) -> NgramScorer:
+    """CIDEr-D (and BLEU-4) against each training image's training references, with document
+    frequencies of those references cached in the data directory."""
+    words = torch.from_numpy(data.tokens[:, 1:].astype(np.int64))   # (C, T) words, <end>, <pad>...
+    lengths = torch.from_numpy(data.lengths.astype(np.int64)) - 2 + int(end_token)
+    refs = References(words, lengths, torch.from_numpy(data.rows.astype(np.int64)), base=len(data.vocab))
+    name = "cider_df_end.npz" if end_token else "cider_df.npz"
+    df = cached_document_frequency(os.path.join(data.dir, name), refs, salt="\n".join(data.vocab.words))
+    return NgramScorer(refs, df)
+
+
+# sampling
+
+class Samples(NamedTuple):
+    """Sampled captions with what the gradient needs."""
+    tokens: torch.Tensor     # (N, T) words, <end>, then <pad>
+    words: torch.Tensor      # (N,) words before <end>
+    logp: torch.Tensor       # (N,) log p(w|a) (+ log p(s|a) of sampled locations), differentiable
+    entropy: torch.Tensor    # (N,) entropy of the word distributions, summed over the caption's steps
+
+
+def sample_captions(decoder: AttentionDecoder, features: torch.Tensor, n: int, max_len: int, *,
+                    mode: str = EXPECTED, generator: torch.Generator | None = None) -> Samples:
+    """Draw n captions per image from the decoder, step by step, keeping the graph for log p.
+
+    Uses the decoder's own `step`, as beam search does; the same words are banned (<pad>,
+    <start>, <unk>) and a caption reaching max_len words is ended there, as in decoding.
+
+    Args:
+        features: (B, L, D) raw annotation vectors.
+        mode: context of each step: "expected", or "sample" (hard attention's locations).
+    """
+    feats = decoder.normalize(features)                                          # (B, L, D)
+    projected = decoder.attention.project(feats).repeat_interleave(n, dim=0)    # (N, L, A)
+    h, c = (s.repeat_interleave(n, dim=0) for s in decoder.init_state(feats))   # (N, H)
+    feats = feats.repeat_interleave(n, dim=0)                                    # (N, L, D)
+    N, V = feats.size(0), decoder.config.vocab_size
+    banned = torch.zeros(V, device=feats.device)
+    banned[[PAD_ID, START_ID, UNK_ID]] = float("-inf")
+    words = torch.full((N,), START_ID, dtype=torch.long, device=feats.device)
+    alive = torch.ones(N, dtype=torch.bool, device=feats.device)
+    logp = feats.new_zeros(N, dtype=torch.float32)
+    entropy = feats.new_zeros(N, dtype=torch.float32)
+    tokens = []
+    for t in range(max_len + 1):
+        logits, h, c, alpha, loc = decoder.step(feats, projected, words, h, c, mode, generator)
+        if t == max_len:                                     # out of room: end now (no choice, no gradient)
+            tokens.append(torch.where(alive, END_ID, PAD_ID))
+            break
+        step_logp = (logits.float() + banned).log_softmax(dim=-1)                # (N, V)
+        p = step_logp.detach().exp()                                             # (N, V)
+        drawn = torch.multinomial(p, 1, generator=generator).squeeze(1)          # (N,)
+        chosen = step_logp.gather(1, drawn.unsqueeze(1)).squeeze(1)              # (N,)
+        if loc is not None:                                  # the sampled location is a choice too
+            chosen = chosen + alpha.float().gather(1, loc.unsqueeze(1)).squeeze(1).clamp_min(LOG_EPS).log()
+        logp = logp + torch.where(alive, chosen, 0.0)
+        entropy = entropy + torch.where(alive, -(p * step_logp.detach().clamp_min(-1e30)).sum(1), 0.0)
+        words = torch.where(alive, drawn, PAD_ID)
+        tokens.append(words)
+        alive = alive & (words != END_ID)
+        if not bool(alive.any()):
+            break
+    tokens = torch.stack(tokens, 1)                                              # (N, T)
+    return Samples(tokens, ((tokens != PAD_ID) & (tokens != END_ID)).sum(1), logp, entropy)
+
+
+def greedy_tokens(decoder: AttentionDecoder, features: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test-time greedy captions (beam size 1 of the one decoding routine), without dropout.
+
+    Returns:
+        tokens (B, T): words, <end>, <pad>...; words (B,) before <end>.
+    """
+    was_training = decoder.training
+    decoder.eval()
+    hyps = [beams[0].tokens for beams in beam_search(decoder, features, beam_size=1, max_len=max_len)]
+    decoder.train(was_training)
+    tokens = torch.zeros(len(hyps), max(len(h) for h in hyps) + 1, dtype=torch.long)
+    for i, h in enumerate(hyps):
+        tokens[i, :len(h) + 1] = torch.tensor(h + [END_ID], dtype=torch.long)
+    return tokens, torch.tensor([len(h) for h in hyps])
+
+
+# the objective
+
+class SelfCritical(nn.Module):
+    """The SCST loss as a module, so that DistributedDataParallel wraps one forward.
+
+    Args:
+        decoder: the model being trained.
+        cfg: samples, baseline, reward weights.
+        scorer: rewards against the training references (`training_scorer`).
+        max_len: most words per sampled caption.
+    """
+
+    def __init__(self, decoder: AttentionDecoder, cfg: ScstConfig, scorer: NgramScorer, max_len: int):
+        super().__init__()
+        self.decoder, self.cfg, self.scorer, self.max_len = decoder, cfg, scorer, max_len
+
+    def reward(self, tokens: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """r(w) (N,) float64 on the CPU: CIDEr-D (+ bleu_weight · BLEU-4)."""
+        cider, bleu = self.scorer.score(tokens, words + int(self.cfg.end_token), rows, bleu=self.cfg.bleu_weight > 0)
+        return cider if bleu is None else cider + self.cfg.bleu_weight * bleu
+
+    def forward(self, batch: ImageBatch, images: float, baseline: float = 0.0, generator=None):
+        """Loss for one batch.
+
+        Args:
+            images: what to divide by: this batch's images (under DDP, the global count over
+                processes), so that the loss is a mean over images of the mean over samples.
+            baseline: unused (the REINFORCE moving average of hard-attention XE training).
+
+        Returns:
+            (loss to minimise, dict of detached terms for logging: reward, baseline, entropy, ...)
+        """
+        n = self.cfg.samples
+        mode = SAMPLE if self.decoder.config.attention == "hard" and self.cfg.context == SAMPLE else EXPECTED
+        s = sample_captions(self.decoder, batch.features, n, self.max_len, mode=mode, generator=generator)
+        rows = batch.rows.cpu()
+        reward = self.reward(s.tokens, s.words, rows.repeat_interleave(n)).view(-1, n)  # (B, n)
+        if self.cfg.baseline == "greedy":
+            tokens, words = greedy_tokens(self.decoder, batch.features, self.max_len)
+            base = self.reward(tokens, words, rows).unsqueeze(1).expand(-1, n)           # (B, n)
+        else:
+            base = (reward.sum(1, keepdim=True) - reward) / (n - 1)                     # (B, n), the others' mean
+        advantage = (reward - base).float().to(s.logp.device).view(-1)                  # (N,)
+        loss = -(advantage * s.logp).sum() / (images * n)
+        steps = (s.words + 1).sum().clamp_min(1)
+        terms = {"reward": reward.mean(), "baseline": base.mean(), "entropy": s.entropy.sum() / steps,
+                 "sample_words": s.words.float().mean(), "advantage_abs": advantage.abs().mean()}
+        return loss, {k: v.detach().float() for k, v in terms.items()}

@@ -1,0 +1,152 @@
+"""Command lines derived from dataclasses: each option is declared once, as a typed field.
+
+A field's type says what the option takes, `Annotated` its help and, where it differs from the
+field's name, its flag:
+
+    epochs: Annotated[int, "passes over the training captions"] = 30          # --epochs N
+    baseline: Annotated[Literal["mean", "greedy"], "--scst-baseline", "..."] = "mean"
+    hard: HardAttentionConfig = field(default_factory=HardAttentionConfig)    # its fields, flattened
+    fine_tune: Annotated[FineTuneConfig | None, "--fine-tune-encoder", "..."] = None
+
+`Literal` gives the choices; `bool` a switch (`--no-x` when the default is True); `list[str]`
+one or more values; a field without a default a required option; a field without help text
+no option at all (it is set by the program). A nested dataclass adds its
+own fields' options; an optional one is switched on by its own flag, and its options are refused
+without it. `add_options` puts a dataclass's options on a parser; `from_args` builds the
+dataclass back from the parsed namespace, with the dataclass's own defaults for what was not given.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Annotated, Any, Literal, Union
+
+NOT_GIVEN = None  # what argparse holds for an option left out; the dataclass default applies
+
+
+def _parts(hint) -> tuple[Any, list[str], str]:
+    """(bare type, flags, help) of an Annotated hint."""
+    if typing.get_origin(hint) is not Annotated:
+        return hint, [], ""
+    bare, *extras = typing.get_args(hint)
+    flags = [x for x in extras if isinstance(x, str) and x.startswith("--")]
+    helps = [x for x in extras if isinstance(x, str) and not x.startswith("--")]
+    return bare, flags, " ".join(helps)
+
+
+def _optional(tp) -> tuple[Any, bool]:
+    """(X, True) for `X | None`, else (tp, False)."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _fields(cls) -> list[tuple[dataclasses.Field, Any, list[str], str]]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return [(f, *_parts(hints[f.name])) for f in dataclasses.fields(cls) if f.init]
+
+
+def add_options(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = (), group: str | None = None,
+                required_by: str | None = None, prefix: str = "") -> None:
+    """Add an option for every field of dataclass `cls` (nested dataclasses flattened).
+
+    Args:
+        skip: fields with no option (set by the program, e.g. the vocabulary size).
+        group: a title for a help section of these options.
+        required_by: the flag that switches an optional nested dataclass on (said in each help).
+        prefix: where in the namespace a nested dataclass's values go ("fine_tune.").
+    """
+    target = parser.add_argument_group(group) if group else parser
+    for f, tp, flags, text in _fields(cls):
+        tp, optional = _optional(tp)
+        if f.name in skip or not (text or dataclasses.is_dataclass(tp)):
+            continue
+        default = _default(f)
+        flags = flags or [f"--{f.name.replace('_', '-')}"]
+        if dataclasses.is_dataclass(tp):
+            nested, title = f"{prefix}{f.name}.", (tp.__doc__ or f.name).strip().splitlines()[0].split(";")[0].rstrip(".")
+            if optional:  # switched on by its own flag; its fields follow
+                target.add_argument(flags[0], dest=prefix + f.name, action="store_true", help=text)
+                add_options(parser, tp, group=title, required_by=flags[0], prefix=nested)
+            else:
+                add_options(parser, tp, group=title, prefix=nested)
+            continue
+        kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": NOT_GIVEN, "metavar": f.name.upper()}
+        shown = "" if default in (dataclasses.MISSING, None) else f" (default: {_shown(default)})"
+        if required_by:
+            shown += f"; with {required_by}"
+        if tp is bool and optional:  # None: the program decides; --x / --no-x decide instead
+            kwargs.update(action=argparse.BooleanOptionalAction)
+            kwargs.pop("metavar")
+            shown = ""
+        elif tp is bool:
+            if default is True:
+                flags = [f"--no-{f.name.replace('_', '-')}"] if not flags[0].startswith("--no-") else flags
+                kwargs.update(action="store_const", const=False)
+            else:
+                kwargs.update(action="store_const", const=True)
+            kwargs.pop("metavar")
+            shown = ""
+        elif typing.get_origin(tp) is list:
+            kwargs.update(nargs="+", type=typing.get_args(tp)[0])
+        elif typing.get_origin(tp) is Literal:
+            choices = typing.get_args(tp)
+            kwargs.update(choices=choices, type=type(choices[0]))
+            kwargs.pop("metavar")
+        else:
+            kwargs.update(type=tp)
+        if default is dataclasses.MISSING:
+            kwargs["required"] = True
+        target.add_argument(*flags, help=text + shown, **kwargs)
+
+
+def _shown(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def from_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = (), prefix: str = "", **fixed):
+    """The dataclass `cls` from parsed options: given values, else the dataclass's defaults.
+
+    Raises:
+        ValueError: an option of an optional nested dataclass was given without its switch.
+    """
+    values = dict(fixed)
+    for f, tp, flags, text in _fields(cls):
+        tp, optional = _optional(tp)
+        if f.name in skip or f.name in values or not (text or dataclasses.is_dataclass(tp)):
+            continue
+        if dataclasses.is_dataclass(tp):
+            nested = f"{prefix}{f.name}."
+            given = _given(tp, args, nested)
+            if optional and not getattr(args, prefix + f.name, None):
+                if given:
+                    raise ValueError(f"{given[0]} needs {(flags or ['--' + f.name.replace('_', '-')])[0]}")
+                values[f.name] = None
+            else:
+                values[f.name] = from_args(tp, args, prefix=nested)
+            continue
+        value = getattr(args, prefix + f.name, NOT_GIVEN)
+        if value is not NOT_GIVEN:
+            values[f.name] = value
+    return cls(**values)
+
+
+def _given(cls, args: argparse.Namespace, prefix: str) -> list[str]:
+    """Flags of `cls`'s fields given on the command line."""
+    out = []
+    for f, _, flags, _ in _fields(cls):
+        if getattr(args, prefix + f.name, NOT_GIVEN) is not NOT_GIVEN:
+            out.append((flags or [f"--{f.name.replace('_', '-')}"])[0])
+    return out

@@ -1,0 +1,145 @@
+"""The Python API: `Captioner.load(checkpoint).caption(image)` → words with their attention maps."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from PIL import Image
+
+from captioner.data.images import load_image
+from captioner.errors import CaptionerError
+from captioner.evaluation.familiarity import FamiliarityStats, familiarity
+from captioner.models.checkpoint import load_checkpoint, read_trained
+from captioner.models.decode import beam_search
+from captioner.models.decoder import ARGMAX, CONTEXT_MODES, EXPECTED, SAMPLE, AttentionDecoder
+from captioner.models.encoder import EncoderSpec, rebuild_encoder
+from captioner.models.fast_encoder import optimize_encoder
+from captioner.models.vocab import Vocabulary
+
+
+@dataclass
+class Caption:
+    """A caption and where the model looked for each word."""
+    text: str
+    words: list[str]
+    score: float                      # log-probability of the caption, <end> included
+    attention: np.ndarray             # (len(words), 14, 14), α used to produce each word
+    locations: list[tuple[int, int]] | None = None   # (row, col) chosen per word (hard: argmax/sample)
+    alternatives: list[tuple[str, float]] = field(default_factory=list)  # other beams, best first
+    size: tuple[int, int] = (0, 0)    # (width, height) of the upright image
+    # Is the image like the training images? {"score", "unfamiliar", "message", "threshold"}
+    # (captioner.familiarity); None when the checkpoint holds no training-feature statistics.
+    familiarity: dict | None = None
+
+
+class Captioner:
+    """A trained captioning model with its encoder, ready for images."""
+
+    def __init__(self, decoder: AttentionDecoder, vocab: Vocabulary, spec: EncoderSpec, *,
+                 encoder: torch.nn.Module | None = None, max_len: int = 20, step: int = 0,
+                 info: dict | None = None, device: str | torch.device = "cpu", fast: bool = True,
+                 encoder_state: dict | None = None, familiarity: FamiliarityStats | None = None):
+        self.device = torch.device(device)
+        self.encoder_state = encoder_state  # fine-tuned encoder layers (checkpoint "encoder_state"), if any
+        self.decoder = decoder.to(self.device).eval()
+        self.vocab, self.encoder_spec, self.max_len, self.step = vocab, spec, max_len, step
+        self.fast = fast
+        self.encoder = self._ready(encoder) if encoder is not None else None
+        self.info = info or {}
+        self.familiarity = familiarity
+
+    def _ready(self, encoder: torch.nn.Module) -> torch.nn.Module:
+        # The encoder's weights are final here: make it fast for inference (same features).
+        if self.fast:
+            return optimize_encoder(encoder, self.device, image_size=self.encoder_spec.image_size)
+        return encoder.to(self.device).eval()
+
+    @property
+    def attention_type(self) -> str:
+        return self.decoder.config.attention
+
+    @property
+    def default_mode(self) -> str:
+        return EXPECTED
+
+    @classmethod
+    def load(cls, path: str, *, device: str = "cpu", build_encoder: bool = True, fast: bool = True) -> "Captioner":
+        """Load a checkpoint written by `fit` (weights_only: pickled objects are refused).
+
+        Args:
+            path: the .pt file.
+            device: where to run.
+            build_encoder: also rebuild the image encoder (not needed on cached features).
+            fast: run the encoder through `optimize_encoder` (same features, faster); False
+                keeps the plain PyTorch modules.
+        """
+        trained = read_trained(load_checkpoint(path), path)
+        encoder = rebuild_encoder(trained.encoder, trained.encoder_state, path)[0] if build_encoder else None
+        info = {**trained.info, "checkpoint": os.path.abspath(path), "step": trained.step,
+                "fine_tune": trained.info["train"].get("fine_tune")}
+        return cls(trained.decoder, trained.vocab, trained.encoder, encoder=encoder, max_len=trained.max_len,
+                   step=trained.step, info=info, device=device, fast=fast, encoder_state=trained.encoder_state,
+                   familiarity=FamiliarityStats.from_dict(trained.familiarity))
+
+    @torch.inference_mode()
+    def encode(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Images (paths, bytes, PIL or HxWxC arrays) → features (B, L, D) and their sizes."""
+        if self.encoder is None:
+            self.encoder = self._ready(rebuild_encoder(self.encoder_spec, self.encoder_state, "this checkpoint")[0])
+        pils = [load_image(Image.fromarray(im) if isinstance(im, np.ndarray) else im) for im in images]
+        x = torch.stack([self.encoder_spec.preprocess(p) for p in pils]).to(self.device)  # (B, 3, S, S)
+        return self.encoder(x), [p.size for p in pils]
+
+    def caption(self, image, beam_size: int = 3, **kwargs) -> Caption:
+        """Caption one image; see `caption_batch` for the options."""
+        return self.caption_batch([image], beam_size=beam_size, **kwargs)[0]
+
+    @torch.inference_mode()
+    def caption_batch(self, images: Sequence, beam_size: int = 3, *, max_len: int | None = None,
+                      length_norm: bool = False, mode: str | None = None, seed: int | None = None,
+                      batch_size: int = 16) -> list[Caption]:
+        """Caption several images with one batched beam search per chunk.
+
+        Args:
+            images: paths, bytes, PIL images or HxWxC uint8 arrays.
+            beam_size: K (1 is greedy).
+            max_len: most words (default: the training maximum).
+            length_norm: rank beams by log-probability per word.
+            mode: "expected" (soft; the default), "argmax" or "sample" for hard-attention models.
+            seed: random seed for mode="sample".
+            batch_size: images per forward pass.
+
+        Raises:
+            ImageError: an image cannot be read (the message says which and why).
+        """
+        mode = mode or self.default_mode
+        if mode not in CONTEXT_MODES:
+            raise CaptionerError(f"mode must be one of {CONTEXT_MODES}, got {mode!r}")
+        if not 1 <= int(beam_size) <= 50:
+            raise CaptionerError(f"beam size must be between 1 and 50, got {beam_size}")
+        max_len = int(max_len or self.max_len)
+        generator = None
+        if mode == SAMPLE:
+            generator = torch.Generator(device=self.device).manual_seed(0 if seed is None else int(seed))
+        out = []
+        grid = self.encoder_spec.grid
+        for i in range(0, len(images), batch_size):
+            feats, sizes = self.encode(images[i:i + batch_size])                  # (b, L, D)
+            verdicts = familiarity(feats, self.familiarity)                # is each image like the training ones?
+            for beams, size, verdict in zip(beam_search(self.decoder, feats, beam_size=int(beam_size), max_len=max_len,
+                                                       length_norm=length_norm, mode=mode, generator=generator),
+                                           sizes, verdicts):
+                best = beams[0]
+                words = self.vocab.decode(best.tokens)
+                locs = None
+                if mode in (ARGMAX, SAMPLE):
+                    locs = [(int(l) // grid, int(l) % grid) for l in best.locations]
+                out.append(Caption(
+                    text=" ".join(words), words=words, score=best.score,
+                    attention=best.attention.reshape(len(words), grid, grid), locations=locs,
+                    alternatives=[(" ".join(self.vocab.decode(h.tokens)), h.score) for h in beams],
+                    size=size, familiarity=verdict))
+        return out

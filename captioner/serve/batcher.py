@@ -1,0 +1,68 @@
+"""Concurrent caption requests batched into shared forward passes, each failure kept its own."""
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from concurrent.futures import Future
+
+from PIL import Image
+
+from captioner.serve.api import Caption, Captioner
+
+
+class Batcher:
+    """Runs concurrent caption requests through the model together, one thread owning it.
+
+    Requests that wait while a batch runs form the next batch (up to `max_batch_size`,
+    grouped by beam size and maximum length). If a batch fails, its images are retried one
+    at a time, so an error reaches only the request that caused it.
+    """
+
+    def __init__(self, captioner: Captioner, *, max_batch_size: int = 8):
+        self.captioner, self.max_batch_size = captioner, max_batch_size
+        self._queue: queue.Queue[tuple | None] = queue.Queue()  # (image, beam_size, max_len, Future)
+        self._thread = threading.Thread(target=self._loop, name="captioner-batcher", daemon=True)
+        self._thread.start()
+
+    def caption(self, image: Image.Image, beam_size: int = 3, max_len: int | None = None) -> Caption:
+        """Caption one decoded image, sharing a forward pass with concurrent callers."""
+        done: Future[Caption] = Future()
+        self._queue.put((image, int(beam_size), max_len, done))
+        return done.result()
+
+    def close(self) -> None:
+        """Stop the worker after the requests already queued."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while (first := self._queue.get()) is not None:
+            batch = [first]
+            while len(batch) < self.max_batch_size:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:          # close() was called: finish this batch, then stop
+                    self._queue.put(None)
+                    break
+                batch.append(nxt)
+            groups = collections.defaultdict(list)  # caption_batch takes one beam size and length
+            for image, beam_size, max_len, done in batch:
+                groups[beam_size, max_len].append((image, done))
+            for (beam_size, max_len), group in groups.items():
+                self._run(group, beam_size, max_len)
+
+    def _run(self, group: list[tuple[Image.Image, Future]], beam_size: int, max_len: int | None) -> None:
+        try:
+            outs = self.captioner.caption_batch([im for im, _ in group], beam_size=beam_size, max_len=max_len)
+        except Exception as e:
+            if len(group) == 1:
+                group[0][1].set_exception(e)
+            else:  # find the culprit: retry alone, so the others still get their captions
+                for item in group:
+                    self._run([item], beam_size, max_len)
+            return
+        for (_, done), out in zip(group, outs):
+            done.set_result(out)

@@ -1,0 +1,106 @@
+"""Running under `torchrun`: process group set-up and the few collectives training needs.
+
+Everything here is PyTorch's own engine (torch.distributed with gloo on CPU, NCCL on GPU);
+with one process every function is a no-op, so the training code reads the same either way.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from captioner.errors import CaptionerError
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the job."""
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+def choose_device(name: str = "auto", local_rank: int = 0) -> torch.device:
+    """"auto" → this process's GPU if there is one, else the CPU; refuses cuda without a GPU."""
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CaptionerError(f"--device {name}: no CUDA device is available here; use --device cpu")
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if name == "cuda":
+        return torch.device(f"cuda:{local_rank}")
+    return torch.device(name)
+
+
+def setup(device: str = "auto") -> tuple[Dist, torch.device]:
+    """Join the process group if launched by torchrun, and pick this process's device.
+
+    Args:
+        device: "auto", "cpu" or "cuda"; under torchrun with CUDA each process takes its local GPU.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist(), choose_device(device)
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    dev = choose_device(device, local)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        # Long timeout: a rank may wait at a barrier while another extracts features for hours.
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(hours=12))
+    return Dist(rank, world, local), dev
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(d: Dist) -> None:
+    if d.active:
+        dist.barrier()
+
+
+def all_sum(d: Dist, values: list[float], device: torch.device) -> list[float]:
+    """Sum floats over all processes."""
+    if not d.active:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def any_true(d: Dist, flag: bool, device: torch.device) -> bool:
+    """True on every process if it is true on any (e.g. one ran out of time)."""
+    return all_sum(d, [float(flag)], device)[0] > 0 if d.active else flag
+
+
+def gather_dicts(d: Dist, part: dict) -> dict:
+    """Merge every process's dict on all processes; equal keys (e.g. image ids) are deduplicated."""
+    if not d.active:
+        return dict(part)
+    parts = [None] * d.world
+    dist.all_gather_object(parts, part)
+    merged = {}
+    for p in parts:
+        merged.update(p)
+    return merged
+
+
+def broadcast(d: Dist, obj):
+    """Rank 0's value of obj, on every process."""
+    if not d.active:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

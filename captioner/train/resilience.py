@@ -1,0 +1,210 @@
+"""What a cluster job meets and survives: a full disk, preemption, damaged features.
+
+- `GracefulStop`: SIGTERM (a scheduler's preemption notice) and SIGINT (Ctrl-C) set a flag
+  instead of killing the process; `fit` and `prepare` look at it at safe points, save, and end.
+- `CheckpointSaver`: a checkpoint save that fails (no space left, quota, read-only) is reported
+  in one line naming the last good checkpoint and its step, instead of ending with a traceback;
+  the caller decides whether to retry at the next save or to stop.
+- `FaultLog`: the one-line warnings about what training goes on through (a failed save, a
+  skipped step, captions of damaged feature rows left out), on stderr and in metrics.jsonl.
+
+Shapes: n rows of (L, D) features, L locations, D feature size.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from captioner.data.features import damaged_row_message
+from captioner.io import describe_os_error
+from captioner.models.checkpoint import save_checkpoint
+from captioner.errors import CaptionerError
+
+# Exit status after a graceful stop: 0 for SIGTERM (the job did what a preemption notice asks:
+# saved and stopped, so it is not reported as a failure), 130 for Ctrl-C (the shell's convention,
+# so that `fit && evaluate` does not go on).
+EXIT_STATUS = {signal.SIGTERM: 0, signal.SIGINT: 130}
+
+log = logging.getLogger(__name__)
+
+
+# helpers
+
+def all_finite(values: dict) -> bool:
+    """True if every number in a dict of loss terms is finite."""
+    return all(np.isfinite(v) for v in values.values())
+
+
+def first_nonfinite(state: dict) -> str | None:
+    """The name of the first floating-point tensor in a state dict holding an inf or NaN, else None."""
+    for name, value in state.items():
+        if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return name
+    return None
+
+
+# classes
+
+class GracefulStop:
+    """Context manager: SIGTERM and SIGINT ask for a stop at the next safe point instead of killing.
+
+    Inside the block the first signal only sets `requested`; the code under it finishes its
+    current unit of work (a training step, a batch of features), saves, and returns. Repeats of
+    the signal are ignored while it does (under torchrun a Ctrl-C reaches each worker twice: from
+    the terminal and from the agent); SIGKILL or Ctrl-\\ (SIGQUIT) still end it at once. Outside
+    the main thread signals cannot be caught, and the block does nothing.
+
+    Args:
+        announce: write one line to stderr when a signal arrives (rank 0 only under torchrun).
+    """
+
+    def __init__(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT), *, announce: bool = True):
+        self.signals, self.announce = tuple(signals), announce
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+        return False
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            return
+        self.signum = signum
+        if self.announce:
+            # os.write, not print: the handler may run while the main code is inside a write to
+            # stderr (the progress bar), and a buffered stream refuses a reentrant call.
+            os.write(sys.stderr.fileno(), f"\n{signal.Signals(signum).name}: stopping after the current "
+                                          "step, then saving (SIGKILL ends it at once)\n".encode())
+
+    def request(self, signum: int = signal.SIGTERM) -> None:
+        """Ask for a stop as a signal would (for callers that are not signalled, and for tests)."""
+        if self.signum is None:
+            self.signum = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    @property
+    def exit_status(self) -> int:
+        """0 after SIGTERM (a clean preemption), 130 after SIGINT."""
+        return EXIT_STATUS.get(self.signum, 0)
+
+
+def stop_requested(stop: GracefulStop | None) -> bool:
+    return stop is not None and stop.requested
+
+
+class CheckpointSaver:
+    """Saves checkpoints and reports a failed save instead of raising.
+
+    `save_checkpoint` writes a temporary file and renames it, so a failed save leaves the
+    previous file whole and no temporary file behind; the saver adds the account: one line
+    naming the failure and the last good checkpoint with its step, and a record of which files'
+    latest save failed, so that training can go on (retrying at the next save) and stop with
+    that message if its final save fails.
+
+    Args:
+        good: path → step of checkpoints already known to be whole (e.g. the resumed last.pt).
+    """
+
+    def __init__(self, good: dict[str, int] | None = None):
+        self.good: dict[str, int] = dict(good or {})
+        self.failed: dict[str, str] = {}      # path → message of its latest failed save
+
+    def last_good(self, path: str) -> str:
+        if path in self.good:
+            return f"the last good checkpoint is {path} at step {self.good[path]}"
+        return f"{path} has not been saved by this run yet"
+
+    def save(self, ck: dict, path: str) -> bool:
+        """Save `ck` (with a "step" and a "model" state dict) to `path`; False if the write failed.
+
+        Raises:
+            CaptionerError: the model's weights are not finite; such a checkpoint is never
+                written over a good one.
+        """
+        bad = first_nonfinite(ck["model"])
+        if bad is not None:
+            raise CaptionerError(f"the model's weights are not finite at step {ck['step']} ({bad}); not "
+                                 f"saving {path}; {self.last_good(path)}")
+        try:
+            save_checkpoint(ck, path)
+        except OSError as e:
+            message = (f"cannot save {path} at step {ck['step']}: {describe_os_error(e, path)}; "
+                       f"{self.last_good(path)}")
+            self.failed[path] = message
+            return False
+        self.good[path] = int(ck["step"])
+        self.failed.pop(path, None)
+        return True
+
+
+class FaultLog:
+    """One-line warnings about the faults training goes on through, on stderr and in metrics.jsonl.
+
+    Args:
+        write_log: appends a record to the run's metrics.jsonl.
+        show: print warnings about shared state (rank 0 only under torchrun).
+    """
+
+    def __init__(self, write_log: Callable[[dict], None], show: bool = True):
+        self.write_log, self.show = write_log, show
+        self.named: set[int] = set()          # feature rows already reported
+
+    def warn(self, event: str, message: str, *, show: bool = True, local: bool = False, **fields) -> None:
+        """Print "warning: <message>" and log {"event": event, **fields, "message": message}.
+
+        Args:
+            show: print it (else only log it).
+            local: a fault this process alone met (its share of a batch), printed on every rank.
+        """
+        if show and (self.show or local):
+            log.warning(message)
+        self.write_log({"event": event, **fields, "message": message})
+
+    def skipped_step(self, step: int, terms: dict, scaled: bool = False) -> None:
+        """Report a step that was not applied because a loss term or the gradient was not finite.
+
+        Args:
+            scaled: fp16 training with a gradient scaler, which finds its scale by overflowing now
+                and then: such a step (finite loss, infinite gradient) is logged but not printed.
+        """
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in terms.items())
+        overflow = scaled and np.isfinite(terms["loss"])
+        self.warn("skipped_step", f"step {step}: not finite ({shown}); the step was skipped, the weights "
+                  "are unchanged", show=not overflow, step=step, **{k: str(v) for k, v in terms.items()})
+
+    def damaged_rows(self, rows: Sequence[int], data, step: int) -> None:
+        """Report feature rows whose captions were left out of a batch; each image once per run.
+
+        Args:
+            rows: one entry per caption left out (an image's row repeats for each of its captions).
+            data: the CaptionData the rows belong to.
+        """
+        for row in sorted(set(int(r) for r in rows) - self.named):
+            self.named.add(row)
+            image_id, path = data.meta["image_ids"][row], data.path_of(row)
+            self.warn("damaged_features", damaged_row_message(image_id, path, row, data.cache.path,
+                                                              "its captions are left out of training"),
+                      local=True, step=step, image_id=image_id, file=path, row=row)

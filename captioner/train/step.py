@@ -1,0 +1,94 @@
+"""One optimisation step: the objective as a module, and the step that applies it.
+
+Shapes: B captions (images for SCST), L locations, D feature size, T steps.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from captioner.models.decoder import AttentionDecoder
+from captioner.objectives.cross_entropy import sequence_terms
+from captioner.objectives.equivariance import equivariance_term
+from captioner.objectives.reinforce import hard_attention_loss, update_baseline
+from captioner.train import distributed, resilience
+from captioner.train.config import Progress, TrainConfig
+
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Adam:
+    """Adam, fused into one kernel per step (CPU and CUDA): on CPU the unfused update of the
+    decoder's 15M parameters took 100 ms of a 500 ms step, the fused one 6 ms."""
+    return torch.optim.Adam(model.parameters(), lr=lr, fused=True)
+
+
+class Objective(nn.Module):
+    """The training loss as a module, so that DistributedDataParallel wraps one forward."""
+
+    def __init__(self, decoder: AttentionDecoder, cfg: TrainConfig, encoder: nn.Module | None = None):
+        super().__init__()
+        self.decoder, self.cfg = decoder, cfg
+        self.encoder = encoder  # fine-tuned encoder layers (finetune.TunedEncoder), None on cached features
+
+    def forward(self, batch, words, baseline: float, generator=None):
+        features, captions, lengths = batch.features, batch.captions, batch.lengths
+        if self.encoder is not None:
+            features = self.encoder(features, batch.image_index)  # encoder inputs, one per image → (B, L, D)
+        if self.decoder.config.attention == "hard":
+            return hard_attention_loss(self.decoder, features, captions, lengths, baseline=baseline,
+                                       cfg=self.cfg.hard, alpha_c=self.cfg.alpha_c, generator=generator, words=words,
+                                       rotated=batch.rotated, equivariance=self.cfg.equivariance)
+        if batch.rotated is not None:                             # `fit` reads them only for the term
+            return self.equivariant_loss(features, batch.rotated, captions, lengths, words)
+        nll, penalty, _, _ = sequence_terms(self.decoder, features, captions, lengths, self.cfg.alpha_c, words)
+        return nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
+
+    def equivariant_loss(self, features, rotated, captions, lengths, words):
+        """The soft loss plus λ × the half-turn equivariance of the maps, per word (equivariance.py)."""
+        nll, penalty, u, mask = sequence_terms(self.decoder, features, captions, lengths, self.cfg.alpha_c, words)
+        words = mask.sum() if words is None else words
+        equi = equivariance_term(self.decoder, u.alphas, rotated, captions, mask, words)
+        return nll + penalty + self.cfg.equivariance * equi, {
+            "nll": nll.detach(), "penalty": penalty.detach(), "equivariance": equi.detach()}
+
+
+def train_step(objective, batch, optimizer, scaler, cfg: TrainConfig, progress: Progress,
+               generator: torch.Generator, d: distributed.Dist, device: torch.device) -> dict:
+    """One optimisation step on this process's share of a global batch; returns the loss terms.
+
+    A step whose loss terms or gradient norm are not finite (on any process) is not applied:
+    the weights stay as they were, and the returned terms show the non-finite value.
+    """
+    objective.train()
+    # Normalise by the global count (XE: predicted words; SCST: images) so N processes give the
+    # gradient of one big batch.
+    units = float(len(batch.rows)) if cfg.objective == "scst" else float((batch.lengths - 1).sum())
+    words = distributed.all_sum(d, [units], device)[0] / d.world
+    amp = AMP_DTYPES[cfg.amp]
+    autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
+    with autocast:
+        loss, terms = objective(batch, words, progress.baseline, generator)
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(objective.parameters(), cfg.grad_clip)
+    terms = {"loss": float(loss.detach()), **{k: float(v) for k, v in terms.items()},
+             "grad_norm": float(grad_norm)}
+    counts = {k: terms.pop(k) for k in ("reward_sum", "sampled") if k in terms}
+    # Each process's terms are its share of the global batch's: their mean is the batch's.
+    names = list(terms) + list(counts)
+    totals = distributed.all_sum(d, [terms[k] for k in terms] + list(counts.values()), device)
+    terms = {k: v / d.world for k, v in zip(names[:len(terms)], totals)}
+    # faults: the sums carry a NaN or inf from any process, so all agree to skip the update.
+    applied = resilience.all_finite(terms)
+    if applied:
+        scaler.step(optimizer)
+    scaler.update()
+    if counts and applied:
+        reward_sum, sampled = totals[len(terms):]
+        progress.baseline = update_baseline(progress.baseline, reward_sum, sampled, cfg.hard.baseline_decay)
+        terms["baseline"] = progress.baseline
+    return terms

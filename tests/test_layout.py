@@ -1,0 +1,65 @@
+"""The codebase's shape: layers whose imports run one way, lint-clean, small modules and functions."""
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+PACKAGE = REPO / "captioner"
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (pip install -e '.[dev]')")
+    return path
+
+
+def test_imports_run_one_way_through_the_layers():
+    p = subprocess.run([_tool("lint-imports")], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0 and "1 kept, 0 broken" in p.stdout, p.stdout[-3000:]
+
+
+@pytest.mark.parametrize("check", [["check", "."], ["format", "--check", "."]])
+def test_ruff_is_clean(check):
+    p = subprocess.run([_tool("ruff"), *check], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-1000:]
+
+
+def test_modules_and_functions_are_small():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            long.append(f"{path.relative_to(REPO)}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, long
+
+
+def test_code_carries_no_history():
+    """Issue numbers and dates belong to git and docs/, not to the code."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for k, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if re.search(r"\bissue[ #]*\d+|\b20[2-3]\d-\d\d-\d\d\b", line, flags=re.IGNORECASE):
+                found.append(f"{path.relative_to(REPO)}:{k}: {line.strip()}")
+    assert not found, found
+
+
+def test_subpackages_are_the_layers():
+    subpackages = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+    assert subpackages == ["cli", "data", "demo", "evaluation", "lab", "models", "objectives", "scenes", "serve",
+                           "train"]
