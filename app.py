@@ -2,6 +2,7 @@
 
 The same as `captioner demo [...]` from an installed package; the page is `captioner.demo.app`.
 """
+
 from captioner.demo.app import get_args_parser, main
 
 if __name__ == "__main__":

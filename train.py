@@ -2,6 +2,7 @@
 
 The same as `captioner-train` from an installed package; the command line is `captioner.cli.train`.
 """
+
 import sys
 
 from captioner.cli.train import main

@@ -21,6 +21,7 @@ Then an estimate of COCO's times from the figures measured: `prepare`, one epoch
 captioning the 5,000 test images. Timings alternate between the things compared, so that
 machine noise hits them alike, and report medians.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,15 +42,14 @@ import torchvision
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sgrvinod_decoder import (TutorialDecoder, load_tutorial_models, tutorial_loss,  # noqa: E402
-                              tutorial_train_step)
+from sgrvinod_decoder import TutorialDecoder, load_tutorial_models, tutorial_loss, tutorial_train_step  # noqa: E402
 
 from captioner.data.dataset import Batch  # noqa: E402
 from captioner.models.decoder import AttentionDecoder  # noqa: E402
-from captioner.train.distributed import Dist  # noqa: E402
 from captioner.models.encoder import EncoderSpec, build_encoder  # noqa: E402
 from captioner.models.fast_encoder import optimize_encoder  # noqa: E402
 from captioner.train.config import Progress, TrainConfig  # noqa: E402
+from captioner.train.distributed import Dist  # noqa: E402
 from captioner.train.step import Objective, make_optimizer, train_step  # noqa: E402
 
 B, L, D, V = 32, 196, 512, 10_000
@@ -58,6 +58,7 @@ COCO_IMAGES, COCO_TRAIN_CAPTIONS, COCO_TEST_IMAGES = 123_287, 113_287 * 5, 5_000
 
 
 # helpers
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -115,6 +116,7 @@ def flops_of(fn) -> int:
 
 # sections
 
+
 def bench_encoder(device: torch.device, repeats: int, rate: float, compile_too: bool) -> dict:
     plain, _ = build_encoder(EncoderSpec(weights="none"))
     plain = plain.to(device)
@@ -123,15 +125,18 @@ def bench_encoder(device: torch.device, repeats: int, rate: float, compile_too: 
     variants["channels-last"] = copy.deepcopy(plain).to(memory_format=torch.channels_last)
     if device.type == "cpu":
         with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")             # TorchScript is deprecated, still measured
+            warnings.simplefilter("ignore")  # TorchScript is deprecated, still measured
             variants["TorchScript freeze + optimize_for_inference"] = torch.jit.optimize_for_inference(
-                torch.jit.freeze(torch.jit.trace(copy.deepcopy(plain), x)))
+                torch.jit.freeze(torch.jit.trace(copy.deepcopy(plain), x))
+            )
         from torch.fx.experimental.optimization import optimize_for_inference as fx_optimize
+
         variants["torch.fx optimize_for_inference"] = fx_optimize(copy.deepcopy(plain))
     variants["ours: optimize_encoder"] = optimize_encoder(plain, device)
     if compile_too:
         import torch._inductor.config as inductor_config
-        inductor_config.freezing = True                 # weights as constants: packed convolutions
+
+        inductor_config.freezing = True  # weights as constants: packed convolutions
         compiled = torch.compile(copy.deepcopy(plain).to(memory_format=torch.channels_last))
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -144,16 +149,20 @@ def bench_encoder(device: torch.device, repeats: int, rate: float, compile_too: 
         fns[name] = (lambda m, xi: lambda: m(xi))(module, xin)
     with torch.inference_mode():
         ref = plain(x)
-        errors = {name: float(((fn() - ref).abs().max() / ref.abs().max())) for name, fn in fns.items()}
+        errors = {name: float((fn() - ref).abs().max() / ref.abs().max()) for name, fn in fns.items()}
         flops = flops_of(lambda: plain(x))
         t = interleaved(fns, repeats, device)
     floor = flops / rate
     base = med(t["eager torchvision fp32"])
     print(f"encoder: VGG16 trunk to conv5_3, one 224x224 image, {flops / 1e9:.1f} GFLOP")
     for name, ts in t.items():
-        print(f"  {name:44s} {fmt(ts)}  {med(ts) / base:5.2f}x eager  {med(ts) / floor:5.2f}x floor  "
-              f"(max rel. difference {errors[name]:.1e})")
-    print(f"  floor: {flops / 1e9:.1f} GFLOP at the measured matmul rate {rate / 1e9:.0f} GFLOP/s = {floor * 1e3:.1f} ms")
+        print(
+            f"  {name:44s} {fmt(ts)}  {med(ts) / base:5.2f}x eager  {med(ts) / floor:5.2f}x floor  "
+            f"(max rel. difference {errors[name]:.1e})"
+        )
+    print(
+        f"  floor: {flops / 1e9:.1f} GFLOP at the measured matmul rate {rate / 1e9:.0f} GFLOP/s = {floor * 1e3:.1f} ms"
+    )
     return {"eager": base, "ours": med(t["ours: optimize_encoder"])}
 
 
@@ -172,8 +181,9 @@ def caption_batch(device: torch.device, seed: int = 0):
 def our_train_step(device: torch.device, feats, caps, lengths, amp: str, compiled: bool):
     """`fit`'s own step (`training.train_step`) on one batch (the paper's objective: no turned features)."""
     torch.manual_seed(0)
-    decoder = AttentionDecoder(vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512,
-                               dropout=0.5).to(device)
+    decoder = AttentionDecoder(
+        vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512, dropout=0.5
+    ).to(device)
     if compiled:
         decoder.compile_step()
     cfg = TrainConfig(amp=amp)
@@ -185,27 +195,33 @@ def our_train_step(device: torch.device, feats, caps, lengths, amp: str, compile
     return lambda: train_step(objective, batch, optimizer, scaler, cfg, progress, gen, Dist(), device), decoder
 
 
-def bench_decoder(device: torch.device, steps: int, rate: float, variants: list[str],
-                  tutorial_models: str | None) -> dict:
+def bench_decoder(
+    device: torch.device, steps: int, rate: float, variants: list[str], tutorial_models: str | None
+) -> dict:
     feats, caps, lengths = caption_batch(device)
     fns, decoder = {}, None
     for v in variants:
-        fn, dec = our_train_step(device, feats, caps, lengths, amp="bf16" if v == "bf16" else "none",
-                                 compiled=v == "compile")
+        fn, dec = our_train_step(
+            device, feats, caps, lengths, amp="bf16" if v == "bf16" else "none", compiled=v == "compile"
+        )
         fns[f"captioner, {v}"] = fn
         decoder = decoder or dec
     torch.manual_seed(0)
-    restated = TutorialDecoder(attention_dim=512, embed_dim=512, decoder_dim=512, vocab_size=V, encoder_dim=D).to(device)
+    restated = TutorialDecoder(attention_dim=512, embed_dim=512, decoder_dim=512, vocab_size=V, encoder_dim=D).to(
+        device
+    )
     opt = torch.optim.Adam(restated.parameters(), 4e-4)
 
     def restated_step():
         opt.zero_grad()
         tutorial_loss(restated, feats, caps, lengths).backward()
         opt.step()
+
     fns["sgrvinod restated (sgrvinod_decoder.py)"] = restated_step
     if tutorial_models:
         fns["sgrvinod's own models.py, as its train.py"] = tutorial_train_step(
-            load_tutorial_models(tutorial_models), feats, caps, lengths, V, device)
+            load_tutorial_models(tutorial_models), feats, caps, lengths, V, device
+        )
     if "compile" in variants:
         t0 = time.perf_counter()
         fns["captioner, compile"]()
@@ -215,19 +231,24 @@ def bench_decoder(device: torch.device, steps: int, rate: float, variants: list[
     t = interleaved(fns, steps, device)
     ours = med(t[f"captioner, {variants[0]}"])
     floor = flops / rate
-    print(f"decoder training step (B={B}, sizes 512, V={V}, captions 10-23 tokens, T={caps.shape[1]}): "
-          "forward, backward, update, each as its training code runs it")
+    print(
+        f"decoder training step (B={B}, sizes 512, V={V}, captions 10-23 tokens, T={caps.shape[1]}): "
+        "forward, backward, update, each as its training code runs it"
+    )
     for name, ts in t.items():
         rel = f"{med(ts) / ours:5.2f}x ours ({variants[0]})" if not name.startswith("captioner") else ""
         print(f"  {name:44s} {fmt(ts)}  {med(ts) / floor:5.2f}x floor  {rel}")
-    print(f"  floor: {flops / 1e9:.1f} GFLOP (ours, fp32) at the measured matmul rate {rate / 1e9:.0f} GFLOP/s = "
-          f"{floor * 1e3:.1f} ms")
+    print(
+        f"  floor: {flops / 1e9:.1f} GFLOP (ours, fp32) at the measured matmul rate {rate / 1e9:.0f} GFLOP/s = "
+        f"{floor * 1e3:.1f} ms"
+    )
     return {name: med(ts) for name, ts in t.items()} | {"ours": ours}
 
 
 def _photo_set(root: str, n: int) -> tuple[str, str]:
     """n COCO-sized photos (640x480 JPEG with texture) and their captions file."""
     from PIL import Image
+
     images = os.path.join(root, "images")
     os.makedirs(images)
     rs = np.random.RandomState(0)
@@ -259,9 +280,10 @@ def bench_prepare(device: torch.device, small: int, large: int) -> dict:
     fixed start-up (building the encoder, starting workers, writing the vocabulary). Then the
     large set captioned through `captioner caption`'s path."""
     from captioner import Captioner
-    from captioner.serve.sources import demo_checkpoint
     from captioner.serve.bulk import caption_files, image_ids
+    from captioner.serve.sources import demo_checkpoint
     from captioner.train.prepare import PrepareConfig, prepare
+
     rates = vgg_rates(device)
     best = max(rates, key=rates.get)
     took = {}
@@ -269,24 +291,40 @@ def bench_prepare(device: torch.device, small: int, large: int) -> dict:
         for n in (small, large):
             caps, images = _photo_set(os.path.join(tmp, str(n)), n)
             t0 = time.perf_counter()
-            prepare(PrepareConfig(captions=[caps], images=[images], out=os.path.join(tmp, f'data{n}'), encoder=EncoderSpec(weights='none'), min_count=1, device=str(device)), progress=False)
+            prepare(
+                PrepareConfig(
+                    captions=[caps],
+                    images=[images],
+                    out=os.path.join(tmp, f"data{n}"),
+                    encoder=EncoderSpec(weights="none"),
+                    min_count=1,
+                    device=str(device),
+                ),
+                progress=False,
+            )
             took[n] = time.perf_counter() - t0
         cap = Captioner.load(demo_checkpoint(), device=str(device))
         paths = sorted(os.path.join(images, f) for f in os.listdir(images))
         batch = 8 if device.type == "cpu" else 64
-        caption_files(cap, paths[:batch], image_ids(paths[:batch]), batch_size=batch)   # warm-up
+        caption_files(cap, paths[:batch], image_ids(paths[:batch]), batch_size=batch)  # warm-up
         t0 = time.perf_counter()
         caption_files(cap, paths, image_ids(paths), batch_size=batch, workers=2)
         captions_per_s = len(paths) / (time.perf_counter() - t0)
     steady = (large - small) / (took[large] - took[small])
-    print(f"prepare (JPEGs of 640x480, default batch, 2 workers): {large} images in {took[large]:.1f} s; "
-          f"steady rate {steady:.2f} images/s (from {small} vs {large} images)")
+    print(
+        f"prepare (JPEGs of 640x480, default batch, 2 workers): {large} images in {took[large]:.1f} s; "
+        f"steady rate {steady:.2f} images/s (from {small} vs {large} images)"
+    )
     print("  bare eager VGG16 forward: " + ", ".join(f"batch {b}: {r:.2f}" for b, r in rates.items()) + " images/s")
-    print(f"  floor: the fastest bare forward, batch {best}: {rates[best]:.2f} images/s; prepare's steady rate is "
-          f"{steady / rates[best]:.2f}x of it")
-    print(f"captioning files (`captioner caption` path: decode threads, batch {batch}, beam 3), bundled model: "
-          f"{captions_per_s:.2f} captions/s over {large} images, {captions_per_s / rates[best]:.2f}x the bare "
-          "forward's images/s")
+    print(
+        f"  floor: the fastest bare forward, batch {best}: {rates[best]:.2f} images/s; prepare's steady rate is "
+        f"{steady / rates[best]:.2f}x of it"
+    )
+    print(
+        f"captioning files (`captioner caption` path: decode threads, batch {batch}, beam 3), bundled model: "
+        f"{captions_per_s:.2f} captions/s over {large} images, {captions_per_s / rates[best]:.2f}x the bare "
+        "forward's images/s"
+    )
     return {"prepare": steady, "captions": captions_per_s}
 
 
@@ -294,8 +332,9 @@ def bench_caption(device: torch.device, repeats: int) -> dict:
     from PIL import Image
 
     from captioner import Captioner
-    from captioner.serve.sources import demo_checkpoint
     from captioner.models.decode import beam_search
+    from captioner.serve.sources import demo_checkpoint
+
     cap = Captioner.load(demo_checkpoint(), device=str(device))
     # The floor the goal is set against: torchvision's own VGG16 conv stack up to conv5_3 + ReLU,
     # eager, fp32, contiguous input (random weights: the speed does not depend on them).
@@ -305,13 +344,18 @@ def bench_caption(device: torch.device, repeats: int) -> dict:
     x = cap.encoder_spec.preprocess(img).unsqueeze(0).to(device)
     with torch.inference_mode():
         feats = cap.encoder(x)
-        t = interleaved({
-            "Captioner.caption": lambda: cap.caption(img, beam_size=3),
-            "bare torchvision VGG16 conv stack, eager fp32": lambda: plain(x),
-            "  of which the encoder (ours)": lambda: cap.encoder(x),
-            "  of which beam search": lambda: beam_search(cap.decoder, feats, beam_size=3, max_len=cap.max_len),
-            "  of which preprocessing": lambda: cap.encoder_spec.preprocess(img),
-        }, repeats, device, warmup=2)
+        t = interleaved(
+            {
+                "Captioner.caption": lambda: cap.caption(img, beam_size=3),
+                "bare torchvision VGG16 conv stack, eager fp32": lambda: plain(x),
+                "  of which the encoder (ours)": lambda: cap.encoder(x),
+                "  of which beam search": lambda: beam_search(cap.decoder, feats, beam_size=3, max_len=cap.max_len),
+                "  of which preprocessing": lambda: cap.encoder_spec.preprocess(img),
+            },
+            repeats,
+            device,
+            warmup=2,
+        )
     base = med(t["bare torchvision VGG16 conv stack, eager fp32"])
     print(f"one 640x480 image (224x224 into the encoder), beam 3, bundled model ({len(cap.caption(img).words)} words):")
     for name, ts in t.items():
@@ -320,20 +364,28 @@ def bench_caption(device: torch.device, repeats: int) -> dict:
 
 
 def estimate_coco(decoder: dict | None, prepare: dict | None) -> None:
-    print("estimated COCO times on this machine (Karpathy splits; the benchmark's captions are 10-23 "
-          "tokens, COCO's average about 13, so the epoch is an upper estimate):")
+    print(
+        "estimated COCO times on this machine (Karpathy splits; the benchmark's captions are 10-23 "
+        "tokens, COCO's average about 13, so the epoch is an upper estimate):"
+    )
     if prepare:
-        print(f"  prepare, {COCO_IMAGES:,} images at {prepare['prepare']:.2f} images/s: "
-              f"{COCO_IMAGES / prepare['prepare'] / 3600:.1f} h")
+        print(
+            f"  prepare, {COCO_IMAGES:,} images at {prepare['prepare']:.2f} images/s: "
+            f"{COCO_IMAGES / prepare['prepare'] / 3600:.1f} h"
+        )
     if decoder:
         steps = math.ceil(COCO_TRAIN_CAPTIONS / B)
         for name, s in decoder.items():
             if name.startswith("captioner"):
-                print(f"  one epoch of fit ({name.split(', ')[1]}), {steps:,} steps of {B} at {s * 1e3:.0f} ms: "
-                      f"{steps * s / 3600:.1f} h")
+                print(
+                    f"  one epoch of fit ({name.split(', ')[1]}), {steps:,} steps of {B} at {s * 1e3:.0f} ms: "
+                    f"{steps * s / 3600:.1f} h"
+                )
     if prepare:
-        print(f"  captioning the {COCO_TEST_IMAGES:,} test images at {prepare['captions']:.2f} captions/s: "
-              f"{COCO_TEST_IMAGES / prepare['captions'] / 60:.0f} min")
+        print(
+            f"  captioning the {COCO_TEST_IMAGES:,} test images at {prepare['captions']:.2f} captions/s: "
+            f"{COCO_TEST_IMAGES / prepare['captions'] / 60:.0f} min"
+        )
 
 
 def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
@@ -342,10 +394,12 @@ def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
     (20 words): the longest captions, so the most work for sampling and for the reward alike."""
     from captioner.objectives.cider import DocumentFrequency, NgramScorer, References
     from captioner.objectives.scst import ImageBatch, ScstConfig, SelfCritical
+
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(10, 24, (images * 5,), generator=g)                  # 5 references per image
-    refs = References(torch.randint(4, V, (images * 5, 24), generator=g), lengths,
-                      torch.arange(images).repeat_interleave(5), base=V)
+    lengths = torch.randint(10, 24, (images * 5,), generator=g)  # 5 references per image
+    refs = References(
+        torch.randint(4, V, (images * 5, 24), generator=g), lengths, torch.arange(images).repeat_interleave(5), base=V
+    )
     scorer = NgramScorer(refs, DocumentFrequency.from_references(refs))
     torch.manual_seed(0)
     dec = AttentionDecoder(vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512, dropout=0.2)
@@ -360,6 +414,7 @@ def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
         out = reward(*args)
         spent.append(time.perf_counter() - t0)
         return out
+
     objective.reward = timed_reward
 
     def step():
@@ -367,11 +422,14 @@ def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+
     t_step = interleaved({"scst": step}, steps, torch.device("cpu"))["scst"]
     t_reward = spent[-steps:]
     share = sum(t_reward) / sum(t_step)
-    print(f"self-critical step ({images} images x {samples} samples = {images * samples} captions of "
-          f"{objective.max_len} words + <end>, sizes 512, V={V}): sampling with gradients, CIDEr-D, backward, Adam")
+    print(
+        f"self-critical step ({images} images x {samples} samples = {images * samples} captions of "
+        f"{objective.max_len} words + <end>, sizes 512, V={V}): sampling with gradients, CIDEr-D, backward, Adam"
+    )
     print(f"  whole step {fmt(t_step)}")
     print(f"  reward     {fmt(t_reward)}  ({share:.1%} of the step)")
 
@@ -381,14 +439,26 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--only", default="encoder,decoder,prepare,caption,scst", help="comma-separated sections")
     p.add_argument("--steps", type=int, default=10, help="timed repetitions per measurement")
-    p.add_argument("--decoder-variants", default=None,
-                   help="of fp32, bf16, compile (default: all three on a GPU, fp32 on a CPU)")
-    p.add_argument("--tutorial-models", metavar="PATH", help="the tutorial's models.py (git clone "
-                   "https://github.com/sgrvinod/a-PyTorch-Tutorial-to-Image-Captioning), timed as its train.py runs it")
-    p.add_argument("--compile-encoder", action="store_true", help="also time torch.compile of the encoder "
-                   "(compiling takes 15-45 s on 2 cores)")
-    p.add_argument("--prepare-images", type=int, default=None,
-                   help="images in prepare's larger set (default 160 on a CPU, 2,000 on a GPU)")
+    p.add_argument(
+        "--decoder-variants", default=None, help="of fp32, bf16, compile (default: all three on a GPU, fp32 on a CPU)"
+    )
+    p.add_argument(
+        "--tutorial-models",
+        metavar="PATH",
+        help="the tutorial's models.py (git clone "
+        "https://github.com/sgrvinod/a-PyTorch-Tutorial-to-Image-Captioning), timed as its train.py runs it",
+    )
+    p.add_argument(
+        "--compile-encoder",
+        action="store_true",
+        help="also time torch.compile of the encoder (compiling takes 15-45 s on 2 cores)",
+    )
+    p.add_argument(
+        "--prepare-images",
+        type=int,
+        default=None,
+        help="images in prepare's larger set (default 160 on a CPU, 2,000 on a GPU)",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -396,8 +466,10 @@ def main(argv=None) -> None:
     if args.tutorial_models and not os.path.isfile(args.tutorial_models):
         p.error(f"--tutorial-models {args.tutorial_models}: no such file (the tutorial's models.py)")
     gpu = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
-    print(f"machine: {cpu_name()}, {os.cpu_count()} cores{gpu}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"machine: {cpu_name()}, {os.cpu_count()} cores{gpu}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     sections = args.only.split(",")
     variants = (args.decoder_variants or ("fp32,bf16,compile" if device.type == "cuda" else "fp32")).split(",")
     rate = matmul_rate(device)

@@ -12,6 +12,7 @@ Reports the median step (wall clock, and this process's CPU time: on a shared ma
 time still says what a step costs; with --workers 0 image decoding is counted in it too) and the
 median per caption, after one warm-up step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,15 +21,16 @@ import time
 
 import torch
 
-from captioner.train import distributed
 from captioner.data.dataset import CaptionData
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
+from captioner.train import distributed
 from captioner.train.finetune import FineTuneConfig, FineTuning
 from captioner.train.loop import Objective, Progress, TrainConfig, make_optimizer, train_step
 
 
-def time_steps(data: CaptionData, mode: str, steps: int, batch_size: int,
-               workers: int) -> tuple[list[float], list[float], list[int]]:
+def time_steps(
+    data: CaptionData, mode: str, steps: int, batch_size: int, workers: int
+) -> tuple[list[float], list[float], list[int]]:
     torch.manual_seed(0)
     decoder = AttentionDecoder.from_config(DecoderConfig(len(data.vocab)))
     decoder.set_feature_stats(*data.feature_stats())
@@ -41,13 +43,20 @@ def time_steps(data: CaptionData, mode: str, steps: int, batch_size: int,
         optimizer.add_param_group({"params": list(source.parameters()), "lr": 1e-4})
         encoder = source.encoder
     objective = Objective(decoder, cfg, encoder)
-    args = (optimizer, torch.amp.GradScaler("cpu", enabled=False), cfg, Progress(), torch.Generator(),
-            distributed.Dist(), torch.device("cpu"))
+    args = (
+        optimizer,
+        torch.amp.GradScaler("cpu", enabled=False),
+        cfg,
+        Progress(),
+        torch.Generator(),
+        distributed.Dist(),
+        torch.device("cpu"),
+    )
     times, cpu, sizes = [], [], []
     batches = source.batches(batch_size, seed=0, epoch=0)
-    train_step(objective, next(batches), *args)                      # warm-up
+    train_step(objective, next(batches), *args)  # warm-up
     t, c = time.perf_counter(), time.process_time()
-    for _, batch in zip(range(steps), batches):                        # batch loading is part of the step
+    for _, batch in zip(range(steps), batches):  # batch loading is part of the step
         train_step(objective, batch, *args)
         now, now_c = time.perf_counter(), time.process_time()
         times.append(now - t)
@@ -64,8 +73,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--workers", type=int, default=2, help="0: decode images in this process (counted in CPU time)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--modes", nargs="+", default=["frozen", "conv5_1", "conv4_1"],
-                   choices=["frozen", "conv5_1", "conv4_1"])
+    p.add_argument(
+        "--modes", nargs="+", default=["frozen", "conv5_1", "conv4_1"], choices=["frozen", "conv5_1", "conv4_1"]
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,9 +84,11 @@ def main() -> None:
     for mode in args.modes:
         times, cpu, sizes = time_steps(data, mode, args.steps, args.batch_size, args.workers)
         per_caption = statistics.median(t / n for t, n in zip(cpu, sizes))
-        print(f"{mode:8s} step {1000 * statistics.median(times):7.0f} ms wall (median of {len(times)}; "
-              f"{1000 * min(times):.0f}-{1000 * max(times):.0f}), {1000 * statistics.median(cpu):7.0f} ms CPU; "
-              f"CPU per caption {1000 * per_caption:6.1f} ms; captions/step {statistics.median(sizes):.0f}")
+        print(
+            f"{mode:8s} step {1000 * statistics.median(times):7.0f} ms wall (median of {len(times)}; "
+            f"{1000 * min(times):.0f}-{1000 * max(times):.0f}), {1000 * statistics.median(cpu):7.0f} ms CPU; "
+            f"CPU per caption {1000 * per_caption:6.1f} ms; captions/step {statistics.median(sizes):.0f}"
+        )
 
 
 if __name__ == "__main__":

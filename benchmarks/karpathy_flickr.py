@@ -14,6 +14,7 @@ is checked on the layout most people start with (Flickr8k):
 Every tenth training image (in file order) becomes `restval`; sentences keep `tokens` and
 `raw`, with `imgid` and `sentid` as in Flickr's files.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,15 @@ def to_flickr(data: dict, dataset: str = "flickr8k", restval_every: int = 10) ->
         for s in img["sentences"]:
             sentences.append({"tokens": s["tokens"], "raw": s["raw"], "imgid": imgid, "sentid": sentid})
             sentid += 1
-        images.append({"sentids": [s["sentid"] for s in sentences], "imgid": imgid, "sentences": sentences,
-                       "split": split, "filename": os.path.basename(img["filename"])})
+        images.append(
+            {
+                "sentids": [s["sentid"] for s in sentences],
+                "imgid": imgid,
+                "sentences": sentences,
+                "split": split,
+                "filename": os.path.basename(img["filename"]),
+            }
+        )
     return {"images": images, "dataset": dataset}
 
 

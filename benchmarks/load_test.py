@@ -7,6 +7,7 @@ of requests from the clients at once (a mix of the example scenes and beam sizes
 prints how many were captioned or turned away as busy, latency, and the server's resident
 memory after each wave (from /proc; Linux only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ def main(argv=None) -> None:
     from gradio_client import Client, handle_file
 
     from captioner.serve.sources import example_images
+
     images = example_images()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,8 +48,9 @@ def main(argv=None) -> None:
     if args.checkpoint:
         cmd += ["--checkpoint", args.checkpoint]
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                              env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
+    server = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
+    )
     url = f"http://127.0.0.1:{port}/"
     try:
         for _ in range(600):
@@ -58,8 +61,10 @@ def main(argv=None) -> None:
                 if server.poll() is not None:
                     sys.exit(f"app.py exited; see {log.name}")
                 time.sleep(0.5)
-        print(f"server up, RSS {rss_mb(server.pid):.0f} MB; {args.waves} waves of {args.requests} requests "
-              f"from {args.clients} clients")
+        print(
+            f"server up, RSS {rss_mb(server.pid):.0f} MB; {args.waves} waves of {args.requests} requests "
+            f"from {args.clients} clients"
+        )
         clients = [Client(url, verbose=False) for _ in range(args.clients)]
         clients[0].predict(handle_file(images[0]), 1, api_name="/caption")  # warm-up
         print(f"after warm-up: RSS {rss_mb(server.pid):.0f} MB")
@@ -67,8 +72,7 @@ def main(argv=None) -> None:
         def ask(i: int):
             t0 = time.perf_counter()
             try:
-                clients[i % args.clients].predict(handle_file(images[i % len(images)]), 1 + i % 3,
-                                                  api_name="/caption")
+                clients[i % args.clients].predict(handle_file(images[i % len(images)]), 1 + i % 3, api_name="/caption")
                 return "ok", time.perf_counter() - t0
             except Exception as e:
                 return ("busy" if "queue is full" in str(e).lower() else f"error: {e}"), time.perf_counter() - t0
@@ -81,9 +85,11 @@ def main(argv=None) -> None:
             kinds = [a for a, _ in answers]
             lat = [t for a, t in answers if a == "ok"]
             errors = [k for k in kinds if k.startswith("error")]
-            print(f"wave {wave + 1}: {kinds.count('ok')} captioned, {kinds.count('busy')} busy, {len(errors)} errors; "
-                  f"{took:.1f} s; latency median {statistics.median(lat):.2f} s, max {max(lat):.2f} s; "
-                  f"server RSS {rss_mb(server.pid):.0f} MB")
+            print(
+                f"wave {wave + 1}: {kinds.count('ok')} captioned, {kinds.count('busy')} busy, {len(errors)} errors; "
+                f"{took:.1f} s; latency median {statistics.median(lat):.2f} s, max {max(lat):.2f} s; "
+                f"server RSS {rss_mb(server.pid):.0f} MB"
+            )
             for e in errors[:3]:
                 print("  ", e)
         alive = clients[0].predict(handle_file(images[0]), 1, api_name="/caption")[0]

@@ -10,6 +10,7 @@ one says the encoder is the limit.
 
     python benchmarks/shape_probe.py DATA_DIR SCENES/boxes.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,31 +23,39 @@ from captioner.data.dataset import CaptionData
 from captioner.evaluation.grounding import GroundingBoxes
 
 
-def box_vectors(data: CaptionData, boxes: GroundingBoxes, split: str,
-                attribute: str) -> tuple[torch.Tensor, list[str]]:
+def box_vectors(data: CaptionData, boxes: GroundingBoxes, split: str, attribute: str) -> tuple[torch.Tensor, list[str]]:
     """One standardised, box-averaged feature vector per object of a split, and its label."""
     mean, std = data.feature_stats()
-    std = std.clamp_min(1e-3)          # as AttentionDecoder.set_feature_stats: a channel that never fires has std 0
+    std = std.clamp_min(1e-3)  # as AttentionDecoder.set_feature_stats: a channel that never fires has std 0
     g = data.encoder.grid
     ids, rows = data.split_images(split)
     vectors, labels = [], []
     for image_id, row in zip(ids.tolist(), rows.tolist()):
-        grid = ((data.features([row])[0].float() - mean) / std).view(g, g, -1)   # (g, g, D)
+        grid = ((data.features([row])[0].float() - mean) / std).view(g, g, -1)  # (g, g, D)
         # The region of the image the grid covers (all of it, or the centre crop with --crop).
         left, top, right, bottom = data.encoder.preprocess.grid_box(*boxes.size(image_id))
         for a in boxes.coco.imgToAnns.get(image_id, []):
             x0, y0, bw, bh = a["bbox"]
             c0, c1 = (max(0, min(g - 1, int((x - left) * g / (right - left)))) for x in (x0, x0 + bw))
             r0, r1 = (max(0, min(g - 1, int((y - top) * g / (bottom - top)))) for y in (y0, y0 + bh))
-            vectors.append(grid[r0:r1 + 1, c0:c1 + 1].reshape(-1, grid.shape[-1]).mean(0))
+            vectors.append(grid[r0 : r1 + 1, c0 : c1 + 1].reshape(-1, grid.shape[-1]).mean(0))
             labels.append(boxes.coco.cats[a["category_id"]]["name"] if attribute == "shape" else a["color"])
     return torch.stack(vectors), labels
 
 
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, xt: torch.Tensor, yt: torch.Tensor,
-             *, lr: float, weight_decay: float, steps: int) -> float:
+def accuracy(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    xt: torch.Tensor,
+    yt: torch.Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    steps: int,
+) -> float:
     opt = torch.optim.Adam(model.parameters(), lr, weight_decay=weight_decay)
-    for _ in range(steps):                                       # full batch
+    for _ in range(steps):  # full batch
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -61,7 +70,7 @@ def main(argv=None) -> None:
     p.add_argument("--attribute", choices=("shape", "color"), default="shape", help="what to read off")
     args = p.parse_args(argv)
     data = CaptionData(args.data)
-    boxes = GroundingBoxes(args.boxes)       # read and checked as `evaluate --grounding` reads them
+    boxes = GroundingBoxes(args.boxes)  # read and checked as `evaluate --grounding` reads them
     x, labels = box_vectors(data, boxes, "train", args.attribute)
     xt, labels_t = box_vectors(data, boxes, "test", args.attribute)
     names = sorted(set(labels))
@@ -71,10 +80,12 @@ def main(argv=None) -> None:
     print("training objects | linear | MLP")
     for n in sorted({500, 1000, 2000, 4000, len(y)} - {m for m in (500, 1000, 2000, 4000) if m > len(y)}):
         linear = 0.0
-        for wd in (1e-4, 1e-3, 1e-2):                             # the best of three weight decays
+        for wd in (1e-4, 1e-3, 1e-2):  # the best of three weight decays
             torch.manual_seed(0)
-            linear = max(linear, accuracy(nn.Linear(x.shape[1], len(names)), x[:n], y[:n], xt, yt,
-                                          lr=1e-2, weight_decay=wd, steps=300))
+            linear = max(
+                linear,
+                accuracy(nn.Linear(x.shape[1], len(names)), x[:n], y[:n], xt, yt, lr=1e-2, weight_decay=wd, steps=300),
+            )
         torch.manual_seed(0)
         mlp = nn.Sequential(nn.Linear(x.shape[1], 256), nn.ReLU(), nn.Linear(256, len(names)))
         print(f"{n} | {linear:.3f} | {accuracy(mlp, x[:n], y[:n], xt, yt, lr=1e-3, weight_decay=1e-3, steps=400):.3f}")

@@ -1,4 +1,5 @@
 """`python -m captioner ...`: the same as the `captioner` command."""
+
 import sys
 
 from captioner.cli.main import main

@@ -6,6 +6,7 @@ files, cached document frequencies) goes through `atomic_path`: written under a 
 beside the target, fsync'ed, then renamed over it, so a reader sees the old file or the
 complete new one, never half of one, and a failed write leaves no temporary file behind.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,7 @@ def read_json(path: str, what: str):
     except json.JSONDecodeError as e:
         ends_open = not text.rstrip().endswith(("}", "]"))
         hint = " (the file looks truncated: it ends before the JSON is complete)" if ends_open else ""
-        raise CaptionerError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: "
-                             f"{e.msg}{hint}") from None
+        raise CaptionerError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}{hint}") from None
 
 
 @contextlib.contextmanager
@@ -71,6 +71,7 @@ def write_json_atomic(path: str, obj) -> None:
 
 
 # failed writes, in words
+
 
 def _size(n: float) -> str:
     if n < 1024:

@@ -15,6 +15,7 @@ own fields' options; an optional one is switched on by its own flag, and its opt
 without it. `add_options` puts a dataclass's options on a parser; `from_args` builds the
 dataclass back from the parsed namespace, with the dataclass's own defaults for what was not given.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,15 @@ def _fields(cls) -> list[tuple[dataclasses.Field, Any, list[str], str]]:
     return [(f, *_parts(hints[f.name])) for f in dataclasses.fields(cls) if f.init]
 
 
-def add_options(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = (), group: str | None = None,
-                required_by: str | None = None, prefix: str = "") -> None:
+def add_options(
+    parser: argparse.ArgumentParser,
+    cls,
+    *,
+    skip: tuple[str, ...] = (),
+    group: str | None = None,
+    required_by: str | None = None,
+    prefix: str = "",
+) -> None:
     """Add an option for every field of dataclass `cls` (nested dataclasses flattened).
 
     Args:
@@ -76,7 +84,10 @@ def add_options(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] =
         default = _default(f)
         flags = flags or [f"--{f.name.replace('_', '-')}"]
         if dataclasses.is_dataclass(tp):
-            nested, title = f"{prefix}{f.name}.", (tp.__doc__ or f.name).strip().splitlines()[0].split(";")[0].rstrip(".")
+            nested, title = (
+                f"{prefix}{f.name}.",
+                (tp.__doc__ or f.name).strip().splitlines()[0].split(";")[0].rstrip("."),
+            )
             if optional:  # switched on by its own flag; its fields follow
                 target.add_argument(flags[0], dest=prefix + f.name, action="store_true", help=text)
                 add_options(parser, tp, group=title, required_by=flags[0], prefix=nested)

@@ -1,4 +1,5 @@
 """Shared fixtures: a small synthetic COCO-format set, prepared once with the seeded random encoder."""
+
 from __future__ import annotations
 
 import os
@@ -11,10 +12,10 @@ import torch
 
 from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
-from captioner.train.prepare import PrepareConfig, prepare
 from captioner.scenes.synthetic import generate
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
+from captioner.train.prepare import PrepareConfig, prepare
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +39,18 @@ def scenes(tmp_path_factory) -> Path:
 def data_dir(scenes, tmp_path_factory) -> Path:
     """The scenes prepared: vocabulary and the feature cache of the seeded random VGG16."""
     out = tmp_path_factory.mktemp("data")
-    prepare(PrepareConfig(captions=[str(scenes / 'captions.json')], images=[str(scenes / 'images')], out=str(out), splits=str(scenes / 'splits.json'), encoder=EncoderSpec(weights='none'), min_count=1, workers=0), progress=False)
+    prepare(
+        PrepareConfig(
+            captions=[str(scenes / "captions.json")],
+            images=[str(scenes / "images")],
+            out=str(out),
+            splits=str(scenes / "splits.json"),
+            encoder=EncoderSpec(weights="none"),
+            min_count=1,
+            workers=0,
+        ),
+        progress=False,
+    )
     return out
 
 
@@ -46,6 +58,12 @@ def data_dir(scenes, tmp_path_factory) -> Path:
 def small_run(data_dir, tmp_path_factory) -> Path:
     """A tiny model trained for two epochs: it writes words, though not good ones yet."""
     out = tmp_path_factory.mktemp("run")
-    fit(str(data_dir), str(out), DecoderConfig(0, embed_dim=32, hidden_dim=48, attention_dim=24, dropout=0.1),
-        TrainConfig(epochs=2, batch_size=8, lr=3e-3, val_beam_size=2), device="cpu", progress_bar=False)
+    fit(
+        str(data_dir),
+        str(out),
+        DecoderConfig(0, embed_dim=32, hidden_dim=48, attention_dim=24, dropout=0.1),
+        TrainConfig(epochs=2, batch_size=8, lr=3e-3, val_beam_size=2),
+        device="cpu",
+        progress_bar=False,
+    )
     return out

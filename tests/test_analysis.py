@@ -1,4 +1,5 @@
 """The notebooks' analysis helpers: statistics, logs, dataset summaries and figures."""
+
 from __future__ import annotations
 
 import json
@@ -11,14 +12,14 @@ import pytest
 from matplotlib.figure import Figure
 from pycocotools.coco import COCO
 
-from captioner.lab import analysis, plots, recipes
-from captioner.serve.api import Caption, Captioner
 from captioner.data.dataset import CaptionData
-from captioner.models.decoder import DecoderConfig
 from captioner.errors import CaptionerError
 from captioner.evaluation.captioning import caption_split
-from captioner.train.config import TrainConfig
+from captioner.lab import analysis, plots, recipes
+from captioner.models.decoder import DecoderConfig
 from captioner.models.vocab import Vocabulary
+from captioner.serve.api import Caption, Captioner
+from captioner.train.config import TrainConfig
 
 
 def _caption(words: list[str], attention: np.ndarray) -> Caption:
@@ -31,19 +32,20 @@ def _write_log(path, records, tail: str = "") -> None:
 
 # attention statistics
 
+
 def test_attention_entropy_is_zero_for_one_cell_and_log_L_when_even():
     uniform = np.full((4, 4), 1 / 16)
     one_hot = np.zeros((4, 4))
     one_hot[2, 1] = 1.0
     half = np.zeros((4, 4))
     half[0, :2] = 0.5
-    att = np.stack([uniform, one_hot, half])                      # (3, 4, 4)
+    att = np.stack([uniform, one_hot, half])  # (3, 4, 4)
     h = analysis.attention_entropy(att)
     np.testing.assert_allclose(h, [math.log(16), 0.0, math.log(2)], atol=1e-9)
     np.testing.assert_allclose(analysis.attention_entropy(att, normalize=True), [1.0, 0.0, 0.25], atol=1e-9)
     # The flat (n, L) layout gives the same numbers.
     np.testing.assert_allclose(analysis.attention_entropy(att.reshape(3, 16)), h)
-    assert analysis.attention_entropy(np.zeros((0, 4, 4))).shape == (0,)     # a caption of no words
+    assert analysis.attention_entropy(np.zeros((0, 4, 4))).shape == (0,)  # a caption of no words
 
 
 def test_attention_peak_and_stats_over_captions():
@@ -64,27 +66,32 @@ def test_attention_peak_and_stats_over_captions():
 
 # training logs
 
+
 def test_training_log_keeps_the_later_record_of_a_resumed_step_and_skips_a_partial_line(tmp_path):
     log = tmp_path / "metrics.jsonl"
-    _write_log(log, [
-        {"event": "start", "step": 0, "epoch": 0, "batches_per_epoch": 4},
-        {"event": "train", "step": 2, "epoch": 0, "lr": 1e-3, "loss": 4.0, "nll": 4.0, "penalty": 0.0},
-        {"event": "train", "step": 4, "epoch": 0, "lr": 1e-3, "loss": 3.0, "nll": 3.0, "penalty": 0.0},
-        {"event": "val", "step": 4, "epoch": 1, "BLEU-4": 0.1, "CIDEr": 0.2, "lr": 1e-3, "example": "a"},
-        {"event": "train", "step": 6, "epoch": 1, "lr": 1e-3, "loss": 9.0, "nll": 9.0, "penalty": 0.0},
-        # killed here, resumed from the checkpoint at step 4: step 6 comes again
-        {"event": "start", "step": 4, "epoch": 1, "resume": True, "batches_per_epoch": 4},
-        {"event": "train", "step": 6, "epoch": 1, "lr": 1e-3, "loss": 2.0, "nll": 1.5, "penalty": 0.5},
-        {"event": "train", "step": 8, "epoch": 1, "lr": 1e-3, "loss": 1.0, "nll": 0.5, "penalty": 0.5},
-        {"event": "val", "step": 8, "epoch": 2, "BLEU-4": 0.3, "CIDEr": 0.5, "lr": 5e-4, "example": "b"},
-        {"event": "end", "step": 8, "epoch": 2, "best": 0.5},
-    ], tail='{"event": "train", "st')
-    out = analysis.read_training_log(str(tmp_path))               # the run directory works too
+    _write_log(
+        log,
+        [
+            {"event": "start", "step": 0, "epoch": 0, "batches_per_epoch": 4},
+            {"event": "train", "step": 2, "epoch": 0, "lr": 1e-3, "loss": 4.0, "nll": 4.0, "penalty": 0.0},
+            {"event": "train", "step": 4, "epoch": 0, "lr": 1e-3, "loss": 3.0, "nll": 3.0, "penalty": 0.0},
+            {"event": "val", "step": 4, "epoch": 1, "BLEU-4": 0.1, "CIDEr": 0.2, "lr": 1e-3, "example": "a"},
+            {"event": "train", "step": 6, "epoch": 1, "lr": 1e-3, "loss": 9.0, "nll": 9.0, "penalty": 0.0},
+            # killed here, resumed from the checkpoint at step 4: step 6 comes again
+            {"event": "start", "step": 4, "epoch": 1, "resume": True, "batches_per_epoch": 4},
+            {"event": "train", "step": 6, "epoch": 1, "lr": 1e-3, "loss": 2.0, "nll": 1.5, "penalty": 0.5},
+            {"event": "train", "step": 8, "epoch": 1, "lr": 1e-3, "loss": 1.0, "nll": 0.5, "penalty": 0.5},
+            {"event": "val", "step": 8, "epoch": 2, "BLEU-4": 0.3, "CIDEr": 0.5, "lr": 5e-4, "example": "b"},
+            {"event": "end", "step": 8, "epoch": 2, "best": 0.5},
+        ],
+        tail='{"event": "train", "st',
+    )
+    out = analysis.read_training_log(str(tmp_path))  # the run directory works too
     assert out.batches_per_epoch == 4
     np.testing.assert_array_equal(out.train["step"], [2, 4, 6, 8])
     np.testing.assert_array_equal(out.train["loss"], [4.0, 3.0, 2.0, 1.0])
     np.testing.assert_array_equal(out.train["epoch"], [0.5, 1.0, 1.5, 2.0])
-    assert "example" not in out.val                               # text fields are not columns
+    assert "example" not in out.val  # text fields are not columns
     ep = out.per_epoch()
     np.testing.assert_array_equal(ep["epoch"], [1.0, 2.0])
     np.testing.assert_array_equal(ep["loss"], [3.5, 1.5])
@@ -97,8 +104,13 @@ def test_training_log_errors_name_the_problem(tmp_path):
     with pytest.raises(CaptionerError, match="no such training log"):
         analysis.read_training_log(str(tmp_path / "missing.jsonl"))
     log = tmp_path / "metrics.jsonl"
-    _write_log(log, [{"event": "start", "batches_per_epoch": 2},
-                     {"event": "train", "step": 1, "epoch": 0, "lr": 1e-3, "loss": 1.0}])
+    _write_log(
+        log,
+        [
+            {"event": "start", "batches_per_epoch": 2},
+            {"event": "train", "step": 1, "epoch": 0, "lr": 1e-3, "loss": 1.0},
+        ],
+    )
     with pytest.raises(CaptionerError, match="no validation"):
         analysis.read_training_log(str(log))
     log.write_text('{"event": "start"}\nnot json\n{"event": "end"}\n')
@@ -120,15 +132,28 @@ def test_training_figure_of_a_real_run(small_run):
 
 def test_self_critical_log_shows_the_reward_curve(tmp_path):
     """An SCST run's loss is a REINFORCE surrogate: the figure and table show the reward instead."""
-    scst = lambda step, reward: {"event": "train", "step": step, "epoch": 0, "lr": 5e-5, "loss": -0.1,
-                                 "reward": reward, "baseline": reward - 0.1, "entropy": 1.0}
-    _write_log(tmp_path / "metrics.jsonl", [
-        {"event": "start", "step": 0, "epoch": 0, "batches_per_epoch": 2, "train": {"objective": "scst"}},
-        scst(1, 1.0), scst(2, 2.0),
-        {"event": "val", "step": 2, "epoch": 1, "BLEU-4": 0.1, "CIDEr": 0.2, "lr": 5e-5},
-        scst(3, 3.0), scst(4, 5.0),
-        {"event": "val", "step": 4, "epoch": 2, "BLEU-4": 0.2, "CIDEr": 0.4, "lr": 5e-5},
-    ])
+    scst = lambda step, reward: {
+        "event": "train",
+        "step": step,
+        "epoch": 0,
+        "lr": 5e-5,
+        "loss": -0.1,
+        "reward": reward,
+        "baseline": reward - 0.1,
+        "entropy": 1.0,
+    }
+    _write_log(
+        tmp_path / "metrics.jsonl",
+        [
+            {"event": "start", "step": 0, "epoch": 0, "batches_per_epoch": 2, "train": {"objective": "scst"}},
+            scst(1, 1.0),
+            scst(2, 2.0),
+            {"event": "val", "step": 2, "epoch": 1, "BLEU-4": 0.1, "CIDEr": 0.2, "lr": 5e-5},
+            scst(3, 3.0),
+            scst(4, 5.0),
+            {"event": "val", "step": 4, "epoch": 2, "BLEU-4": 0.2, "CIDEr": 0.4, "lr": 5e-5},
+        ],
+    )
     log = analysis.read_training_log(str(tmp_path))
     assert log.objective == "scst"
     np.testing.assert_array_equal(log.per_epoch()["reward"], [1.5, 4.0])
@@ -140,14 +165,15 @@ def test_self_critical_log_shows_the_reward_curve(tmp_path):
 
 # datasets
 
+
 def test_vocabulary_coverage_follows_vocabulary_build():
     tokens = [["a", "red", "circle"], ["a", "blue", "circle"], ["a", "red", "star"], ["an", "orange", "star"]]
     cov = analysis.vocabulary_coverage(tokens, [1, 2, 3, 4])
     for m, words in zip(cov["min_count"], cov["words"]):
-        assert words == len(Vocabulary.build(tokens, min_count=int(m))) - 4   # without the specials
+        assert words == len(Vocabulary.build(tokens, min_count=int(m))) - 4  # without the specials
     # counts: a 3, red 2, circle 2, star 2, blue 1, an 1, orange 1 (12 occurrences)
     np.testing.assert_allclose(cov["tokens"], [1.0, 9 / 12, 3 / 12, 0.0])
-    np.testing.assert_allclose(cov["captions"], [1.0, 0.5, 0.0, 0.0])   # no caption is all "a"
+    np.testing.assert_allclose(cov["captions"], [1.0, 0.5, 0.0, 0.0])  # no caption is all "a"
 
 
 def test_caption_lengths_and_their_histogram():
@@ -173,12 +199,14 @@ def test_coco_examples_pair_images_with_their_captions(scenes):
 
 # runs and captions from the feature cache
 
+
 def test_caption_split_images_match_evaluation(small_run, data_dir):
     ckpt = str(small_run / "best.pt")
     out = recipes.caption_split_images(ckpt, str(data_dir), "test", beam_size=2)
     cap = Captioner.load(ckpt, build_encoder=False)
-    texts, _ = caption_split(cap.decoder, CaptionData(str(data_dir)), cap.vocab, "test", beam_size=2,
-                             max_len=cap.max_len)
+    texts, _ = caption_split(
+        cap.decoder, CaptionData(str(data_dir)), cap.vocab, "test", beam_size=2, max_len=cap.max_len
+    )
     assert [s.image_id for s in out] == sorted(texts)
     for s in out:
         assert s.caption.text == texts[s.image_id] and os.path.isfile(s.path)
@@ -197,7 +225,7 @@ def test_train_or_load_reuses_a_finished_run(small_run, data_dir, tmp_path):
     run.mkdir()
     shutil.copy(small_run / "best.pt", run / "best.pt")
     assert recipes.train_or_load(str(data_dir), str(run), recipes.recipe("soft")) == str(run / "best.pt")
-    assert not (run / "metrics.jsonl").exists()                   # nothing was trained
+    assert not (run / "metrics.jsonl").exists()  # nothing was trained
 
 
 def test_synthetic_data_is_made_once(tmp_path):
@@ -207,7 +235,7 @@ def test_synthetic_data_is_made_once(tmp_path):
     stamp = os.stat(meta).st_mtime_ns
     assert recipes.synthetic_data(str(tmp_path), rec) == (scenes, data)
     assert os.stat(meta).st_mtime_ns == stamp
-    assert CaptionData(data).encoder.grid == 2                     # 32 px → a 2×2 grid
+    assert CaptionData(data).encoder.grid == 2  # 32 px → a 2×2 grid
     assert len(recipes.scene_images(str(tmp_path), 3, seed=4)) == 3
 
 
@@ -218,11 +246,15 @@ def test_work_dir_follows_the_environment(tmp_path, monkeypatch):
 
 # tables and figures
 
+
 def test_tables_align_and_show_missing_values():
-    text = analysis.metrics_table({
-        "soft": {"BLEU-4": 1e-78, "CIDEr": 0.5, "grounding": {"chance": 0.1}, "pointing": 0.25},
-        "hard": {"BLEU-4": 0.2, "CIDEr": 1.25, "grounding": None, "pointing": None}},
-        keys=("BLEU-4", "CIDEr", "pointing"))
+    text = analysis.metrics_table(
+        {
+            "soft": {"BLEU-4": 1e-78, "CIDEr": 0.5, "grounding": {"chance": 0.1}, "pointing": 0.25},
+            "hard": {"BLEU-4": 0.2, "CIDEr": 1.25, "grounding": None, "pointing": None},
+        },
+        keys=("BLEU-4", "CIDEr", "pointing"),
+    )
     header, soft, hard = text.splitlines()
     assert header.split() == ["model", "BLEU-4", "CIDEr", "pointing", "chance"]
     assert soft.split() == ["soft", "0.000", "0.500", "0.250", "0.100"]
@@ -233,8 +265,7 @@ def test_tables_align_and_show_missing_values():
 
 def test_captioned_images_figure_puts_each_text_under_its_image(scenes):
     paths = sorted(str(p) for p in (scenes / "images").iterdir())[:5]
-    fig = plots.captioned_images_figure([(p, [f"caption {i}", "second line"]) for i, p in enumerate(paths)],
-                                           columns=2)
+    fig = plots.captioned_images_figure([(p, [f"caption {i}", "second line"]) for i, p in enumerate(paths)], columns=2)
     image_axes = [ax for ax in fig.axes if ax.images]
     assert len(image_axes) == 5
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
@@ -257,8 +288,10 @@ def test_entropy_figure_draws_each_words_entropy():
 def test_model_comparison_figure_shows_the_metrics():
     one = np.zeros((2, 7, 7))
     one[:, 0, 0] = 1.0
-    metrics = {"soft": {"BLEU-4": 0.2, "CIDEr": 0.8, "grounding": {"pointing": 0.5, "chance": 0.1, "words": 4}},
-               "hard": {"BLEU-4": 0.3, "CIDEr": 0.6, "grounding": {"pointing": 0.25, "chance": 0.2, "words": 8}}}
+    metrics = {
+        "soft": {"BLEU-4": 0.2, "CIDEr": 0.8, "grounding": {"pointing": 0.5, "chance": 0.1, "words": 4}},
+        "hard": {"BLEU-4": 0.3, "CIDEr": 0.6, "grounding": {"pointing": 0.25, "chance": 0.2, "words": 8}},
+    }
     captions = {"soft": [_caption(["a", "b"], np.full((2, 7, 7), 1 / 49))], "hard": [_caption(["a", "b"], one)]}
     fig = plots.model_comparison_figure(metrics, captions)
     quality, _, _, pointing = fig.axes

@@ -2,6 +2,7 @@
 
 The model is conftest's tiny `small_run`; images of every awkward kind are made here.
 """
+
 from __future__ import annotations
 
 import base64
@@ -20,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gradio as gr
-from gradio_client import Client, handle_file
 import numpy as np
 import pytest
+from gradio_client import Client, handle_file
 from PIL import Image
 
 from captioner import Captioner, CaptionerError
@@ -33,19 +34,22 @@ from captioner.serve.sources import download_checkpoint, resolve_checkpoint, sha
 REPO = Path(__file__).resolve().parents[1]
 
 # file name → the words its message must contain
-BAD = {"empty.png": "empty", "truncated.png": "truncated", "text.jpg": "not an image",
-       "bomb.png": "decompression bomb"}
+BAD = {"empty.png": "empty", "truncated.png": "truncated", "text.jpg": "not an image", "bomb.png": "decompression bomb"}
 
 
 # helpers
 
+
 def _png_header_only(path: Path, width: int, height: int) -> None:
     """A 70-byte PNG claiming width×height pixels: a decompression bomb's header."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-                     + chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
 
 
 PIDS: dict[str, int] = {}  # server URL → its process id, to read its memory
@@ -70,13 +74,19 @@ def serve(checkpoint: Path, log: Path, *extra: str):
     # Its temporary files (Gradio's upload cache, attention PNGs) stay in pytest's tmp dir.
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1", "TMPDIR": str(log.parent)}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--checkpoint", str(checkpoint),
-                                 "--port", str(port), *extra], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env=env)
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "app.py"), "--checkpoint", str(checkpoint), "--port", str(port), *extra],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     url = f"http://127.0.0.1:{port}/"
     PIDS[url] = proc.pid
     try:
-        deadline = time.monotonic() + 900  # readiness wait, not a performance limit (a busy shared machine starts slowly)
+        deadline = (
+            time.monotonic() + 900
+        )  # readiness wait, not a performance limit (a busy shared machine starts slowly)
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"app.py exited with {proc.returncode}:\n{log.read_text()}")
@@ -94,6 +104,7 @@ def serve(checkpoint: Path, log: Path, *extra: str):
 
 
 # fixtures
+
 
 @pytest.fixture(scope="session")
 def checkpoint(small_run) -> Path:
@@ -135,8 +146,18 @@ def images(tmp_path_factory) -> dict[str, Path]:
 
 
 MAX_PIXELS = 2_000_000  # the test server's limit
-VALID = ["rgb.jpg", "gray.png", "rgba.png", "palette.gif", "cmyk.jpg", "16bit.png", "tiny.png", "wide.png",
-         "animated.gif", "exif.jpg"]
+VALID = [
+    "rgb.jpg",
+    "gray.png",
+    "rgba.png",
+    "palette.gif",
+    "cmyk.jpg",
+    "16bit.png",
+    "tiny.png",
+    "wide.png",
+    "animated.gif",
+    "exif.jpg",
+]
 
 
 @pytest.fixture(scope="module")
@@ -149,12 +170,19 @@ def demo(checkpoint, tmp_path_factory) -> Demo:
 @pytest.fixture(scope="module")
 def server(checkpoint, scenes, tmp_path_factory):
     examples = sorted(str(p) for p in (scenes / "images").iterdir())[:2]
-    with serve(checkpoint, tmp_path_factory.mktemp("server") / "app.log", "--examples", *examples,
-               "--max-pixels", str(MAX_PIXELS)) as url:
+    with serve(
+        checkpoint,
+        tmp_path_factory.mktemp("server") / "app.log",
+        "--examples",
+        *examples,
+        "--max-pixels",
+        str(MAX_PIXELS),
+    ) as url:
         yield url
 
 
 # the handlers, directly
+
 
 def test_caption_returns_text_then_data(demo, images):
     text, data = demo.caption(str(images["rgb.jpg"]), 3)
@@ -166,8 +194,9 @@ def test_caption_returns_text_then_data(demo, images):
     assert data["score"] == pytest.approx(data["alternatives"][0]["log_prob"])
 
 
-def shown(demo: Demo, image, beam: int = 2, max_len: int = 8, opacity: float = 0.6,
-          session: Session | None = None) -> PageOutputs:
+def shown(
+    demo: Demo, image, beam: int = 2, max_len: int = 8, opacity: float = 0.6, session: Session | None = None
+) -> PageOutputs:
     """The page after a caption event: its last PageOutputs."""
     return list(demo.caption_view(image, beam, max_len, opacity, session or Session()))[-1]
 
@@ -184,7 +213,7 @@ def test_every_valid_image_is_captioned(demo, images, name):
 
 def test_caption_event_clears_the_page_first(demo, images):
     events = demo.caption_view(str(images["rgb.jpg"]), 2, 8, 0.6, Session())
-    first = next(events)            # checked before the generator goes on and fills the session
+    first = next(events)  # checked before the generator goes on and fills the session
     assert first.caption == "" and first.words == [] and first.gallery == [] and first.large is None
     assert first.data is None and first.download["interactive"] is False and first.session.view is None
     assert list(events)[-1].caption
@@ -192,7 +221,7 @@ def test_caption_event_clears_the_page_first(demo, images):
 
 def test_exif_rotated_image_is_upright(demo, images):
     page = shown(demo, str(images["exif.jpg"]), 1, 5)
-    assert page.data["image_size"] == [30, 60]        # stored 60×30, shown 30 wide and 60 high
+    assert page.data["image_size"] == [30, 60]  # stored 60×30, shown 30 wide and 60 high
     assert page.session.view.image.size[1] > page.session.view.image.size[0]
 
 
@@ -202,7 +231,7 @@ def test_bad_file_raises_message_about_the_image(demo, images, name):
         demo.caption(str(images[name]), 2)
     message = str(err.value.message)
     assert message.startswith(f"{name}: ") and BAD[name] in message
-    assert str(images[name].parent) not in message    # the server's paths stay private
+    assert str(images[name].parent) not in message  # the server's paths stay private
 
 
 def test_bad_file_on_the_page_clears_everything_and_says_why_once(demo, images):
@@ -214,15 +243,15 @@ def test_bad_file_on_the_page_clears_everything_and_says_why_once(demo, images):
     assert page.error["visible"] is True and page.error["value"].count("notes.jpg: not an image") == 1
     assert page.caption == "" and page.words == [] and page.gallery == [] and page.large is None
     assert page.data is None and page.familiarity == "" and page.download["interactive"] is False
-    assert session.view is None and demo.figure(session, 0.6) is None   # no stale figure either
+    assert session.view is None and demo.figure(session, 0.6) is None  # no stale figure either
 
 
 def test_a_newer_request_wins_over_an_older_one_still_running(demo, images):
     session = Session()
     older = demo.caption_view(str(images["rgb.jpg"]), 2, 8, 0.6, session)
-    next(older)                                       # started: the page is cleared for it
+    next(older)  # started: the page is cleared for it
     newer = shown(demo, str(images["gray.png"]), session=session)
-    assert list(older) == []                          # its results are dropped, not shown
+    assert list(older) == []  # its results are dropped, not shown
     assert session.view.text == newer.caption
 
 
@@ -231,7 +260,7 @@ def test_uploads_reach_load_image_undecoded(images):
     assert upload_source({"path": path, "url": "http://host/gradio_api/file=x", "orig_name": "16bit.png"}) == path
     raw = images["gray.png"].read_bytes()
     inline = {"path": None, "url": "data:image/png;base64," + base64.b64encode(raw).decode()}
-    assert upload_source(inline) == raw   # webcam and clipboard images can come inline
+    assert upload_source(inline) == raw  # webcam and clipboard images can come inline
 
 
 def test_no_image_says_so(demo):
@@ -248,17 +277,20 @@ def test_select_word_and_opacity_redraw_without_the_model(demo, images, monkeypa
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model ran again")
+
     monkeypatch.setattr(demo.captioner, "caption_batch", no_model)
-    words, label, large, gallery2 = demo.select_word(session, 0.6, gr.SelectData(None, {"index": k, "value": view.words[k]}))
+    words, label, large, gallery2 = demo.select_word(
+        session, 0.6, gr.SelectData(None, {"index": k, "value": view.words[k]})
+    )
     assert view.selected == k and [label for _, label in words].count("shown") == 1 and words[k][1] == "shown"
     assert f'"{view.words[k]}"' in label
-    framed = [np.asarray(t)[0, 0].tolist() for t, _ in gallery2]    # a corner pixel: the frame's colour
-    assert framed[k] == [249, 115, 22] and framed.count([249, 115, 22]) == 1   # the shown word is marked
+    framed = [np.asarray(t)[0, 0].tolist() for t, _ in gallery2]  # a corner pixel: the frame's colour
+    assert framed[k] == [249, 115, 22] and framed.count([249, 115, 22]) == 1  # the shown word is marked
     large2, gallery3 = demo.redraw(session, 0.1)
     assert len(gallery3) == len(gallery) and gallery3[k][1].endswith(view.words[k])
     a, b = np.asarray(gallery2[k][0], dtype=float), np.asarray(gallery3[k][0], dtype=float)
-    assert a.shape == b.shape and np.abs(a - b).mean() > 1   # a fainter heatmap, same image
-    assert demo.redraw(session, 0.1)[0] is large2            # drawn once per opacity, then reused
+    assert a.shape == b.shape and np.abs(a - b).mean() > 1  # a fainter heatmap, same image
+    assert demo.redraw(session, 0.1)[0] is large2  # drawn once per opacity, then reused
 
 
 def test_figure_is_drawn_when_asked_and_once(demo, images):
@@ -267,7 +299,7 @@ def test_figure_is_drawn_when_asked_and_once(demo, images):
     with Image.open(path) as fig:
         assert fig.format == "PNG" and fig.size[0] > fig.size[1]
     assert demo.figure(session, 0.5) == path and demo.figure(session, 0.3) != path
-    assert demo.figure(Session(), 0.5) is None               # nothing shown, nothing to download
+    assert demo.figure(Session(), 0.5) is None  # nothing shown, nothing to download
 
 
 def test_fit_view_keeps_the_shape():
@@ -309,7 +341,7 @@ def test_batcher_batches_waiting_requests_and_keeps_errors_apart():
         assert [f.result() for f in later if f is not later[1]] == ["b@2", "c@2", "d@2"]
         with pytest.raises(ValueError, match="bad"):
             later[1].result()
-    assert fake.calls[1] == ["b", "bad", "c", "d"]               # one batch of four ...
+    assert fake.calls[1] == ["b", "bad", "c", "d"]  # one batch of four ...
     assert sorted(map(tuple, fake.calls[2:])) == [("b",), ("bad",), ("c",), ("d",)]  # ... retried alone
     batcher.close()
 
@@ -324,19 +356,23 @@ def test_batched_captions_equal_single_ones(demo, images):
 def test_model_panel_describes_the_model(demo):
     card, notice = model_card(demo.captioner), model_notice(demo.captioner)
     assert f"{len(demo.captioner.vocab)} words" in card and demo.captioner.attention_type in card
-    assert "synthetic" in card and "| CIDEr |" in card        # one metric per row: no broken words
-    assert "Train on MS-COCO" in notice and "--" not in notice   # plain words, not command-line flags
+    assert "synthetic" in card and "| CIDEr |" in card  # one metric per row: no broken words
+    assert "Train on MS-COCO" in notice and "--" not in notice  # plain words, not command-line flags
 
 
 def test_model_panel_shows_attention_health_and_the_examples_record(demo, tmp_path, monkeypatch):
     cap = demo.captioner
     health = {"entropy": 0.3, "stay": 0.9, "border": 1.0, "top5": 0.5, "words": 40, "captions": 10}
     examples = [str(tmp_path / f"{i}.jpg") for i in range(3)]
-    card = {"attention_health": health, "scene_accuracy": 0.75, "test_images": 200,
-            "examples": [{"file": f"{i}.jpg", "caption": "x", "correct": i != 1} for i in range(3)]}
+    card = {
+        "attention_health": health,
+        "scene_accuracy": 0.75,
+        "test_images": 200,
+        "examples": [{"file": f"{i}.jpg", "caption": "x", "correct": i != 1} for i in range(3)],
+    }
     monkeypatch.setattr(cap, "info", {**cap.info, "card": card})
     text, note = model_card(cap), examples_note(cap, examples)
-    assert "NOT MEANINGFUL" in text and "stay 0.90" in text   # captioner.health.summary of the card's figures
+    assert "NOT MEANINGFUL" in text and "stay 0.90" in text  # captioner.health.summary of the card's figures
     assert "75% of 200 test scenes" in text
     assert "2 of these 3" in note and "✓ ✗ ✓" in note and "75%" in note
 
@@ -348,7 +384,7 @@ def test_pinned_url_is_downloaded_once_and_a_mismatch_refused(checkpoint, tmp_pa
     assert sha256_file(path) == digest and Path(path).parent == tmp_path
     mtime = os.stat(path).st_mtime_ns
     assert resolve_checkpoint(f"{url}#sha256={digest}", cache_dir=str(tmp_path)) == path
-    assert os.stat(path).st_mtime_ns == mtime                    # reused, not fetched again
+    assert os.stat(path).st_mtime_ns == mtime  # reused, not fetched again
     with pytest.raises(CaptionerError, match="refused"):
         download_checkpoint(f"{url}#sha256={'0' * 64}", cache_dir=str(tmp_path), progress=False)
     with pytest.raises(CaptionerError, match="sha256"):
@@ -357,6 +393,7 @@ def test_pinned_url_is_downloaded_once_and_a_mismatch_refused(checkpoint, tmp_pa
 
 
 # the server, through gradio_client
+
 
 def test_api_takes_image_and_beam_size(server):
     api = Client(server, verbose=False).view_api(return_format="dict", print_info=False)
@@ -400,6 +437,7 @@ def test_api_concurrent_requests_all_succeed(server, images):
             return clients[i % 5].predict(handle_file(str(images[jobs[i]])), 1 + i % 3, api_name="/caption")[0]
         except Exception as e:
             return e
+
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(ask, range(len(jobs))))
     assert all(isinstance(r, str) and r for r in results[:20]), results[:20]
@@ -431,7 +469,7 @@ def test_load_50_requests_from_10_clients_memory_flat(server, images):
             return "busy"
 
     memory = []
-    for wave in range(2):
+    for _wave in range(2):
         with ThreadPoolExecutor(max_workers=10) as pool:
             answers = list(pool.map(ask, range(50)))
         assert len(answers) == 50 and answers.count("ok") >= 1

@@ -1,4 +1,5 @@
 """`captioner caption` on many images: inputs, batches, JSON lines, resume, one id type, help."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,13 +7,12 @@ import json
 import shutil
 
 import pytest
+from conftest import run_cli
 
 from captioner.cli import main as cli
 from captioner.cli import train as train_cli
-from captioner.serve.bulk import expand_inputs, image_ids
 from captioner.errors import CaptionerError
-
-from conftest import run_cli
+from captioner.serve.bulk import expand_inputs, image_ids
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +30,9 @@ def folder(scenes, tmp_path_factory):
 
 def test_inputs_expand_from_files_directories_and_patterns(folder):
     top = sorted(str(p) for p in folder.iterdir() if p.suffix in (".jpg", ".png"))
-    assert expand_inputs([str(folder)]) == top                       # images only, sorted
+    assert expand_inputs([str(folder)]) == top  # images only, sorted
     assert len(expand_inputs([str(folder)], recursive=True)) == 6
-    assert expand_inputs([str(folder / "*.*")]) == top               # the text file is left out
+    assert expand_inputs([str(folder / "*.*")]) == top  # the text file is left out
     assert len(expand_inputs([str(folder / "**" / "*.*")])) == 6
     assert expand_inputs([top[0], str(folder / "." / top[0].split("/")[-1]), str(folder)]) == top  # each once
     with pytest.raises(CaptionerError, match="matches no image files"):
@@ -44,7 +44,9 @@ def test_inputs_expand_from_files_directories_and_patterns(folder):
 
 def test_image_ids_are_one_type():
     assert image_ids(["a/COCO_val2014_000000391895.jpg", "b/7.png"]) == {
-        "a/COCO_val2014_000000391895.jpg": 391895, "b/7.png": 7}
+        "a/COCO_val2014_000000391895.jpg": 391895,
+        "b/7.png": 7,
+    }
     mixed = image_ids(["COCO_val2014_000000391895.jpg", "holiday.jpg"])
     assert set(map(type, mixed.values())) == {str}
     assert image_ids(["x/1.jpg", "y/1.jpg"]) == {"x/1.jpg": "x/1.jpg", "y/1.jpg": "y/1.jpg"}  # same number
@@ -69,10 +71,10 @@ def test_folder_in_batches_with_attention_resume_and_one_id_type(small_run, fold
     out = tmp_path / "res.json"
     common = ["--checkpoint", str(small_run / "best.pt"), "--json", str(out), "--batch-size", "2", "--beam-size", "2"]
     args = ["caption", str(folder), str(bad), *common, "--attention"]
-    assert cli.main(args) == 2                                       # one image failed ...
+    assert cli.main(args) == 2  # one image failed ...
     std = capsys.readouterr()
     assert "broken.jpg" in std.err and "1 of 6 images could not be read" in std.err
-    assert len(std.out.strip().splitlines()) == 5                    # ... the others were captioned
+    assert len(std.out.strip().splitlines()) == 5  # ... the others were captioned
     results = json.loads(out.read_text())
     assert len(results) == 5 and len({type(r["image_id"]) for r in results}) == 1
     for r in results:
@@ -87,7 +89,7 @@ def test_folder_in_batches_with_attention_resume_and_one_id_type(small_run, fold
     assert cli.main(["caption", str(folder), str(bad), *common, "--resume", "--recursive"]) == 2
     std = capsys.readouterr()
     assert "3 of 7 images already captioned" in std.err
-    assert len(std.out.strip().splitlines()) == 3                    # 2 redone + the subfolder's image
+    assert len(std.out.strip().splitlines()) == 3  # 2 redone + the subfolder's image
     assert len(json.loads(out.read_text())) == 6 and len(log.read_text().splitlines()) == 6
     # Without --resume an existing log is not overwritten.
     assert cli.main(args) == 2
@@ -96,6 +98,7 @@ def test_folder_in_batches_with_attention_resume_and_one_id_type(small_run, fold
 
 def test_default_model_unfamiliar_note_and_guarded_cuda(folder, tmp_path, capsys, monkeypatch):
     from captioner.serve.api import Captioner
+
     real = Captioner.caption_batch
 
     def with_familiarity(self, images, **kw):
@@ -103,15 +106,17 @@ def test_default_model_unfamiliar_note_and_guarded_cuda(folder, tmp_path, capsys
         for o in outs:
             o.familiarity = {"score": 9.5, "unfamiliar": True, "message": "unlike the training images"}
         return outs
+
     monkeypatch.setattr(Captioner, "caption_batch", with_familiarity)
     image = sorted(folder.glob("*.*g"))[0]
     out = tmp_path / "one.jsonl"
-    assert cli.main(["caption", str(image), "--jsonl", str(out), "--device", "cpu"]) == 0   # bundled model
+    assert cli.main(["caption", str(image), "--jsonl", str(out), "--device", "cpu"]) == 0  # bundled model
     std = capsys.readouterr()
     assert "bundled demo model" in std.err and "note: " in std.err and "unlike the training images" in std.err
     record = json.loads(out.read_text())
     assert record["familiarity"]["unfamiliar"] is True and "attention" not in record
     import torch
+
     if not torch.cuda.is_available():
         p = run_cli("-m", "captioner", "caption", str(image), "--device", "cuda")
         assert p.returncode == 2 and "error: --device cuda" in p.stderr and "Traceback" not in p.stderr

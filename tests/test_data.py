@@ -1,4 +1,5 @@
 """COCO reading, vocabulary and `prepare`: bad input gets a message naming the file and field."""
+
 from __future__ import annotations
 
 import json
@@ -6,22 +7,21 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import run_cli
 from PIL import Image
 
 from captioner.data.coco import default_splits, load_dataset
 from captioner.data.dataset import CaptionData, bucket_batches
-from captioner.models.encoder import EncoderSpec
-from captioner.errors import CaptionerError
 from captioner.data.features import DONE, TODO
-from captioner.train.prepare import PrepareConfig, prepare
+from captioner.errors import CaptionerError
+from captioner.models.encoder import EncoderSpec
 from captioner.models.vocab import END_ID, START_ID, UNK_ID, Vocabulary, tokenize
-
-from conftest import run_cli
+from captioner.train.prepare import PrepareConfig, prepare
 
 
 def test_tokenize():
     assert tokenize("A man, riding a Horse.") == ["a", "man", "riding", "a", "horse"]
-    assert tokenize("  Two dogs... \"playing\"! ") == ["two", "dogs", "playing"]
+    assert tokenize('  Two dogs... "playing"! ') == ["two", "dogs", "playing"]
     assert tokenize("") == []
 
 
@@ -47,30 +47,44 @@ def mini_coco(tmp_path, n=3):
         name = f"im{k}.png"
         Image.new("RGB", (20 + k, 16), (200, 10 * k, 0)).save(images / name)
         entries.append({"id": 100 + 7 * k, "file_name": name, "width": 20 + k, "height": 16})
-        anns += [{"id": 1000 + 10 * k + j, "image_id": 100 + 7 * k, "caption": f"A red thing number {j}."}
-                 for j in range(2)]
+        anns += [
+            {"id": 1000 + 10 * k + j, "image_id": 100 + 7 * k, "caption": f"A red thing number {j}."} for j in range(2)
+        ]
     return images, {"images": entries, "annotations": anns}
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"images": [', "malformed JSON.*truncated"),
-    ("", "empty"),
-    ('{"images": [] "annotations": []}', "malformed JSON at line 1"),
-    ("[1, 2]", "top level: expected a JSON object"),
-    ('{"annotations": []}', "missing the 'images' field"),
-    ('{"images": [{"file_name": "a.jpg"}], "annotations": []}', r"images\[0\]: missing the 'id' field"),
-    ('{"images": [{"id": "7", "file_name": "a.jpg"}], "annotations": []}', r"images\[0\].id: must be int"),
-    ('{"images": [{"id": 1, "file_name": "a"}, {"id": 1, "file_name": "b"}], "annotations": []}',
-     "duplicate image id 1"),
-    ('{"images": [{"id": 1, "file_name": "a"}], "annotations": [{"image_id": 1}]}',
-     r"annotations\[0\]: missing the 'image_id' or 'caption'"),
-    ('{"images": [{"id": 1, "file_name": "a"}], "annotations": [{"image_id": 2, "caption": "x"}]}',
-     "image_id 2 is not in 'images'"),
-    ('{"images": [{"id": 1, "file_name": "a"}], "annotations": [{"image_id": 1, "caption": 5}]}',
-     "caption must be a string"),
-    ('{"images": [{"id": 1, "file_name": "a"}], "annotations": [{"image_id": 1, "caption": "  "}]}',
-     "caption is empty"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"images": [', "malformed JSON.*truncated"),
+        ("", "empty"),
+        ('{"images": [] "annotations": []}', "malformed JSON at line 1"),
+        ("[1, 2]", "top level: expected a JSON object"),
+        ('{"annotations": []}', "missing the 'images' field"),
+        ('{"images": [{"file_name": "a.jpg"}], "annotations": []}', r"images\[0\]: missing the 'id' field"),
+        ('{"images": [{"id": "7", "file_name": "a.jpg"}], "annotations": []}', r"images\[0\].id: must be int"),
+        (
+            '{"images": [{"id": 1, "file_name": "a"}, {"id": 1, "file_name": "b"}], "annotations": []}',
+            "duplicate image id 1",
+        ),
+        (
+            '{"images": [{"id": 1, "file_name": "a"}], "annotations": [{"image_id": 1}]}',
+            r"annotations\[0\]: missing the 'image_id' or 'caption'",
+        ),
+        (
+            '{"images": [{"id": 1, "file_name": "a"}], "annotations": [{"image_id": 2, "caption": "x"}]}',
+            "image_id 2 is not in 'images'",
+        ),
+        (
+            '{"images": [{"id": 1, "file_name": "a"}], "annotations": [{"image_id": 1, "caption": 5}]}',
+            "caption must be a string",
+        ),
+        (
+            '{"images": [{"id": 1, "file_name": "a"}], "annotations": [{"image_id": 1, "caption": "  "}]}',
+            "caption is empty",
+        ),
+    ],
+)
 def test_bad_caption_files_are_explained(tmp_path, content, message):
     images, _ = mini_coco(tmp_path)
     path = write(tmp_path / "caps.json", content)
@@ -109,10 +123,18 @@ def test_karpathy_split_and_several_caption_files(tmp_path):
     images, coco = mini_coco(tmp_path, n=4)
     first = {"images": coco["images"][:2], "annotations": [a for a in coco["annotations"] if a["image_id"] < 110]}
     second = {"images": coco["images"][2:], "annotations": [a for a in coco["annotations"] if a["image_id"] >= 110]}
-    split = {"images": [{"cocoid": 100, "split": "train"}, {"cocoid": 107, "split": "restval"},
-                        {"cocoid": 114, "split": "test"}]}
-    records, _ = load_dataset([write(tmp_path / "a.json", first), write(tmp_path / "b.json", second)],
-                              [str(images)], write(tmp_path / "s.json", split))
+    split = {
+        "images": [
+            {"cocoid": 100, "split": "train"},
+            {"cocoid": 107, "split": "restval"},
+            {"cocoid": 114, "split": "test"},
+        ]
+    }
+    records, _ = load_dataset(
+        [write(tmp_path / "a.json", first), write(tmp_path / "b.json", second)],
+        [str(images)],
+        write(tmp_path / "s.json", split),
+    )
     assert {r.image_id: r.split for r in records} == {100: "train", 107: "train", 114: "test"}
     with pytest.raises(CaptionerError, match="not in the caption files"):
         load_dataset([write(tmp_path / "a.json", first)], [str(images)], str(tmp_path / "s.json"))
@@ -142,8 +164,29 @@ def test_prepare_unreadable_image_named_then_skipped(tmp_path):
     path = write(tmp_path / "c.json", coco)
     out = tmp_path / "data"
     with pytest.raises(CaptionerError, match="im2.png.*--skip-bad"):
-        prepare(PrepareConfig(captions=[path], images=[str(images)], out=str(out), encoder=EncoderSpec(weights='none'), min_count=1, workers=0), progress=False)
-    summary = prepare(PrepareConfig(captions=[path], images=[str(images)], out=str(out), encoder=EncoderSpec(weights='none'), min_count=1, workers=0, skip_bad=True), progress=False)
+        prepare(
+            PrepareConfig(
+                captions=[path],
+                images=[str(images)],
+                out=str(out),
+                encoder=EncoderSpec(weights="none"),
+                min_count=1,
+                workers=0,
+            ),
+            progress=False,
+        )
+    summary = prepare(
+        PrepareConfig(
+            captions=[path],
+            images=[str(images)],
+            out=str(out),
+            encoder=EncoderSpec(weights="none"),
+            min_count=1,
+            workers=0,
+            skip_bad=True,
+        ),
+        progress=False,
+    )
     assert summary["bad_images"] == 1
     data = CaptionData(str(out))
     assert 114 not in np.concatenate([data.split_images(s)[0] for s in ("train",)]).tolist()
@@ -157,13 +200,24 @@ def test_prepare_resumes_without_redoing_work(tmp_path, scenes, data_dir):
     done = np.memmap(out / "features.done", dtype=np.uint8, mode="r+")
     feats = np.load(out / "features.npy", mmap_mode="r+")
     reference = np.array(feats[:5])
-    feats[3] = 0          # a row whose write was cut short is not marked done...
+    feats[3] = 0  # a row whose write was cut short is not marked done...
     done[3] = TODO
-    feats[0] = 7          # ...and a finished row must not be recomputed
+    feats[0] = 7  # ...and a finished row must not be recomputed
     feats.flush(), done.flush()
     with pytest.raises(CaptionerError, match="has not finished"):
         CaptionData(str(out))
-    prepare(PrepareConfig(captions=[str(scenes / 'captions.json')], images=[str(scenes / 'images')], out=str(out), splits=str(scenes / 'splits.json'), encoder=EncoderSpec(weights='none'), min_count=1, workers=0), progress=False)
+    prepare(
+        PrepareConfig(
+            captions=[str(scenes / "captions.json")],
+            images=[str(scenes / "images")],
+            out=str(out),
+            splits=str(scenes / "splits.json"),
+            encoder=EncoderSpec(weights="none"),
+            min_count=1,
+            workers=0,
+        ),
+        progress=False,
+    )
     feats = np.load(out / "features.npy", mmap_mode="r")
     np.testing.assert_array_equal(feats[3], reference[3])
     assert (feats[0] == 7).all()
@@ -175,13 +229,33 @@ def test_prepare_refuses_to_mix_caches(tmp_path, scenes, data_dir):
     out = tmp_path / "data"
     shutil.copytree(data_dir, out)
     with pytest.raises(CaptionerError, match="different encoder"):
-        prepare(PrepareConfig(captions=[str(scenes / 'captions.json')], images=[str(scenes / 'images')], out=str(out), splits=str(scenes / 'splits.json'), encoder=EncoderSpec(weights='none', seed=5), workers=0), progress=False)
+        prepare(
+            PrepareConfig(
+                captions=[str(scenes / "captions.json")],
+                images=[str(scenes / "images")],
+                out=str(out),
+                splits=str(scenes / "splits.json"),
+                encoder=EncoderSpec(weights="none", seed=5),
+                workers=0,
+            ),
+            progress=False,
+        )
 
 
 def test_prepare_cli_errors_are_one_line(tmp_path, scenes):
     bad = write(tmp_path / "trunc.json", (scenes / "captions.json").read_text()[:500])
-    p = run_cli("train.py", "prepare", "--images", str(scenes / "images"), "--captions", bad,
-                "--out", str(tmp_path / "d"), "--encoder-weights", "none")
+    p = run_cli(
+        "train.py",
+        "prepare",
+        "--images",
+        str(scenes / "images"),
+        "--captions",
+        bad,
+        "--out",
+        str(tmp_path / "d"),
+        "--encoder-weights",
+        "none",
+    )
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert p.stderr.startswith("error: ") and "trunc.json" in p.stderr and "truncated" in p.stderr

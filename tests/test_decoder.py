@@ -1,4 +1,5 @@
 """The decoder: shapes, attention, masking, gradients, and beam search against plain greedy."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,8 @@ import torch
 from captioner.models.decode import beam_search
 from captioner.models.decoder import ARGMAX, EXPECTED, SAMPLE, AttentionDecoder
 from captioner.models.fused import fused_unroll
-from captioner.objectives.cross_entropy import caption_loss, sequence_terms, word_nll
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
+from captioner.objectives.cross_entropy import caption_loss, sequence_terms, word_nll
 
 V, L, D = 30, 196, 64
 
@@ -53,12 +54,12 @@ def test_padding_is_masked():
     dec = tiny()
     feats, caps, lengths = batch()
     other = caps.clone()
-    other[1, lengths[1]:] = 7   # garbage where padding was
-    other[2, lengths[2]:] = 9
+    other[1, lengths[1] :] = 7  # garbage where padding was
+    other[2, lengths[2] :] = 9
     l1, a1 = dec(feats, caps, lengths)
     l2, a2 = dec(feats, other, lengths)
     for b, n in enumerate(lengths):
-        torch.testing.assert_close(l1[b, :n - 1], l2[b, :n - 1])
+        torch.testing.assert_close(l1[b, : n - 1], l2[b, : n - 1])
     nll1, pen1 = caption_loss(l1, a1, caps, lengths)
     nll2, pen2 = caption_loss(l2, a2, other, lengths)
     torch.testing.assert_close(nll1, nll2)
@@ -70,17 +71,17 @@ def test_batch_in_any_order_equals_each_caption_alone():
     must be those of every caption run on its own."""
     dec = tiny()
     feats, caps, lengths = batch(B=3, T=7)
-    perm = torch.tensor([2, 0, 1])                       # shortest first: the pass must sort
+    perm = torch.tensor([2, 0, 1])  # shortest first: the pass must sort
     feats, caps, lengths = feats[perm], caps[perm], lengths[perm]
     logits, alphas = dec(feats, caps, lengths)
     nll, _ = caption_loss(logits, alphas, caps, lengths)
     grads = torch.autograd.grad(nll * lengths.sub(1).sum(), dec.lstm_h.weight)[0]
     alone = torch.zeros_like(grads)
     for b, n in enumerate(lengths.tolist()):
-        l1, a1 = dec(feats[b:b + 1, :], caps[b:b + 1, :n], lengths[b:b + 1])
-        torch.testing.assert_close(l1[0], logits[b, :n - 1], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(a1[0], alphas[b, :n - 1], rtol=1e-5, atol=1e-6)
-        nll1, _ = caption_loss(l1, a1, caps[b:b + 1, :n], lengths[b:b + 1])
+        l1, a1 = dec(feats[b : b + 1, :], caps[b : b + 1, :n], lengths[b : b + 1])
+        torch.testing.assert_close(l1[0], logits[b, : n - 1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a1[0], alphas[b, : n - 1], rtol=1e-5, atol=1e-6)
+        nll1, _ = caption_loss(l1, a1, caps[b : b + 1, :n], lengths[b : b + 1])
         alone += torch.autograd.grad(nll1 * (n - 1), dec.lstm_h.weight)[0]
     torch.testing.assert_close(grads, alone, rtol=1e-4, atol=1e-6)
     # Past a caption's end the maps are uniform, so every row of α still sums to 1.
@@ -95,8 +96,10 @@ def test_penalty_matches_paper_formula():
     # Eq. (14) per caption: summed log-likelihood + λ Σ_i (1 − Σ_t α_ti)²; batch total per word.
     logp = logits.log_softmax(-1)
     words = int((lengths - 1).sum())
-    eq14 = sum(-logp[b, torch.arange(n - 1), caps[b, 1:n]].sum() + ((1 - alphas[b, :n - 1].sum(0)) ** 2).sum()
-               for b, n in enumerate(lengths))
+    eq14 = sum(
+        -logp[b, torch.arange(n - 1), caps[b, 1:n]].sum() + ((1 - alphas[b, : n - 1].sum(0)) ** 2).sum()
+        for b, n in enumerate(lengths)
+    )
     torch.testing.assert_close(nll + penalty, eq14 / words)
 
 
@@ -116,7 +119,7 @@ def plain_greedy(dec, feats, max_len):
     """Greedy decoding written the obvious way, one image at a time, as the reference."""
     out = []
     for b in range(feats.size(0)):
-        f = feats[b:b + 1]
+        f = feats[b : b + 1]
         proj = dec.attention.project(f)
         h, c = dec.init_state(f)
         word, words, score = torch.tensor([START_ID]), [], 0.0
@@ -124,11 +127,8 @@ def plain_greedy(dec, feats, max_len):
             logits, h, c, _, _ = dec.step(f, proj, word, h, c)
             logp = logits.log_softmax(-1)[0]
             logp[[PAD_ID, START_ID, UNK_ID] + ([END_ID] if t == 0 else [])] = float("-inf")
-            if t == max_len:                                            # made to end, at no cost
-                best = END_ID
-            else:
-                best = int(logp.argmax())
-                score += float(logp[best])
+            best = END_ID if t == max_len else int(logp.argmax())  # made to end, at <end>'s own cost
+            score += float(logp[best])
             if best == END_ID:
                 break
             words.append(best)
@@ -144,7 +144,8 @@ def test_beam_one_equals_plain_greedy(max_len):
     beams = beam_search(dec, feats, beam_size=1, max_len=max_len)
     for hyps, (words, score) in zip(beams, plain_greedy(dec, feats, max_len)):
         assert hyps[0].tokens == words
-        assert hyps[0].score == pytest.approx(score, abs=1e-4)
+        assert hyps[0].score == pytest.approx(score, abs=1e-4)  # a cut caption's score counts its <end>
+        assert hyps[0].ended == (len(words) < max_len)
 
 
 def test_beam_search_terminates_and_ranks():
@@ -165,11 +166,11 @@ def test_beam_search_terminates_and_ranks():
 def test_every_caption_has_a_word_even_when_end_is_likeliest():
     dec = tiny().eval()
     with torch.no_grad():
-        dec.L_o.bias[END_ID] = 50.0                                     # <end> is almost certain at every step
+        dec.L_o.bias[END_ID] = 50.0  # <end> is almost certain at every step
     feats = torch.rand(3, L, D, generator=torch.Generator().manual_seed(4))
     for K in (1, 3):
         for hyps in beam_search(dec, feats, beam_size=K, max_len=6):
-            assert all(len(h.tokens) == 1 for h in hyps)                # one word, then <end>
+            assert all(len(h.tokens) == 1 for h in hyps)  # one word, then <end>
 
 
 def test_wider_beam_never_scores_worse_than_greedy():
@@ -186,7 +187,7 @@ def test_batched_search_equals_one_by_one():
     feats = torch.rand(3, L, D, generator=torch.Generator().manual_seed(9))
     together = beam_search(dec, feats, beam_size=3, max_len=8)
     for b in range(3):
-        alone = beam_search(dec, feats[b:b + 1], beam_size=3, max_len=8)[0]
+        alone = beam_search(dec, feats[b : b + 1], beam_size=3, max_len=8)[0]
         assert [h.tokens for h in alone] == [h.tokens for h in together[b]]
 
 
@@ -210,6 +211,7 @@ def test_hard_modes_report_locations():
 def test_attention_equals_the_paper_formula_with_gradients():
     """The fast score (2v·σ(2z)) gives the α and the gradients of softmax(v·tanh(z))."""
     from captioner.models.decoder import Attention
+
     torch.manual_seed(0)
     att = Attention(6, 5, 4).double()
     feats = torch.randn(2, 7, 6, dtype=torch.float64)

@@ -1,23 +1,44 @@
 """torchrun: 2 CPU processes (gloo) train like 1 process at the same global batch."""
+
 from __future__ import annotations
 
 import json
 import os
 
 import pytest
+from conftest import run_cli
 
 from captioner import Captioner
 
-from conftest import run_cli
-
-TINY = ["--epochs", "1", "--dropout", "0", "--log-every", "1", "--embed-dim", "32", "--hidden-dim", "48",
-        "--attention-dim", "24", "--val-beam-size", "1"]
+TINY = [
+    "--epochs",
+    "1",
+    "--dropout",
+    "0",
+    "--log-every",
+    "1",
+    "--embed-dim",
+    "32",
+    "--hidden-dim",
+    "48",
+    "--attention-dim",
+    "24",
+    "--val-beam-size",
+    "1",
+]
 
 
 def torchrun(*args: str):
     """`torchrun --standalone --nproc-per-node 2 ...` (the same launcher, run as a module)."""
-    return run_cli("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run_cli(
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        *args,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def train_losses(run) -> list[float]:
@@ -27,14 +48,24 @@ def train_losses(run) -> list[float]:
 
 def test_two_processes_match_one(data_dir, scenes, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    p = run_cli("train.py", "fit", "--data", str(data_dir), "--out", str(one), "--batch-size", "8", *TINY,
-                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = run_cli(
+        "train.py",
+        "fit",
+        "--data",
+        str(data_dir),
+        "--out",
+        str(one),
+        "--batch-size",
+        "8",
+        *TINY,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     p = torchrun("train.py", "fit", "--data", str(data_dir), "--out", str(two), "--batch-size", "4", *TINY)
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = train_losses(one), train_losses(two)
     assert len(a) == len(b) >= 10
-    assert b == pytest.approx(a, rel=1e-5)   # same batches, same gradients, same updates
+    assert b == pytest.approx(a, rel=1e-5)  # same batches, same gradients, same updates
     # Rank 0 wrote the checkpoints, and they load and caption.
     cap = Captioner.load(str(two / "best.pt"))
     image = sorted((scenes / "images").iterdir())[0]
@@ -43,11 +74,27 @@ def test_two_processes_match_one(data_dir, scenes, tmp_path):
 
 def test_distributed_prepare_fills_one_cache(scenes, data_dir, tmp_path):
     out = tmp_path / "data"
-    p = torchrun("train.py", "prepare", "--images", str(scenes / "images"), "--captions",
-                 str(scenes / "captions.json"), "--splits", str(scenes / "splits.json"), "--out", str(out),
-                 "--encoder-weights", "none", "--min-count", "1", "--workers", "0")
+    p = torchrun(
+        "train.py",
+        "prepare",
+        "--images",
+        str(scenes / "images"),
+        "--captions",
+        str(scenes / "captions.json"),
+        "--splits",
+        str(scenes / "splits.json"),
+        "--out",
+        str(out),
+        "--encoder-weights",
+        "none",
+        "--min-count",
+        "1",
+        "--workers",
+        "0",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     import numpy as np
+
     ours = np.load(out / "features.npy", mmap_mode="r").astype(np.float32)
     ref = np.load(data_dir / "features.npy", mmap_mode="r").astype(np.float32)
     np.testing.assert_allclose(ours, ref, rtol=2e-3, atol=1e-3)

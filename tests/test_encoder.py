@@ -1,12 +1,13 @@
 """The encoder: seeded reproducibility, fingerprints, weight sources, preprocessing."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torchvision
 
-from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.errors import CaptionerError
+from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.models.preprocess import Preprocess
 
 # The seeded random VGG16 must be the same network on every machine and library release:
@@ -66,6 +67,7 @@ def test_imagenet_offline_says_where_to_put_the_file(monkeypatch, tmp_path):
 
     def offline(self, *a, **k):
         raise OSError("<urlopen error [Errno -3] Temporary failure in name resolution>")
+
     monkeypatch.setattr(torchvision.models.WeightsEnum, "get_state_dict", offline)
     try:
         with pytest.raises(CaptionerError) as e:
@@ -79,6 +81,7 @@ def test_imagenet_offline_says_where_to_put_the_file(monkeypatch, tmp_path):
 
 def test_preprocess_shapes_and_grid_box():
     from PIL import Image
+
     img = Image.new("RGB", (320, 96), (255, 0, 0))
     for crop in (False, True):
         x = Preprocess(crop=crop)(img)

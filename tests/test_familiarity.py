@@ -1,4 +1,5 @@
 """The "unlike the training images" signal: statistics written by fit, scores and verdicts at inference."""
+
 from __future__ import annotations
 
 import os
@@ -9,11 +10,18 @@ import pytest
 import torch
 
 from captioner import Captioner
-from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.data.dataset import CaptionData
 from captioner.demo.handlers import caption_data
-from captioner.evaluation.familiarity import (METHOD, FamiliarityStats, calibration_photos, familiarity, gaussian,
-                                   mahalanobis, threshold)
+from captioner.evaluation.familiarity import (
+    METHOD,
+    FamiliarityStats,
+    calibration_photos,
+    familiarity,
+    gaussian,
+    mahalanobis,
+    threshold,
+)
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 
 # A real photograph the threshold was not set with (calibration uses matplotlib's and scikit-image's).
 PHOTO = os.path.join(os.path.dirname(gradio.__file__), "media_assets", "images", "lion.jpg")
@@ -25,21 +33,22 @@ def captioner(small_run) -> Captioner:
 
 
 def test_fit_stores_plain_statistics_in_the_checkpoint(small_run):
-    ck = torch.load(small_run / "best.pt", weights_only=True)   # plain tensors and numbers only
+    ck = torch.load(small_run / "best.pt", weights_only=True)  # plain tensors and numbers only
     stats = ck["familiarity"]
     assert stats["method"] == METHOD and stats["train_images"] > 0 and stats["val_images"] > 0
     assert all(stats[k].shape == (512,) for k in ("feature_mean", "feature_std", "pooled_mean"))
     assert stats["precision"].shape == (512, 512) and 0 < stats["shrinkage"] <= 1
     # Calibrated on both sides: at least the validation bound, halfway to the photographs when all lie above it.
     bound = stats["margin"] * stats["val_quantile"]
-    assert stats["photo_scores"] and all(name.split(":")[0] in {os.path.basename(p) for p in calibration_photos()}
-                                         for name in stats["photo_scores"])
+    assert stats["photo_scores"] and all(
+        name.split(":")[0] in {os.path.basename(p) for p in calibration_photos()} for name in stats["photo_scores"]
+    )
     assert stats["threshold"] == pytest.approx(threshold(bound, stats["photo_scores"])) and stats["threshold"] >= bound
 
 
 def test_the_threshold_lies_between_scenes_and_photographs_unless_they_overlap():
-    assert threshold(2.0, {"a": 8.0, "b": 9.0}) == pytest.approx(4.0)     # geometric mean with the lowest
-    assert threshold(2.0, {"a": 1.5, "b": 9.0}) == 2.0                   # overlap: the scenes' bound wins
+    assert threshold(2.0, {"a": 8.0, "b": 9.0}) == pytest.approx(4.0)  # geometric mean with the lowest
+    assert threshold(2.0, {"a": 1.5, "b": 9.0}) == 2.0  # overlap: the scenes' bound wins
     assert threshold(2.0, {}) == 2.0
 
 
@@ -52,7 +61,7 @@ def test_the_full_covariance_sees_what_the_channels_alone_do_not():
     mu, precision, _ = gaussian(x, shrinkage=0.0)
     assert mahalanobis(x, mu, precision).pow(2).mean().item() == pytest.approx(1.0, rel=1e-3)
     along, against = torch.zeros(1, D), torch.zeros(1, D)
-    along[0, :8] = 1.0                       # all 8 together: one standard deviation of the factor
+    along[0, :8] = 1.0  # all 8 together: one standard deviation of the factor
     against[0, 0], against[0, 1] = 1.0, -1.0  # two of them apart: never seen, though nearer in every channel
     assert mahalanobis(against, mu, precision) > 5 * mahalanobis(along, mu, precision)
     # Few vectors: Ledoit-Wolf shrinks towards the identity (0.31 here); many: hardly at all.
@@ -62,7 +71,7 @@ def test_the_full_covariance_sees_what_the_channels_alone_do_not():
 
 def test_held_out_scenes_are_familiar_and_a_photograph_is_not(captioner, data_dir):
     data = CaptionData(str(data_dir))
-    _, rows = data.split_images("test")                              # never trained on, never calibrated on
+    _, rows = data.split_images("test")  # never trained on, never calibrated on
     outs = captioner.caption_batch([data.path_of(int(r)) for r in rows], beam_size=1, max_len=4)
     assert all(o.familiarity is not None for o in outs)
     assert sum(o.familiarity["unfamiliar"] for o in outs) <= len(outs) // 4
@@ -83,8 +92,8 @@ def test_a_checkpoint_without_statistics_reports_nothing(small_run, tmp_path):
 def test_verdicts_follow_the_threshold():
     d = 8
     stats = FamiliarityStats(torch.zeros(d), torch.ones(d), torch.zeros(d), torch.eye(d), threshold=2.0)
-    features = torch.zeros(3, 5, d)                                  # (B, L, D)
-    features[1] += 1.5                                               # every channel 1.5σ off: score 1.5
+    features = torch.zeros(3, 5, d)  # (B, L, D)
+    features[1] += 1.5  # every channel 1.5σ off: score 1.5
     features[2] += 3.0
     verdicts = familiarity(features, stats)
     assert [v["unfamiliar"] for v in verdicts] == [False, False, True]

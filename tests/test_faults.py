@@ -1,4 +1,5 @@
 """What a cluster job meets (issue 15): a full disk, SIGTERM, damaged feature rows, non-finite steps."""
+
 from __future__ import annotations
 
 import errno
@@ -13,27 +14,47 @@ import time
 import numpy as np
 import pytest
 import torch
-
-import captioner.models.checkpoint as checkpoint
-import captioner.data.features as features
-from captioner.train import resilience as faults
-from captioner.models.checkpoint import load_checkpoint
-from captioner.data.dataset import CaptionData
-from captioner.models.decoder import AttentionDecoder, DecoderConfig
-from captioner.train.distributed import Dist
-from captioner.models.encoder import EncoderSpec
-from captioner.errors import CaptionerError
-from captioner.train.prepare import PrepareConfig, prepare
-from captioner.train.config import Progress, TrainConfig
-from captioner.train.loop import fit
-from captioner.train.step import Objective, make_optimizer, train_step
-
 from test_reliability import start, wait_for
 
+import captioner.data.features as features
+import captioner.models.checkpoint as checkpoint
+from captioner.data.dataset import CaptionData
+from captioner.errors import CaptionerError
+from captioner.models.checkpoint import load_checkpoint
+from captioner.models.decoder import AttentionDecoder, DecoderConfig
+from captioner.models.encoder import EncoderSpec
+from captioner.train import resilience as faults
+from captioner.train.config import Progress, TrainConfig
+from captioner.train.distributed import Dist
+from captioner.train.loop import fit
+from captioner.train.prepare import PrepareConfig, prepare
+from captioner.train.step import Objective, make_optimizer, train_step
+
 # Saves only at the end of each epoch; a log line per step shows how far a run has got.
-FIT = ["--epochs", "3", "--batch-size", "8", "--embed-dim", "32", "--hidden-dim", "48", "--attention-dim", "24",
-       "--dropout", "0.3", "--val-beam-size", "1", "--checkpoint-every", "0", "--checkpoint-minutes", "0",
-       "--patience", "10", "--log-every", "1"]
+FIT = [
+    "--epochs",
+    "3",
+    "--batch-size",
+    "8",
+    "--embed-dim",
+    "32",
+    "--hidden-dim",
+    "48",
+    "--attention-dim",
+    "24",
+    "--dropout",
+    "0.3",
+    "--val-beam-size",
+    "1",
+    "--checkpoint-every",
+    "0",
+    "--checkpoint-minutes",
+    "0",
+    "--patience",
+    "10",
+    "--log-every",
+    "1",
+]
 TINY = DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8)
 
 
@@ -61,11 +82,13 @@ def whole(data_dir, tmp_path_factory):
 
 # preemption
 
+
 def test_sigterm_stops_fit_after_the_step_and_resume_equals_uninterrupted(data_dir, tmp_path, whole):
     out = tmp_path / "run"
     p = start("fit", "--data", str(data_dir), "--out", str(out), *FIT)
-    wait_for(lambda: any(r["event"] == "train" and r["step"] >= 4 for r in log_of(out)), p, "training steps",
-             timeout=3600)
+    wait_for(
+        lambda: any(r["event"] == "train" and r["step"] >= 4 for r in log_of(out)), p, "training steps", timeout=3600
+    )
     p.send_signal(signal.SIGTERM)
     assert p.wait() == 0
     err = p.stderr.read()
@@ -88,7 +111,7 @@ def test_graceful_stop_catches_sigint_and_sigterm_then_restores_the_handlers():
     before = signal.getsignal(signal.SIGINT)
     with faults.GracefulStop(announce=False) as stop:
         assert not stop.requested
-        os.kill(os.getpid(), signal.SIGINT)   # would raise KeyboardInterrupt without the handler
+        os.kill(os.getpid(), signal.SIGINT)  # would raise KeyboardInterrupt without the handler
         os.kill(os.getpid(), signal.SIGTERM)  # a repeat is ignored: the first signal decides
         time.sleep(0.01)
         assert stop.requested and stop.signal_name == "SIGINT" and stop.exit_status == 130
@@ -99,18 +122,37 @@ def test_graceful_stop_catches_sigint_and_sigterm_then_restores_the_handlers():
         assert stop.signal_name == "SIGTERM" and stop.exit_status == 0
 
 
-def test_sigterm_stops_prepare_after_a_batch_then_a_full_disk_then_it_completes(scenes, data_dir, tmp_path,
-                                                                               monkeypatch):
+def test_sigterm_stops_prepare_after_a_batch_then_a_full_disk_then_it_completes(
+    scenes, data_dir, tmp_path, monkeypatch
+):
     out = tmp_path / "data"
-    inputs = dict(captions=[str(scenes / "captions.json")], images=[str(scenes / "images")],
-                  splits=str(scenes / "splits.json"))
-    args = ["prepare", "--images", inputs["images"][0], "--captions", inputs["captions"][0],
-            "--splits", inputs["splits"], "--out", str(out), "--encoder-weights", "none", "--min-count", "1",
-            "--batch-size", "4", "--workers", "2"]
+    inputs = dict(
+        captions=[str(scenes / "captions.json")], images=[str(scenes / "images")], splits=str(scenes / "splits.json")
+    )
+    args = [
+        "prepare",
+        "--images",
+        inputs["images"][0],
+        "--captions",
+        inputs["captions"][0],
+        "--splits",
+        inputs["splits"],
+        "--out",
+        str(out),
+        "--encoder-weights",
+        "none",
+        "--min-count",
+        "1",
+        "--batch-size",
+        "4",
+        "--workers",
+        "2",
+    ]
     p = start(*args)
     done = out / "features.done"
-    wait_for(lambda: done.exists() and (np.fromfile(done, np.uint8) == 1).sum() >= 4, p, "extracted features",
-             timeout=3600)
+    wait_for(
+        lambda: done.exists() and (np.fromfile(done, np.uint8) == 1).sum() >= 4, p, "extracted features", timeout=3600
+    )
     p.send_signal(signal.SIGTERM)
     assert p.wait() == 0  # DataLoader workers ignored the signal; the batch in hand landed
     err = p.stderr.read()
@@ -122,8 +164,9 @@ def test_sigterm_stops_prepare_after_a_batch_then_a_full_disk_then_it_completes(
         marks = np.fromfile(done, np.uint8)
         ours = np.load(out / "features.npy", mmap_mode="r")
         rows = np.flatnonzero(marks == 1)
-        np.testing.assert_allclose(ours[rows].astype(np.float32), reference[rows].astype(np.float32),
-                                   rtol=2e-3, atol=1e-3)
+        np.testing.assert_allclose(
+            ours[rows].astype(np.float32), reference[rows].astype(np.float32), rtol=2e-3, atol=1e-3
+        )
         return len(rows)
 
     after_stop = check_done_rows()
@@ -139,21 +182,34 @@ def test_sigterm_stops_prepare_after_a_batch_then_a_full_disk_then_it_completes(
 
     monkeypatch.setattr(features.os, "pwrite", pwrite)
     with pytest.raises(CaptionerError, match="no space left on the device holding .*rows finished so far are kept"):
-        prepare(PrepareConfig(**inputs, out=str(out), encoder=EncoderSpec(weights='none'), min_count=1, batch_size=4, workers=0), progress=False)
+        prepare(
+            PrepareConfig(
+                **inputs, out=str(out), encoder=EncoderSpec(weights="none"), min_count=1, batch_size=4, workers=0
+            ),
+            progress=False,
+        )
     after_full = check_done_rows()
     assert after_stop < after_full < 48
     monkeypatch.setattr(features.os, "pwrite", real_pwrite)
-    prepare(PrepareConfig(**inputs, out=str(out), encoder=EncoderSpec(weights='none'), min_count=1, batch_size=4, workers=0), progress=False)
+    prepare(
+        PrepareConfig(
+            **inputs, out=str(out), encoder=EncoderSpec(weights="none"), min_count=1, batch_size=4, workers=0
+        ),
+        progress=False,
+    )
     assert check_done_rows() == 48 and json.loads((out / "meta.json").read_text())["complete"]
     assert not temp_files(out)
 
 
 # a full disk
 
+
 def _can_mount_tmpfs(where) -> bool:
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
-                          capture_output=True).returncode == 0 and \
-        subprocess.run(["umount", str(where)], capture_output=True).returncode == 0
+    return (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True).returncode
+        == 0
+        and subprocess.run(["umount", str(where)], capture_output=True).returncode == 0
+    )
 
 
 @pytest.fixture
@@ -175,8 +231,9 @@ def test_full_disk_on_a_real_tmpfs_names_it_and_keeps_the_last_good_checkpoint(d
     assert p.wait() == 2
     err = p.stderr.read()
     assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith(("warning:", "error:"))
-             and "heatmaps" not in line]   # not the attention-health warning of a tiny model
+    lines = [
+        line for line in err.splitlines() if line.startswith(("warning:", "error:")) and "heatmaps" not in line
+    ]  # not the attention-health warning of a tiny model
     first_epoch = [r for r in log_of(out) if r["event"] == "val"][0]["step"]
     # Epoch 2's saves fail and training goes on; epoch 3's final save fails and ends fit.
     assert lines[0].startswith(f"warning: cannot save {out}/")
@@ -197,7 +254,7 @@ class _FullDisk:
     def write(self, data) -> int:
         data = memoryview(data).cast("B")
         if len(data) > self.free:
-            self.f.write(data[:self.free])
+            self.f.write(data[: self.free])
             self.free = 0
             raise OSError(errno.ENOSPC, "No space left on device")
         self.free -= len(data)
@@ -262,25 +319,27 @@ def test_failed_final_save_raises_naming_the_last_good_checkpoint(data_dir, tmp_
 
 # damaged features, non-finite steps
 
+
 def test_damaged_feature_row_is_named_left_out_and_rechecked(scenes, data_dir, tmp_path, caplog):
     data = tmp_path / "data"
     shutil.copytree(data_dir, data)
     d = CaptionData(str(data))
-    row = int(d.rows[0])                      # an image with training captions
+    row = int(d.rows[0])  # an image with training captions
     image_id, path = d.meta["image_ids"][row], d.path_of(row)
     val_id, val_row = (int(v[0]) for v in d.split_images("val"))
     cache = np.load(data / "features.npy", mmap_mode="r+")
     cache[row, 3, 5] = np.inf
-    cache[val_row, 0, 0] = np.nan             # beam search finds no caption at all for NaN features
+    cache[val_row, 0, 0] = np.nan  # beam search finds no caption at all for NaN features
     cache.flush()
     del cache, d
     out = tmp_path / "run"
     cfg = TrainConfig(epochs=2, batch_size=8, val_beam_size=1, checkpoint_minutes=0)
     caplog.set_level(logging.INFO, logger="captioner")
     progress = fit(str(data), str(out), TINY, cfg, device="cpu", progress_bar=False)
-    named = [r.getMessage() for r in caplog.records
-             if r.levelno == logging.WARNING and "heatmaps" not in r.getMessage()]
-    assert len(named) == 2, named             # each image once, though met in every epoch
+    named = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "heatmaps" not in r.getMessage()
+    ]
+    assert len(named) == 2, named  # each image once, though met in every epoch
     assert f"image {image_id} ({path})" in named[0] and "left out of training" in named[0] and "--recheck" in named[0]
     assert f"image {val_id} (" in named[1] and "captioned from zeros" in named[1]
     captions = int((CaptionData(str(data)).rows == row).sum())
@@ -290,7 +349,19 @@ def test_damaged_feature_row_is_named_left_out_and_rechecked(scenes, data_dir, t
     for name in ("last.pt", "best.pt"):
         assert all_finite(load_checkpoint(str(out / name)))
     # `prepare --recheck` finds the row, extracts it again, and the cache is whole.
-    prepare(PrepareConfig(captions=[str(scenes / 'captions.json')], images=[str(scenes / 'images')], out=str(data), splits=str(scenes / 'splits.json'), encoder=EncoderSpec(weights='none'), min_count=1, workers=0, recheck=True), progress=False)
+    prepare(
+        PrepareConfig(
+            captions=[str(scenes / "captions.json")],
+            images=[str(scenes / "images")],
+            out=str(data),
+            splits=str(scenes / "splits.json"),
+            encoder=EncoderSpec(weights="none"),
+            min_count=1,
+            workers=0,
+            recheck=True,
+        ),
+        progress=False,
+    )
     assert f"recheck: image {image_id} ({path})" in caplog.text and "recheck: 2 of 48 feature rows" in caplog.text
     repaired = np.load(data / "features.npy", mmap_mode="r")[[row, val_row]].astype(np.float32)
     reference = np.load(data_dir / "features.npy", mmap_mode="r")[[row, val_row]].astype(np.float32)
@@ -300,7 +371,7 @@ def test_damaged_feature_row_is_named_left_out_and_rechecked(scenes, data_dir, t
 def test_nonfinite_rows_finds_inf_and_nan_in_fp16_and_fp32():
     x = np.random.default_rng(0).standard_normal((5, 7, 3)).astype(np.float16)
     x[1, 2, 0], x[3, 6, 2] = np.inf, np.nan
-    x[4, 0, 0] = -65504.0                                       # the largest finite fp16 is not flagged
+    x[4, 0, 0] = -65504.0  # the largest finite fp16 is not flagged
     assert features.nonfinite_rows(x).tolist() == [False, True, False, True, False]
     y = x.astype(np.float32)
     y[0, 0, 0] = -np.inf
@@ -317,12 +388,12 @@ def test_a_step_with_a_nonfinite_loss_is_not_applied(data_dir):
     objective, optimizer = Objective(model, cfg), make_optimizer(model, 1e-2)
     scaler, generator = torch.amp.GradScaler("cpu", enabled=False), torch.Generator().manual_seed(1)
     batch = next(data.batches(4, seed=0, epoch=0))
-    batch.features[2, 0, 0] = float("nan")                      # as if a damaged row got through
+    batch.features[2, 0, 0] = float("nan")  # as if a damaged row got through
     before = {k: v.clone() for k, v in model.state_dict().items()}
     terms = train_step(objective, batch, optimizer, scaler, cfg, Progress(), generator, Dist(), torch.device("cpu"))
     assert not faults.all_finite(terms)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert not optimizer.state                                   # Adam never stepped
+    assert not optimizer.state  # Adam never stepped
     batch.features[2, 0, 0] = 0.0
     terms = train_step(objective, batch, optimizer, scaler, cfg, Progress(), generator, Dist(), torch.device("cpu"))
     assert faults.all_finite(terms) and not all(torch.equal(before[k], v) for k, v in model.state_dict().items())

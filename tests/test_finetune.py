@@ -1,4 +1,5 @@
 """`fit --fine-tune-encoder`: the trained layers reach the checkpoint, and everything that loads it uses them."""
+
 from __future__ import annotations
 
 import json
@@ -9,37 +10,41 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-
-from captioner import Captioner
-from captioner.demo.card import model_card
-from captioner.models.checkpoint import load_checkpoint
-from captioner.data.dataset import CaptionData
-from captioner.models.decoder import DecoderConfig
-from captioner.models.decoder import AttentionDecoder
-from captioner.models.encoder import FEATURE_DIM, EncoderSpec, build_encoder
-from captioner.evaluation.familiarity import FamiliarityStats, calibration_photos, pool
-from captioner.data.features import FeatureCache
-from captioner.models.fast_encoder import native_bf16
-from captioner.data.encoder_inputs import encoded_features
-from captioner.evaluation.captioning import checkpoint_features
-from captioner.models.tuned import TunedEncoder, start_index
-from captioner.train.finetune import FineTuneConfig, FineTuning, image_batches
-from captioner.data.images import load_image
-from captioner.train.prepare import PrepareConfig, prepare
-from captioner.train.config import Progress, TrainConfig
-from captioner.train.loop import fit
-from captioner.train.step import Objective, make_optimizer, train_step
-from captioner.train import distributed
-
 from conftest import run_cli
 
+from captioner import Captioner
+from captioner.data.dataset import CaptionData
+from captioner.data.encoder_inputs import encoded_features
+from captioner.data.features import FeatureCache
+from captioner.data.images import load_image
+from captioner.demo.card import model_card
+from captioner.evaluation.captioning import checkpoint_features
+from captioner.evaluation.familiarity import FamiliarityStats, calibration_photos, pool
+from captioner.models.checkpoint import load_checkpoint
+from captioner.models.decoder import AttentionDecoder, DecoderConfig
+from captioner.models.encoder import FEATURE_DIM, EncoderSpec, build_encoder
+from captioner.models.fast_encoder import native_bf16
+from captioner.models.tuned import TunedEncoder, start_index
+from captioner.train import distributed
+from captioner.train.config import Progress, TrainConfig
+from captioner.train.finetune import FineTuneConfig, FineTuning, image_batches
+from captioner.train.loop import fit
+from captioner.train.prepare import PrepareConfig, prepare
+from captioner.train.step import Objective, make_optimizer, train_step
+
 TINY = DecoderConfig(0, embed_dim=32, hidden_dim=48, attention_dim=24, dropout=0.0)
-TUNED = {f"{i}.{p}" for i in (24, 26, 28) for p in ("weight", "bias")}   # conv5_1..conv5_3 of VGG16
+TUNED = {f"{i}.{p}" for i in (24, 26, 28) for p in ("weight", "bias")}  # conv5_1..conv5_3 of VGG16
 
 
 def tune_cfg(epochs: int, start: str = "conv5_1") -> TrainConfig:
-    return TrainConfig(epochs=epochs, batch_size=8, lr=3e-3, val_beam_size=1, checkpoint_minutes=0,
-                       fine_tune=FineTuneConfig(start, lr=1e-3, workers=0))
+    return TrainConfig(
+        epochs=epochs,
+        batch_size=8,
+        lr=3e-3,
+        val_beam_size=1,
+        checkpoint_minutes=0,
+        fine_tune=FineTuneConfig(start, lr=1e-3, workers=0),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +71,11 @@ def test_conv_names_of_both_vggs():
 
 
 def test_image_batches_hold_whole_images_once():
-    rows = np.repeat(np.random.RandomState(0).permutation(40), 5)           # 40 images × 5 captions
+    rows = np.repeat(np.random.RandomState(0).permutation(40), 5)  # 40 images × 5 captions
     batches = image_batches(rows, 12, seed=3, epoch=1)
     assert sorted(np.concatenate(batches).tolist()) == list(range(200))
-    assert all(len(b) == 10 for b in batches)                                # round(12 / 5) = 2 images each
-    assert all(np.bincount(rows[b]).max() == 5 for b in batches)             # every caption of its images
+    assert all(len(b) == 10 for b in batches)  # round(12 / 5) = 2 images each
+    assert all(np.bincount(rows[b]).max() == 5 for b in batches)  # every caption of its images
     ranks = [image_batches(rows, 12, seed=3, epoch=1, rank=r, world=2) for r in (0, 1)]
     assert len(ranks[0]) == len(ranks[1]) == 10
     assert not set(rows[np.concatenate(ranks[0])]) & set(rows[np.concatenate(ranks[1])])
@@ -94,24 +99,25 @@ def test_round_trip_gives_the_features_training_saw(tuned_run, tuned_data, scene
     ids, rows = data.split_images("train")
     image = data.path_of(int(rows[0]))
     cap = Captioner.load(str(tuned_run / "last.pt"))
-    ours, _ = cap.encode([image])                                              # (1, L, D), from the image
+    ours, _ = cap.encode([image])  # (1, L, D), from the image
     seeded, _ = build_encoder(data.encoder)
     with torch.inference_mode():
-        before = seeded(cap.encoder_spec.preprocess(load_image(image))[None])    # (1, L, D)
+        before = seeded(cap.encoder_spec.preprocess(load_image(image))[None])  # (1, L, D)
     # What training computed: the trained layers on the cached pool4 row.
     ck = load_checkpoint(str(tuned_run / "last.pt"))
     trunk, _ = build_encoder(data.encoder)
     tuned = TunedEncoder(trunk.features, 24, from_cache=True)
     tuned.load_encoder_state(ck["encoder_state"], "test")
-    pool4 = FeatureCache(str(tuned_data), len(data.meta["image_ids"]), data.meta["locations"], FEATURE_DIM,
-                         name="pool4")[[int(rows[0])]]
+    pool4 = FeatureCache(
+        str(tuned_data), len(data.meta["image_ids"]), data.meta["locations"], FEATURE_DIM, name="pool4"
+    )[[int(rows[0])]]
     with torch.inference_mode():
         seen = tuned(torch.from_numpy(pool4.astype(np.float32)))
     rel = lambda a, b: float((a - b).norm() / b.norm())
     # The same up to the fp16 rounding of the cached pool4 maps, and the fast encoder's bf16
     # arithmetic on CPUs that have it (about 0.2% there).
     assert rel(ours, seen) < (5e-3 if native_bf16() else 2e-3)
-    assert rel(before, seen) > 20 * rel(ours, seen)   # and not the seeded encoder's features any more
+    assert rel(before, seen) > 20 * rel(ours, seen)  # and not the seeded encoder's features any more
     # evaluate's features: the trained layers on the pool4 cache, exactly what training saw.
     read = checkpoint_features(build_encoder(data.encoder)[0], ck["encoder_state"], data, "cpu", "test", workers=0)
     assert torch.equal(read(rows[:1]), seen)
@@ -120,8 +126,20 @@ def test_round_trip_gives_the_features_training_saw(tuned_run, tuned_data, scene
 
 def test_evaluate_re_encodes_and_falls_back_to_images(tuned_run, tuned_data, tmp_path):
     out = tmp_path / "m.json"
-    p = run_cli("train.py", "evaluate", "--checkpoint", str(tuned_run / "best.pt"), "--data", str(tuned_data),
-                "--split", "test", "--out", str(out), "--beam-size", "2")
+    p = run_cli(
+        "train.py",
+        "evaluate",
+        "--checkpoint",
+        str(tuned_run / "best.pt"),
+        "--data",
+        str(tuned_data),
+        "--split",
+        "test",
+        "--out",
+        str(out),
+        "--beam-size",
+        "2",
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     # Without the pool4 cache, the images themselves are encoded: the same features up to fp16 rounding.
     bare = tmp_path / "bare"
@@ -144,7 +162,7 @@ def test_familiarity_describes_the_tuned_encoder(tuned_run, tuned_data):
         ck = load_checkpoint(str(tuned_run / name))
         stats = FamiliarityStats.from_dict(ck["familiarity"])
         read = checkpoint_features(build_encoder(data.encoder)[0], ck["encoder_state"], data, "cpu", "t", workers=0)
-        tuned = pool(read(rows), stats.feature_mean, stats.feature_std).mean(0)           # (D,)
+        tuned = pool(read(rows), stats.feature_mean, stats.feature_std).mean(0)  # (D,)
         frozen = pool(data.features(rows), stats.feature_mean, stats.feature_std).mean(0)
         assert torch.allclose(stats.pooled_mean, tuned, atol=1e-4)
         assert (stats.pooled_mean - frozen).abs().max() > 100 * (stats.pooled_mean - tuned).abs().max()
@@ -158,7 +176,7 @@ def test_resumed_fine_tuning_equals_uninterrupted(tuned_run, tuned_data, tmp_pat
     whole = tmp_path / "whole"
     fit(str(tuned_data), str(whole), TINY, tune_cfg(2), device="cpu", progress_bar=False)
     resumed = tmp_path / "resumed"
-    shutil.copytree(tuned_run, resumed)                     # stopped after epoch 1
+    shutil.copytree(tuned_run, resumed)  # stopped after epoch 1
     fit(str(tuned_data), str(resumed), TINY, tune_cfg(2), resume=True, device="cpu", progress_bar=False)
     a, b = (load_checkpoint(str(r / "last.pt")) for r in (whole, resumed))
     assert a["step"] == b["step"] > 0
@@ -167,24 +185,41 @@ def test_resumed_fine_tuning_equals_uninterrupted(tuned_run, tuned_data, tmp_pat
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     with pytest.raises(Exception, match="with other --fine-tune-encoder settings"):
-        fit(str(tuned_data), str(resumed), TINY, tune_cfg(3, start="conv4_1"), resume=True, device="cpu",
-            progress_bar=False)
+        fit(
+            str(tuned_data),
+            str(resumed),
+            TINY,
+            tune_cfg(3, start="conv4_1"),
+            resume=True,
+            device="cpu",
+            progress_bar=False,
+        )
 
 
 def test_amp_step_trains_the_encoder(tuned_data):
     data = CaptionData(str(tuned_data))
     cfg = TrainConfig(batch_size=8, amp="bf16", fine_tune=FineTuneConfig(workers=0))
     tuning = FineTuning(data, cfg.fine_tune, distributed.Dist(), torch.device("cpu"), progress=False)
-    decoder = AttentionDecoder.from_config(DecoderConfig(len(data.vocab), embed_dim=32, hidden_dim=48, attention_dim=24))
+    decoder = AttentionDecoder.from_config(
+        DecoderConfig(len(data.vocab), embed_dim=32, hidden_dim=48, attention_dim=24)
+    )
     decoder.set_feature_stats(*data.feature_stats())
     optimizer = make_optimizer(decoder, 1e-3)
     optimizer.add_param_group({"params": list(tuning.parameters()), "lr": 1e-3})
     before = {k: v.clone() for k, v in tuning.encoder.encoder_state().items()}
     batch = next(tuning.batches(8, seed=0, epoch=0))
-    assert batch.image_index is not None and len(batch.features) < len(batch.captions)   # one input per image
-    terms = train_step(Objective(decoder, cfg, tuning.encoder), batch, optimizer,
-                       torch.amp.GradScaler("cpu", enabled=False), cfg, Progress(), torch.Generator(),
-                       distributed.Dist(), torch.device("cpu"))
+    assert batch.image_index is not None and len(batch.features) < len(batch.captions)  # one input per image
+    terms = train_step(
+        Objective(decoder, cfg, tuning.encoder),
+        batch,
+        optimizer,
+        torch.amp.GradScaler("cpu", enabled=False),
+        cfg,
+        Progress(),
+        torch.Generator(),
+        distributed.Dist(),
+        torch.device("cpu"),
+    )
     assert np.isfinite(terms["loss"])
     after = tuning.encoder.encoder_state()
     assert all(not torch.equal(before[k], after[k]) for k in TUNED)
@@ -193,14 +228,25 @@ def test_amp_step_trains_the_encoder(tuned_data):
 def test_conv4_1_from_images(scenes, tmp_path):
     # Small images (64 px, a 4×4 grid) keep the conv4 block cheap; the path is the same at 224.
     data_dir = tmp_path / "data"
-    prepare(PrepareConfig(captions=[str(scenes / 'captions.json')], images=[str(scenes / 'images')], out=str(data_dir), splits=str(scenes / 'splits.json'), encoder=EncoderSpec(weights='none', image_size=64), min_count=1, workers=0), progress=False)
+    prepare(
+        PrepareConfig(
+            captions=[str(scenes / "captions.json")],
+            images=[str(scenes / "images")],
+            out=str(data_dir),
+            splits=str(scenes / "splits.json"),
+            encoder=EncoderSpec(weights="none", image_size=64),
+            min_count=1,
+            workers=0,
+        ),
+        progress=False,
+    )
     run = tmp_path / "run"
     cfg = tune_cfg(1, start="conv4_1")
-    cfg.fine_tune.workers = 1                               # images decoded by a DataLoader worker
+    cfg.fine_tune.workers = 1  # images decoded by a DataLoader worker
     fit(str(data_dir), str(run), TINY, cfg, device="cpu", progress_bar=False)
     ck = load_checkpoint(str(run / "last.pt"))
     assert set(ck["encoder_state"]) == {f"{i}.{p}" for i in (17, 19, 21, 24, 26, 28) for p in ("weight", "bias")}
-    assert not list(data_dir.glob("pool4.*"))             # conv4_1 reads images, no cache
+    assert not list(data_dir.glob("pool4.*"))  # conv4_1 reads images, no cache
     data = CaptionData(str(data_dir))
     rows = data.split_images("val")[1]
     cap = Captioner.load(str(run / "last.pt"))

@@ -1,4 +1,5 @@
 """Pointing accuracy: attention peaks against object boxes, for COCO categories and synthetic shapes."""
+
 from __future__ import annotations
 
 import json
@@ -6,18 +7,25 @@ import json
 import numpy as np
 import pytest
 
-from captioner.errors import CaptionerError
 from captioner.data.boxes import SYNONYMS, GroundingBoxes
+from captioner.errors import CaptionerError
 from captioner.evaluation.grounding import peak, pointing_accuracy
 from captioner.models.preprocess import Preprocess
 
 # A hand-made COCO instances file: one 280×140 image with a person on the left and a dog on the right.
 INSTANCES = {
     "images": [{"id": 7, "width": 280, "height": 140, "file_name": "x.jpg"}],
-    "categories": [{"id": 1, "name": "person"}, {"id": 18, "name": "dog"}, {"id": 58, "name": "hot dog"},
-                   {"id": 37, "name": "sports ball"}, {"id": 67, "name": "dining table"}],
-    "annotations": [{"id": 1, "image_id": 7, "category_id": 1, "bbox": [0, 0, 100, 140]},
-                    {"id": 2, "image_id": 7, "category_id": 18, "bbox": [180, 40, 100, 100]}],
+    "categories": [
+        {"id": 1, "name": "person"},
+        {"id": 18, "name": "dog"},
+        {"id": 58, "name": "hot dog"},
+        {"id": 37, "name": "sports ball"},
+        {"id": 67, "name": "dining table"},
+    ],
+    "annotations": [
+        {"id": 1, "image_id": 7, "category_id": 1, "bbox": [0, 0, 100, 140]},
+        {"id": 2, "image_id": 7, "category_id": 18, "bbox": [180, 40, 100, 100]},
+    ],
 }
 
 
@@ -39,21 +47,30 @@ def test_synonyms_map_caption_words_to_categories(boxes):
         assert boxes.boxes_for(7, word) == [[0, 0, 100, 140]], word
     assert boxes.boxes_for(7, "dogs") == [[180, 40, 100, 100]]
     assert boxes.boxes_for(7, "puppy") == [[180, 40, 100, 100]]
-    assert boxes.names_object("ball") and boxes.names_object("table")   # last word of a category name
+    assert boxes.names_object("ball") and boxes.names_object("table")  # last word of a category name
     assert not boxes.names_object("hot")
-    assert boxes.boxes_for(7, "dog") == [[180, 40, 100, 100]]   # "hot dog" does not claim "dog"
+    assert boxes.boxes_for(7, "dog") == [[180, 40, 100, 100]]  # "hot dog" does not claim "dog"
     assert not boxes.names_object("riding")
     assert SYNONYMS["bike"] == "bicycle"
 
 
 def test_pointing_hits_misses_and_chance(boxes):
     words = ["a", "man", "and", "his", "dog", "near", "a", "table"]
-    att = np.stack([peak_at(7, 2), peak_at(7, 3), peak_at(0, 0), peak_at(0, 0),
-                    peak_at(10, 12),   # dog: inside its box (x ≈ 250, y ≈ 105)
-                    peak_at(0, 0), peak_at(0, 0), peak_at(5, 5)])
+    att = np.stack(
+        [
+            peak_at(7, 2),
+            peak_at(7, 3),
+            peak_at(0, 0),
+            peak_at(0, 0),
+            peak_at(10, 12),  # dog: inside its box (x ≈ 250, y ≈ 105)
+            peak_at(0, 0),
+            peak_at(0, 0),
+            peak_at(5, 5),
+        ]
+    )
     out = pointing_accuracy({7: (words, att)}, boxes)
     assert out["words"] == 2 and out["pointing"] == 1.0
-    assert out["unmatched"] == 1          # "table" names an object that is not in the image
+    assert out["unmatched"] == 1  # "table" names an object that is not in the image
     assert out["chance"] == pytest.approx((100 * 140 / (280 * 140) + 100 * 100 / (280 * 140)) / 2, rel=1e-3)
     miss = pointing_accuracy({7: (["dog"], np.stack([peak_at(7, 2)]))}, boxes)
     assert miss["pointing"] == 0.0 and miss["by_word"] == {"dog": [0, 1]}
@@ -103,6 +120,6 @@ def test_kinds_and_lookahead(boxes):
     words = ["a", "man", "and", "his", "dog"]
     att = np.stack([peak_at(7, 2), peak_at(7, 2), peak_at(10, 12), peak_at(10, 12), peak_at(7, 2)])
     out = pointing_accuracy({7: (words, att)}, boxes)
-    assert out["by_kind"] == {"category": 0.5}          # man hit, dog missed (it looks at the man)
+    assert out["by_kind"] == {"category": 0.5}  # man hit, dog missed (it looks at the man)
     # words with an object word after them: a → man (hit), man → dog (miss), and → dog, his → dog (hits)
     assert out["lookahead_words"] == 4 and out["lookahead"] == 0.75

@@ -1,4 +1,5 @@
 """Attention health: the figures tell maps that follow objects from parked and spread ones."""
+
 import numpy as np
 import pytest
 
@@ -39,7 +40,7 @@ def test_parked_on_a_corner_is_flagged():
     rng = np.random.default_rng(1)
     captions = []
     for _ in range(60):
-        corner = [(0, 0)] * 5 + [tuple(rng.integers(1, G - 1, size=2))]   # a word or two elsewhere
+        corner = [(0, 0)] * 5 + [tuple(rng.integers(1, G - 1, size=2))]  # a word or two elsewhere
         captions.append(_peaked(corner))
     health = attention_health(captions)
     found = problems(health)

@@ -1,4 +1,5 @@
 """The independent held-out scene generator: COCO-format files whose captions are true of the images."""
+
 from __future__ import annotations
 
 import json
@@ -25,13 +26,14 @@ def load(path: Path) -> dict:
 
 
 def test_files_are_coco_and_karpathy(scenes):
-    records, skipped = load_dataset([str(scenes / "captions.json")], [str(scenes / "images")],
-                                    str(scenes / "splits.json"))
+    records, skipped = load_dataset(
+        [str(scenes / "captions.json")], [str(scenes / "images")], str(scenes / "splits.json")
+    )
     assert len(records) == 40 and not skipped.report()
     assert {r.split for r in records} == {"train", "val", "test"}
     assert all(len(r.captions) == 5 for r in records)
     ids = [r.image_id for r in records]
-    assert sorted(ids) != list(range(min(ids), min(ids) + len(ids)))     # ids are not an index
+    assert sorted(ids) != list(range(min(ids), min(ids) + len(ids)))  # ids are not an index
 
 
 def test_images_vary_in_size_mode_and_format(scenes):
@@ -44,7 +46,7 @@ def test_images_vary_in_size_mode_and_format(scenes):
     assert {"RGB", "L", "RGBA"} <= set(modes)
     assert {"JPEG", "PNG"} <= {f for _, f, _ in info}
     ratios = [w / h for _, _, (w, h) in info]
-    assert min(ratios) < 0.7 and max(ratios) > 1.4                      # far from square both ways
+    assert min(ratios) < 0.7 and max(ratios) > 1.4  # far from square both ways
     assert min(min(s) for _, _, s in info) < 112 and max(max(s) for _, _, s in info) > 400
 
 
@@ -68,7 +70,7 @@ def test_captions_name_the_objects_in_the_boxes(scenes):
     for image_id, objs in objects.items():
         W, H = sizes[image_id]
         for _, _, (x, y, w, h) in objs:
-            assert 0 <= x and 0 <= y and x + w <= W and y + h <= H
+            assert x >= 0 and y >= 0 and x + w <= W and y + h <= H
             assert 0.14 * min(W, H) <= w <= 0.36 * min(W, H)
 
 

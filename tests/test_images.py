@@ -1,4 +1,5 @@
 """Image loading: every valid image becomes upright RGB; every bad one gets a message about it."""
+
 from __future__ import annotations
 
 import io
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from captioner.errors import ImageError
 from captioner.data.images import load_image
+from captioner.errors import ImageError
 
 
 def encode(img: Image.Image, fmt: str, **kw) -> bytes:
@@ -24,19 +25,23 @@ def colourful(w=40, h=30) -> Image.Image:
     return Image.fromarray(arr)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: encode(colourful().convert("L"), "PNG"),
-    lambda: encode(colourful().convert("RGBA"), "PNG"),
-    lambda: encode(colourful().convert("P"), "PNG"),
-    lambda: encode(colourful().convert("CMYK"), "JPEG"),
-    lambda: encode(colourful().convert("1"), "PNG"),
-    lambda: encode(colourful().convert("LA"), "PNG"),
-    lambda: encode(Image.new("RGB", (1, 1), (9, 9, 9)), "PNG"),
-    lambda: encode(Image.new("RGB", (2000, 3), (9, 9, 9)), "JPEG"),
-    lambda: encode(colourful(), "WEBP"),
-    lambda: encode(colourful(), "BMP"),
-    lambda: encode(colourful(), "TIFF"),
-], ids=["L", "RGBA", "P", "CMYK", "1bit", "LA", "1x1", "wide", "webp", "bmp", "tiff"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: encode(colourful().convert("L"), "PNG"),
+        lambda: encode(colourful().convert("RGBA"), "PNG"),
+        lambda: encode(colourful().convert("P"), "PNG"),
+        lambda: encode(colourful().convert("CMYK"), "JPEG"),
+        lambda: encode(colourful().convert("1"), "PNG"),
+        lambda: encode(colourful().convert("LA"), "PNG"),
+        lambda: encode(Image.new("RGB", (1, 1), (9, 9, 9)), "PNG"),
+        lambda: encode(Image.new("RGB", (2000, 3), (9, 9, 9)), "JPEG"),
+        lambda: encode(colourful(), "WEBP"),
+        lambda: encode(colourful(), "BMP"),
+        lambda: encode(colourful(), "TIFF"),
+    ],
+    ids=["L", "RGBA", "P", "CMYK", "1bit", "LA", "1x1", "wide", "webp", "bmp", "tiff"],
+)
 def test_modes_become_rgb(make):
     img = load_image(make())
     assert img.mode == "RGB" and img.size[0] >= 1
@@ -70,12 +75,15 @@ def test_animated_gif_gives_first_frame():
     assert out[4, 4, 0] > 200 and out[4, 4, 1] < 50
 
 
-@pytest.mark.parametrize("data, message", [
-    (b"", "empty"),
-    (b"this is not an image at all", "not an image"),
-    (encode(colourful(200, 200), "JPEG")[:300], "truncated or corrupt"),
-    (encode(colourful(200, 200), "PNG")[:120], "truncated or corrupt"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "empty"),
+        (b"this is not an image at all", "not an image"),
+        (encode(colourful(200, 200), "JPEG")[:300], "truncated or corrupt"),
+        (encode(colourful(200, 200), "PNG")[:120], "truncated or corrupt"),
+    ],
+)
 def test_bad_bytes_are_explained(data, message):
     with pytest.raises(ImageError, match=message):
         load_image(data)

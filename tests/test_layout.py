@@ -1,4 +1,5 @@
 """The codebase's shape: layers whose imports run one way, lint-clean, small modules and functions."""
+
 from __future__ import annotations
 
 import ast
@@ -9,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 PACKAGE = REPO / "captioner"
@@ -61,5 +61,15 @@ def test_code_carries_no_history():
 
 def test_subpackages_are_the_layers():
     subpackages = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
-    assert subpackages == ["cli", "data", "demo", "evaluation", "lab", "models", "objectives", "scenes", "serve",
-                           "train"]
+    assert subpackages == [
+        "cli",
+        "data",
+        "demo",
+        "evaluation",
+        "lab",
+        "models",
+        "objectives",
+        "scenes",
+        "serve",
+        "train",
+    ]

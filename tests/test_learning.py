@@ -1,4 +1,5 @@
 """A short training run learns: BLEU-4 and CIDEr well above an untrained model's, on held-out scenes."""
+
 from __future__ import annotations
 
 import json
@@ -6,13 +7,13 @@ import json
 import pytest
 import torch
 
+from captioner.evaluation.evaluate import evaluate
 from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
-from captioner.evaluation.evaluate import evaluate
-from captioner.train.prepare import PrepareConfig, prepare
 from captioner.scenes.synthetic import generate
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
+from captioner.train.prepare import PrepareConfig, prepare
 
 SMALL = DecoderConfig(0, embed_dim=64, hidden_dim=128, attention_dim=64, dropout=0.1)
 
@@ -22,18 +23,31 @@ def scenes_112(tmp_path_factory):
     """240 scenes encoded at 112×112 (a 7×7 grid): four times cheaper than 224, same pipeline."""
     root = tmp_path_factory.mktemp("learn")
     generate(str(root / "scenes"), 240, seed=5)
-    prepare(PrepareConfig(captions=[str(root / 'scenes' / 'captions.json')], images=[str(root / 'scenes' / 'images')], out=str(root / 'data'), splits=str(root / 'scenes' / 'splits.json'), encoder=EncoderSpec(weights='none', image_size=112), workers=0), progress=False)
+    prepare(
+        PrepareConfig(
+            captions=[str(root / "scenes" / "captions.json")],
+            images=[str(root / "scenes" / "images")],
+            out=str(root / "data"),
+            splits=str(root / "scenes" / "splits.json"),
+            encoder=EncoderSpec(weights="none", image_size=112),
+            workers=0,
+        ),
+        progress=False,
+    )
     return root / "data"
 
 
 def test_short_training_beats_untrained(scenes_112, tmp_path):
     scores = {}
-    for name, cfg in (("trained", TrainConfig(epochs=10, lr=2e-3, val_beam_size=1, patience=10)),
-                      ("untrained", TrainConfig(epochs=1, lr=1e-12, val_beam_size=1))):
+    for name, cfg in (
+        ("trained", TrainConfig(epochs=10, lr=2e-3, val_beam_size=1, patience=10)),
+        ("untrained", TrainConfig(epochs=1, lr=1e-12, val_beam_size=1)),
+    ):
         run = tmp_path / name
         fit(str(scenes_112), str(run), SMALL, cfg, device="cpu", progress_bar=False)
-        scores[name] = evaluate(str(run / "best.pt"), str(scenes_112), "test", str(run / "m.json"),
-                                beam_size=3, use_java=False)
+        scores[name] = evaluate(
+            str(run / "best.pt"), str(scenes_112), "test", str(run / "m.json"), beam_size=3, use_java=False
+        )
     trained, untrained = scores["trained"], scores["untrained"]
     assert trained["BLEU-4"] >= untrained["BLEU-4"] + 0.1, scores
     assert trained["CIDEr"] >= untrained["CIDEr"] + 0.4, scores

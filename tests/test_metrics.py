@@ -1,4 +1,5 @@
 """Metrics agree with the official coco-caption pipeline (COCOEvalCap on pycocotools objects)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +10,11 @@ import pytest
 from captioner.evaluation.metrics import ALL_METRICS, java_available, reference_agreement, score_captions
 
 REFS = {
-    11: ["A red circle left of a blue square.", "a red circle and a blue square", "Two shapes: red circle, blue square"],
+    11: [
+        "A red circle left of a blue square.",
+        "a red circle and a blue square",
+        "Two shapes: red circle, blue square",
+    ],
     23: ["a green star near the top", "A single green star.", "there is a green star on a black background"],
     35: ["A white triangle below an orange diamond", "an orange diamond above a white triangle", "two shapes"],
 }
@@ -28,9 +33,13 @@ def test_agrees_with_official_cocoevalcap():
     from pycocotools.coco import COCO
 
     gt = COCO()
-    gt.dataset = {"images": [{"id": i} for i in REFS],
-                  "annotations": [{"id": k, "image_id": i, "caption": c}
-                                  for k, (i, c) in enumerate((i, c) for i, cs in REFS.items() for c in cs)]}
+    gt.dataset = {
+        "images": [{"id": i} for i in REFS],
+        "annotations": [
+            {"id": k, "image_id": i, "caption": c}
+            for k, (i, c) in enumerate((i, c) for i, cs in REFS.items() for c in cs)
+        ],
+    }
     with contextlib.redirect_stdout(io.StringIO()):
         gt.createIndex()
         res = gt.loadRes([{"image_id": i, "caption": c} for i, c in RESULTS.items()])
@@ -39,6 +48,7 @@ def test_agrees_with_official_cocoevalcap():
         # The official evaluate() also runs SPICE, which needs a model download: run the same
         # scorers it runs, on its own tokenizer, the way evaluate() does.
         from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
         ids = ev.params["image_id"]
         tok = PTBTokenizer()
         gts = tok.tokenize({i: gt.imgToAnns[i] for i in ids})
@@ -55,8 +65,9 @@ def test_agrees_with_official_cocoevalcap():
 
 def test_perfect_captions_score_top_marks():
     refs = {i: ["a red circle left of a blue square", "a red circle and a blue square"] for i in (1, 2)}
-    scores = score_captions({1: "a red circle left of a blue square", 2: "a red circle and a blue square"}, refs,
-                            use_java=False)
+    scores = score_captions(
+        {1: "a red circle left of a blue square", 2: "a red circle and a blue square"}, refs, use_java=False
+    )
     assert scores["BLEU-4"] == pytest.approx(1.0)
     assert scores["ROUGE-L"] == pytest.approx(1.0)
 
@@ -77,9 +88,12 @@ def test_reference_agreement_is_the_leave_one_out_score():
     same = {i: [refs[0]] * 3 for i, refs in REFS.items()}
     assert reference_agreement(same, use_java=False)["BLEU-4"] == pytest.approx(1.0)
     agreement = reference_agreement(REFS, use_java=False)
-    by_hand = [score_captions({i: r[k] for i, r in REFS.items()},
-                              {i: r[:k] + r[k + 1:] for i, r in REFS.items()}, use_java=False)["CIDEr"]
-               for k in range(3)]
+    by_hand = [
+        score_captions(
+            {i: r[k] for i, r in REFS.items()}, {i: r[:k] + r[k + 1 :] for i, r in REFS.items()}, use_java=False
+        )["CIDEr"]
+        for k in range(3)
+    ]
     assert agreement["CIDEr"] == pytest.approx(sum(by_hand) / 3)
     assert 0 < agreement["BLEU-4"] < 1
     with pytest.raises(ValueError, match="two references"):

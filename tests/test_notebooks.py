@@ -1,4 +1,5 @@
 """The notebooks run top to bottom in a fresh kernel, draw pictures, and write nothing into the repo."""
+
 from __future__ import annotations
 
 import os
@@ -36,12 +37,13 @@ def work(tmp_path_factory) -> Path:
 # In file order: 02 trains the runs that 03 then reads.
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_and_draws(path, work, monkeypatch):
-    monkeypatch.setenv(WORK_ENV, str(work))   # the kernel inherits it: files go there, not into the repo
+    monkeypatch.setenv(WORK_ENV, str(work))  # the kernel inherits it: files go there, not into the repo
     before = sorted(os.listdir(NOTEBOOKS_DIR))
     nb = nbformat.read(path, as_version=4)
     # Raises CellExecutionError, with the failing cell and traceback, if any cell fails.
-    NotebookClient(nb, timeout=900, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOKS_DIR)}}).execute()
+    NotebookClient(
+        nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS_DIR)}}
+    ).execute()
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name} drew no picture"

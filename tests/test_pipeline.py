@@ -1,4 +1,5 @@
 """prepare → fit → evaluate → caption, end to end, and the checkpoint contract."""
+
 from __future__ import annotations
 
 import json
@@ -6,15 +7,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli
 from PIL import Image
 
 from captioner import Captioner, CaptionerError
-from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.data.dataset import CaptionData
 from captioner.evaluation.maps import upsample
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.serve.heatmaps import attention_figure
-
-from conftest import run_cli
 
 METRICS = ["BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr"]
 
@@ -32,8 +32,20 @@ def test_fit_writes_plain_checkpoints_and_a_log(small_run):
 
 def test_evaluate_cli_writes_metrics_and_results(small_run, data_dir, scenes, tmp_path):
     out = tmp_path / "eval" / "metrics.json"
-    p = run_cli("train.py", "evaluate", "--checkpoint", str(small_run / "best.pt"), "--data", str(data_dir),
-                "--split", "test", "--out", str(out), "--grounding", str(scenes / "boxes.json"))
+    p = run_cli(
+        "train.py",
+        "evaluate",
+        "--checkpoint",
+        str(small_run / "best.pt"),
+        "--data",
+        str(data_dir),
+        "--split",
+        "test",
+        "--out",
+        str(out),
+        "--grounding",
+        str(scenes / "boxes.json"),
+    )
     assert p.returncode == 0, p.stderr
     metrics = json.loads(out.read_text())
     assert all(k in metrics for k in METRICS)
@@ -76,6 +88,7 @@ def test_pickled_checkpoint_is_refused_without_running(tmp_path, small_run):
     class Payload:
         def __reduce__(self):
             import os
+
             return (os.system, (f"touch {marker}",))
 
     ck = torch.load(small_run / "best.pt", map_location="cpu", weights_only=True)
@@ -100,8 +113,19 @@ def test_caption_cli_json_and_figures(small_run, scenes, tmp_path):
     paths = [str(p) for p in sorted((scenes / "images").iterdir())[:2]]
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(b"nope")
-    p = run_cli("-m", "captioner", "caption", *paths, str(bad), "--checkpoint", str(small_run / "best.pt"),
-                "--json", str(tmp_path / "res.json"), "--figures", str(tmp_path / "figs"))
+    p = run_cli(
+        "-m",
+        "captioner",
+        "caption",
+        *paths,
+        str(bad),
+        "--checkpoint",
+        str(small_run / "best.pt"),
+        "--json",
+        str(tmp_path / "res.json"),
+        "--figures",
+        str(tmp_path / "figs"),
+    )
     assert p.returncode == 2 and "bad.jpg" in p.stderr and "Traceback" not in p.stderr
     res = json.loads((tmp_path / "res.json").read_text())
     assert len(res) == 2 and all({"image_id", "caption"} <= set(r) for r in res)

@@ -1,4 +1,5 @@
 """Hard attention's REINFORCE estimator: unbiased against the exact gradient, and the baseline helps."""
+
 from __future__ import annotations
 
 import itertools
@@ -9,15 +10,16 @@ import torch
 from captioner.models.decoder import AttentionDecoder
 from captioner.objectives.reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
 
-L, V = 3, 6       # 3 locations, 2 steps: 9 location sequences to enumerate
-CAPTION = torch.tensor([[1, 4, 2]])     # <start> w <end>
+L, V = 3, 6  # 3 locations, 2 steps: 9 location sequences to enumerate
+CAPTION = torch.tensor([[1, 4, 2]])  # <start> w <end>
 LENGTHS = torch.tensor([3])
 
 
 def problem():
     torch.manual_seed(0)
-    dec = AttentionDecoder(vocab_size=V, encoder_dim=4, embed_dim=4, hidden_dim=5, attention_dim=3,
-                           dropout=0.0, attention="hard").double()
+    dec = AttentionDecoder(
+        vocab_size=V, encoder_dim=4, embed_dim=4, hidden_dim=5, attention_dim=3, dropout=0.0, attention="hard"
+    ).double()
     feats = torch.randn(1, L, 4, dtype=torch.float64) * 2
     return dec, feats
 
@@ -34,21 +36,37 @@ def exact_gradient(dec, feats):
         p_s = alphas[0, 0, seq[0]] * alphas[0, 1, seq[1]]
         objective = objective + p_s * logp_y
     grads = torch.autograd.grad(objective, list(dec.parameters()), allow_unused=True)
-    return torch.cat([g.flatten() if g is not None else torch.zeros(p.numel(), dtype=p.dtype)
-                      for g, p in zip(grads, dec.parameters())]), float(objective.detach())
+    return torch.cat(
+        [
+            g.flatten() if g is not None else torch.zeros(p.numel(), dtype=p.dtype)
+            for g, p in zip(grads, dec.parameters())
+        ]
+    ), float(objective.detach())
 
 
 def estimate(dec, feats, n, baseline, seed):
     """The training loss's gradient on n sampled copies of the caption, as ∇ of the objective."""
     cfg = HardAttentionConfig(entropy_weight=0.0, reward_scale=1.0, semi_sampling=0.0)
     gen = torch.Generator().manual_seed(seed)
-    loss, _ = hard_attention_loss(dec, feats.expand(n, -1, -1), CAPTION.expand(n, -1), LENGTHS.expand(n),
-                                     baseline=baseline, cfg=cfg, alpha_c=0.0, generator=gen)
+    loss, _ = hard_attention_loss(
+        dec,
+        feats.expand(n, -1, -1),
+        CAPTION.expand(n, -1),
+        LENGTHS.expand(n),
+        baseline=baseline,
+        cfg=cfg,
+        alpha_c=0.0,
+        generator=gen,
+    )
     dec.zero_grad()
     loss.backward()
     # The loss is −(objective summed over copies) / words, with 2 predicted words per copy.
-    return torch.cat([(-p.grad * 2).flatten() if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype)
-                      for p in dec.parameters()])
+    return torch.cat(
+        [
+            (-p.grad * 2).flatten() if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype)
+            for p in dec.parameters()
+        ]
+    )
 
 
 def test_estimator_is_unbiased():
@@ -74,10 +92,18 @@ def test_baseline_lowers_variance():
 def test_hard_loss_is_finite_with_peaked_attention():
     """Tiny α must not give NaN or inf: log α is floored."""
     dec, feats = problem()
-    feats = feats * 1e4   # extreme features → near one-hot attention
+    feats = feats * 1e4  # extreme features → near one-hot attention
     cfg = HardAttentionConfig(semi_sampling=0.0)
-    loss, terms = hard_attention_loss(dec, feats.expand(8, -1, -1), CAPTION.expand(8, -1), LENGTHS.expand(8),
-                                      baseline=0.0, cfg=cfg, alpha_c=1.0, generator=torch.Generator().manual_seed(0))
+    loss, terms = hard_attention_loss(
+        dec,
+        feats.expand(8, -1, -1),
+        CAPTION.expand(8, -1),
+        LENGTHS.expand(8),
+        baseline=0.0,
+        cfg=cfg,
+        alpha_c=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(v) for v in terms.values())
     assert all(torch.isfinite(p.grad).all() for p in dec.parameters() if p.grad is not None)
@@ -86,10 +112,18 @@ def test_hard_loss_is_finite_with_peaked_attention():
 def test_baseline_moves_towards_the_reward():
     dec, feats = problem()
     cfg = HardAttentionConfig(semi_sampling=0.0)
-    _, terms = hard_attention_loss(dec, feats.expand(4, -1, -1), CAPTION.expand(4, -1), LENGTHS.expand(4),
-                                   baseline=0.0, cfg=cfg, alpha_c=1.0, generator=torch.Generator().manual_seed(0))
+    _, terms = hard_attention_loss(
+        dec,
+        feats.expand(4, -1, -1),
+        CAPTION.expand(4, -1),
+        LENGTHS.expand(4),
+        baseline=0.0,
+        cfg=cfg,
+        alpha_c=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     b = update_baseline(0.0, float(terms["reward_sum"]), float(terms["sampled"]), cfg.baseline_decay)
     # b ← 0.9 b + 0.1 log p(y|s): from 0 it moves a tenth of the way to a negative log-likelihood.
     assert float(terms["sampled"]) == 4
     assert b == pytest.approx(-0.1 * float(terms["nll"]) * 2, rel=1e-6)
-    assert update_baseline(b, 5.0, 0.0, 0.9) == b   # no sampled caption: no update
+    assert update_baseline(b, 5.0, 0.0, 0.9) == b  # no sampled caption: no update

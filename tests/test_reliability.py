@@ -1,4 +1,5 @@
 """Crash safety: `kill -9` during fit or prepare loses nothing finished and corrupts nothing."""
+
 from __future__ import annotations
 
 import json
@@ -11,22 +12,45 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, run_cli
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.vocab import SPECIALS, Vocabulary, tokenize
 
-from conftest import REPO, run_cli
-
-FIT = ["--epochs", "3", "--batch-size", "8", "--embed-dim", "32", "--hidden-dim", "48", "--attention-dim", "24",
-       "--dropout", "0.3", "--val-beam-size", "1", "--checkpoint-every", "3", "--patience", "10"]
+FIT = [
+    "--epochs",
+    "3",
+    "--batch-size",
+    "8",
+    "--embed-dim",
+    "32",
+    "--hidden-dim",
+    "48",
+    "--attention-dim",
+    "24",
+    "--dropout",
+    "0.3",
+    "--val-beam-size",
+    "1",
+    "--checkpoint-every",
+    "3",
+    "--patience",
+    "10",
+]
 
 
 def start(*args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread: bit-for-bit the same arithmetic every run
-    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
@@ -78,9 +102,25 @@ def test_fit_killed_then_resumed_equals_uninterrupted(data_dir, tmp_path, uninte
 
 def test_prepare_killed_then_rerun_completes_with_same_features(scenes, data_dir, tmp_path):
     out = tmp_path / "data"
-    args = ["prepare", "--images", str(scenes / "images"), "--captions", str(scenes / "captions.json"),
-            "--splits", str(scenes / "splits.json"), "--out", str(out), "--encoder-weights", "none",
-            "--min-count", "1", "--batch-size", "4", "--workers", "0"]
+    args = [
+        "prepare",
+        "--images",
+        str(scenes / "images"),
+        "--captions",
+        str(scenes / "captions.json"),
+        "--splits",
+        str(scenes / "splits.json"),
+        "--out",
+        str(out),
+        "--encoder-weights",
+        "none",
+        "--min-count",
+        "1",
+        "--batch-size",
+        "4",
+        "--workers",
+        "0",
+    ]
     p = start(*args)
     done = out / "features.done"
     wait_for(lambda: done.exists() and np.fromfile(done, np.uint8).sum() >= 8, p, "some extracted features")
@@ -106,9 +146,13 @@ def test_tokenize_never_fails_and_gives_clean_tokens(text):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(st.text(alphabet="abcdefg ", min_size=1, max_size=6).map(str.strip).filter(bool),
-                         max_size=8), max_size=12),
-       st.integers(min_value=1, max_value=3))
+@given(
+    st.lists(
+        st.lists(st.text(alphabet="abcdefg ", min_size=1, max_size=6).map(str.strip).filter(bool), max_size=8),
+        max_size=12,
+    ),
+    st.integers(min_value=1, max_value=3),
+)
 def test_vocabulary_round_trip(sentences, min_count):
     vocab = Vocabulary.build(sentences, min_count=min_count)
     assert tuple(vocab.words[:4]) == SPECIALS
@@ -120,15 +164,22 @@ def test_vocabulary_round_trip(sentences, min_count):
 
 def test_last_checkpoint_is_also_written_on_a_clock(data_dir, tmp_path, monkeypatch):
     """A run whose epochs outlast a kill still leaves last.pt: it is saved every checkpoint_minutes."""
-    import captioner.train.resilience as faults
     import captioner.train.loop as training
+    import captioner.train.resilience as faults
     from captioner.models.decoder import DecoderConfig
+
     saved = []
-    real = faults.save_checkpoint   # fit saves through faults.CheckpointSaver
+    real = faults.save_checkpoint  # fit saves through faults.CheckpointSaver
     monkeypatch.setattr(faults, "save_checkpoint", lambda ck, path: (saved.append((ck["step"], path)), real(ck, path)))
     cfg = training.TrainConfig(epochs=1, batch_size=8, val_beam_size=1, checkpoint_every=0, checkpoint_minutes=1e-6)
-    progress = training.fit(str(data_dir), str(tmp_path / "run"), DecoderConfig(0, embed_dim=16, hidden_dim=16,
-                            attention_dim=8), cfg, device="cpu", progress_bar=False)
+    progress = training.fit(
+        str(data_dir),
+        str(tmp_path / "run"),
+        DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8),
+        cfg,
+        device="cpu",
+        progress_bar=False,
+    )
     mid_epoch = [step for step, path in saved if path.endswith("last.pt") and step < progress.step]
     assert len(mid_epoch) >= progress.step - 2  # about once per step at this setting, not only at the end
     assert load_checkpoint(str(tmp_path / "run" / "last.pt"))["step"] == progress.step

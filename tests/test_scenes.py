@@ -1,16 +1,17 @@
 """Judging captions of synthetic scenes object by object, and how the demo's examples are drawn."""
+
 from __future__ import annotations
 
 import json
 
 from captioner.demo.build import finished, pick_examples
-from captioner.scenes.judge import accuracy, judge, read_objects
 from captioner.models.vocab import tokenize
+from captioner.scenes.judge import accuracy, judge, read_objects
 
 
 def test_wrong_shape_and_colour_are_caught_where_bleu_would_not():
     truth = [("orange", "circle"), ("yellow", "star")]
-    verdict = judge("an orange square and a white star".split(), truth)
+    verdict = judge(["an", "orange", "square", "and", "a", "white", "star"], truth)
     assert not verdict["correct"]
     assert verdict["wrong"] == ["an orange square", "a white star"]
     assert verdict["missing"] == ["an orange circle", "a yellow star"]
@@ -19,10 +20,14 @@ def test_wrong_shape_and_colour_are_caught_where_bleu_would_not():
 
 def test_order_and_wording_do_not_matter_but_a_left_out_object_does():
     truth = [("red", "circle"), ("blue", "square"), ("red", "circle")]
-    assert judge("a blue square is left of a red circle and a red circle".split(), truth)["correct"]
-    left_out = judge("a red circle to the left of a blue square".split(), truth)
+    assert judge(["a", "blue", "square", "is", "left", "of", "a", "red", "circle", "and", "a", "red", "circle"], truth)[
+        "correct"
+    ]
+    left_out = judge(["a", "red", "circle", "to", "the", "left", "of", "a", "blue", "square"], truth)
     assert not left_out["correct"] and left_out["missing"] == ["a red circle"] and left_out["wrong"] == []
-    assert not judge("a red circle a blue square a red circle a red circle".split(), truth)["correct"]  # one extra
+    assert not judge(["a", "red", "circle", "a", "blue", "square", "a", "red", "circle", "a", "red", "circle"], truth)[
+        "correct"
+    ]  # one extra
 
 
 def test_the_generators_own_captions_are_judged_right(scenes):
@@ -43,7 +48,7 @@ def test_examples_are_drawn_at_random_from_the_split():
     picked = pick_examples(ids, 6, seed=0)
     assert picked == pick_examples(ids, 6, seed=0) and picked != pick_examples(ids, 6, seed=1)
     assert len(set(picked)) == 6 and set(picked) <= set(ids) and picked != ids[:6]
-    assert sorted(pick_examples(ids[:4], 6, seed=0)) == ids[:4]   # a small split gives all it has
+    assert sorted(pick_examples(ids[:4], 6, seed=0)) == ids[:4]  # a small split gives all it has
 
 
 def test_build_reuses_only_stages_that_ran_to_their_end(tmp_path):

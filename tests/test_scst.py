@@ -1,5 +1,6 @@
 """Self-critical training: CIDEr-D equals coco-caption's, the gradient favours samples that beat
 the baseline, a resumed run equals an uninterrupted one, and bad flags get a clear error."""
+
 from __future__ import annotations
 
 import json
@@ -12,32 +13,30 @@ from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
 
 import captioner.train.resilience as faults
-from captioner.models.checkpoint import load_checkpoint
-from captioner.objectives.cider import DocumentFrequency, NgramScorer, References, cached_document_frequency
 from captioner.cli.train import main as train_main
-from captioner.data.dataset import CaptionData
+from captioner.data.dataset import CaptionData, TrainingImages
+from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import AttentionDecoder
-from captioner.data.dataset import TrainingImages
-from captioner.objectives.scst import ScstConfig, SelfCritical, sample_captions, training_scorer
+from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
+from captioner.objectives.cider import DocumentFrequency, NgramScorer, References, cached_document_frequency
+from captioner.objectives.scst import ScstConfig, SelfCritical, sample_captions
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
-from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
-
 
 # helpers
+
 
 def padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.zeros(len(seqs), max([len(s) for s in seqs] + [1]), dtype=torch.long)
     for i, s in enumerate(seqs):
-        t[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        t[i, : len(s)] = torch.tensor(s, dtype=torch.long)
     return t, torch.tensor([len(s) for s in seqs])
 
 
 def random_set(rs: np.random.RandomState, images: int, vocab: int):
     """References (1-5 per image, 0-11 words) and 3 candidates per image: random, or a
     reference with a word changed, so that matches of every order occur."""
-    refs = {i: [list(rs.randint(1, vocab, rs.randint(0, 12))) for _ in range(rs.randint(1, 6))]
-            for i in range(images)}
+    refs = {i: [list(rs.randint(1, vocab, rs.randint(0, 12))) for _ in range(rs.randint(1, 6))] for i in range(images)}
     cands = {}
     for i in range(images):
         edited = list(refs[i][0])
@@ -48,6 +47,7 @@ def random_set(rs: np.random.RandomState, images: int, vocab: int):
 
 
 # CIDEr-D and BLEU-4 against pycocoevalcap
+
 
 @pytest.mark.parametrize("seed,vocab", [(0, 6), (1, 12), (2, 40)])
 def test_scores_equal_pycocoevalcap(seed, vocab):
@@ -63,7 +63,7 @@ def test_scores_equal_pycocoevalcap(seed, vocab):
     text = lambda ids: " ".join(f"w{t}" for t in ids)
     gts = {i: [text(r) for r in refs[i]] for i in range(images)}
     cider, bleu = [], []
-    for k in range(3):                 # pycocoevalcap takes one candidate per image: one call per set
+    for k in range(3):  # pycocoevalcap takes one candidate per image: one call per set
         res = {i: [text(cands[i][k])] for i in range(images)}
         cider.append(Cider().compute_score(gts, res)[1])
         bleu.append(Bleu(4).compute_score(gts, res, verbose=0)[1][3])
@@ -72,7 +72,7 @@ def test_scores_equal_pycocoevalcap(seed, vocab):
     ours_cider, ours_bleu = scorer.score(tokens, lengths, torch.arange(images).repeat(3), bleu=True)
     np.testing.assert_allclose(ours_cider.numpy(), np.concatenate(cider), rtol=0, atol=1e-6)
     np.testing.assert_allclose(ours_bleu.numpy(), np.concatenate(bleu), rtol=0, atol=1e-6)
-    assert np.concatenate(cider).std() > 0.3 and np.concatenate(bleu).max() > 0.5   # not all zeros
+    assert np.concatenate(cider).std() > 0.3 and np.concatenate(bleu).max() > 0.5  # not all zeros
 
 
 def test_document_frequency_cache(tmp_path):
@@ -85,14 +85,14 @@ def test_document_frequency_cache(tmp_path):
     first = cached_document_frequency(path, R, salt="vocab A")
     stamp = os.stat(path).st_mtime_ns
     again = cached_document_frequency(path, R, salt="vocab A")
-    assert os.stat(path).st_mtime_ns == stamp                       # read back, not rewritten
+    assert os.stat(path).st_mtime_ns == stamp  # read back, not rewritten
     assert torch.equal(again.codes, first.codes) and torch.equal(again.counts, first.counts)
     assert again.documents == first.documents == 10
-    cached_document_frequency(path, R, salt="vocab B")              # another vocabulary: rebuilt
+    cached_document_frequency(path, R, salt="vocab B")  # another vocabulary: rebuilt
     assert os.stat(path).st_mtime_ns != stamp
-    (tmp_path / "df.npz").write_bytes(b"not a zip")                 # damaged: rebuilt, not an error
+    (tmp_path / "df.npz").write_bytes(b"not a zip")  # damaged: rebuilt, not an error
     assert torch.equal(cached_document_frequency(path, R, salt="vocab B").counts, first.counts)
-    assert os.listdir(tmp_path) == ["df.npz"]                       # no temporary file left
+    assert os.listdir(tmp_path) == ["df.npz"]  # no temporary file left
 
 
 # the objective on a toy problem
@@ -114,10 +114,10 @@ def toy():
 def sample_logp(dec, feats, tokens, max_len=6):
     """log p of given captions under the sampler's distribution (banned ids removed), teacher-forced;
     an <end> forced at max_len words was no choice and has no probability."""
-    captions = torch.cat([torch.full((len(tokens), 1), START_ID), tokens], 1)       # (N, T+1)
+    captions = torch.cat([torch.full((len(tokens), 1), START_ID), tokens], 1)  # (N, T+1)
     logits, _ = dec(feats.expand(len(tokens), -1, -1), captions, (captions != PAD_ID).sum(1))
     logits[..., [PAD_ID, START_ID, UNK_ID]] = float("-inf")
-    logp = logits.log_softmax(-1).gather(2, tokens.unsqueeze(2)).squeeze(2)        # (N, T)
+    logp = logits.log_softmax(-1).gather(2, tokens.unsqueeze(2)).squeeze(2)  # (N, T)
     chosen = (tokens != PAD_ID) & (torch.arange(tokens.size(1)) < max_len)
     return torch.where(chosen, logp, 0.0).sum(1)
 
@@ -128,9 +128,9 @@ def test_one_step_raises_samples_that_beat_the_baseline(baseline):
     cfg = ScstConfig(samples=8, baseline=baseline)
     objective = SelfCritical(dec, cfg, scorer, max_len=6)
     gen = torch.Generator().manual_seed(1)
-    s = sample_captions(dec, feats, 8, 6, generator=torch.Generator().manual_seed(1))   # the draws forward makes
+    s = sample_captions(dec, feats, 8, 6, generator=torch.Generator().manual_seed(1))  # the draws forward makes
     with torch.no_grad():
-        assert torch.allclose(sample_logp(dec, feats, s.tokens), s.logp, atol=1e-5)      # the sampler's own log p
+        assert torch.allclose(sample_logp(dec, feats, s.tokens), s.logp, atol=1e-5)  # the sampler's own log p
     reward = scorer.score(s.tokens, s.words + 1, torch.zeros(8, dtype=torch.long))[0]
     loss, terms = objective(_batch(feats), 1.0, generator=gen)
     assert terms["reward"] == pytest.approx(float(reward.mean()), rel=1e-6)
@@ -148,18 +148,20 @@ def test_one_step_raises_samples_that_beat_the_baseline(baseline):
             p -= 0.05 * p.grad
         after = sample_logp(dec, feats, s.tokens)
     change = after - before
-    assert change[advantage.argmax()] > 0, (advantage, change)     # the best sample gained
-    assert change[advantage.argmin()] < 0, (advantage, change)     # the worst lost
-    assert float((advantage * change).sum()) > 0                   # the expected advantage went up
+    assert change[advantage.argmax()] > 0, (advantage, change)  # the best sample gained
+    assert change[advantage.argmin()] < 0, (advantage, change)  # the worst lost
+    assert float((advantage * change).sum()) > 0  # the expected advantage went up
 
 
 def _batch(feats):
     from captioner.objectives.scst import ImageBatch
+
     return ImageBatch(feats, torch.zeros(len(feats), dtype=torch.long))
 
 
 def test_greedy_baseline_is_the_greedy_captions_reward():
     from captioner.models.decode import beam_search
+
     dec, scorer, feats = toy()
     objective = SelfCritical(dec, ScstConfig(samples=4, baseline="greedy"), scorer, max_len=6)
     _, terms = objective(_batch(feats), 1.0, generator=torch.Generator().manual_seed(0))
@@ -190,8 +192,9 @@ def test_training_raises_the_reward_and_works_under_autocast():
 
 def test_hard_model_can_sample_locations_too():
     torch.manual_seed(0)
-    dec = AttentionDecoder(vocab_size=V, encoder_dim=6, embed_dim=8, hidden_dim=10, attention_dim=5,
-                           dropout=0.0, attention="hard")
+    dec = AttentionDecoder(
+        vocab_size=V, encoder_dim=6, embed_dim=8, hidden_dim=10, attention_dim=5, dropout=0.0, attention="hard"
+    )
     _, scorer, feats = toy()
     for context in ("expected", "sample"):
         objective = SelfCritical(dec, ScstConfig(samples=4, context=context), scorer, max_len=6)
@@ -203,12 +206,17 @@ def test_hard_model_can_sample_locations_too():
 
 # training runs
 
+
 def test_training_images_are_each_seen_once_per_epoch(data_dir):
     data = CaptionData(str(data_dir))
     images = TrainingImages(data)
     for world in (1, 2):
-        seen = [r for rank in range(world) for b in images.batches(4, seed=0, epoch=1, rank=rank, world=world)
-                for r in b.rows.tolist()]
+        seen = [
+            r
+            for rank in range(world)
+            for b in images.batches(4, seed=0, epoch=1, rank=rank, world=world)
+            for r in b.rows.tolist()
+        ]
         assert sorted(seen) == sorted(np.unique(data.rows).tolist())
         assert images.num_batches(4, world) == len(list(images.batches(4, seed=0, epoch=1, world=world)))
     rows = lambda e: [b.rows.tolist() for b in images.batches(4, seed=0, epoch=e)]
@@ -216,25 +224,38 @@ def test_training_images_are_each_seen_once_per_epoch(data_dir):
 
 
 def scst_config(init, **kw) -> TrainConfig:
-    return TrainConfig(objective="scst", init=str(init), epochs=2, batch_size=8, lr=1e-3, val_beam_size=1,
-                       checkpoint_every=1, checkpoint_minutes=0, log_every=1, scst=ScstConfig(samples=3), **kw)
+    return TrainConfig(
+        objective="scst",
+        init=str(init),
+        epochs=2,
+        batch_size=8,
+        lr=1e-3,
+        val_beam_size=1,
+        checkpoint_every=1,
+        checkpoint_minutes=0,
+        log_every=1,
+        scst=ScstConfig(samples=3),
+        **kw,
+    )
 
 
 def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkeypatch):
     init = small_run / "best.pt"
     whole = fit(str(data_dir), str(tmp_path / "whole"), cfg=scst_config(init), device="cpu", progress_bar=False)
-    real = faults.save_checkpoint   # fit saves through faults.CheckpointSaver
+    real = faults.save_checkpoint  # fit saves through faults.CheckpointSaver
 
     def save_then_die(ck, path):
         real(ck, path)
         if ck["step"] == 3:
             raise KeyboardInterrupt  # as if killed right after the step-3 checkpoint
+
     monkeypatch.setattr(faults, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         fit(str(data_dir), str(tmp_path / "run"), cfg=scst_config(init), device="cpu", progress_bar=False)
     monkeypatch.setattr(faults, "save_checkpoint", real)
-    resumed = fit(str(data_dir), str(tmp_path / "run"), cfg=TrainConfig(epochs=2), resume=True, device="cpu",
-                  progress_bar=False)
+    resumed = fit(
+        str(data_dir), str(tmp_path / "run"), cfg=TrainConfig(epochs=2), resume=True, device="cpu", progress_bar=False
+    )
     assert resumed.step == whole.step > 3
     a, b = (load_checkpoint(str(tmp_path / r / "last.pt")) for r in ("whole", "run"))
     for name, value in a["model"].items():
@@ -243,16 +264,17 @@ def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkey
     log = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in log if r["event"] == "train"]
     assert all({"reward", "baseline", "entropy"} <= set(r) for r in train)
-    assert os.path.exists(data_dir / "cider_df_end.npz")      # df cached in the data directory
+    assert os.path.exists(data_dir / "cider_df_end.npz")  # df cached in the data directory
 
 
 def test_init_starts_from_the_checkpoint_weights(data_dir, small_run, tmp_path):
-    cfg = TrainConfig(objective="scst", init=str(small_run / "best.pt"), epochs=1, batch_size=8, lr=1e-12,
-                      val_beam_size=1)
+    cfg = TrainConfig(
+        objective="scst", init=str(small_run / "best.pt"), epochs=1, batch_size=8, lr=1e-12, val_beam_size=1
+    )
     fit(str(data_dir), str(tmp_path / "run"), cfg=cfg, device="cpu", progress_bar=False)
     start, end = (load_checkpoint(str(p)) for p in (small_run / "best.pt", tmp_path / "run" / "last.pt"))
-    assert end["decoder"] == start["decoder"]                 # sizes come from --init
-    for name, value in start["model"].items():               # a vanishing lr: still the same weights
+    assert end["decoder"] == start["decoder"]  # sizes come from --init
+    for name, value in start["model"].items():  # a vanishing lr: still the same weights
         assert torch.allclose(end["model"][name], value, atol=1e-6), name
     assert end["step"] == end["progress"]["step"] > 0 and end["train"]["lr"] == 1e-12
 

@@ -1,5 +1,6 @@
 """The fast paths compute what the plain ones do: the optimised encoder, the fused decoding step,
 and a beam search that steps only the beams still writing."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,14 +26,14 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_optimized_encoder_gives_the_plain_features(vgg16, size):
     fast = optimize_encoder(vgg16, "cpu", image_size=224)
     if onednn_available():
-        assert isinstance(fast, FusedVGG)        # the optimisation is really applied here
+        assert isinstance(fast, FusedVGG)  # the optimisation is really applied here
     x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         plain, quick = vgg16(x), fast(x)
     assert quick.shape == plain.shape == (2, (size // 16) ** 2, 512) and quick.dtype == torch.float32
     # fp32 with another summation order: differences at rounding level; bf16 (native CPUs only) ~1%.
     assert relative_error(quick, plain) < (2e-2 if native_bf16() else 1e-4)
-    assert (quick >= 0).all()                    # conv5_3's ReLU is fused in
+    assert (quick >= 0).all()  # conv5_3's ReLU is fused in
 
 
 def test_optimized_encoder_is_a_snapshot_and_leaves_the_original_alone(vgg16):
@@ -44,14 +45,15 @@ def test_optimized_encoder_is_a_snapshot_and_leaves_the_original_alone(vgg16):
 
 def tiny(**kw) -> AttentionDecoder:
     torch.manual_seed(0)
-    return AttentionDecoder(vocab_size=30, encoder_dim=64, embed_dim=16, hidden_dim=24, attention_dim=12,
-                            dropout=0.0, **kw).eval()
+    return AttentionDecoder(
+        vocab_size=30, encoder_dim=64, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0, **kw
+    ).eval()
 
 
 def test_decoding_step_computes_the_training_math():
     """Teacher-forced through `step` (fused weights) = the training forward (separate weights)."""
     dec = tiny()
-    with torch.no_grad():                                      # give the buffers some effect
+    with torch.no_grad():  # give the buffers some effect
         dec.feature_mean.uniform_(0, 0.5)
         dec.feature_std.uniform_(0.5, 2)
     g = torch.Generator().manual_seed(1)
@@ -59,11 +61,11 @@ def test_decoding_step_computes_the_training_math():
     caps = torch.tensor([[START_ID, 5, 6, 7, END_ID], [START_ID, 8, 9, END_ID, PAD_ID]])
     lengths = torch.tensor([5, 4])
     with torch.no_grad():
-        logits, alphas = dec(feats, caps, lengths)             # (B, T-1, V), (B, T-1, L)
+        logits, alphas = dec(feats, caps, lengths)  # (B, T-1, V), (B, T-1, L)
         f = dec.normalize(feats)
         proj = dec.attention.project(f)
         h, c = dec.init_state(f)
-        for t in range(3):                                     # both captions are real up to here
+        for t in range(3):  # both captions are real up to here
             step_logits, h, c, alpha, _ = dec.step(f, proj, caps[:, t], h, c)
             torch.testing.assert_close(step_logits, logits[:, t], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(alpha, alphas[:, t], rtol=1e-4, atol=1e-6)
@@ -76,7 +78,7 @@ def test_fused_weights_follow_weight_changes():
     opt = torch.optim.SGD(dec.parameters(), lr=1.0)
     for p in dec.parameters():
         p.grad = torch.ones_like(p)
-    opt.step()                                                 # in place: the cache must notice
+    opt.step()  # in place: the cache must notice
     after = beam_search(dec, feats, beam_size=2, max_len=6)[0][0].score
     fresh = tiny()
     fresh.load_state_dict(dec.state_dict())
@@ -86,7 +88,7 @@ def test_fused_weights_follow_weight_changes():
 
 def test_only_beams_still_writing_are_stepped(monkeypatch):
     """Finished beams (and the empty beams of the first step) cost no decoder work."""
-    dec = tiny()                       # untrained, V = 30: some beams say <end> early, others run on
+    dec = tiny()  # untrained, V = 30: some beams say <end> early, others run on
     feats = torch.rand(3, 196, 64, generator=torch.Generator().manual_seed(3))
     rows, step = [], dec.step
 
@@ -94,17 +96,19 @@ def test_only_beams_still_writing_are_stepped(monkeypatch):
         rows.append(len(words))
         assert len(features) == len(projected) == len(h) == len(c) == len(words)
         return step(features, projected, words, h, c, *a)
+
     monkeypatch.setattr(dec, "step", counting_step)
     K, B = 3, 3
     beams = beam_search(dec, feats, beam_size=K, max_len=10)
-    assert rows[0] == B                                          # step 0: one live beam per image
-    assert len(rows) == 11 and min(rows[1:]) < B * K              # beams that ended were dropped
+    assert rows[0] == B  # step 0: one live beam per image
+    assert len(rows) == 11 and min(rows[1:]) < B * K  # beams that ended were dropped
     monkeypatch.undo()
-    assert [[h.tokens for h in b] for b in beam_search(dec, feats, beam_size=K, max_len=10)] == \
-           [[h.tokens for h in b] for b in beams]
+    assert [[h.tokens for h in b] for b in beam_search(dec, feats, beam_size=K, max_len=10)] == [
+        [h.tokens for h in b] for b in beams
+    ]
     # The same captions as one image at a time.
     for b in range(B):
-        alone = beam_search(dec, feats[b:b + 1], beam_size=K, max_len=10)[0]
+        alone = beam_search(dec, feats[b : b + 1], beam_size=K, max_len=10)[0]
         assert [h.tokens for h in alone] == [h.tokens for h in beams[b]]
         for x, y in zip(alone, beams[b]):
             torch.testing.assert_close(torch.as_tensor(x.attention), torch.as_tensor(y.attention))
@@ -112,6 +116,7 @@ def test_only_beams_still_writing_are_stepped(monkeypatch):
 
 def test_captioner_fast_and_plain_agree(small_run, scenes):
     from captioner import Captioner
+
     paths = [str(p) for p in sorted((scenes / "images").iterdir())[:2]]
     fast = Captioner.load(str(small_run / "best.pt"))
     plain = Captioner.load(str(small_run / "best.pt"), fast=False)
@@ -122,9 +127,12 @@ def test_captioner_fast_and_plain_agree(small_run, scenes):
 def test_the_benchmark_times_fits_own_step():
     """benchmarks/benchmark.py builds its decoder step from `fit`'s code: one step runs and learns."""
     import sys
+
     from conftest import REPO
+
     sys.path.insert(0, str(REPO / "benchmarks"))
     import benchmark as bm
+
     feats, caps, lengths = bm.caption_batch(torch.device("cpu"))
     step, decoder = bm.our_train_step(torch.device("cpu"), feats, caps, lengths, "none", False)
     before = decoder.L_o.weight.detach().clone()

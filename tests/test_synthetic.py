@@ -1,4 +1,5 @@
 """Tests for captioner.synthetic: the coloured-shapes COCO-format dataset."""
+
 from __future__ import annotations
 
 import json
@@ -13,13 +14,16 @@ import pytest
 from PIL import Image
 from pycocotools.coco import COCO
 
-REPO = Path(__file__).resolve().parents[1]
-
 from captioner.scenes.synthetic import COLORS, SHAPES, generate, main
 
+REPO = Path(__file__).resolve().parents[1]
+
 PAIR_RE = re.compile(r"\b({})\s+({})\b".format("|".join(COLORS), "|".join(SHAPES)))
-REL_RE = re.compile(r"\b({c}) ({s}) (?:is |to the )?(left of|right of|above|below) an? ({c}) ({s})\b"
-                    .format(c="|".join(COLORS), s="|".join(SHAPES)))
+REL_RE = re.compile(
+    r"\b({c}) ({s}) (?:is |to the )?(left of|right of|above|below) an? ({c}) ({s})\b".format(
+        c="|".join(COLORS), s="|".join(SHAPES)
+    )
+)
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +112,10 @@ def test_boxes_file(data: Path) -> None:
             assert x >= 0 and y >= 0 and x + w <= img["width"] and y + h <= img["height"]
             assert 0.19 * short <= max(w, h) <= 0.46 * short
         for i, a in enumerate(anns):
-            for b in anns[i + 1:]:
+            for b in anns[i + 1 :]:
                 ax, ay, aw, ah = a["bbox"]
                 bx, by, bw, bh = b["bbox"]
-                overlap = (ax < bx + bw and bx < ax + aw and ay < by + bh and by < ay + ah)
+                overlap = ax < bx + bw and bx < ax + aw and ay < by + bh and by < ay + ah
                 assert not overlap, (a, b)
 
 
@@ -123,8 +127,7 @@ def test_captions_are_true_of_the_image(data: Path) -> None:
         words = re.findall(r"[a-z]+", a["caption"].lower())
         pairs = PAIR_RE.findall(a["caption"].lower())
         # Every shape word is preceded by its colour, and every colour is used that way.
-        assert len(pairs) == sum(w in shape_words for w in words) == sum(
-            w in colour_words for w in words)
+        assert len(pairs) == sum(w in shape_words for w in words) == sum(w in colour_words for w in words)
         assert pairs and all(p in present for p in pairs), a["caption"]
         for c1, s1, rel, c2, s2 in REL_RE.findall(a["caption"].lower()):
             (x1, y1, w1, h1), (x2, y2, w2, h2) = present[(c1, s1)], present[(c2, s2)]
@@ -192,8 +195,7 @@ def test_splits(data: Path) -> None:
     imgs = splits["images"]
     assert sorted(i["imgid"] for i in imgs) == list(range(12))
     assert sorted(i["cocoid"] for i in imgs) == sorted(im["id"] for im in caps["images"])
-    assert {"train", "val", "test"} <= {i["split"] for i in imgs} <= {
-        "train", "restval", "val", "test"}
+    assert {"train", "val", "test"} <= {i["split"] for i in imgs} <= {"train", "restval", "val", "test"}
     raw_by_image = Counter((a["image_id"], a["caption"]) for a in caps["annotations"])
     sentids = []
     for im in imgs:
@@ -229,17 +231,26 @@ def test_main_in_process(tmp_path: Path) -> None:
 
 def test_cli(tmp_path: Path) -> None:
     out = tmp_path / "cli_out"
-    run = subprocess.run([sys.executable, "-m", "captioner.scenes.synthetic", str(out),
-                          "--n", "4", "--seed", "3"], cwd=REPO, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "captioner.scenes.synthetic", str(out), "--n", "4", "--seed", "3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     assert len(load(out / "captions.json")["annotations"]) == 20
 
-    bad = subprocess.run([sys.executable, "-m", "captioner.scenes.synthetic", str(tmp_path / "x"),
-                          "--n", "0"], cwd=REPO, capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "captioner.scenes.synthetic", str(tmp_path / "x"), "--n", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode != 0
     assert "positive" in bad.stderr and "--n" in bad.stderr
     assert not (tmp_path / "x").exists()
 
-    helped = subprocess.run([sys.executable, "-m", "captioner.scenes.synthetic", "--help"],
-                            cwd=REPO, capture_output=True, text=True)
+    helped = subprocess.run(
+        [sys.executable, "-m", "captioner.scenes.synthetic", "--help"], cwd=REPO, capture_output=True, text=True
+    )
     assert helped.returncode == 0 and "default: 100" in helped.stdout

@@ -1,1 +1,2 @@
-"""The command lines: `captioner` (caption, demo, export) and `train.py` / `captioner-train` (prepare, fit, evaluate)."""
+"""The command lines: `captioner` (caption, demo, export) and `train.py` / `captioner-train`
+(prepare, fit, evaluate)."""

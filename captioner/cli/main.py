@@ -1,4 +1,5 @@
 """`captioner`: caption images (`caption`), serve the web demo (`demo`), share a model (`export`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,22 +26,33 @@ DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 @dataclass
 class CaptionOptions:
     """`captioner caption`'s options (the images are its positional arguments)."""
-    checkpoint: Annotated[str | None, "a checkpoint written by `train.py fit`, or URL#sha256=HEX (default: the "
-                          "bundled demo model, which knows synthetic coloured shapes only)"] = None
+
+    checkpoint: Annotated[
+        str | None,
+        "a checkpoint written by `train.py fit`, or URL#sha256=HEX (default: the "
+        "bundled demo model, which knows synthetic coloured shapes only)",
+    ] = None
     recursive: Annotated[bool, "also take images in subdirectories of a directory"] = False
     beam_size: Annotated[int, "beams per image (1: greedy)"] = 3
     max_len: Annotated[int | None, "most words per caption (default: the checkpoint's training maximum)"] = None
-    mode: Annotated[Literal["expected", "argmax", "sample"] | None, "context for hard-attention models: "
-                    "expected (default), argmax or sampled location"] = None
+    mode: Annotated[
+        Literal["expected", "argmax", "sample"] | None,
+        "context for hard-attention models: expected (default), argmax or sampled location",
+    ] = None
     seed: Annotated[int, "random seed of --mode sample"] = 0
-    json: Annotated[str | None, "write the results at the end as COCO results JSON [{image_id, caption, "
-                    "file_name, ...}]; they are also appended as they are made to the --jsonl log, by default "
-                    "this name with extension .jsonl"] = None
-    jsonl: Annotated[str | None, "append one JSON line per captioned image as it is made (a killed run keeps "
-                     "them)"] = None
+    json: Annotated[
+        str | None,
+        "write the results at the end as COCO results JSON [{image_id, caption, "
+        "file_name, ...}]; they are also appended as they are made to the --jsonl log, by default "
+        "this name with extension .jsonl",
+    ] = None
+    jsonl: Annotated[str | None, "append one JSON line per captioned image as it is made (a killed run keeps them)"] = (
+        None
+    )
     resume: Annotated[bool, "skip the images already in the --jsonl log and append the rest"] = False
-    attention: Annotated[bool, "put each caption's words and per-word attention maps (grid x grid, rows top "
-                         "to bottom) in the JSON"] = False
+    attention: Annotated[
+        bool, "put each caption's words and per-word attention maps (grid x grid, rows top to bottom) in the JSON"
+    ] = False
     figures: Annotated[str | None, "write one attention figure (PNG) per image into this directory"] = None
     batch_size: Annotated[int, "images per batch through the model"] = 8
     workers: Annotated[int, "threads decoding images while the model runs (0: none)"] = 2
@@ -70,45 +82,75 @@ class CaptionOptions:
 def get_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="captioner", description="Caption images with a trained model, or serve the web demo.")
     sub = p.add_subparsers(dest="command", required=True)
-    cp = sub.add_parser("caption", help="caption images, optionally drawing attention figures",
-                        description="Caption image files, directories and glob patterns, in batches. "
-                        "Prints one 'path<TAB>caption' line per image; --json writes COCO results.")
-    cp.add_argument("images", nargs="+", metavar="IMAGE",
-                    help="image files, directories of images, or glob patterns such as 'photos/*.jpg' "
-                    "(quoted, so that the shell leaves them alone; '**' matches subdirectories)")
+    cp = sub.add_parser(
+        "caption",
+        help="caption images, optionally drawing attention figures",
+        description="Caption image files, directories and glob patterns, in batches. "
+        "Prints one 'path<TAB>caption' line per image; --json writes COCO results.",
+    )
+    cp.add_argument(
+        "images",
+        nargs="+",
+        metavar="IMAGE",
+        help="image files, directories of images, or glob patterns such as 'photos/*.jpg' "
+        "(quoted, so that the shell leaves them alone; '**' matches subdirectories)",
+    )
     add_options(cp, CaptionOptions)
-    add_options(sub.add_parser("demo", help="serve the web demo (upload an image, see its caption and heatmaps)"),
-                DemoOptions)
+    add_options(
+        sub.add_parser("demo", help="serve the web demo (upload an image, see its caption and heatmaps)"), DemoOptions
+    )
     return p
 
 
 def _caption(args: argparse.Namespace) -> int:
     from captioner.train.distributed import choose_device
+
     opts = from_args(CaptionOptions, args)
     paths = bulk.expand_inputs(args.images, recursive=opts.recursive)
     if opts.checkpoint is None:
-        print("using the bundled demo model (synthetic coloured shapes only); --checkpoint chooses another",
-              file=sys.stderr)
+        print(
+            "using the bundled demo model (synthetic coloured shapes only); --checkpoint chooses another",
+            file=sys.stderr,
+        )
     cap = Captioner.load(resolve_checkpoint(opts.checkpoint), device=str(choose_device(opts.device)))
     log = bulk.ResultLog(opts.log_path, resume=opts.resume) if opts.log_path else None
     done = log.done if log else {}
-    ids = bulk.image_ids(list(dict.fromkeys([*done, *paths])))   # one id type over old and new
+    ids = bulk.image_ids(list(dict.fromkeys([*done, *paths])))  # one id type over old and new
     todo = [p for p in paths if p not in done]
     if done:
-        print(f"{opts.log_path}: {len(paths) - len(todo)} of {len(paths)} images already captioned, skipped",
-              file=sys.stderr)
-    bar = tqdm(total=len(todo), unit="img", desc="captioning", file=sys.stderr, dynamic_ncols=True,
-               disable=not (sys.stderr.isatty() if opts.progress is None else opts.progress))
+        print(
+            f"{opts.log_path}: {len(paths) - len(todo)} of {len(paths)} images already captioned, skipped",
+            file=sys.stderr,
+        )
+    bar = tqdm(
+        total=len(todo),
+        unit="img",
+        desc="captioning",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=not (sys.stderr.isatty() if opts.progress is None else opts.progress),
+    )
 
     def on_error(path, error):
         bar.update()
         tqdm.write(f"error: {error}", file=sys.stderr)
 
     try:
-        outcome = bulk.caption_files(cap, todo, ids, batch_size=opts.batch_size, workers=opts.workers,
-                                     attention=opts.attention, log=log, on_result=_shown(cap, opts, bar),
-                                     on_error=on_error, beam_size=opts.beam_size, max_len=opts.max_len,
-                                     mode=opts.mode, seed=opts.seed)
+        outcome = bulk.caption_files(
+            cap,
+            todo,
+            ids,
+            batch_size=opts.batch_size,
+            workers=opts.workers,
+            attention=opts.attention,
+            log=log,
+            on_result=_shown(cap, opts, bar),
+            on_error=on_error,
+            beam_size=opts.beam_size,
+            max_len=opts.max_len,
+            mode=opts.mode,
+            seed=opts.seed,
+        )
     finally:
         bar.close()
         if log:
@@ -125,6 +167,7 @@ def _caption(args: argparse.Namespace) -> int:
 def _shown(cap: Captioner, opts: CaptionOptions, bar):
     """What happens to each captioned image: its line on stdout, notes on stderr, its figure."""
     from captioner.serve.heatmaps import attention_figure, figure_png
+
     if opts.figures:
         os.makedirs(opts.figures, exist_ok=True)
 
@@ -135,14 +178,21 @@ def _shown(cap: Captioner, opts: CaptionOptions, bar):
         if familiarity and familiarity.get("unfamiliar"):
             tqdm.write(f"note: {path}: {familiarity.get('message', 'unlike the training images')}", file=sys.stderr)
         if opts.figures:
-            fig = attention_figure(image, out.words, out.attention, preprocess=cap.encoder_spec.preprocess,
-                                   locations=out.locations, title=out.text)
+            fig = attention_figure(
+                image,
+                out.words,
+                out.attention,
+                preprocess=cap.encoder_spec.preprocess,
+                locations=out.locations,
+                title=out.text,
+            )
             # Named after the file; after its path where file names repeat (the ids are paths then).
             name = os.path.splitext(os.path.basename(path))[0]
             if record["image_id"] == path:
                 name = re.sub(r"[^\w.-]+", "_", path)
             with open(os.path.join(opts.figures, f"{name}.png"), "wb") as f:
                 f.write(figure_png(fig))
+
     return on_result
 
 

@@ -4,6 +4,7 @@ Mistakes in the user's input (`CaptionerError`, a bad option value) end with one
 naming the file or flag, never a traceback; exit status 2 for such errors and for a full disk.
 Ctrl-C outside a graceful stop ends with status 130 and says what was kept.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,6 +60,9 @@ def run(handler: Callable[[argparse.Namespace], int | None], args: argparse.Name
         print(f"error: {e.strerror}{f' ({e.filename})' if e.filename else ''}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted; finished work is kept (prepare resumes, fit --resume continues, "
-              "caption --resume skips the images already captioned)", file=sys.stderr)
+        print(
+            "interrupted; finished work is kept (prepare resumes, fit --resume continues, "
+            "caption --resume skips the images already captioned)",
+            file=sys.stderr,
+        )
         return 130

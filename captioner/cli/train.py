@@ -5,6 +5,7 @@ Each subcommand's options are the fields of its dataclasses (`captioner.options`
 SIGTERM and Ctrl-C make `fit` and `prepare` finish their step or batch, save, and exit with 0
 (SIGTERM, a clean preemption) or 130 (Ctrl-C); `fit --resume` and a second `prepare` go on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ from captioner.train.resilience import GracefulStop
 @dataclass
 class FitOptions:
     """Where `fit` reads and writes; the rest of its options are `DecoderConfig` and `TrainConfig`."""
+
     data: Annotated[str, "a data directory written by prepare"]
     out: Annotated[str, "the run directory: writes last.pt, best.pt, metrics.jsonl"]
     resume: Annotated[bool, "continue from RUN_DIR/last.pt"] = False
@@ -37,24 +39,33 @@ class FitOptions:
 @dataclass
 class EvaluateOptions:
     """`evaluate`'s options, named as `evaluation.evaluate.evaluate` takes them."""
+
     checkpoint: Annotated[str, "a checkpoint written by fit (best.pt, last.pt)"]
     data_dir: Annotated[str, "--data", "a data directory written by prepare"]
     out: Annotated[str, "the metrics JSON; the captions go beside it in *_results.json"]
     split: Annotated[Literal["test", "val"], "which split to caption and score"] = "test"
     beam_size: Annotated[int, "beam width (1: greedy)"] = 3
     max_len: Annotated[int | None, "most words per caption (default: the training maximum)"] = None
-    mode: Annotated[Literal["expected", "argmax", "sample"] | None, "context for hard-attention models "
-                    "(default: expected)"] = None
-    grounding: Annotated[str | None, "COCO instances file of object boxes (instances_val2014.json or a scene "
-                         "set's boxes.json): also report attention pointing accuracy"] = None
+    mode: Annotated[
+        Literal["expected", "argmax", "sample"] | None, "context for hard-attention models (default: expected)"
+    ] = None
+    grounding: Annotated[
+        str | None,
+        "COCO instances file of object boxes (instances_val2014.json or a scene "
+        "set's boxes.json): also report attention pointing accuracy",
+    ] = None
     device: Annotated[str, "auto, cpu, cuda or cuda:N"] = "auto"
 
 
 def get_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="train.py", description="Prepare data, train and evaluate Show, Attend and Tell.")
     sub = p.add_subparsers(dest="command", required=True)
-    add_options(sub.add_parser("prepare", help="vocabulary and feature cache from COCO captions (or a Karpathy "
-                               "dataset file) and images"), PrepareConfig)
+    add_options(
+        sub.add_parser(
+            "prepare", help="vocabulary and feature cache from COCO captions (or a Karpathy dataset file) and images"
+        ),
+        PrepareConfig,
+    )
     fp = sub.add_parser("fit", help="train the decoder on a prepared data directory")
     add_options(fp, FitOptions)
     add_options(fp, DecoderConfig, group="model")
@@ -71,8 +82,11 @@ def _prepare(args: argparse.Namespace) -> int:
     distributed.cleanup()
     if "stopped" in summary:
         if d.main:
-            print(f"stopped by {summary['stopped']}: {summary['features_done']} feature rows are on disk, "
-                  f"{summary['features_to_do']} to do; run the same prepare again to go on", file=sys.stderr)
+            print(
+                f"stopped by {summary['stopped']}: {summary['features_done']} feature rows are on disk, "
+                f"{summary['features_to_do']} to do; run the same prepare again to go on",
+                file=sys.stderr,
+            )
         return stop.exit_status
     if d.main:
         print(json.dumps(summary, indent=1))
@@ -80,20 +94,28 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _fit(args: argparse.Namespace) -> int:
-    where, model, cfg = from_args(FitOptions, args), from_args(DecoderConfig, args, vocab_size=0), \
-        from_args(TrainConfig, args)
+    where, model, cfg = (
+        from_args(FitOptions, args),
+        from_args(DecoderConfig, args, vocab_size=0),
+        from_args(TrainConfig, args),
+    )
     main = int(os.environ.get("RANK", "0")) == 0
     with GracefulStop(announce=main) as stop:
         p = fit(where.data, where.out, model, cfg, resume=where.resume, device=where.device, stop=stop)
     distributed.cleanup()
     if stop.requested:
         if main:
-            print(f"stopped by {stop.signal_name} at step {p.step}: {os.path.join(where.out, 'last.pt')} saved; "
-                  "`fit --resume` continues from it", file=sys.stderr)
+            print(
+                f"stopped by {stop.signal_name} at step {p.step}: {os.path.join(where.out, 'last.pt')} saved; "
+                "`fit --resume` continues from it",
+                file=sys.stderr,
+            )
         return stop.exit_status
     if main:
-        print(f"done: {p.step} steps, {p.epoch} epochs; best {cfg.metric} {p.best:.4f} at step {p.best_step}; "
-              f"checkpoints in {where.out}")
+        print(
+            f"done: {p.step} steps, {p.epoch} epochs; best {cfg.metric} {p.best:.4f} at step {p.best_step}; "
+            f"checkpoints in {where.out}"
+        )
     return 0
 
 
@@ -101,8 +123,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     opts = from_args(EvaluateOptions, args)
     opts.device = str(distributed.choose_device(opts.device))
     m = evaluate(**asdict(opts))
-    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()
-             if k not in ("checkpoint", "grounding")}
+    shown = {
+        k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items() if k not in ("checkpoint", "grounding")
+    }
     print(json.dumps(shown, indent=1))
     print(f"metrics: {opts.out}\ncaptions: {results_path(opts.out)}")
     return 0

@@ -8,6 +8,7 @@ are `demo.handlers.Demo` methods, and what it says about the model comes from `d
 API: `/caption` takes (image, beam_size) and returns the caption, then its words, score,
 attention, alternatives and familiarity (is the image like the training images) as JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,8 @@ import gradio as gr
 
 from captioner.data.images import set_max_pixels
 from captioner.demo.card import examples_note, model_card, model_notice
-from captioner.demo.options import DemoOptions
 from captioner.demo.handlers import Demo, PageOutputs
+from captioner.demo.options import DemoOptions
 from captioner.errors import CaptionerError
 from captioner.options import add_options, from_args
 from captioner.serve import heatmaps as viz
@@ -66,40 +67,84 @@ def build_app(demo: Demo, examples: list[str]) -> gr.Blocks:
     model_events = dict(concurrency_id="model", concurrency_limit=demo.batcher.max_batch_size, preprocess=False)
     draw_events = dict(concurrency_id="draw", concurrency_limit=2, api_visibility="private")
     with gr.Blocks(title="captioner: Show, Attend and Tell", analytics_enabled=False) as app:
-        gr.Markdown("# Show, Attend and Tell\nUpload an image: the model writes a caption one word at a time, "
-                    "looking at a different place for each word. Click a word to see where it looked.")
+        gr.Markdown(
+            "# Show, Attend and Tell\nUpload an image: the model writes a caption one word at a time, "
+            "looking at a different place for each word. Click a word to see where it looked."
+        )
         gr.Markdown(model_notice(cap), elem_id="notice")
         session = gr.State(None, time_to_live=3600)
         with gr.Row(equal_height=False):
             with gr.Column(scale=2, min_width=300):
-                image = gr.Image(type="filepath", image_mode=None, label="Image", height=340, elem_id="image",
-                                 sources=["upload", "clipboard", "webcam"])
+                image = gr.Image(
+                    type="filepath",
+                    image_mode=None,
+                    label="Image",
+                    height=340,
+                    elem_id="image",
+                    sources=["upload", "clipboard", "webcam"],
+                )
                 error = gr.HTML(visible=False, elem_id="image-error")
-                chooser = gr.Dataset(components=[image], samples=[[p] for p in examples], type="index",
-                                     label="Examples", elem_id="examples", visible=bool(examples))
+                chooser = gr.Dataset(
+                    components=[image],
+                    samples=[[p] for p in examples],
+                    type="index",
+                    label="Examples",
+                    elem_id="examples",
+                    visible=bool(examples),
+                )
                 if examples:
                     gr.Markdown(examples_note(cap, examples), elem_id="examples-note")
                 beam = gr.Slider(1, 10, value=3, step=1, label="Beam size", info="1 is greedy decoding")
-                max_len = gr.Slider(1, max(50, cap.max_len), value=cap.max_len, step=1,
-                                    label="Maximum length (words)")
-                opacity = gr.Slider(0, 1, value=viz.OPACITY, step=0.05, label="Heatmap opacity",
-                                    info="at the most attended place; elsewhere it fades with the attention")
+                max_len = gr.Slider(1, max(50, cap.max_len), value=cap.max_len, step=1, label="Maximum length (words)")
+                opacity = gr.Slider(
+                    0,
+                    1,
+                    value=viz.OPACITY,
+                    step=0.05,
+                    label="Heatmap opacity",
+                    info="at the most attended place; elsewhere it fades with the attention",
+                )
                 run = gr.Button("Caption", variant="primary")
                 with gr.Accordion("Model", open=True):
                     gr.Markdown(model_card(cap), elem_id="model-card")
             with gr.Column(scale=3, min_width=400):
                 caption = gr.Textbox(label="Caption", elem_id="caption", interactive=False, buttons=["copy"])
                 familiarity = gr.HTML(elem_id="familiarity")
-                words = gr.HighlightedText(label="Click a word", elem_id="words", color_map=COLORS,
-                                           show_inline_category=False, show_legend=False)
+                words = gr.HighlightedText(
+                    label="Click a word",
+                    elem_id="words",
+                    color_map=COLORS,
+                    show_inline_category=False,
+                    show_legend=False,
+                )
                 large_label = gr.Markdown(elem_id="large-label")
-                large = gr.Image(show_label=False, type="pil", interactive=False, height=420,
-                                 elem_id="large-heatmap", format="jpeg", buttons=["fullscreen"])
+                large = gr.Image(
+                    show_label=False,
+                    type="pil",
+                    interactive=False,
+                    height=420,
+                    elem_id="large-heatmap",
+                    format="jpeg",
+                    buttons=["fullscreen"],
+                )
                 gr.Markdown("Every word (click one to show it large; the framed one is shown)")
-                gallery = gr.Gallery(show_label=False, columns=5, fit_columns=False, allow_preview=False,
-                                     object_fit="contain", elem_id="word-gallery", format="jpeg", buttons=[])
-                alternatives = gr.Dataframe(headers=["Beam", "log-probability"], label="Top beams",
-                                            interactive=False, wrap=True, column_widths=["80%", "20%"])
+                gallery = gr.Gallery(
+                    show_label=False,
+                    columns=5,
+                    fit_columns=False,
+                    allow_preview=False,
+                    object_fit="contain",
+                    elem_id="word-gallery",
+                    format="jpeg",
+                    buttons=[],
+                )
+                alternatives = gr.Dataframe(
+                    headers=["Beam", "log-probability"],
+                    label="Top beams",
+                    interactive=False,
+                    wrap=True,
+                    column_widths=["80%", "20%"],
+                )
                 download = gr.Button("Download attention figure (PNG)", interactive=False, elem_id="download-figure")
                 figure = gr.File(visible=False, elem_id="figure-file")
         with gr.Accordion("Data for programs (what /caption returns)", open=False):
@@ -109,22 +154,42 @@ def build_app(demo: Demo, examples: list[str]) -> gr.Blocks:
         # "always_last" runs a request made while one is pending after it, with the newest input.
         def caption_event(picture, example, beam_size, length, alpha, state, evt: gr.EventData):
             if isinstance(evt.target, gr.Dataset):  # an example: show it in the input, then caption it
-                yield from demo.caption_view(examples[int(example)], beam_size, length, alpha, state,
-                                             show=examples[int(example)])
+                yield from demo.caption_view(
+                    examples[int(example)], beam_size, length, alpha, state, show=examples[int(example)]
+                )
             else:
                 yield from demo.caption_view(picture, beam_size, length, alpha, state)
 
-        page = dict(image=image, error=error, caption=caption, familiarity=familiarity, words=words,
-                    large_label=large_label, large=large, gallery=gallery, alternatives=alternatives, data=data,
-                    download=download, session=session)
-        gr.on([image.input, run.click, chooser.click], caption_event, [image, chooser, beam, max_len, opacity, session],
-              [page[name] for name in PageOutputs._fields], api_visibility="private", trigger_mode="always_last",
-              show_progress="minimal", **model_events)
+        page = dict(
+            image=image,
+            error=error,
+            caption=caption,
+            familiarity=familiarity,
+            words=words,
+            large_label=large_label,
+            large=large,
+            gallery=gallery,
+            alternatives=alternatives,
+            data=data,
+            download=download,
+            session=session,
+        )
+        gr.on(
+            [image.input, run.click, chooser.click],
+            caption_event,
+            [image, chooser, beam, max_len, opacity, session],
+            [page[name] for name in PageOutputs._fields],
+            api_visibility="private",
+            trigger_mode="always_last",
+            show_progress="minimal",
+            **model_events,
+        )
         words.select(demo.select_word, [session, opacity], [words, large_label, large, gallery], **draw_events)
         gallery.select(demo.select_word, [session, opacity], [words, large_label, large, gallery], **draw_events)
         opacity.change(demo.redraw, [session, opacity], [large, gallery], **draw_events)
         download.click(demo.figure, [session, opacity], [figure], **draw_events).success(
-            None, [figure], None, js=DOWNLOAD_JS)
+            None, [figure], None, js=DOWNLOAD_JS
+        )
         # The API: exactly (image, beam size) → caption text, then data. No trigger on the page.
         gr.on([], demo.caption, [image, beam], [caption, data], api_name="caption", **model_events)
     return app
@@ -144,9 +209,18 @@ def main(args: argparse.Namespace | DemoOptions) -> None:
     app = build_app(demo, examples)
     app.queue(max_size=args.queue_size, default_concurrency_limit=2)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C: temporary files go
-    app.launch(server_name=args.host, server_port=args.port, show_error=True, max_file_size=args.max_file_size,
-               allowed_paths=[os.path.dirname(os.path.abspath(p)) for p in examples] + [demo.figures_dir],
-               theme=THEME, css=CSS, footer_links=["api"], run_history=False, state_session_capacity=1000)
+    app.launch(
+        server_name=args.host,
+        server_port=args.port,
+        show_error=True,
+        max_file_size=args.max_file_size,
+        allowed_paths=[os.path.dirname(os.path.abspath(p)) for p in examples] + [demo.figures_dir],
+        theme=THEME,
+        css=CSS,
+        footer_links=["api"],
+        run_history=False,
+        state_session_capacity=1000,
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ machine's speed (the card records the steps each stage reached). With `--work DI
 already finished there (scenes, features, a training stage that ran to its end) are reused,
 and a stage that did not finish is trained again.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,18 +29,18 @@ import tempfile
 import numpy as np
 import torch
 
-from captioner.scenes import judge as scenes
-from captioner.serve.api import Captioner
-from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.data.dataset import CaptionData
+from captioner.evaluation.evaluate import evaluate, results_path
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
-from captioner.evaluation.evaluate import evaluate, results_path
-from captioner.train.finetune import FineTuneConfig
-from captioner.train.prepare import PrepareConfig, prepare
+from captioner.scenes import judge as scenes
 from captioner.scenes.synthetic import generate
-from captioner.train.loop import TrainConfig, fit
+from captioner.serve.api import Captioner
 from captioner.serve.sources import DEMO_CHECKPOINT, EXAMPLES_DIR
+from captioner.train.finetune import FineTuneConfig
+from captioner.train.loop import TrainConfig, fit
+from captioner.train.prepare import PrepareConfig, prepare
 
 EXAMPLE_BEAM = 3  # the page's default beam size: the card shows what a visitor will see
 # The second stage (measured in the README, 'Soft attention on scenes made elsewhere'): the
@@ -60,8 +61,10 @@ def judge_examples(checkpoint: str, paths: dict[int, str], objects: dict[int, li
     """Caption example images with a saved checkpoint, as the page does, and judge each caption."""
     cap = Captioner.load(checkpoint)
     outs = cap.caption_batch([paths[i] for i in paths], beam_size=EXAMPLE_BEAM)
-    return [{"file": os.path.basename(paths[i]), "caption": out.text, **scenes.judge(out.words, objects[i])}
-            for i, out in zip(paths, outs)]
+    return [
+        {"file": os.path.basename(paths[i]), "caption": out.text, **scenes.judge(out.words, objects[i])}
+        for i, out in zip(paths, outs)
+    ]
 
 
 def _events(run: str) -> list[dict]:
@@ -90,16 +93,25 @@ def train_stage(data: str, run: str, decoder: DecoderConfig | None, cfg: TrainCo
 def stage_steps(work: str, tune_minutes: float) -> dict:
     """Steps each training stage ran, and the step its best.pt is from."""
     out = {}
-    for name, stage in (("frozen encoder", "run"), ("conv5 fine-tuned", "tuned"))[:2 if tune_minutes else 1]:
+    for name, stage in (("frozen encoder", "run"), ("conv5 fine-tuned", "tuned"))[: 2 if tune_minutes else 1]:
         ck = load_checkpoint(os.path.join(work, stage, "best.pt"))
         end = [e for e in _events(os.path.join(work, stage)) if e.get("event") == "end"][-1]
         out[name] = {"steps": int(end["step"]), "best_step": int(ck["step"])}
     return out
 
 
-def build(work: str, *, n: int, seed: int, minutes: float, tune_minutes: float = TUNE_MINUTES,
-          examples: int = 6, checkpoint: str = DEMO_CHECKPOINT, examples_dir: str = EXAMPLES_DIR,
-          decoder: DecoderConfig | None = None) -> dict:
+def build(
+    work: str,
+    *,
+    n: int,
+    seed: int,
+    minutes: float,
+    tune_minutes: float = TUNE_MINUTES,
+    examples: int = 6,
+    checkpoint: str = DEMO_CHECKPOINT,
+    examples_dir: str = EXAMPLES_DIR,
+    decoder: DecoderConfig | None = None,
+) -> dict:
     """Make the demo model and its examples; returns the model card.
 
     Args:
@@ -109,16 +121,39 @@ def build(work: str, *, n: int, seed: int, minutes: float, tune_minutes: float =
         decoder: decoder sizes (default: the package's defaults, dropout 0.5).
     """
     src, data, run = (os.path.join(work, d) for d in ("scenes", "data", "run"))
-    if not os.path.exists(os.path.join(src, "boxes.json")):    # written last
+    if not os.path.exists(os.path.join(src, "boxes.json")):  # written last
         generate(src, n, seed=seed)
-    prepare(PrepareConfig(captions=[os.path.join(src, 'captions.json')], images=[os.path.join(src, 'images')], out=data, splits=os.path.join(src, 'splits.json'), encoder=EncoderSpec(weights='none', seed=0)))
-    best = train_stage(data, run, decoder or DecoderConfig(0, dropout=0.5),
-                       TrainConfig(epochs=1000, max_minutes=minutes, patience=1000, seed=seed))
+    prepare(
+        PrepareConfig(
+            captions=[os.path.join(src, "captions.json")],
+            images=[os.path.join(src, "images")],
+            out=data,
+            splits=os.path.join(src, "splits.json"),
+            encoder=EncoderSpec(weights="none", seed=0),
+        )
+    )
+    best = train_stage(
+        data,
+        run,
+        decoder or DecoderConfig(0, dropout=0.5),
+        TrainConfig(epochs=1000, max_minutes=minutes, patience=1000, seed=seed),
+    )
     if tune_minutes:
         run = os.path.join(work, "tuned")
-        best = train_stage(data, run, None, TrainConfig(
-            epochs=1000, max_minutes=tune_minutes, patience=1000, seed=seed, lr=TUNE_LR, init=best,
-            fine_tune=FineTuneConfig(lr=TUNE_ENCODER_LR)))
+        best = train_stage(
+            data,
+            run,
+            None,
+            TrainConfig(
+                epochs=1000,
+                max_minutes=tune_minutes,
+                patience=1000,
+                seed=seed,
+                lr=TUNE_LR,
+                init=best,
+                fine_tune=FineTuneConfig(lr=TUNE_ENCODER_LR),
+            ),
+        )
     boxes = os.path.join(src, "boxes.json")
     metrics_path = os.path.join(run, "test_metrics.json")
     metrics = evaluate(best, data, "test", metrics_path, grounding=boxes)
@@ -131,15 +166,14 @@ def build(work: str, *, n: int, seed: int, minutes: float, tune_minutes: float =
     half = lambda state: {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
     keep["model"] = half(ck["model"])
     if "encoder_state" in ck:
-        keep["encoder_state"] = half(ck["encoder_state"])   # loaded into the fp32 encoder as floats
+        keep["encoder_state"] = half(ck["encoder_state"])  # loaded into the fp32 encoder as floats
     keep["card"] = {
         "trained_on": f"{n} synthetic scenes of coloured shapes (python -m captioner.scenes.synthetic OUT --n {n} "
-                      f"--seed {seed}), features from the seeded random VGG16 (--encoder-weights none)"
-                      + (", its conv5 layers then trained on the scenes with the decoder" if tune_minutes else ""),
-        "limits": "knows coloured shapes only; real photos need a COCO-trained checkpoint "
-                  "(docs/training.md)",
+        f"--seed {seed}), features from the seeded random VGG16 (--encoder-weights none)"
+        + (", its conv5 layers then trained on the scenes with the decoder" if tune_minutes else ""),
+        "limits": "knows coloured shapes only; real photos need a COCO-trained checkpoint (docs/training.md)",
         "rebuild": f"python -m captioner.demo.build --n {n} --seed {seed} --minutes {minutes:g} "
-                   f"--tune-minutes {tune_minutes:g}",
+        f"--tune-minutes {tune_minutes:g}",
         "stages": stage_steps(work, tune_minutes),
         "test_metrics": {k: metrics[k] for k in ("BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "pointing")},
         "test_images": metrics["images"],
@@ -168,19 +202,35 @@ def main(argv=None) -> None:
     p.add_argument("--n", type=int, default=8000, help="synthetic scenes to generate")
     p.add_argument("--seed", type=int, default=0, help="seed of the scenes, the training and the examples drawn")
     p.add_argument("--minutes", type=float, default=35.0, help="first stage's training budget (frozen encoder)")
-    p.add_argument("--tune-minutes", type=float, default=TUNE_MINUTES,
-                   help="second stage's budget: decoder and conv5 from the first's best weights (0: skip it)")
+    p.add_argument(
+        "--tune-minutes",
+        type=float,
+        default=TUNE_MINUTES,
+        help="second stage's budget: decoder and conv5 from the first's best weights (0: skip it)",
+    )
     p.add_argument("--examples", type=int, default=6, help="example scenes drawn at random from the test split")
     p.add_argument("--work", help="keep the scenes, features and run here (default: a temporary directory)")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     if args.work:
-        card = build(args.work, n=args.n, seed=args.seed, minutes=args.minutes, tune_minutes=args.tune_minutes,
-                         examples=args.examples)
+        card = build(
+            args.work,
+            n=args.n,
+            seed=args.seed,
+            minutes=args.minutes,
+            tune_minutes=args.tune_minutes,
+            examples=args.examples,
+        )
     else:
         with tempfile.TemporaryDirectory() as work:
-            card = build(work, n=args.n, seed=args.seed, minutes=args.minutes, tune_minutes=args.tune_minutes,
-                         examples=args.examples)
+            card = build(
+                work,
+                n=args.n,
+                seed=args.seed,
+                minutes=args.minutes,
+                tune_minutes=args.tune_minutes,
+                examples=args.examples,
+            )
     print(f"wrote {DEMO_CHECKPOINT} ({os.path.getsize(DEMO_CHECKPOINT) / 1e6:.1f} MB) and {EXAMPLES_DIR}")
     right = sum(e["correct"] for e in card["examples"])
     print(f"examples right: {right} of {len(card['examples'])}; test scenes right: {card['scene_accuracy']:.1%}")

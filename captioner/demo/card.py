@@ -3,13 +3,14 @@
 All of it comes from the checkpoint: its card (the bundled model's, written by
 `captioner.demo.build`), its validation metrics and attention health, its encoder and sizes.
 """
+
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 
-from captioner.serve.api import Captioner
 from captioner.evaluation.health import summary as health_summary
+from captioner.serve.api import Captioner
 
 METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "pointing")
 CARD_DATA_KEYS = ("trained_on", "data", "dataset", "description")  # card fields that say what it learnt from
@@ -33,11 +34,13 @@ def model_notice(captioner: Captioner) -> str:
     """The plain paragraph above the page: what this model can describe, and what it cannot."""
     if captioner.encoder_spec.weights == "none":
         # A random encoder only separates what the synthetic scenes vary: colours, shapes, places.
-        return ("**This demo model knows only pictures of coloured shapes, like the examples below.** "
-                "It describes every picture as if it were one of them, so a photograph gets a caption "
-                "about shapes; the page says when a picture is unlike the ones it was trained on. "
-                "To caption photographs, serve a model trained on photos such as MS-COCO: the training guide's "
-                "section 'Train on MS-COCO' shows how.")
+        return (
+            "**This demo model knows only pictures of coloured shapes, like the examples below.** "
+            "It describes every picture as if it were one of them, so a photograph gets a caption "
+            "about shapes; the page says when a picture is unlike the ones it was trained on. "
+            "To caption photographs, serve a model trained on photos such as MS-COCO: the training guide's "
+            "section 'Train on MS-COCO' shows how."
+        )
     return f"**This model was trained on {trained_on(captioner)}.**"
 
 
@@ -53,8 +56,10 @@ def attention_health(captioner: Captioner) -> dict | None:
 def _metrics_table(test: dict, val: dict, test_n, val_n) -> list[str]:
     """One row per metric (columns test, validation): narrow enough for the side panel."""
     names = [m for m in METRICS if m in test or m in val]
-    cols = [(f"Test ({test_n} images)" if test_n else "Test", test), (f"Validation ({val_n} images)" if val_n
-                                                                      else "Validation", val)]
+    cols = [
+        (f"Test ({test_n} images)" if test_n else "Test", test),
+        (f"Validation ({val_n} images)" if val_n else "Validation", val),
+    ]
     cols = [(title, values) for title, values in cols if values]
     lines = ["| Metric | " + " | ".join(t for t, _ in cols) + " |", "|---" + "|---:" * len(cols) + "|"]
     for m in names:
@@ -80,15 +85,21 @@ def model_card(captioner: Captioner) -> str:
         f"- **Decoder:** embedding {cfg.embed_dim}, LSTM {cfg.hidden_dim}, attention {cfg.attention_dim}",
     ]
     if train:
-        lines.append(f"- **Training:** up to {train.get('epochs', '?')} epochs, batch {train.get('batch_size', '?')}, "
-                     f"lr {train.get('lr', '?')}, best checkpoint by {train.get('metric', '?')}")
+        lines.append(
+            f"- **Training:** up to {train.get('epochs', '?')} epochs, batch {train.get('batch_size', '?')}, "
+            f"lr {train.get('lr', '?')}, best checkpoint by {train.get('metric', '?')}"
+        )
     card = info.get("card") or {}
     shown = {k: v for k, v in card.items() if k not in CARD_SECTIONS and isinstance(v, (str, int, float))}
-    lines += [f"- **{k.replace('_', ' ').capitalize()}:** " + (f"`{v}`" if k == "rebuild" else f"{v}")
-              for k, v in shown.items()]
+    lines += [
+        f"- **{k.replace('_', ' ').capitalize()}:** " + (f"`{v}`" if k == "rebuild" else f"{v}")
+        for k, v in shown.items()
+    ]
     if isinstance(card.get("scene_accuracy"), (int, float)):
-        lines.append(f"- **Scenes described exactly right:** {card['scene_accuracy']:.0%} of "
-                     f"{card.get('test_images', 'the')} test scenes (every object's colour and shape, none missing)")
+        lines.append(
+            f"- **Scenes described exactly right:** {card['scene_accuracy']:.0%} of "
+            f"{card.get('test_images', 'the')} test scenes (every object's colour and shape, none missing)"
+        )
     health = attention_health(captioner)
     if health:
         lines.append(f"- **Attention health:** {health_summary(health).removeprefix('attention health: ')}")
@@ -96,9 +107,13 @@ def model_card(captioner: Captioner) -> str:
     metrics = info.get("metrics") or {}
     val = {k: v for k, v in metrics.items() if k in METRICS and isinstance(v, (int, float))}
     if test or val:
-        lines += ["", "**Scores** (coco-caption; BLEU, METEOR, ROUGE-L as fractions; pointing: share of "
-                  "object words whose attention peak lies on the object):", "",
-                  *_metrics_table(test, val, card.get("test_images"), metrics.get("images"))]
+        lines += [
+            "",
+            "**Scores** (coco-caption; BLEU, METEOR, ROUGE-L as fractions; pointing: share of "
+            "object words whose attention peak lies on the object):",
+            "",
+            *_metrics_table(test, val, card.get("test_images"), metrics.get("images")),
+        ]
     return "\n".join(lines)
 
 
@@ -111,8 +126,10 @@ def examples_note(captioner: Captioner, examples: Sequence[str]) -> str:
         return "Scenes like the ones this model was trained on."
     right = sum(bool(e.get("correct")) for e in judged)
     marks = " ".join("✓" if e.get("correct") else "✗" for e in judged)
-    text = (f"Drawn at random from the model's test scenes. It names every object right (colour and shape, "
-            f"none missing or extra) in **{right} of these {len(judged)}** ({marks}, in order)")
+    text = (
+        f"Drawn at random from the model's test scenes. It names every object right (colour and shape, "
+        f"none missing or extra) in **{right} of these {len(judged)}** ({marks}, in order)"
+    )
     if isinstance(card.get("scene_accuracy"), (int, float)):
         text += f" and in **{card['scene_accuracy']:.0%}** of all {card.get('test_images', 'its')} test scenes"
     return text + "."

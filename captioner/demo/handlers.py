@@ -10,6 +10,7 @@ The page's caption event returns a `PageOutputs`, every output of the page at on
 image, an error or a cleared input each set all of them, so nothing stale stays on the page.
 Symbols: n words, g×g attention grid (14×14 for VGG at 224).
 """
+
 from __future__ import annotations
 
 import collections
@@ -28,31 +29,32 @@ import numpy as np
 from gradio_client.utils import decode_base64_to_binary
 from PIL import Image, ImageOps
 
+from captioner.data.images import load_image
+from captioner.errors import CaptionerError, ImageError
+from captioner.models.preprocess import Preprocess
 from captioner.serve import heatmaps as viz
 from captioner.serve.api import Caption, Captioner
 from captioner.serve.batcher import Batcher
-from captioner.errors import CaptionerError, ImageError
-from captioner.data.images import load_image
-from captioner.models.preprocess import Preprocess
 
-VIEW_SIDE = 512       # longest side of the stored image and the large heatmap: enough for a screen
-THUMB_SIDE = 160      # longest side of the per-word thumbnails, about the size the gallery shows
-FIGURES_KEPT = 64     # attention PNGs kept on disk for download; older ones are deleted
-MARK = (249, 115, 22)     # frame of the selected word's thumbnail (the page's orange)
-FRAME = 4                 # its width in pixels; the other thumbnails get a white frame
+VIEW_SIDE = 512  # longest side of the stored image and the large heatmap: enough for a screen
+THUMB_SIDE = 160  # longest side of the per-word thumbnails, about the size the gallery shows
+FIGURES_KEPT = 64  # attention PNGs kept on disk for download; older ones are deleted
+MARK = (249, 115, 22)  # frame of the selected word's thumbnail (the page's orange)
+FRAME = 4  # its width in pixels; the other thumbnails get a white frame
 
 
 @dataclass
 class View:
     """What one captioned image leaves in a session: enough to redraw every heatmap."""
-    image: Image.Image                # upright RGB, longest side VIEW_SIDE
-    thumb: Image.Image                # the same, longest side THUMB_SIDE
+
+    image: Image.Image  # upright RGB, longest side VIEW_SIDE
+    thumb: Image.Image  # the same, longest side THUMB_SIDE
     text: str
     words: list[str]
-    attention: np.ndarray             # (n, g, g)
+    attention: np.ndarray  # (n, g, g)
     locations: list[tuple[int, int]] | None
-    preprocess: Preprocess            # tells viz which part of the image the grid covers
-    selected: int = 0                 # the word shown large
+    preprocess: Preprocess  # tells viz which part of the image the grid covers
+    selected: int = 0  # the word shown large
     # Heatmaps drawn so far at `opacity`: ("thumbs",) → list, ("large", k) → image, ("figure",) → path.
     drawn: dict = field(default_factory=dict)
     opacity: float | None = None
@@ -69,7 +71,7 @@ class Session:
 
     def __init__(self):
         self.view: View | None = None
-        self.newest = 0                     # the ticket of the newest caption request
+        self.newest = 0  # the ticket of the newest caption request
         self._lock = threading.Lock()
 
     def ticket(self) -> int:
@@ -81,10 +83,11 @@ class Session:
 
 class PageOutputs(NamedTuple):
     """Every output of the page's caption event, in the order app.py lists the components."""
-    image: object          # the input image (set when an example is chosen), else gr.skip()
-    error: object          # the one error line next to the image
+
+    image: object  # the input image (set when an example is chosen), else gr.skip()
+    error: object  # the one error line next to the image
     caption: object
-    familiarity: object    # "like / unlike the training images", next to the caption
+    familiarity: object  # "like / unlike the training images", next to the caption
     words: object
     large_label: object
     large: object
@@ -96,6 +99,7 @@ class PageOutputs(NamedTuple):
 
 
 # helpers
+
 
 def upload_source(payload: dict | str | None) -> str | bytes | None:
     """The uploaded file from gr.Image's raw payload: its path, or bytes for a data URL.
@@ -131,8 +135,7 @@ def read_upload(payload: dict | str | None) -> Image.Image:
         return load_image(image)
     except ImageError as e:
         message = str(e).replace(image, upload_name(payload)) if isinstance(image, str) else str(e)
-        raise gr.Error(message, title="Cannot read this image", duration=None,
-                       print_exception=False) from None
+        raise gr.Error(message, title="Cannot read this image", duration=None, print_exception=False) from None
 
 
 def fit_view(image: Image.Image) -> Image.Image:
@@ -177,8 +180,10 @@ def error_html(message: str) -> str:
 
 def large_label(view: View) -> str:
     k = view.selected
-    return (f'Where the model looked for **"{view.words[k]}"** (word {k + 1} of {len(view.words)}); '
-            "brighter means more attention")
+    return (
+        f'Where the model looked for **"{view.words[k]}"** (word {k + 1} of {len(view.words)}); '
+        "brighter means more attention"
+    )
 
 
 def _frame(thumb: Image.Image, selected: bool) -> Image.Image:
@@ -219,8 +224,16 @@ class Demo:
         out = self._caption(read_upload(image), beam_size)
         return out.text, caption_data(out)
 
-    def caption_view(self, image: dict | str | None, beam_size: float, max_len: float, opacity: float,
-                     session: Session | None, *, show: str | None = None):
+    def caption_view(
+        self,
+        image: dict | str | None,
+        beam_size: float,
+        max_len: float,
+        opacity: float,
+        session: Session | None,
+        *,
+        show: str | None = None,
+    ):
         """The page's caption event: yields `PageOutputs`, first with the outputs cleared, then filled.
 
         Args:
@@ -234,7 +247,7 @@ class Demo:
         yield cleared
         if image is None:  # the input was cleared: so is the page
             return
-        cleared = cleared._replace(image=gr.skip())   # an example's picture is sent once
+        cleared = cleared._replace(image=gr.skip())  # an example's picture is sent once
         try:
             picture = read_upload(image)
             out = self._caption(picture, beam_size, max_len)
@@ -243,26 +256,38 @@ class Demo:
                 yield cleared._replace(error=gr.update(value=error_html(str(e.message)), visible=True))
             return
         view_image = fit_view(picture)
-        view = View(view_image, viz.fit_side(view_image, THUMB_SIDE), out.text, out.words, out.attention,
-                    out.locations, self.captioner.encoder_spec.preprocess)
+        view = View(
+            view_image,
+            viz.fit_side(view_image, THUMB_SIDE),
+            out.text,
+            out.words,
+            out.attention,
+            out.locations,
+            self.captioner.encoder_spec.preprocess,
+        )
         large, gallery = self.heatmaps(view, opacity)
         if ticket != session.newest:  # a newer request started meanwhile: its results win
             return
         session.view = view
         rows = [[text, round(lp, 3)] for text, lp in out.alternatives]
         yield cleared._replace(
-            caption=out.text or "(no words)", familiarity=familiarity_html(out.familiarity),
-            words=highlighted(view), large_label=large_label(view) if view.words else "The model wrote no words",
-            large=large, gallery=gallery, alternatives=rows, data=caption_data(out),
-            download=gr.update(interactive=bool(view.words)))
+            caption=out.text or "(no words)",
+            familiarity=familiarity_html(out.familiarity),
+            words=highlighted(view),
+            large_label=large_label(view) if view.words else "The model wrote no words",
+            large=large,
+            gallery=gallery,
+            alternatives=rows,
+            data=caption_data(out),
+            download=gr.update(interactive=bool(view.words)),
+        )
 
     def select_word(self, session: Session | None, opacity: float, evt: gr.SelectData):
         """A word (of the caption or the gallery) was clicked → (words, label, large heatmap, gallery)."""
         view = session.view if session else None
         if view is None or not view.words:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        view.selected = min(int(evt.index if not isinstance(evt.index, list) else evt.index[0]),
-                            len(view.words) - 1)
+        view.selected = min(int(evt.index if not isinstance(evt.index, list) else evt.index[0]), len(view.words) - 1)
         large, gallery = self.heatmaps(view, opacity)
         return highlighted(view), large_label(view), large, gallery
 
@@ -281,8 +306,15 @@ class Demo:
         drawn = view.drawn_at(float(opacity))
         if ("figure",) in drawn and os.path.exists(drawn["figure",]):
             return drawn["figure",]
-        fig = viz.attention_figure(view.image, view.words, view.attention, preprocess=view.preprocess,
-                                   opacity=float(opacity), locations=view.locations, title=view.text)
+        fig = viz.attention_figure(
+            view.image,
+            view.words,
+            view.attention,
+            preprocess=view.preprocess,
+            opacity=float(opacity),
+            locations=view.locations,
+            title=view.text,
+        )
         name = re.sub(r"[^a-z0-9]+", "-", view.text.lower()).strip("-")[:48] or "no-words"
         fd, path = tempfile.mkstemp(dir=self.figures_dir, prefix=f"attention-{name}-", suffix=".png")
         with os.fdopen(fd, "wb") as f:
@@ -299,17 +331,30 @@ class Demo:
 
     def _cleared(self, session: Session, image) -> PageOutputs:
         """Every output emptied, the error line hidden and the download disabled."""
-        return PageOutputs(image=image, error=gr.update(value="", visible=False), caption="", familiarity="",
-                           words=[], large_label="", large=None, gallery=[], alternatives=[], data=None,
-                           download=gr.update(interactive=False), session=session)
+        return PageOutputs(
+            image=image,
+            error=gr.update(value="", visible=False),
+            caption="",
+            familiarity="",
+            words=[],
+            large_label="",
+            large=None,
+            gallery=[],
+            alternatives=[],
+            data=None,
+            download=gr.update(interactive=False),
+            session=session,
+        )
 
     def _caption(self, picture: Image.Image, beam_size: float, max_len: float | None = None) -> Caption:
         # The caption events skip Gradio's preprocessing, so the numbers arrive unchecked.
         try:
             beam, length = int(beam_size), int(max_len) if max_len else None
         except (TypeError, ValueError):
-            raise gr.Error(f"beam size and maximum length must be numbers, got {beam_size!r} and {max_len!r}",
-                           print_exception=False) from None
+            raise gr.Error(
+                f"beam size and maximum length must be numbers, got {beam_size!r} and {max_len!r}",
+                print_exception=False,
+            ) from None
         try:
             return self.batcher.caption(picture, beam, length)
         except CaptionerError as e:  # e.g. a beam size out of range: the caller can fix it
@@ -324,11 +369,13 @@ class Demo:
             return view.image, []
         drawn = view.drawn_at(float(opacity))
         if ("thumbs",) not in drawn:
-            drawn["thumbs",] = viz.word_overlays(view.thumb, view.attention, preprocess=view.preprocess,
-                                                 opacity=float(opacity), max_side=None)
+            drawn["thumbs",] = viz.word_overlays(
+                view.thumb, view.attention, preprocess=view.preprocess, opacity=float(opacity), max_side=None
+            )
         k = view.selected
         if ("large", k) not in drawn:
-            drawn["large", k] = viz.word_overlays(view.image, view.attention[k:k + 1], preprocess=view.preprocess,
-                                                  opacity=float(opacity), max_side=None)[0]
+            drawn["large", k] = viz.word_overlays(
+                view.image, view.attention[k : k + 1], preprocess=view.preprocess, opacity=float(opacity), max_side=None
+            )[0]
         gallery = [(_frame(t, i == k), f"{i + 1}. {w}") for i, (t, w) in enumerate(zip(drawn["thumbs",], view.words))]
         return drawn["large", k], gallery

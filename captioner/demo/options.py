@@ -1,4 +1,5 @@
 """The web demo's options, apart from the page so that reading them needs no gradio."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,8 +11,11 @@ from captioner.data.images import DEFAULT_MAX_PIXELS
 @dataclass
 class DemoOptions:
     """The web demo's options (`captioner demo`, `python app.py`)."""
-    checkpoint: Annotated[str | None, "checkpoint path, or URL#sha256=HEX downloaded once into torch's hub "
-                          "cache (default: the bundled demo model)"] = None
+
+    checkpoint: Annotated[
+        str | None,
+        "checkpoint path, or URL#sha256=HEX downloaded once into torch's hub cache (default: the bundled demo model)",
+    ] = None
     host: Annotated[str, "address to serve on"] = "127.0.0.1"
     port: Annotated[int, "port"] = 7860
     examples: Annotated[list[str] | None, "example images shown on the page (default: the bundled examples)"] = None

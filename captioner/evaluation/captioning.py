@@ -4,6 +4,7 @@ The features come from the cache, or, for a fine-tuned checkpoint, from its own 
 (the cache holds the frozen encoder's output): see `checkpoint_features`.
 Shapes: n images, L locations, D feature size.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,12 +22,21 @@ from captioner.models.tuned import TunedEncoder, layers_of
 from captioner.models.vocab import Vocabulary
 
 
-def caption_split(decoder: AttentionDecoder, data: CaptionData, vocab: Vocabulary, split: str, *,
-                  beam_size: int = 3, max_len: int = 20, batch_size: int = 50,
-                  device: torch.device | str = "cpu", max_images: int | None = None,
-                  mode: str = EXPECTED, shard: tuple[int, int] = (0, 1),
-                  features: Callable[[np.ndarray], torch.Tensor] | None = None,
-                  ) -> tuple[dict[int, str], dict[int, Hypothesis]]:
+def caption_split(
+    decoder: AttentionDecoder,
+    data: CaptionData,
+    vocab: Vocabulary,
+    split: str,
+    *,
+    beam_size: int = 3,
+    max_len: int = 20,
+    batch_size: int = 50,
+    device: torch.device | str = "cpu",
+    max_images: int | None = None,
+    mode: str = EXPECTED,
+    shard: tuple[int, int] = (0, 1),
+    features: Callable[[np.ndarray], torch.Tensor] | None = None,
+) -> tuple[dict[int, str], dict[int, Hypothesis]]:
     """Beam-search captions for a split's images.
 
     Args:
@@ -46,9 +56,10 @@ def caption_split(decoder: AttentionDecoder, data: CaptionData, vocab: Vocabular
     decoder.eval()
     texts, hyps = {}, {}
     for i in range(0, len(ids), batch_size):
-        feats = (features or data.features)(rows[i:i + batch_size]).to(device)  # (b, L, D)
-        for image_id, beams in zip(ids[i:i + batch_size], beam_search(
-                decoder, feats, beam_size=beam_size, max_len=max_len, mode=mode)):
+        feats = (features or data.features)(rows[i : i + batch_size]).to(device)  # (b, L, D)
+        for image_id, beams in zip(
+            ids[i : i + batch_size], beam_search(decoder, feats, beam_size=beam_size, max_len=max_len, mode=mode)
+        ):
             best = beams[0]
             hyps[int(image_id)] = best
             texts[int(image_id)] = " ".join(vocab.decode(best.tokens))
@@ -59,12 +70,17 @@ def caption_split(decoder: AttentionDecoder, data: CaptionData, vocab: Vocabular
 def score_validation(texts: dict[int, str], references: dict[int, list[str]]) -> dict:
     """Validation scores: BLEU-4 and CIDEr on Python tokenisation (fast, no Java)."""
     scores = score_captions(texts, references, metrics=("BLEU-4", "CIDEr"), use_java=False)
-    return {"BLEU-4": scores["BLEU-4"], "CIDEr": scores["CIDEr"], "images": len(texts),
-            "example": texts[min(texts)] if texts else ""}
+    return {
+        "BLEU-4": scores["BLEU-4"],
+        "CIDEr": scores["CIDEr"],
+        "images": len(texts),
+        "example": texts[min(texts)] if texts else "",
+    }
 
 
-def checkpoint_features(spec_encoder: VGGEncoder, encoder_state: dict, data: CaptionData, device,
-                        source: str, workers: int = 2) -> Callable[[np.ndarray], torch.Tensor]:
+def checkpoint_features(
+    spec_encoder: VGGEncoder, encoder_state: dict, data: CaptionData, device, source: str, workers: int = 2
+) -> Callable[[np.ndarray], torch.Tensor]:
     """rows → features of a fine-tuned checkpoint's encoder, for `evaluate`.
 
     The feature cache holds the frozen encoder's output, which the fine-tuned one no longer

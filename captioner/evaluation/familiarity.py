@@ -27,6 +27,7 @@ and numbers (a fine-tuned encoder's checkpoints get them when `fit` ends, from t
 holds: `finetune.add_tuned_familiarity`); a checkpoint without them reports nothing (None).
 Symbols: B images, L locations, D annotation size, N images sampled from a split.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,52 +45,66 @@ from captioner.errors import CaptionerError
 from captioner.models.encoder import EncoderSpec, build_encoder
 
 METHOD = "pooled-mahalanobis/1"
-MAX_TRAIN_IMAGES = 4000   # enough for the covariance with shrinkage; bounds the reads on COCO
+MAX_TRAIN_IMAGES = 4000  # enough for the covariance with shrinkage; bounds the reads on COCO
 MAX_VAL_IMAGES = 1000
-QUANTILE = 0.99           # of the held-out images' scores ...
-MARGIN = 1.0              # ... times this is the threshold
-EPS = 1e-3                # floor on stds, as the decoder's standardisation has
+QUANTILE = 0.99  # of the held-out images' scores ...
+MARGIN = 1.0  # ... times this is the threshold
+EPS = 1e-3  # floor on stds, as the decoder's standardisation has
 
 
 @dataclass
 class FamiliarityStats:
     """What `distances` needs: the training features' statistics and the calibrated threshold."""
-    feature_mean: torch.Tensor   # (D,) per-channel mean of the training annotation vectors
-    feature_std: torch.Tensor    # (D,)
-    pooled_mean: torch.Tensor    # (D,) μ of the training images' pooled standardised vectors
-    precision: torch.Tensor      # (D, D) Σ⁻¹ of the shrunk covariance
-    threshold: float             # scores above it are unfamiliar
+
+    feature_mean: torch.Tensor  # (D,) per-channel mean of the training annotation vectors
+    feature_std: torch.Tensor  # (D,)
+    pooled_mean: torch.Tensor  # (D,) μ of the training images' pooled standardised vectors
+    precision: torch.Tensor  # (D, D) Σ⁻¹ of the shrunk covariance
+    threshold: float  # scores above it are unfamiliar
     train_images: int = 0
     val_images: int = 0
-    val_quantile: float = 0.0    # the QUANTILE of the held-out scores
-    shrinkage: float = 0.0       # of the covariance (see `gaussian`)
+    val_quantile: float = 0.0  # the QUANTILE of the held-out scores
+    shrinkage: float = 0.0  # of the covariance (see `gaussian`)
     photo_scores: dict = field(default_factory=dict)  # calibration photograph (view) → score
 
     def to_dict(self) -> dict:
         """Plain tensors and numbers, for a checkpoint read with weights_only."""
-        return {"method": METHOD, "feature_mean": self.feature_mean, "feature_std": self.feature_std,
-                "pooled_mean": self.pooled_mean, "precision": self.precision,
-                "threshold": float(self.threshold), "train_images": int(self.train_images),
-                "val_images": int(self.val_images), "val_quantile": float(self.val_quantile),
-                "quantile": QUANTILE, "margin": MARGIN, "shrinkage": float(self.shrinkage),
-                "photo_scores": {str(k): float(v) for k, v in self.photo_scores.items()}}
+        return {
+            "method": METHOD,
+            "feature_mean": self.feature_mean,
+            "feature_std": self.feature_std,
+            "pooled_mean": self.pooled_mean,
+            "precision": self.precision,
+            "threshold": float(self.threshold),
+            "train_images": int(self.train_images),
+            "val_images": int(self.val_images),
+            "val_quantile": float(self.val_quantile),
+            "quantile": QUANTILE,
+            "margin": MARGIN,
+            "shrinkage": float(self.shrinkage),
+            "photo_scores": {str(k): float(v) for k, v in self.photo_scores.items()},
+        }
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "FamiliarityStats | None":
+    def from_dict(cls, d: dict | None) -> FamiliarityStats | None:
         """The stats of a checkpoint's "familiarity" entry; None when absent or of another method."""
         if not isinstance(d, dict) or d.get("method") != METHOD:
             return None
-        return cls(*(d[k].float().cpu() for k in ("feature_mean", "feature_std", "pooled_mean", "precision")),
-                   threshold=float(d["threshold"]), train_images=int(d.get("train_images", 0)),
-                   val_images=int(d.get("val_images", 0)), val_quantile=float(d.get("val_quantile", 0.0)),
-                   shrinkage=float(d.get("shrinkage", 0.0)),
-                   photo_scores={str(k): float(v) for k, v in (d.get("photo_scores") or {}).items()})
+        return cls(
+            *(d[k].float().cpu() for k in ("feature_mean", "feature_std", "pooled_mean", "precision")),
+            threshold=float(d["threshold"]),
+            train_images=int(d.get("train_images", 0)),
+            val_images=int(d.get("val_images", 0)),
+            val_quantile=float(d.get("val_quantile", 0.0)),
+            shrinkage=float(d.get("shrinkage", 0.0)),
+            photo_scores={str(k): float(v) for k, v in (d.get("photo_scores") or {}).items()},
+        )
 
 
 def pool(features: torch.Tensor, feature_mean: torch.Tensor, feature_std: torch.Tensor) -> torch.Tensor:
     """Annotation vectors (B, L, D) → standardised, averaged over locations (B, D)."""
     z = (features.float() - feature_mean.to(features.device)) / feature_std.to(features.device).clamp_min(EPS)
-    return z.mean(dim=1)                                                      # (B, D)
+    return z.mean(dim=1)  # (B, D)
 
 
 def gaussian(vectors: torch.Tensor, shrinkage: float | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -102,11 +117,11 @@ def gaussian(vectors: torch.Tensor, shrinkage: float | None = None) -> tuple[tor
     Returns:
         μ, Σ⁻¹ and the shrinkage used.
     """
-    mu = vectors.mean(0)                                                      # (D,)
-    x = (vectors - mu).double()                                               # (N, D)
+    mu = vectors.mean(0)  # (D,)
+    x = (vectors - mu).double()  # (N, D)
     n, D = x.shape
-    cov = x.T @ x / max(1, n)                                                 # (D, D) S
-    m = cov.diagonal().mean().clamp_min(EPS ** 2)
+    cov = x.T @ x / max(1, n)  # (D, D) S
+    m = cov.diagonal().mean().clamp_min(EPS**2)
     eye = torch.eye(D, dtype=cov.dtype)
     if shrinkage is None:
         # b² estimates how far S is from Σ (its sampling error), d² how far S is from m·I.
@@ -119,8 +134,8 @@ def gaussian(vectors: torch.Tensor, shrinkage: float | None = None) -> tuple[tor
 
 def mahalanobis(x: torch.Tensor, mu: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
     """sqrt((x − μ)ᵀ P (x − μ) / D) for vectors x (B, D): about 1 for typical training vectors."""
-    d = x - mu.to(x.device)                                                   # (B, D)
-    return ((d @ precision.to(x.device)) * d).sum(1).div(d.shape[1]).clamp_min(0).sqrt()   # (B,)
+    d = x - mu.to(x.device)  # (B, D)
+    return ((d @ precision.to(x.device)) * d).sum(1).div(d.shape[1]).clamp_min(0).sqrt()  # (B,)
 
 
 def distances(features: torch.Tensor, stats: FamiliarityStats) -> torch.Tensor:
@@ -132,13 +147,21 @@ def describe(score: float, stats: FamiliarityStats) -> dict:
     """The verdict on one score, as shown next to a caption: {"score", "unfamiliar", "message", "threshold"}."""
     unfamiliar = bool(score > stats.threshold)
     if unfamiliar:
-        message = (f"This image is unlike the images the model was trained on (distance {score:.2f}; "
-                   f"images like them score below {stats.threshold:.2f}), so the caption is probably wrong.")
+        message = (
+            f"This image is unlike the images the model was trained on (distance {score:.2f}; "
+            f"images like them score below {stats.threshold:.2f}), so the caption is probably wrong."
+        )
     else:
-        message = (f"This image is like the images the model was trained on (distance {score:.2f}, "
-                   f"below {stats.threshold:.2f}).")
-    return {"score": round(float(score), 4), "unfamiliar": unfamiliar, "message": message,
-            "threshold": round(float(stats.threshold), 4)}
+        message = (
+            f"This image is like the images the model was trained on (distance {score:.2f}, "
+            f"below {stats.threshold:.2f})."
+        )
+    return {
+        "score": round(float(score), 4),
+        "unfamiliar": unfamiliar,
+        "message": message,
+        "threshold": round(float(stats.threshold), 4),
+    }
 
 
 def familiarity(features: torch.Tensor, stats: FamiliarityStats | None) -> list[dict | None]:
@@ -150,21 +173,23 @@ def familiarity(features: torch.Tensor, stats: FamiliarityStats | None) -> list[
 
 # fitting, from a prepared data directory
 
+
 def _sample(rows: np.ndarray, most: int, seed: int) -> np.ndarray:
     if len(rows) <= most:
         return rows
     return np.sort(np.random.default_rng(seed).choice(rows, size=most, replace=False))
 
 
-def _pooled(read: Callable[[np.ndarray], torch.Tensor], rows: np.ndarray, mean: torch.Tensor,
-            std: torch.Tensor, batch: int = 64) -> torch.Tensor:
+def _pooled(
+    read: Callable[[np.ndarray], torch.Tensor], rows: np.ndarray, mean: torch.Tensor, std: torch.Tensor, batch: int = 64
+) -> torch.Tensor:
     """Pooled standardised vectors (N, D) of the features `read` gives for rows, a batch at a time.
 
     Rows whose features are not finite (damaged; `fit` names them) are left out quietly.
     """
     out = []
     for i in range(0, len(rows), batch):
-        raw = read(rows[i:i + batch]).cpu()                                      # (b, L, D), fp16 if cached
+        raw = read(rows[i : i + batch]).cpu()  # (b, L, D), fp16 if cached
         out.append(pool(raw[~torch.from_numpy(nonfinite_rows(raw.numpy()))], mean, std))
     return torch.cat(out)
 
@@ -176,12 +201,16 @@ def calibration_photos() -> list[str]:
     so they must not be among the images the threshold was set with.
     """
     import matplotlib.cbook
+
     photos = [str(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))]
     try:
         import skimage.data
+
         folder = os.path.dirname(skimage.data.__file__)
-        photos += [os.path.join(folder, name) for name in ("astronaut.png", "coffee.png", "chelsea.png",
-                                                           "rocket.jpg", "motorcycle_left.png")]
+        photos += [
+            os.path.join(folder, name)
+            for name in ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "motorcycle_left.png")
+        ]
     except ImportError:
         pass
     return [p for p in photos if os.path.exists(p)]
@@ -191,9 +220,14 @@ def photo_views(image: Image.Image) -> dict[str, Image.Image]:
     """A photograph whole and in five crops of half its sides (centre, four corners)."""
     w, h = image.size
     cw, ch = w // 2, h // 2
-    boxes = {"whole": (0, 0, w, h), "centre": (w // 4, h // 4, w // 4 + cw, h // 4 + ch),
-             "top-left": (0, 0, cw, ch), "top-right": (w - cw, 0, w, ch),
-             "bottom-left": (0, h - ch, cw, h), "bottom-right": (w - cw, h - ch, w, h)}
+    boxes = {
+        "whole": (0, 0, w, h),
+        "centre": (w // 4, h // 4, w // 4 + cw, h // 4 + ch),
+        "top-left": (0, 0, cw, ch),
+        "top-right": (w - cw, 0, w, ch),
+        "bottom-left": (0, h - ch, cw, h),
+        "bottom-right": (w - cw, h - ch, w, h),
+    }
     return {name: image.crop(box) for name, box in boxes.items()}
 
 
@@ -206,7 +240,7 @@ def _encode_views(encoder: torch.nn.Module, spec: EncoderSpec, photos: Sequence[
             names.append(f"{os.path.basename(path)}:{view}")
             pils.append(pil)
     x = torch.stack([spec.preprocess(p) for p in pils]).to(next(encoder.parameters()).device)  # (N, 3, S, S)
-    return tuple(names), encoder(x).float().cpu()                            # (N, L, D)
+    return tuple(names), encoder(x).float().cpu()  # (N, L, D)
 
 
 @functools.lru_cache(maxsize=4)
@@ -215,9 +249,15 @@ def _photo_features(spec: EncoderSpec, photos: tuple[str, ...]) -> tuple[tuple[s
     return _encode_views(build_encoder(spec)[0], spec, photos)
 
 
-def photo_scores(spec: EncoderSpec, mean: torch.Tensor, std: torch.Tensor, mu: torch.Tensor,
-                 precision: torch.Tensor, photos: Sequence[str] | None = None,
-                 encoder: torch.nn.Module | None = None) -> dict[str, float]:
+def photo_scores(
+    spec: EncoderSpec,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    mu: torch.Tensor,
+    precision: torch.Tensor,
+    photos: Sequence[str] | None = None,
+    encoder: torch.nn.Module | None = None,
+) -> dict[str, float]:
     """Scores of the calibration photographs' views; empty when there are none or no encoder.
 
     The encoder is the one the features were made with: the data's spec unless `encoder` is
@@ -231,7 +271,7 @@ def photo_scores(spec: EncoderSpec, mean: torch.Tensor, std: torch.Tensor, mu: t
         names, feats = _photo_features(spec, photos) if encoder is None else _encode_views(encoder, spec, photos)
     except CaptionerError:
         return {}
-    scores = mahalanobis(pool(feats, mean, std), mu, precision)              # (N,)
+    scores = mahalanobis(pool(feats, mean, std), mu, precision)  # (N,)
     return dict(zip(names, scores.tolist()))
 
 
@@ -241,10 +281,16 @@ def threshold(val_bound: float, photos: dict[str, float]) -> float:
     return float(np.sqrt(val_bound * lowest)) if lowest > val_bound > 0 else float(val_bound)
 
 
-def fit_stats(data, *, seed: int = 0, max_train: int = MAX_TRAIN_IMAGES, max_val: int = MAX_VAL_IMAGES,
-              photos: Sequence[str] | None = None,
-              features: Callable[[np.ndarray], torch.Tensor] | None = None,
-              encoder: torch.nn.Module | None = None) -> FamiliarityStats | None:
+def fit_stats(
+    data,
+    *,
+    seed: int = 0,
+    max_train: int = MAX_TRAIN_IMAGES,
+    max_val: int = MAX_VAL_IMAGES,
+    photos: Sequence[str] | None = None,
+    features: Callable[[np.ndarray], torch.Tensor] | None = None,
+    encoder: torch.nn.Module | None = None,
+) -> FamiliarityStats | None:
     """Statistics of a prepared data directory's training features, calibrated on its val split
     and on real photographs.
 
@@ -265,11 +311,20 @@ def fit_stats(data, *, seed: int = 0, max_train: int = MAX_TRAIN_IMAGES, max_val
     _, val_rows = data.split_images("val")
     mean, std = data.feature_stats()
     std = std.clamp_min(EPS)
-    train = _pooled(read, _sample(np.asarray(train_rows), max_train, seed), mean, std)   # (N, D)
+    train = _pooled(read, _sample(np.asarray(train_rows), max_train, seed), mean, std)  # (N, D)
     mu, precision, shrinkage = gaussian(train)
     val = mahalanobis(_pooled(read, _sample(np.asarray(val_rows), max_val, seed), mean, std), mu, precision)
     quantile = float(torch.quantile(val, QUANTILE))
     photo = photo_scores(data.encoder, mean, std, mu, precision, photos, encoder)
-    return FamiliarityStats(mean, std, mu, precision, threshold=threshold(MARGIN * quantile, photo),
-                            train_images=len(train), val_images=len(val), val_quantile=quantile,
-                            shrinkage=shrinkage, photo_scores=photo)
+    return FamiliarityStats(
+        mean,
+        std,
+        mu,
+        precision,
+        threshold=threshold(MARGIN * quantile, photo),
+        train_images=len(train),
+        val_images=len(val),
+        val_quantile=quantile,
+        shrinkage=shrinkage,
+        photo_scores=photo,
+    )

@@ -5,6 +5,7 @@ that word's attention map (as drawn: upsampled and smoothed by half a grid cell,
 lies inside a box of such an object. Chance is the share of the encoder's view those boxes cover: what a
 peak dropped at random would score. Boxes, and which words name them: `data.boxes`.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -22,9 +23,9 @@ def _covered_share(boxes, grid_box, size) -> float:
     W, H = size
     mask = np.zeros((H, W), dtype=bool)
     for x, y, w, h in boxes:
-        mask[max(0, int(y)):int(np.ceil(y + h)), max(0, int(x)):int(np.ceil(x + w))] = True
+        mask[max(0, int(y)) : int(np.ceil(y + h)), max(0, int(x)) : int(np.ceil(x + w))] = True
     l, t, r, b = (int(round(v)) for v in grid_box)
-    view = mask[max(0, t):b, max(0, l):r]
+    view = mask[max(0, t) : b, max(0, l) : r]
     return float(view.mean()) if view.size else 0.0
 
 
@@ -41,8 +42,9 @@ def peak(attention: np.ndarray, cells: int = 4) -> tuple[float, float]:
     return (x + 0.5) / side, (y + 0.5) / side
 
 
-def pointing_accuracy(captions: Mapping[int, tuple[list[str], np.ndarray]], boxes: GroundingBoxes,
-                      preprocess: Preprocess = Preprocess()) -> dict:
+def pointing_accuracy(
+    captions: Mapping[int, tuple[list[str], np.ndarray]], boxes: GroundingBoxes, preprocess: Preprocess | None = None
+) -> dict:
     """Pointing accuracy of generated words, by word and by kind, and the look-ahead rate.
 
     Args:
@@ -57,6 +59,7 @@ def pointing_accuracy(captions: Mapping[int, tuple[list[str], np.ndarray]], boxe
          lies on the object named by the next object word after them, "lookahead_words": how many
          words that was measured on}
     """
+    preprocess = preprocess or Preprocess()
     hits, chances, unmatched = [], [], 0
     by_word: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     by_kind: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -77,7 +80,7 @@ def pointing_accuracy(captions: Mapping[int, tuple[list[str], np.ndarray]], boxe
 
         named = [boxes.boxes_for(image_id, w) if boxes.names_object(w) else None for w in words]
         for k, (word, found) in enumerate(zip(words, named)):
-            nxt = next((f for f in named[k + 1:] if f), None)   # the next object word present in the image
+            nxt = next((f for f in named[k + 1 :] if f), None)  # the next object word present in the image
             if nxt:
                 ahead.append(on(k, nxt))
             if found is None:
@@ -93,8 +96,13 @@ def pointing_accuracy(captions: Mapping[int, tuple[list[str], np.ndarray]], boxe
             kind = by_kind["colour" if word in boxes.colors else "category"]
             kind[0] += int(hit)
             kind[1] += 1
-    return {"pointing": float(np.mean(hits)) if hits else None,
-            "chance": float(np.mean(chances)) if chances else None,
-            "words": len(hits), "unmatched": unmatched, "by_word": dict(by_word),
-            "by_kind": {k: h / n for k, (h, n) in by_kind.items()},
-            "lookahead": float(np.mean(ahead)) if ahead else None, "lookahead_words": len(ahead)}
+    return {
+        "pointing": float(np.mean(hits)) if hits else None,
+        "chance": float(np.mean(chances)) if chances else None,
+        "words": len(hits),
+        "unmatched": unmatched,
+        "by_word": dict(by_word),
+        "by_kind": {k: h / n for k, (h, n) in by_kind.items()},
+        "lookahead": float(np.mean(ahead)) if ahead else None,
+        "lookahead_words": len(ahead),
+    }

@@ -15,6 +15,7 @@ that from the maps alone, so they can be logged at every validation and shown fo
 
 Symbols: n words of a caption, g grid side, L = g·g locations.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,6 @@ from collections import Counter
 from collections.abc import Iterable
 
 import numpy as np
-
 
 # Where the figures say the maps are not meaningful, set from models scored against object
 # boxes (docs/attention.md): pointing fell as the border ratio rose, and as more peaks crowded
@@ -33,7 +33,7 @@ LIMITS = {"top5": 0.25, "border": 1.2, "entropy_low": 0.02, "entropy_high": 0.92
 
 def _maps(attention: np.ndarray) -> np.ndarray:
     a = np.asarray(attention, dtype=np.float64)
-    return a.reshape(a.shape[0], -1) if a.size else np.zeros((0, 1))          # (n, L)
+    return a.reshape(a.shape[0], -1) if a.size else np.zeros((0, 1))  # (n, L)
 
 
 def attention_health(captions: Iterable[np.ndarray]) -> dict:
@@ -52,24 +52,27 @@ def attention_health(captions: Iterable[np.ndarray]) -> dict:
         if len(a) == 0:
             continue
         L = a.shape[1]
-        a = a / np.maximum(a.sum(1, keepdims=True), 1e-12)                      # fp16 maps round their sums
+        a = a / np.maximum(a.sum(1, keepdims=True), 1e-12)  # fp16 maps round their sums
         entropies.append(-(a * np.log(np.clip(a, 1e-12, None))).sum(1) / math.log(L))  # (n,)
-        top = a.argmax(1)                                                       # (n,) peak cell per word
+        top = a.argmax(1)  # (n,) peak cell per word
         stays.append(Counter(top.tolist()).most_common(1)[0][1] / len(top))
         peaks.append(top)
     if not peaks:
         return {"entropy": None, "stay": None, "border": None, "top5": None, "words": 0, "captions": 0}
     g = int(round(math.sqrt(L)))
-    cells = np.concatenate(peaks)                                               # (words,)
+    cells = np.concatenate(peaks)  # (words,)
     row, col = cells // g, cells % g
     on_border = (row == 0) | (row == g - 1) | (col == 0) | (col == g - 1)
     border_share = (4 * g - 4) / (g * g) if g > 1 else 1.0
     counts = np.bincount(cells, minlength=L)
-    return {"entropy": float(np.concatenate(entropies).mean()),
-            "stay": float(np.mean(stays)),
-            "border": float(on_border.mean() / border_share),
-            "top5": float(np.sort(counts)[::-1][:5].sum() / len(cells)),
-            "words": int(len(cells)), "captions": len(peaks)}
+    return {
+        "entropy": float(np.concatenate(entropies).mean()),
+        "stay": float(np.mean(stays)),
+        "border": float(on_border.mean() / border_share),
+        "top5": float(np.sort(counts)[::-1][:5].sum() / len(cells)),
+        "words": int(len(cells)),
+        "captions": len(peaks),
+    }
 
 
 def problems(health: dict) -> list[str]:
@@ -88,18 +91,22 @@ def problems(health: dict) -> list[str]:
     return out
 
 
-ADVICE = ("the heatmaps may not show what the model names. Maps spread evenly: lower --alpha-c; "
-          "parked maps: check that `prepare` stored the images' turned features (its default; the "
-          "equivariance term needs them), or try hard attention (--attention hard); "
-          "see docs/attention.md")
+ADVICE = (
+    "the heatmaps may not show what the model names. Maps spread evenly: lower --alpha-c; "
+    "parked maps: check that `prepare` stored the images' turned features (its default; the "
+    "equivariance term needs them), or try hard attention (--attention hard); "
+    "see docs/attention.md"
+)
 
 
 def summary(health: dict) -> str:
     """One line for logs and model cards."""
     if not health.get("words"):
         return "attention health: no words to judge"
-    figures = (f"entropy {health['entropy']:.2f}, stay {health['stay']:.2f}, border {health['border']:.2f}x, "
-               f"top-5 cells {health['top5']:.2f}")
+    figures = (
+        f"entropy {health['entropy']:.2f}, stay {health['stay']:.2f}, border {health['border']:.2f}x, "
+        f"top-5 cells {health['top5']:.2f}"
+    )
     found = problems(health)
     return f"attention health: {figures}" + (f" - NOT MEANINGFUL: {'; '.join(found)}" if found else " - ok")
 

@@ -6,6 +6,7 @@ corpus BLEU), ROUGE-L and CIDEr on Python tokenisation; METEOR is then None. SPI
 out: it downloads models and needs Java 8. Scores are computed on the caption text, i.e. on
 words already cut at <end>, never on padded ids.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -37,11 +38,17 @@ def _python_tokenize(captions: Mapping[int, Sequence[str]]) -> dict[int, list[st
 
 def _ptb_tokenize(captions: Mapping[int, Sequence[str]]) -> dict[int, list[str]]:
     from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
     return PTBTokenizer().tokenize({i: [{"caption": c} for c in caps] for i, caps in captions.items()})
 
 
-def score_captions(results: Mapping[int, str], references: Mapping[int, Sequence[str]], *,
-                   metrics: Sequence[str] = ALL_METRICS, use_java: bool | None = None) -> dict:
+def score_captions(
+    results: Mapping[int, str],
+    references: Mapping[int, Sequence[str]],
+    *,
+    metrics: Sequence[str] = ALL_METRICS,
+    use_java: bool | None = None,
+) -> dict:
     """Score generated captions against references, as coco-caption does.
 
     Args:
@@ -63,8 +70,7 @@ def score_captions(results: Mapping[int, str], references: Mapping[int, Sequence
         raise ValueError(f"no reference captions for image ids {missing[:5]}")
     java = java_available() if use_java is None else (use_java and java_available())
     if use_java and not java:
-        print("note: Java not found; METEOR is skipped and text is tokenised in Python",
-              file=sys.stderr)
+        print("note: Java not found; METEOR is skipped and text is tokenised in Python", file=sys.stderr)
     tok = _ptb_tokenize if java else _python_tokenize
     gts = tok({i: list(references[i]) for i in ids})
     res = tok({i: [results[i]] for i in ids})
@@ -78,6 +84,7 @@ def score_captions(results: Mapping[int, str], references: Mapping[int, Sequence
     if "METEOR" in metrics:
         if java:
             from pycocoevalcap.meteor.meteor import Meteor
+
             meteor = Meteor()
             try:
                 out["METEOR"] = float(meteor.compute_score(gts, res)[0])
@@ -94,6 +101,7 @@ def score_captions(results: Mapping[int, str], references: Mapping[int, Sequence
 
 def _nltk_bleu(gts, res, ids) -> list[float]:
     from nltk.translate.bleu_score import corpus_bleu
+
     refs = [[r.split() for r in gts[i]] for i in ids]
     hyps = [res[i][0].split() for i in ids]
     weights = [tuple([1.0 / n] * n) for n in range(1, 5)]
@@ -102,8 +110,12 @@ def _nltk_bleu(gts, res, ids) -> list[float]:
         return [corpus_bleu(refs, hyps, weights=w) for w in weights]
 
 
-def reference_agreement(references: Mapping[int, Sequence[str]], *, metrics: Sequence[str] = ("BLEU-4", "CIDEr"),
-                        use_java: bool | None = None) -> dict[str, float]:
+def reference_agreement(
+    references: Mapping[int, Sequence[str]],
+    *,
+    metrics: Sequence[str] = ("BLEU-4", "CIDEr"),
+    use_java: bool | None = None,
+) -> dict[str, float]:
     """How well the references agree with each other: the score a model could expect from
     writing like one more annotator.
 
@@ -120,6 +132,6 @@ def reference_agreement(references: Mapping[int, Sequence[str]], *, metrics: Seq
     runs = []
     for k in range(min(counts)):
         held = {i: refs[k] for i, refs in references.items()}
-        rest = {i: [*refs[:k], *refs[k + 1:]] for i, refs in references.items()}
+        rest = {i: [*refs[:k], *refs[k + 1 :]] for i, refs in references.items()}
         runs.append(score_captions(held, rest, metrics=metrics, use_java=use_java))
     return {m: sum(r[m] for r in runs) / len(runs) for m in metrics}

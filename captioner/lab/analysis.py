@@ -6,6 +6,7 @@ figures are drawn by `captioner.plots`.
 Symbols in shape comments: n words of a caption, g side of the attention grid, L = g·g
 locations, N captions.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,15 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from captioner.serve.api import Caption
 from captioner.errors import CaptionerError
 from captioner.lab.recipes import SplitCaption
 from captioner.models.vocab import tokenize
-
-
-
+from captioner.serve.api import Caption
 
 # attention statistics
+
 
 def attention_entropy(attention: np.ndarray, *, normalize: bool = False) -> np.ndarray:
     """Entropy of each word's attention map: 0 looks at one cell, log L spreads evenly.
@@ -38,9 +37,9 @@ def attention_entropy(attention: np.ndarray, *, normalize: bool = False) -> np.n
         (n,) entropies in nats (or fractions of log L).
     """
     a = np.asarray(attention, dtype=np.float64)
-    a = a.reshape(a.shape[0], int(np.prod(a.shape[1:])))              # (n, L), n may be 0
-    a = a / np.maximum(a.sum(1, keepdims=True), 1e-12)                # fp16 checkpoints round the sums
-    h = -(a * np.log(np.clip(a, 1e-12, None))).sum(1)                 # (n,)
+    a = a.reshape(a.shape[0], int(np.prod(a.shape[1:])))  # (n, L), n may be 0
+    a = a / np.maximum(a.sum(1, keepdims=True), 1e-12)  # fp16 checkpoints round the sums
+    h = -(a * np.log(np.clip(a, 1e-12, None))).sum(1)  # (n,)
     return h / math.log(a.shape[1]) if normalize else h
 
 
@@ -56,11 +55,14 @@ def attention_stats(captions: Iterable[Caption | SplitCaption]) -> dict[str, np.
     maps = [c.attention for c in captions if len(c.words)]
     if not maps:
         return {"entropy": np.zeros(0), "peak": np.zeros(0)}
-    return {"entropy": np.concatenate([attention_entropy(a, normalize=True) for a in maps]),
-            "peak": np.concatenate([attention_peak(a) for a in maps])}
+    return {
+        "entropy": np.concatenate([attention_entropy(a, normalize=True) for a in maps]),
+        "peak": np.concatenate([attention_peak(a) for a in maps]),
+    }
 
 
 # training logs
+
 
 @dataclass
 class TrainingLog:
@@ -70,9 +72,10 @@ class TrainingLog:
     baseline, entropy... too); `val` holds step, epoch, BLEU-4, CIDEr, lr per validation.
     `epoch` is step / batches per epoch: fractional where a time budget ended an epoch early.
     """
+
     path: str
     batches_per_epoch: int
-    objective: str = "xe"            # "xe" cross-entropy or "scst" self-critical (from the start record)
+    objective: str = "xe"  # "xe" cross-entropy or "scst" self-critical (from the start record)
     train: dict[str, np.ndarray] = field(default_factory=dict)
     val: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -89,14 +92,25 @@ class TrainingLog:
             for key in ("loss", second):
                 out[key].append(float(self.train[key][pick].mean()) if pick.any() and key in self.train else np.nan)
             out["lr"].append(float(self.train["lr"][pick][-1]) if pick.any() else np.nan)
-        return {"epoch": self.val["epoch"], "loss": np.asarray(out["loss"]), second: np.asarray(out[second]),
-                "BLEU-4": self.val["BLEU-4"], "CIDEr": self.val["CIDEr"], "lr": np.asarray(out["lr"])}
+        return {
+            "epoch": self.val["epoch"],
+            "loss": np.asarray(out["loss"]),
+            second: np.asarray(out[second]),
+            "BLEU-4": self.val["BLEU-4"],
+            "CIDEr": self.val["CIDEr"],
+            "lr": np.asarray(out["lr"]),
+        }
 
 
 def _columns(records: Mapping[int, dict], per_epoch: int) -> dict[str, np.ndarray]:
     rows = [records[s] for s in sorted(records)]
-    keys = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and all(isinstance(r.get(k), (int, float)) for r in rows)]
+    keys = [
+        k
+        for k, v in rows[0].items()
+        if isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and all(isinstance(r.get(k), (int, float)) for r in rows)
+    ]
     cols = {k: np.asarray([r[k] for r in rows], dtype=np.float64) for k in keys}
     if per_epoch:
         cols["epoch"] = cols["step"] / per_epoch
@@ -134,11 +148,13 @@ def read_training_log(path: str) -> TrainingLog:
             (train if event == "train" else val)[int(r["step"])] = r
     if not val:
         raise CaptionerError(f"{path}: no validation records yet (the first comes at the end of epoch 1)")
-    return TrainingLog(path, per_epoch, objective, _columns(train, per_epoch) if train else {},
-                       _columns(val, per_epoch))
+    return TrainingLog(
+        path, per_epoch, objective, _columns(train, per_epoch) if train else {}, _columns(val, per_epoch)
+    )
 
 
 # datasets
+
 
 def coco_tokens(coco) -> list[list[str]]:
     """Every caption of a pycocotools COCO captions object, tokenised as for training."""
@@ -156,8 +172,9 @@ def length_histogram(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(len(counts)), counts
 
 
-def vocabulary_coverage(tokens: Sequence[Sequence[str]], min_counts: Iterable[int] = range(1, 21)
-                        ) -> dict[str, np.ndarray]:
+def vocabulary_coverage(
+    tokens: Sequence[Sequence[str]], min_counts: Iterable[int] = range(1, 21)
+) -> dict[str, np.ndarray]:
     """What a vocabulary built with each minimum count keeps (same rule as `Vocabulary.build`).
 
     Returns:
@@ -165,15 +182,17 @@ def vocabulary_coverage(tokens: Sequence[Sequence[str]], min_counts: Iterable[in
          word occurrences in the vocabulary, "captions": share of captions with no <unk>}.
     """
     counts = Counter(w for t in tokens for w in t)
-    freq = np.asarray(sorted(counts.values()), dtype=np.int64)        # (V,)
+    freq = np.asarray(sorted(counts.values()), dtype=np.int64)  # (V,)
     total = max(int(freq.sum()), 1)
     # A caption has no <unk> when its rarest word is kept.
     rarest = np.asarray([min(counts[w] for w in t) for t in tokens if t], dtype=np.int64)  # (N,)
     ms = np.asarray(list(min_counts), dtype=np.int64)
-    return {"min_count": ms,
-            "words": np.asarray([(freq >= m).sum() for m in ms]),
-            "tokens": np.asarray([freq[freq >= m].sum() / total for m in ms]),
-            "captions": np.asarray([(rarest >= m).mean() if len(rarest) else 0.0 for m in ms])}
+    return {
+        "min_count": ms,
+        "words": np.asarray([(freq >= m).sum() for m in ms]),
+        "tokens": np.asarray([freq[freq >= m].sum() / total for m in ms]),
+        "captions": np.asarray([(rarest >= m).mean() if len(rarest) else 0.0 for m in ms]),
+    }
 
 
 def coco_examples(coco, image_dirs: str | Sequence[str], k: int = 6, seed: int = 0) -> list[tuple[str, list[str]]]:
@@ -183,8 +202,12 @@ def coco_examples(coco, image_dirs: str | Sequence[str], k: int = 6, seed: int =
     out = []
     for i in np.random.default_rng(seed).permutation(len(ids)):
         name = coco.imgs[ids[i]]["file_name"]
-        found = [p for d in dirs for p in (os.path.join(d, name), os.path.join(d, os.path.basename(name)))
-                 if os.path.isfile(p)]
+        found = [
+            p
+            for d in dirs
+            for p in (os.path.join(d, name), os.path.join(d, os.path.basename(name)))
+            if os.path.isfile(p)
+        ]
         if found:
             out.append((found[0], [a["caption"].strip() for a in coco.imgToAnns[ids[i]]]))
         if len(out) == k:
@@ -194,8 +217,10 @@ def coco_examples(coco, image_dirs: str | Sequence[str], k: int = 6, seed: int =
 
 # tables
 
+
 def format_table(columns: Mapping[str, Sequence], digits: int = 3) -> str:
     """Columns of equal length as a plain-text table (floats rounded, None as "-")."""
+
     def cell(v) -> str:
         if v is None or (isinstance(v, float) and math.isnan(v)):
             return "-"
@@ -204,17 +229,21 @@ def format_table(columns: Mapping[str, Sequence], digits: int = 3) -> str:
             # (no 4-gram matched) is 0.
             return f"{v:.{digits}g}" if 1e-10 < abs(v) < 1e-2 else f"{v:.{digits}f}"
         return str(v)
+
     cols = {k: [cell(v) for v in vals] for k, vals in columns.items()}
     widths = {k: max([len(k)] + [len(v) for v in vals]) for k, vals in cols.items()}
     n = max((len(v) for v in cols.values()), default=0)
     lines = ["  ".join(k.rjust(widths[k]) for k in cols)]
-    lines += ["  ".join(cols[k][i].rjust(widths[k]) if i < len(cols[k]) else " " * widths[k] for k in cols)
-              for i in range(n)]
+    lines += [
+        "  ".join(cols[k][i].rjust(widths[k]) if i < len(cols[k]) else " " * widths[k] for k in cols) for i in range(n)
+    ]
     return "\n".join(lines)
 
 
-def metrics_table(metrics: Mapping[str, Mapping], keys: Sequence[str] = (
-        "BLEU-1", "BLEU-4", "ROUGE-L", "CIDEr", "pointing", "mean_length", "images")) -> str:
+def metrics_table(
+    metrics: Mapping[str, Mapping],
+    keys: Sequence[str] = ("BLEU-1", "BLEU-4", "ROUGE-L", "CIDEr", "pointing", "mean_length", "images"),
+) -> str:
     """`evaluate` outputs of several models, one row each; chance pointing added when known."""
     columns: dict[str, list] = {"model": list(metrics)}
     for k in keys:

@@ -3,6 +3,7 @@
 Attention heatmaps themselves are drawn by `captioner.viz`; these figures arrange captions,
 statistics and training curves around them.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,18 +16,18 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
-from captioner.lab.analysis import TrainingLog, attention_entropy, attention_stats, length_histogram
-from captioner.serve.api import Caption
-from captioner.evaluation.health import attention_health, summary
 from captioner.data.images import load_image
+from captioner.evaluation.health import attention_health, summary
+from captioner.lab.analysis import TrainingLog, attention_entropy, attention_stats, length_histogram
 from captioner.lab.recipes import SplitCaption
+from captioner.serve.api import Caption
 
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
 
 
-
-def captioned_images_figure(items: Sequence[tuple[object, Sequence[str]]], *, columns: int = 3,
-                            wrap: int = 40, title: str | None = None) -> Figure:
+def captioned_images_figure(
+    items: Sequence[tuple[object, Sequence[str]]], *, columns: int = 3, wrap: int = 40, title: str | None = None
+) -> Figure:
     """Images with lines of text beneath each (captions, or "label: caption" to compare).
 
     Args:
@@ -38,7 +39,7 @@ def captioned_images_figure(items: Sequence[tuple[object, Sequence[str]]], *, co
     wrapped = ["\n".join(textwrap.fill(line, wrap, subsequent_indent="   ") for line in lines) for _, lines in items]
     n_lines = [w.count("\n") + 1 for w in wrapped]
     # Each row of images gets a row of text as tall as its longest block, so text never overlaps.
-    text_h = [0.17 * max(n_lines[r * cols:(r + 1) * cols], default=1) + 0.1 for r in range(rows)]
+    text_h = [0.17 * max(n_lines[r * cols : (r + 1) * cols], default=1) + 0.1 for r in range(rows)]
     img_h = 2.6
     fig = Figure(figsize=(3.6 * cols, img_h * rows + sum(text_h) + (0.4 if title else 0.0)))
     gs = fig.add_gridspec(2 * rows, cols, height_ratios=[h for r in range(rows) for h in (img_h, text_h[r])])
@@ -46,7 +47,7 @@ def captioned_images_figure(items: Sequence[tuple[object, Sequence[str]]], *, co
         r, c = divmod(k, cols)
         ax = fig.add_subplot(gs[2 * r, c])
         ax.imshow(load_image(image))
-        ax.set_anchor("S")                      # the image sits on its text
+        ax.set_anchor("S")  # the image sits on its text
         ax.axis("off")
         tx = fig.add_subplot(gs[2 * r + 1, c])
         tx.axis("off")
@@ -68,19 +69,20 @@ def entropy_figure(captions: Sequence[Caption | SplitCaption], titles: Sequence[
     fig = Figure(figsize=(max(6.0, 0.9 * longest + 1.5), 1.9 * max(1, len(captions)) + 0.5))
     axes = fig.subplots(max(1, len(captions)), 1, squeeze=False)[:, 0]
     for k, (ax, c) in enumerate(zip(axes, captions)):
-        h = attention_entropy(c.attention) if len(c.words) else np.zeros(0)     # (n,)
+        h = attention_entropy(c.attention) if len(c.words) else np.zeros(0)  # (n,)
         L = int(np.prod(c.attention.shape[1:])) if c.attention.ndim > 1 else 1
         bars = ax.bar(range(len(h)), h, width=0.7, color="tab:blue", label="entropy H of the word's map")
         ax.bar_label(bars, [f"≈{math.exp(v):.0f}" for v in h], label_type="center", color="white", fontsize=8)
         ax.axhline(math.log(L), ls="--", c="gray", lw=1, label=f"log L: even over all {L} cells")
         ax.set_xticks(range(len(h)), c.words)
-        ax.set_xlim(-0.5, longest - 0.5)        # same bar width in every panel
+        ax.set_xlim(-0.5, longest - 0.5)  # same bar width in every panel
         ax.set_ylim(0, math.log(L) * 1.15)
         ax.set_ylabel("H (nats)")
         ax.set_title(titles[k] if titles else c.text, fontsize=10)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper right", fontsize=8, title="number in bar: e^H ≈ cells looked at",
-               title_fontsize=8)
+    fig.legend(
+        handles, labels, loc="upper right", fontsize=8, title="number in bar: e^H ≈ cells looked at", title_fontsize=8
+    )
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
     return fig
 
@@ -130,8 +132,9 @@ def _reward_panel(ax, log: TrainingLog, ep: dict) -> None:
     ax.legend(fontsize=8)
 
 
-def model_comparison_figure(metrics: Mapping[str, Mapping],
-                            captions: Mapping[str, Sequence[Caption | SplitCaption]]) -> Figure:
+def model_comparison_figure(
+    metrics: Mapping[str, Mapping], captions: Mapping[str, Sequence[Caption | SplitCaption]]
+) -> Figure:
     """Models side by side: caption scores, attention sharpness, pointing accuracy.
 
     Args:
@@ -150,13 +153,21 @@ def model_comparison_figure(metrics: Mapping[str, Mapping],
     ax_q.set_title("caption quality (test)")
     ax_q.legend(fontsize=8)
     stats = {n: attention_stats(captions[n]) for n in names}
-    for ax, key, title, xlabel in ((ax_h, "entropy", "attention entropy per word", "entropy / log L"),
-                                   (ax_p, "peak", "weight on the top cell", "max α")):
+    for ax, key, title, xlabel in (
+        (ax_h, "entropy", "attention entropy per word", "entropy / log L"),
+        (ax_p, "peak", "weight on the top cell", "max α"),
+    ):
         for k, name in enumerate(names):
             # Clipped: an even map's entropy can round to a hair above 1 and fall off the last bin.
-            ax.hist(np.clip(stats[name][key], 0, 1), bins=np.linspace(0, 1, 21), histtype="step", lw=2, color=COLORS[k],
-                    density=True, label=f"{name} (median {np.median(stats[name][key]):.2f})"
-                    if len(stats[name][key]) else name)
+            ax.hist(
+                np.clip(stats[name][key], 0, 1),
+                bins=np.linspace(0, 1, 21),
+                histtype="step",
+                lw=2,
+                color=COLORS[k],
+                density=True,
+                label=f"{name} (median {np.median(stats[name][key]):.2f})" if len(stats[name][key]) else name,
+            )
         ax.set(title=title, xlabel=xlabel, ylabel="density")
         ax.legend(fontsize=8)
     for k, name in enumerate(names):
@@ -164,11 +175,18 @@ def model_comparison_figure(metrics: Mapping[str, Mapping],
         p = g.get("pointing")
         ax_g.bar(k, p or 0.0, 0.6, color=COLORS[k])
         top = max(p or 0.0, g.get("chance") or 0.0)
-        ax_g.text(k, top + 0.02, f"{p:.2f} of {g.get('words', 0)} words" if p is not None else "n/a",
-                  ha="center", va="bottom", fontsize=8)
+        ax_g.text(
+            k,
+            top + 0.02,
+            f"{p:.2f} of {g.get('words', 0)} words" if p is not None else "n/a",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
         if g.get("chance") is not None:
-            ax_g.hlines(g["chance"], k - 0.3, k + 0.3, colors="black", linestyles="--",
-                        label="chance" if k == 0 else None)
+            ax_g.hlines(
+                g["chance"], k - 0.3, k + 0.3, colors="black", linestyles="--", label="chance" if k == 0 else None
+            )
     ax_g.set_xticks(range(len(names)), names)
     ax_g.set(title="pointing accuracy", ylim=(0, 1.1))
     if ax_g.get_legend_handles_labels()[0]:
@@ -177,8 +195,9 @@ def model_comparison_figure(metrics: Mapping[str, Mapping],
     return fig
 
 
-def dataset_figure(lengths: np.ndarray, coverage: Mapping[str, np.ndarray], *, max_len: int | None = None,
-                   min_count: int | None = None) -> Figure:
+def dataset_figure(
+    lengths: np.ndarray, coverage: Mapping[str, np.ndarray], *, max_len: int | None = None, min_count: int | None = None
+) -> Figure:
     """Caption lengths, and what each minimum word count keeps of the vocabulary.
 
     Args:
@@ -189,8 +208,11 @@ def dataset_figure(lengths: np.ndarray, coverage: Mapping[str, np.ndarray], *, m
     ax_len, ax_cov = fig.subplots(1, 2)
     values, counts = length_histogram(lengths)
     ax_len.bar(values, counts, width=0.9, color="tab:blue")
-    ax_len.set(title=f"caption length ({len(lengths)} captions, median {np.median(lengths):.0f} words)",
-               xlabel="words", ylabel="captions")
+    ax_len.set(
+        title=f"caption length ({len(lengths)} captions, median {np.median(lengths):.0f} words)",
+        xlabel="words",
+        ylabel="captions",
+    )
     if max_len is not None:
         share = float((np.asarray(lengths) > max_len).mean())
         ax_len.axvline(max_len + 0.5, c="tab:red", ls="--", label=f"max_len {max_len}: {share:.1%} left out")
@@ -200,8 +222,12 @@ def dataset_figure(lengths: np.ndarray, coverage: Mapping[str, np.ndarray], *, m
     ax_cov.plot(m, 100 * coverage["captions"], "s-", c="tab:olive", label="captions without <unk>")
     low = min(float(coverage["tokens"].min()), float(coverage["captions"].min())) * 100
     # At least a 10-point range: a 0.5% change should not look like a cliff.
-    ax_cov.set(title="vocabulary vs minimum count", xlabel="minimum count", ylabel="% kept",
-               ylim=(min(90.0, math.floor(low) - 1), 100.5))
+    ax_cov.set(
+        title="vocabulary vs minimum count",
+        xlabel="minimum count",
+        ylabel="% kept",
+        ylim=(min(90.0, math.floor(low) - 1), 100.5),
+    )
     ax_words = ax_cov.twinx()
     ax_words.plot(m, coverage["words"], "^--", c="tab:purple", label="vocabulary size")
     ax_words.set_ylim(0, max(1, int(coverage["words"].max())) * 1.05)
@@ -229,11 +255,11 @@ def peak_figure(captions: Sequence[Caption | SplitCaption], title: str | None = 
     g = maps[0].shape[-1] if maps else 14
     counts = np.zeros((g, g))
     for a in maps:
-        np.add.at(counts, np.unravel_index(a.reshape(len(a), -1).argmax(1), (g, g)), 1)   # (g, g) peaks per cell
+        np.add.at(counts, np.unravel_index(a.reshape(len(a), -1).argmax(1), (g, g)), 1)  # (g, g) peaks per cell
     fig = Figure(figsize=(5.2, 5.0))
     ax = fig.subplots()
     im = ax.imshow(counts / max(1, counts.sum()), cmap="viridis")
-    ax.add_patch(Rectangle((-0.5, -0.5), g, g, fill=False, ec="white", lw=3, ls="--"))   # the border ring
+    ax.add_patch(Rectangle((-0.5, -0.5), g, g, fill=False, ec="white", lw=3, ls="--"))  # the border ring
     fig.colorbar(im, ax=ax, fraction=0.046, label="share of all words' peaks")
     ax.set(xticks=[], yticks=[])
     health = attention_health(maps)

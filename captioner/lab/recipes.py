@@ -5,6 +5,7 @@ recipe, 112×112 encoder input) or in minutes (`long=True`, the 14×14 grid), re
 previous run left in `root`; `synthetic_scst_run(root)` continues the quick soft model with
 self-critical training, to show its reward curve.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,28 +17,28 @@ import numpy as np
 import torch
 from PIL import Image
 
-from captioner.serve.api import Caption, Captioner
-from captioner.io import read_json
 from captioner.data.dataset import CaptionData
-from captioner.models.decoder import DecoderConfig
-from captioner.models.encoder import EncoderSpec
 from captioner.errors import CaptionerError
 from captioner.evaluation.captioning import caption_split
-from captioner.train.prepare import PrepareConfig, prepare
+from captioner.io import read_json
+from captioner.models.decoder import DecoderConfig
+from captioner.models.encoder import EncoderSpec
 from captioner.scenes.synthetic import generate
+from captioner.serve.api import Caption, Captioner
 from captioner.train.loop import TrainConfig, fit
+from captioner.train.prepare import PrepareConfig, prepare
 
 WORK_ENV = "CAPTIONER_NOTEBOOK_DIR"  # where notebooks write scenes, features and runs
-
 
 
 @dataclass
 class Recipe:
     """A synthetic training setup: which scenes, the encoder input size and the model."""
+
     scenes: int
     seed: int
-    image_size: int                  # 112 gives a 7×7 grid at a quarter of 224's cost
-    min_count: int                   # rarer words become <unk>
+    image_size: int  # 112 gives a 7×7 grid at a quarter of 224's cost
+    min_count: int  # rarer words become <unk>
     decoder: DecoderConfig
     train: TrainConfig
     name: str
@@ -60,15 +61,37 @@ def recipe(attention: str = "soft", long: bool = False) -> Recipe:
             grid), up to 15 minutes of training per model.
     """
     if long:
-        return Recipe(2000, 0, 224, 5, DecoderConfig(0, embed_dim=128, hidden_dim=256, attention_dim=128,
-                                                     dropout=0.3, attention=attention),
-                      TrainConfig(epochs=40, batch_size=32, lr=2e-3, alpha_c=0.0, max_minutes=15, patience=6,
-                                  val_beam_size=3, log_every=10), name=f"{attention}-long")
+        return Recipe(
+            2000,
+            0,
+            224,
+            5,
+            DecoderConfig(0, embed_dim=128, hidden_dim=256, attention_dim=128, dropout=0.3, attention=attention),
+            TrainConfig(
+                epochs=40,
+                batch_size=32,
+                lr=2e-3,
+                alpha_c=0.0,
+                max_minutes=15,
+                patience=6,
+                val_beam_size=3,
+                log_every=10,
+            ),
+            name=f"{attention}-long",
+        )
     # ~25 s of training; the time budget makes a loaded CPU end the run early rather than late.
-    return Recipe(200, 1, 112, 3, DecoderConfig(0, embed_dim=64, hidden_dim=128, attention_dim=64, dropout=0.1,
-                                                attention=attention),
-                  TrainConfig(epochs=15, batch_size=32, lr=4e-3, alpha_c=0.0, max_minutes=0.75, patience=100,
-                              val_beam_size=1, log_every=5), name=f"{attention}-quick", threads=1)
+    return Recipe(
+        200,
+        1,
+        112,
+        3,
+        DecoderConfig(0, embed_dim=64, hidden_dim=128, attention_dim=64, dropout=0.1, attention=attention),
+        TrainConfig(
+            epochs=15, batch_size=32, lr=4e-3, alpha_c=0.0, max_minutes=0.75, patience=100, val_beam_size=1, log_every=5
+        ),
+        name=f"{attention}-quick",
+        threads=1,
+    )
 
 
 def work_dir() -> str:
@@ -90,8 +113,10 @@ def synthetic_scenes(root: str, n: int, seed: int) -> str:
 def scene_images(root: str, n: int = 6, seed: int = 1234) -> list[str]:
     """Paths of n synthetic scenes (made under root if needed): images to caption."""
     out = synthetic_scenes(root, n, seed)
-    return [os.path.join(out, "images", im["file_name"])
-            for im in read_json(os.path.join(out, "captions.json"), "COCO captions")["images"]]
+    return [
+        os.path.join(out, "images", im["file_name"])
+        for im in read_json(os.path.join(out, "captions.json"), "COCO captions")["images"]
+    ]
 
 
 def synthetic_data(root: str, rec: Recipe) -> tuple[str, str]:
@@ -104,7 +129,18 @@ def synthetic_data(root: str, rec: Recipe) -> tuple[str, str]:
     data = os.path.join(root, f"data-n{rec.scenes}-s{rec.seed}-{rec.image_size}")
     meta = os.path.join(data, "meta.json")
     if not (os.path.isfile(meta) and read_json(meta, "data directory metadata").get("complete")):
-        prepare(PrepareConfig(captions=[os.path.join(scenes, 'captions.json')], images=[os.path.join(scenes, 'images')], out=data, splits=os.path.join(scenes, 'splits.json'), encoder=EncoderSpec(weights='none', image_size=rec.image_size), min_count=rec.min_count, workers=0), progress=False)
+        prepare(
+            PrepareConfig(
+                captions=[os.path.join(scenes, "captions.json")],
+                images=[os.path.join(scenes, "images")],
+                out=data,
+                splits=os.path.join(scenes, "splits.json"),
+                encoder=EncoderSpec(weights="none", image_size=rec.image_size),
+                min_count=rec.min_count,
+                workers=0,
+            ),
+            progress=False,
+        )
     return scenes, data
 
 
@@ -118,8 +154,15 @@ def train_or_load(data_dir: str, run_dir: str, rec: Recipe) -> str:
         if rec.threads:
             torch.set_num_threads(rec.threads)
         # An interrupted run goes on from its last checkpoint rather than starting a second log.
-        fit(data_dir, run_dir, rec.decoder, rec.train, resume=os.path.isfile(os.path.join(run_dir, "last.pt")),
-            device="cpu", progress_bar=False)
+        fit(
+            data_dir,
+            run_dir,
+            rec.decoder,
+            rec.train,
+            resume=os.path.isfile(os.path.join(run_dir, "last.pt")),
+            device="cpu",
+            progress_bar=False,
+        )
     finally:
         torch.set_num_threads(threads)
     return best
@@ -127,10 +170,11 @@ def train_or_load(data_dir: str, run_dir: str, rec: Recipe) -> str:
 
 class SyntheticRun(NamedTuple):
     """Where `synthetic_run` put things."""
-    scenes: str        # images, captions.json, splits.json, boxes.json
-    data: str          # the prepared data directory
-    run: str           # best.pt, last.pt, metrics.jsonl
-    checkpoint: str    # run/best.pt
+
+    scenes: str  # images, captions.json, splits.json, boxes.json
+    data: str  # the prepared data directory
+    run: str  # best.pt, last.pt, metrics.jsonl
+    checkpoint: str  # run/best.pt
 
 
 def synthetic_run(root: str, attention: str = "soft", long: bool = False) -> SyntheticRun:
@@ -147,8 +191,17 @@ def synthetic_scst_run(root: str) -> SyntheticRun:
     base = synthetic_run(root, "soft")
     # lr 1e-3 rather than the 5e-5 default: a model this small and a run this short move
     # visibly only with a larger step.
-    scst = TrainConfig(objective="scst", init=base.checkpoint, epochs=8, batch_size=16, lr=1e-3,
-                       max_minutes=0.5, patience=100, val_beam_size=1, log_every=2)
+    scst = TrainConfig(
+        objective="scst",
+        init=base.checkpoint,
+        epochs=8,
+        batch_size=16,
+        lr=1e-3,
+        max_minutes=0.5,
+        patience=100,
+        val_beam_size=1,
+        log_every=2,
+    )
     rec = replace(recipe("soft"), train=scst, name="soft-quick-scst")
     run = os.path.join(root, f"run-{rec.name}")
     return SyntheticRun(base.scenes, base.data, run, train_or_load(base.data, run, rec))
@@ -156,13 +209,21 @@ def synthetic_scst_run(root: str) -> SyntheticRun:
 
 class SplitCaption(NamedTuple):
     """A caption of an image of a prepared split, with the image's path."""
+
     image_id: int
     path: str
     caption: Caption
 
 
-def caption_split_images(checkpoint: str, data_dir: str, split: str = "test", *, beam_size: int = 3,
-                         mode: str | None = None, max_images: int | None = None) -> list[SplitCaption]:
+def caption_split_images(
+    checkpoint: str,
+    data_dir: str,
+    split: str = "test",
+    *,
+    beam_size: int = 3,
+    mode: str | None = None,
+    max_images: int | None = None,
+) -> list[SplitCaption]:
     """Caption a split from its cached features (no encoder needed), as `evaluate` does.
 
     Args:
@@ -178,8 +239,17 @@ def caption_split_images(checkpoint: str, data_dir: str, split: str = "test", *,
         raise CaptionerError(f"{checkpoint} was trained on other features than those in {data_dir}")
     ids, rows = data.split_images(split)
     path_of = {int(i): data.path_of(int(r)) for i, r in zip(ids, rows)}
-    texts, hyps = caption_split(cap.decoder, data, cap.vocab, split, beam_size=beam_size, max_len=cap.max_len,
-                                device=cap.device, max_images=max_images, mode=mode or cap.default_mode)
+    texts, hyps = caption_split(
+        cap.decoder,
+        data,
+        cap.vocab,
+        split,
+        beam_size=beam_size,
+        max_len=cap.max_len,
+        device=cap.device,
+        max_images=max_images,
+        mode=mode or cap.default_mode,
+    )
     g = cap.encoder_spec.grid
     out = []
     for image_id in sorted(hyps):
@@ -188,9 +258,20 @@ def caption_split_images(checkpoint: str, data_dir: str, split: str = "test", *,
         locs = [divmod(int(l), g) for l in h.locations] if (np.asarray(h.locations) >= 0).any() else None
         with Image.open(path_of[image_id]) as im:
             size = im.size
-            if im.getexif().get(0x0112) in (5, 6, 7, 8):     # EXIF orientations that turn by 90°
+            if im.getexif().get(0x0112) in (5, 6, 7, 8):  # EXIF orientations that turn by 90°
                 size = size[::-1]
-        out.append(SplitCaption(image_id, path_of[image_id], Caption(
-            text=texts[image_id], words=words, score=h.score, attention=h.attention.reshape(len(words), g, g),
-            locations=locs, size=size)))
+        out.append(
+            SplitCaption(
+                image_id,
+                path_of[image_id],
+                Caption(
+                    text=texts[image_id],
+                    words=words,
+                    score=h.score,
+                    attention=h.attention.reshape(len(words), g, g),
+                    locations=locs,
+                    size=size,
+                ),
+            )
+        )
     return out

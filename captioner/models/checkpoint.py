@@ -22,6 +22,7 @@ A checkpoint is a plain dict of tensors and Python values (never a pickled objec
 
 Older versions are brought up to date by `migrate` as they are read.
 """
+
 from __future__ import annotations
 
 import os
@@ -93,8 +94,10 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
         ck = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
-        raise CaptionerError(f"{path}: refused: the file holds pickled objects that only a full "
-                             f"unpickler would run, not plain tensors and values ({first})") from None
+        raise CaptionerError(
+            f"{path}: refused: the file holds pickled objects that only a full "
+            f"unpickler would run, not plain tensors and values ({first})"
+        ) from None
     except Exception as e:  # zip/EOF errors from an empty, truncated or foreign file
         raise CaptionerError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
     return migrate(ck, path)
@@ -110,8 +113,10 @@ def migrate(ck, path: str) -> dict:
     if name != FORMAT or not version.isdigit():
         raise CaptionerError(f"{path}: not a captioner checkpoint (expected format {FORMAT}/<version>)")
     if int(version) > VERSION:
-        raise CaptionerError(f"{path}: checkpoint version {version} was written by a newer captioner; "
-                             f"this one reads up to version {VERSION}: upgrade captioner")
+        raise CaptionerError(
+            f"{path}: checkpoint version {version} was written by a newer captioner; "
+            f"this one reads up to version {VERSION}: upgrade captioner"
+        )
     missing = [k for k in REQUIRED if k not in ck]
     if missing:
         raise CaptionerError(f"{path}: checkpoint lacks {missing}")
@@ -124,13 +129,14 @@ def migrate(ck, path: str) -> dict:
 @dataclass
 class Trained:
     """What inference needs from a checkpoint (or an exported model)."""
+
     decoder: AttentionDecoder
     vocab: Vocabulary
     encoder: EncoderSpec
     max_len: int
     step: int
-    encoder_state: dict | None = None       # fine-tuned encoder layers
-    familiarity: dict | None = None         # training-feature statistics, as stored
+    encoder_state: dict | None = None  # fine-tuned encoder layers
+    familiarity: dict | None = None  # training-feature statistics, as stored
     info: dict = field(default_factory=dict)  # metrics, train, data, card, attention: as stored
 
 
@@ -149,8 +155,17 @@ def read_trained(ck: dict, source: str) -> Trained:
     except (TypeError, KeyError, RuntimeError, ValueError) as e:
         raise CaptionerError(f"{source}: the checkpoint's model does not load ({str(e).splitlines()[0]})") from None
     if decoder.config.vocab_size != len(vocab):
-        raise CaptionerError(f"{source}: the vocabulary has {len(vocab)} words but the weights "
-                             f"{decoder.config.vocab_size}")
+        raise CaptionerError(
+            f"{source}: the vocabulary has {len(vocab)} words but the weights {decoder.config.vocab_size}"
+        )
     info = {k: ck.get(k) or {} for k in ("metrics", "train", "data", "card", "attention")}
-    return Trained(decoder, vocab, spec, max_len=int(ck.get("max_len", 20)), step=int(ck["step"]),
-                   encoder_state=ck.get("encoder_state"), familiarity=ck.get("familiarity"), info=info)
+    return Trained(
+        decoder,
+        vocab,
+        spec,
+        max_len=int(ck.get("max_len", 20)),
+        step=int(ck["step"]),
+        encoder_state=ck.get("encoder_state"),
+        familiarity=ck.get("familiarity"),
+        info=info,
+    )

@@ -10,6 +10,7 @@ Soft attention (§4.2) feeds the expected context ẑ_t = β_t Σ_i α_ti a_i; h
 (`unroll`); the fast soft training pass (`models.fused`) is its own module beside it, chosen
 by `fused`, and tested equal to it.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -27,16 +28,21 @@ CONTEXT_MODES = (EXPECTED, SAMPLE, ARGMAX)
 @dataclass
 class DecoderConfig:
     """Sizes of the decoder; travels in the checkpoint and rebuilds the model."""
-    vocab_size: int                  # V, set from the data
-    encoder_dim: int = 512           # D, set by the encoder
+
+    vocab_size: int  # V, set from the data
+    encoder_dim: int = 512  # D, set by the encoder
     embed_dim: Annotated[int, "E, the word embedding size (also the deep output layer's width)"] = 512
     hidden_dim: Annotated[int, "H, the LSTM state size"] = 512
     attention_dim: Annotated[int, "A, the hidden size of the attention MLP"] = 512
     # Soft attention points better at 0.2, hard attention writes better at 0.5 (docs/results.md).
-    dropout: Annotated[float | None, "dropout before the output layer (default: 0.2 soft, 0.5 hard; "
-                       "0.5 is usual on COCO)"] = None
-    attention: Annotated[Literal["soft", "hard"], "soft: deterministic attention; hard: sampled locations "
-                         "trained with REINFORCE (both decode with the expected context by default)"] = "soft"
+    dropout: Annotated[
+        float | None, "dropout before the output layer (default: 0.2 soft, 0.5 hard; 0.5 is usual on COCO)"
+    ] = None
+    attention: Annotated[
+        Literal["soft", "hard"],
+        "soft: deterministic attention; hard: sampled locations "
+        "trained with REINFORCE (both decode with the expected context by default)",
+    ] = "soft"
 
     def __post_init__(self):
         if self.attention not in ("soft", "hard"):
@@ -50,10 +56,11 @@ class DecoderConfig:
 
 class Unrolled(NamedTuple):
     """A teacher-forced pass, stopped before the output layer."""
-    emb: torch.Tensor        # (B, T-1, E) E y_{t-1}
-    h: torch.Tensor          # (B, T-1, H) h_t
-    z: torch.Tensor          # (B, T-1, D) ẑ_t
-    alphas: torch.Tensor     # (B, T-1, L) α_t
+
+    emb: torch.Tensor  # (B, T-1, E) E y_{t-1}
+    h: torch.Tensor  # (B, T-1, H) h_t
+    z: torch.Tensor  # (B, T-1, D) ẑ_t
+    alphas: torch.Tensor  # (B, T-1, L) α_t
     locations: torch.Tensor  # (B, T-1) location used, -1 where the context was expected
 
 
@@ -67,9 +74,9 @@ class Attention(nn.Module):
 
     def __init__(self, encoder_dim: int, hidden_dim: int, attention_dim: int):
         super().__init__()
-        self.W_a = nn.Linear(encoder_dim, attention_dim)             # annotation → attention space
+        self.W_a = nn.Linear(encoder_dim, attention_dim)  # annotation → attention space
         self.W_h = nn.Linear(hidden_dim, attention_dim, bias=False)  # previous state → attention space
-        self.v = nn.Linear(attention_dim, 1, bias=False)             # score per location
+        self.v = nn.Linear(attention_dim, 1, bias=False)  # score per location
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """2 W_a a_i for all locations: once per image, not once per step."""
@@ -77,9 +84,9 @@ class Attention(nn.Module):
 
     def forward(self, projected: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """α_t (B, L) from `project`'s output (B, L, A) and h_{t-1} (B, H)."""
-        s = torch.sigmoid(projected + 2 * self.W_h(h).unsqueeze(1))   # (B, L, A)
-        e = s @ (2 * self.v.weight.view(-1))                          # (B, L)
-        return e.softmax(dim=1)                                       # (B, L), sums to 1
+        s = torch.sigmoid(projected + 2 * self.W_h(h).unsqueeze(1))  # (B, L, A)
+        e = s @ (2 * self.v.weight.view(-1))  # (B, L)
+        return e.softmax(dim=1)  # (B, L), sums to 1
 
 
 class AttentionDecoder(nn.Module):
@@ -95,18 +102,25 @@ class AttentionDecoder(nn.Module):
         attention: "soft" or "hard" (how it is trained; both decode with the expected context).
     """
 
-    def __init__(self, *, vocab_size: int, encoder_dim: int = 512, embed_dim: int = 512,
-                 hidden_dim: int = 512, attention_dim: int = 512, dropout: float | None = None,
-                 attention: str = "soft"):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        encoder_dim: int = 512,
+        embed_dim: int = 512,
+        hidden_dim: int = 512,
+        attention_dim: int = 512,
+        dropout: float | None = None,
+        attention: str = "soft",
+    ):
         super().__init__()
-        self.config = DecoderConfig(vocab_size, encoder_dim, embed_dim, hidden_dim, attention_dim,
-                                    dropout, attention)
+        self.config = DecoderConfig(vocab_size, encoder_dim, embed_dim, hidden_dim, attention_dim, dropout, attention)
         E, D, H = embed_dim, encoder_dim, hidden_dim
-        self.embedding = nn.Embedding(vocab_size, E)             # E, the word embedding matrix
-        self.attention = Attention(D, H, attention_dim)          # f_att
-        self.f_beta = nn.Linear(H, 1)                            # gating scalar β_t = σ(f_β(h_{t-1})), §4.2.1
-        self.init_h = nn.Linear(D, H)                            # f_init,h on the mean annotation
-        self.init_c = nn.Linear(D, H)                            # f_init,c on the mean annotation
+        self.embedding = nn.Embedding(vocab_size, E)  # E, the word embedding matrix
+        self.attention = Attention(D, H, attention_dim)  # f_att
+        self.f_beta = nn.Linear(H, 1)  # gating scalar β_t = σ(f_β(h_{t-1})), §4.2.1
+        self.init_h = nn.Linear(D, H)  # f_init,h on the mean annotation
+        self.init_c = nn.Linear(D, H)  # f_init,c on the mean annotation
         # Eq. (1): the LSTM's affine map of [E y_{t-1}; h_{t-1}; ẑ_t], split by input so the
         # embedding part can be computed for all steps at once.
         self.lstm_y = nn.Linear(E, 4 * H)
@@ -141,15 +155,22 @@ class AttentionDecoder(nn.Module):
 
     def init_state(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h_0, c_0 from the mean annotation vector (§3.1.2), as in the authors' code (tanh)."""
-        mean = features.mean(dim=1)                                   # (B, D)
+        mean = features.mean(dim=1)  # (B, D)
         return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))  # (B, H) each
 
     def attend(self, projected: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """α_t (B, L), eqs. (4)-(5), from h_{t-1}."""
         return self.attention(projected, h)
 
-    def advance(self, features: torch.Tensor, alpha: torch.Tensor, emb: torch.Tensor, h: torch.Tensor,
-                c: torch.Tensor, locations: torch.Tensor | None = None):
+    def advance(
+        self,
+        features: torch.Tensor,
+        alpha: torch.Tensor,
+        emb: torch.Tensor,
+        h: torch.Tensor,
+        c: torch.Tensor,
+        locations: torch.Tensor | None = None,
+    ):
         """The context from α_t, gated by β_t (§4.2.1), then the LSTM, eqs. (1)-(3).
 
         Args:
@@ -159,14 +180,14 @@ class AttentionDecoder(nn.Module):
         Returns:
             h_t (B, H), c_t (B, H), ẑ_t (B, D).
         """
-        beta = torch.sigmoid(self.f_beta(h))                                   # (B, 1)
+        beta = torch.sigmoid(self.f_beta(h))  # (B, 1)
         z = torch.bmm(alpha.unsqueeze(1).to(features.dtype), features).squeeze(1)  # (B, D), expected
         if locations is not None:
             rows = torch.arange(features.size(0), device=features.device)
-            picked = features[rows, locations.clamp_min(0)]                    # (B, D)
+            picked = features[rows, locations.clamp_min(0)]  # (B, D)
             z = torch.where((locations >= 0).unsqueeze(1), picked, z)
         z = beta * z
-        gates = self.gates(emb, h, z)                                          # (B, 4H)
+        gates = self.gates(emb, h, z)  # (B, 4H)
         h, c = lstm_cell(gates, c)
         return h, c, z
 
@@ -191,13 +212,21 @@ class AttentionDecoder(nn.Module):
         key = tuple((p.data_ptr(), p.dtype, p._version) for p in parts)
         cached = self.__dict__.get("_step_weights")
         if cached is None or cached[0] != key:
-            with torch.inference_mode(False), torch.no_grad():   # ordinary tensors, usable anywhere
+            with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, usable anywhere
                 cached = key, torch.cat(parts[:3], dim=1), torch.cat(parts[3:], dim=1)
             self.__dict__["_step_weights"] = cached
         return cached[1], cached[2]
 
-    def step(self, features: torch.Tensor, projected: torch.Tensor, words: torch.Tensor, h: torch.Tensor,
-             c: torch.Tensor, mode: str = EXPECTED, generator: torch.Generator | None = None):
+    def step(
+        self,
+        features: torch.Tensor,
+        projected: torch.Tensor,
+        words: torch.Tensor,
+        h: torch.Tensor,
+        c: torch.Tensor,
+        mode: str = EXPECTED,
+        generator: torch.Generator | None = None,
+    ):
         """One generation step from the previous words (B,): attend, choose the context, advance, output.
 
         Args:
@@ -206,22 +235,28 @@ class AttentionDecoder(nn.Module):
         Returns:
             logits (B, V), h (B, H), c (B, H), α (B, L), chosen locations (B,) or None.
         """
-        alpha = self.attend(projected, h)                             # (B, L)
-        loc = choose_locations(alpha, mode, generator)                # (B,) or None
-        emb = self.embedding(words)                                   # (B, E)
+        alpha = self.attend(projected, h)  # (B, L)
+        loc = choose_locations(alpha, mode, generator)  # (B,) or None
+        emb = self.embedding(words)  # (B, E)
         h, c, z = self.advance(features, alpha, emb, h, c, loc)
         return self.output(emb, h, z), h, c, alpha, loc
 
     def compile_step(self) -> None:
         """torch.compile the step (for GPUs); teacher forcing then takes the plain pass, `unroll`."""
-        self.attend = torch.compile(self.attend, dynamic=True)    # the batch shrinks as captions end
+        self.attend = torch.compile(self.attend, dynamic=True)  # the batch shrinks as captions end
         self.advance = torch.compile(self.advance, dynamic=True)
         self.fused = False
 
     # teacher forcing
 
-    def unroll(self, features: torch.Tensor, captions: torch.Tensor, sampled: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, locations: torch.Tensor | None = None) -> Unrolled:
+    def unroll(
+        self,
+        features: torch.Tensor,
+        captions: torch.Tensor,
+        sampled: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        locations: torch.Tensor | None = None,
+    ) -> Unrolled:
         """The plain teacher-forced pass (autograd throughout), soft by default; hard where asked.
 
         Args:
@@ -232,13 +267,13 @@ class AttentionDecoder(nn.Module):
             locations: (B, T-1) fixed locations (-1: expected context); overrides `sampled`.
         """
         B, T = captions.shape
-        features = self.normalize(features)                      # (B, L, D)
-        projected = self.attention.project(features)             # (B, L, A), once per image
-        h, c = self.init_state(features)                         # (B, H)
-        emb = self.embedding(captions[:, :-1])                   # (B, T-1, E)
+        features = self.normalize(features)  # (B, L, D)
+        projected = self.attention.project(features)  # (B, L, A), once per image
+        h, c = self.init_state(features)  # (B, H)
+        emb = self.embedding(captions[:, :-1])  # (B, T-1, E)
         hs, zs, alphas, locs = [], [], [], []
         for t in range(T - 1):
-            alpha = self.attend(projected, h)                    # (B, L)
+            alpha = self.attend(projected, h)  # (B, L)
             loc = None if locations is None else locations[:, t]
             if loc is None and sampled is not None:
                 draw = torch.multinomial(alpha.detach().float(), 1, generator=generator).squeeze(1)  # (B,)
@@ -252,11 +287,13 @@ class AttentionDecoder(nn.Module):
         """The soft teacher-forced pass, through `models.fused` when `self.fused`, else `unroll`."""
         if self.fused:
             from captioner.models.fused import fused_unroll
+
             return fused_unroll(self, features, captions)
         return self.unroll(features, captions)
 
-    def forward(self, features: torch.Tensor, captions: torch.Tensor,
-                lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, features: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced soft pass.
 
         Args:
@@ -278,13 +315,13 @@ def choose_locations(alpha: torch.Tensor, mode: str, generator: torch.Generator 
     if mode == SAMPLE:
         return torch.multinomial(alpha.float(), 1, generator=generator).squeeze(1)  # (B,)
     if mode == ARGMAX:
-        return alpha.argmax(dim=1)                                                 # (B,)
+        return alpha.argmax(dim=1)  # (B,)
     raise ValueError(f"context mode must be one of {CONTEXT_MODES}, got {mode!r}")
 
 
 def lstm_cell(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eqs. (2)–(3): the LSTM's gates (B, 4H) and c_{t-1} (B, H) → h_t, c_t (B, H)."""
-    i, f, o, g = gates.chunk(4, dim=1)                       # (B, H) each
+    i, f, o, g = gates.chunk(4, dim=1)  # (B, H) each
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     h = torch.sigmoid(o) * torch.tanh(c)
     return h, c

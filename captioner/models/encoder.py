@@ -8,6 +8,7 @@ checkpoint, so inference rebuilds exactly the encoder that made the training fea
 - a path: a VGG state dict on disk.
 Whichever it is, a fingerprint of the weights is recorded and checked when rebuilding.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,14 +39,23 @@ class EncoderSpec:
     Random weights only when asked (`weights="none"`): the default is ImageNet's, everywhere.
     `fingerprint` (sha256 prefix of the weights) is filled in by `build_encoder`.
     """
-    arch: Annotated[Literal["vgg16", "vgg19"], "--encoder", "VGG variant: vgg16 up to conv5_3, vgg19 up to "
-                    "conv5_4 (the paper's layer)"] = "vgg16"
-    weights: Annotated[str, "--encoder-weights", "imagenet (torchvision's, through its download cache), none "
-                       "(random, seeded: offline tests and demos) or a path to a VGG state dict"] = "imagenet"
+
+    arch: Annotated[
+        Literal["vgg16", "vgg19"],
+        "--encoder",
+        "VGG variant: vgg16 up to conv5_3, vgg19 up to conv5_4 (the paper's layer)",
+    ] = "vgg16"
+    weights: Annotated[
+        str,
+        "--encoder-weights",
+        "imagenet (torchvision's, through its download cache), none "
+        "(random, seeded: offline tests and demos) or a path to a VGG state dict",
+    ] = "imagenet"
     seed: Annotated[int, "--encoder-seed", "seed of --encoder-weights none"] = 0
     image_size: Annotated[int, "side of the square encoder input (224 gives the 14x14 grid)"] = 224
-    crop: Annotated[bool, "resize-256/centre-crop-224 as in the paper instead of resizing the whole image "
-                    "to 224x224"] = False
+    crop: Annotated[
+        bool, "resize-256/centre-crop-224 as in the paper instead of resizing the whole image to 224x224"
+    ] = False
     fingerprint: str = ""
 
     @property
@@ -60,7 +70,7 @@ class EncoderSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "EncoderSpec":
+    def from_dict(cls, d: dict) -> EncoderSpec:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
@@ -72,11 +82,12 @@ class VGGEncoder(nn.Module):
         self.features = features
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        f = self.features(images)             # (B, D, 14, 14)
+        f = self.features(images)  # (B, D, 14, 14)
         return f.flatten(2).transpose(1, 2)  # (B, L, D): location i = row * 14 + col
 
 
 # helpers
+
 
 def _seeded_init(features: nn.Sequential, seed: int) -> None:
     """He-normal conv weights (fan-in, keeps activations' scale through ReLUs), zero biases."""
@@ -100,13 +111,15 @@ def _imagenet_state(arch: str) -> dict:
             f"cannot get the ImageNet weights for {arch} ({weights.url}): {e}.\n"
             f"Offline? Download that file elsewhere and put it at {target} "
             f"(torch's hub cache; TORCH_HOME moves it), or pass --encoder-weights PATH to a VGG "
-            "state dict, or --encoder-weights none for a random seeded encoder.") from None
+            "state dict, or --encoder-weights none for a random seeded encoder."
+        ) from None
 
 
 def _file_state(path: str) -> dict:
     if not os.path.isfile(path):
-        raise CaptionerError(f"--encoder-weights {path}: no such file (expected 'imagenet', 'none' "
-                             "or a path to a VGG state dict)")
+        raise CaptionerError(
+            f"--encoder-weights {path}: no such file (expected 'imagenet', 'none' or a path to a VGG state dict)"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -120,8 +133,11 @@ def _file_state(path: str) -> dict:
 
 def _load_features(features: nn.Sequential, state: dict, source: str) -> None:
     # Accept a whole VGG state dict ("features.0.weight") or the trunk alone ("0.weight").
-    trunk = {k.removeprefix("features."): v for k, v in state.items()
-             if k.startswith("features.") or k.split(".")[0].isdigit()}
+    trunk = {
+        k.removeprefix("features."): v
+        for k, v in state.items()
+        if k.startswith("features.") or k.split(".")[0].isdigit()
+    }
     wanted = features.state_dict().keys()
     missing = [k for k in wanted if k not in trunk]
     if missing:
@@ -142,6 +158,7 @@ def fingerprint(module: nn.Module) -> str:
 
 
 # classes
+
 
 def build_encoder(spec: EncoderSpec) -> tuple[VGGEncoder, EncoderSpec]:
     """Build the encoder a spec describes.
@@ -172,7 +189,8 @@ def build_encoder(spec: EncoderSpec) -> tuple[VGGEncoder, EncoderSpec]:
         raise CaptionerError(
             f"the encoder built from {spec.weights!r} ({spec.arch}, seed {spec.seed}) has fingerprint "
             f"{fp}, but the features were made by an encoder with fingerprint {spec.fingerprint}; "
-            "use the same --encoder/--encoder-weights as at prepare time")
+            "use the same --encoder/--encoder-weights as at prepare time"
+        )
     return encoder, replace(spec, fingerprint=fp)
 
 
@@ -200,8 +218,9 @@ def apply_encoder_state(encoder: VGGEncoder, state: dict, source: str) -> VGGEnc
     wrong = [k for k, v in state.items() if v.shape != own[k].shape]
     if wrong:
         k = wrong[0]
-        raise CaptionerError(f"{source}: its encoder_state's {k} is {tuple(state[k].shape)}, the encoder's "
-                             f"is {tuple(own[k].shape)}")
+        raise CaptionerError(
+            f"{source}: its encoder_state's {k} is {tuple(state[k].shape)}, the encoder's is {tuple(own[k].shape)}"
+        )
     encoder.features.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
     return encoder
 

@@ -16,6 +16,7 @@ with `--no-fused` or `--compile` uses the plain pass.
 Symbols: B batch, L locations, D annotation size, E embedding size, H LSTM size, A attention
 size, T steps, n captions still running at a step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,28 +43,28 @@ class _Score(torch.autograd.Function):
         # (B, L, A) gradient per step). With `total` (from `_GradientSum`, in a training pass)
         # the gradient, less its factor 2v, is added into it instead: no (B, L, A) tensor per step.
         n = q.size(0)
-        ctx.dtypes = projected.dtype, q.dtype, v.dtype            # under autocast they may differ
+        ctx.dtypes = projected.dtype, q.dtype, v.dtype  # under autocast they may differ
         ctx.rows, ctx.total = projected.size(0), total
         v = v.to(projected.dtype)
         s = torch.add(projected[:n], q.to(projected.dtype).unsqueeze(1)).sigmoid_()  # (n, L, A), σ(2p + 2q)
         ctx.save_for_backward(s, v)
-        return s @ (2 * v)                                             # (n, L)
+        return s @ (2 * v)  # (n, L)
 
     @staticmethod
     def backward(ctx, grad_e):
         s, v = ctx.saved_tensors
         n, L, A = s.shape
         grad_e = grad_e.to(s.dtype)
-        grad_v = 2 * torch.einsum("bl,bla->a", grad_e, s)                         # (A,)
+        grad_v = 2 * torch.einsum("bl,bla->a", grad_e, s)  # (A,)
         p_dtype, q_dtype, v_dtype = ctx.dtypes
         # d e / d(2p) = 2 v σ(1 − σ), times the incoming gradient
-        if ctx.total is not None:   # total gathers Σ_t grad_e σ(1 − σ); `_GradientSum` applies 2v once
+        if ctx.total is not None:  # total gathers Σ_t grad_e σ(1 − σ); `_GradientSum` applies 2v once
             total, scratch = ctx.total
-            ds = torch.addcmul(s, s, s, value=-1, out=scratch[:n])                   # (n, L, A), σ(1 − σ)
+            ds = torch.addcmul(s, s, s, value=-1, out=scratch[:n])  # (n, L, A), σ(1 − σ)
             total[:n].addcmul_(ds, grad_e.unsqueeze(2))
-            grad_q = torch.bmm(grad_e.unsqueeze(1), ds).squeeze(1).mul_(2 * v)      # (n, A)
+            grad_q = torch.bmm(grad_e.unsqueeze(1), ds).squeeze(1).mul_(2 * v)  # (n, A)
             return None, grad_q.to(q_dtype), grad_v.to(v_dtype), None
-        grad_p = s.new_empty(ctx.rows, L, A)                                      # (B, L, A)
+        grad_p = s.new_empty(ctx.rows, L, A)  # (B, L, A)
         grad_p[n:].zero_()
         torch.addcmul(s, s, s, value=-1, out=grad_p[:n]).mul_(grad_e.unsqueeze(2)).mul_(2 * v)
         return grad_p.to(p_dtype), grad_p[:n].sum(dim=1).to(q_dtype), grad_v.to(v_dtype), None
@@ -84,7 +85,7 @@ class _GradientSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        total = ctx.total.mul_(ctx.scale)                          # the buffer is used once
+        total = ctx.total.mul_(ctx.scale)  # the buffer is used once
         return (total if grad is None else total + grad), None, None
 
 
@@ -100,7 +101,7 @@ class _SharedWeight(torch.autograd.Function):
     @staticmethod
     def forward(ctx, W, pairs: list):
         ctx.pairs, ctx.dtype = pairs, W.dtype
-        ctx.set_materialize_grads(False)    # the steps send W no gradient: nothing to zero-fill
+        ctx.set_materialize_grads(False)  # the steps send W no gradient: nothing to zero-fill
         return W.view_as(W)
 
     @staticmethod
@@ -109,7 +110,7 @@ class _SharedWeight(torch.autograd.Function):
             return None, None
         grads, inputs = zip(*ctx.pairs)
         ctx.pairs.clear()
-        g, x = (torch.cat(t).to(ctx.dtype) for t in (grads, inputs))   # (Σn, out), (Σn, in)
+        g, x = (torch.cat(t).to(ctx.dtype) for t in (grads, inputs))  # (Σn, out), (Σn, in)
         return g.t() @ x, None
 
 
@@ -140,7 +141,7 @@ def _h_weights(decoder: AttentionDecoder) -> torch.Tensor:
 def _attention_weights(decoder: AttentionDecoder, projected: torch.Tensor, q: torch.Tensor, total=None):
     """α_t (n, L) from q = 2 W_h h_{t-1} (n, A); `projected` may hold more rows (see `_Score`)."""
     e = _Score.apply(projected, q, decoder.attention.v.weight.view(-1), total)  # (n, L)
-    return e.softmax(dim=1)                                                    # (n, L), sums to 1
+    return e.softmax(dim=1)  # (n, L), sums to 1
 
 
 def fused_unroll(decoder: AttentionDecoder, features: torch.Tensor, captions: torch.Tensor) -> Unrolled:
@@ -156,42 +157,51 @@ def fused_unroll(decoder: AttentionDecoder, features: torch.Tensor, captions: to
     """
     B, T1 = captions.size(0), captions.size(1) - 1
     L = features.size(1)
-    steps = (captions != 0).sum(dim=1) - 1                     # (B,) positions predicting a word or <end>
+    steps = (captions != 0).sum(dim=1) - 1  # (B,) positions predicting a word or <end>
     order = torch.argsort(steps, descending=True, stable=True)  # (B,)
-    running = steps[order] > torch.arange(T1, device=steps.device).unsqueeze(1)   # (T-1, B), a prefix per step
-    active = running.sum(1).tolist()                           # captions still running at each step
-    emb = decoder.embedding(captions[:, :-1])                     # (B, T-1, E), in the caller's order
-    features = decoder.normalize(features[order])                 # (B, L, D), sorted from here on
-    projected = decoder.attention.project(features)               # (B, L, A), once per image
-    h, c = decoder.init_state(features)                           # (B, H)
+    running = steps[order] > torch.arange(T1, device=steps.device).unsqueeze(1)  # (T-1, B), a prefix per step
+    active = running.sum(1).tolist()  # captions still running at each step
+    emb = decoder.embedding(captions[:, :-1])  # (B, T-1, E), in the caller's order
+    features = decoder.normalize(features[order])  # (B, L, D), sorted from here on
+    projected = decoder.attention.project(features)  # (B, L, A), once per image
+    h, c = decoder.init_state(features)  # (B, H)
     # All steps at once, for the running captions only (time-major, step t's n rows after
     # step t-1's), then one (n, 4H) view per step: split's backward is a single cat, where
     # indexing at every step would zero-fill a (B, T-1, 4H) gradient each time.
-    gates_y = decoder.lstm_y(emb[order].transpose(0, 1)[running]).split(active)   # T-1 × (n, 4H)
-    z, alpha = features[:, 0], projected.new_zeros(B, L)        # only read when no caption runs
-    W_hh, W_z = _h_weights(decoder), decoder.lstm_z.weight           # once per pass, not per step
+    gates_y = decoder.lstm_y(emb[order].transpose(0, 1)[running]).split(active)  # T-1 × (n, 4H)
+    z, alpha = features[:, 0], projected.new_zeros(B, L)  # only read when no caption runs
+    W_hh, W_z = _h_weights(decoder), decoder.lstm_z.weight  # once per pass, not per step
     shared = None
     if torch.is_grad_enabled():  # gradients summed once per pass, not per step
-        sums = torch.zeros_like(projected), torch.empty_like(projected)   # total, scratch
+        sums = torch.zeros_like(projected), torch.empty_like(projected)  # total, scratch
         shared = [], [], sums
         W_hh, W_z = _SharedWeight.apply(W_hh, shared[0]), _SharedWeight.apply(W_z, shared[1])
-        scale = 2 * decoder.attention.v.weight.detach().view(-1).to(projected.dtype)   # (A,)
+        scale = 2 * decoder.attention.v.weight.detach().view(-1).to(projected.dtype)  # (A,)
         projected = _GradientSum.apply(projected, sums, scale)
     hs, zs, alphas = [], [], []
     for t, n in enumerate(active):
         if n:
             h, c, z, alpha = _step(decoder, features[:n], projected, gates_y[t], h[:n], c[:n], W_hh, W_z, shared)
-        rest = (0, 0, 0, B - n)                                   # pad the finished rows back in
+        rest = (0, 0, 0, B - n)  # pad the finished rows back in
         hs.append(F.pad(h[:n], rest)), zs.append(F.pad(z[:n], rest))
         alphas.append(F.pad(alpha[:n], rest, value=1.0 / L))
-    back = torch.argsort(order)                                 # (B,) undoes the sort
+    back = torch.argsort(order)  # (B,) undoes the sort
     h_all, z_all, a_all = (torch.stack(x, 1)[back] for x in (hs, zs, alphas))
     locs = torch.full((B, T1), -1, dtype=torch.long, device=features.device)
     return Unrolled(emb, h_all, z_all, a_all, locs)
 
 
-def _step(decoder: AttentionDecoder, features: torch.Tensor, projected: torch.Tensor, gates_y: torch.Tensor,
-          h: torch.Tensor, c: torch.Tensor, W_hh: torch.Tensor, W_z: torch.Tensor, shared: tuple | None = None):
+def _step(
+    decoder: AttentionDecoder,
+    features: torch.Tensor,
+    projected: torch.Tensor,
+    gates_y: torch.Tensor,
+    h: torch.Tensor,
+    c: torch.Tensor,
+    W_hh: torch.Tensor,
+    W_z: torch.Tensor,
+    shared: tuple | None = None,
+):
     """One teacher-forced soft step for the n = len(h) captions still running: attend with
     h_{t-1}, then the LSTM. `features` and `gates_y` hold those n rows; `projected` may hold
     the whole batch (its first n rows are used); W_hh is `_h_weights`, W_z the LSTM's map
@@ -205,9 +215,9 @@ def _step(decoder: AttentionDecoder, features: torch.Tensor, projected: torch.Te
     pairs_h, pairs_z, total = shared or (None, None, None)
     hh = F.linear(h, W_hh) if shared is None else _StepProduct.apply(h, W_hh, pairs_h)  # (n, A + 4H + 1)
     q, gates_h, f = hh.split([decoder.config.attention_dim, gates_y.size(1), 1], dim=1)
-    alpha = _attention_weights(decoder, projected, q, total)                 # (n, L)
-    beta = torch.sigmoid(f + decoder.f_beta.bias)                          # (n, 1)
-    z = beta * torch.bmm(alpha.unsqueeze(1), features).squeeze(1)      # (n, D), expected context
+    alpha = _attention_weights(decoder, projected, q, total)  # (n, L)
+    beta = torch.sigmoid(f + decoder.f_beta.bias)  # (n, 1)
+    z = beta * torch.bmm(alpha.unsqueeze(1), features).squeeze(1)  # (n, D), expected context
     gates_z = F.linear(z, W_z) if shared is None else _StepProduct.apply(z, W_z, pairs_z)
-    h, c = lstm_cell(gates_y + gates_h + gates_z, c)                   # (n, H)
+    h, c = lstm_cell(gates_y + gates_h + gates_z, c)  # (n, H)
     return h, c, z, alpha

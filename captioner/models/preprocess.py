@@ -3,6 +3,7 @@
 `Preprocess` turns an upright RGB image (`data.images.load_image`) into the encoder's input
 tensor (3, S, S) and knows which part of the image the attention grid covers.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -25,6 +26,7 @@ class Preprocess:
         crop: False resizes the whole image to size×size, so the attention grid covers all of
             it; True is the paper's resize-shorter-side-to-256 then centre-crop-224.
     """
+
     size: int = 224
     crop: bool = False
 
@@ -37,7 +39,7 @@ class Preprocess:
         if not self.crop:
             return 0.0, 0.0, float(width), float(height)
         scale = self.resize_to / min(width, height)  # original pixels → resized pixels
-        side = self.size / scale                       # the crop's side in original pixels
+        side = self.size / scale  # the crop's side in original pixels
         left, top = (width - side) / 2, (height - side) / 2
         return left, top, left + side, top + side
 
@@ -46,15 +48,14 @@ class Preprocess:
         if self.crop:
             w, h = img.size
             scale = self.resize_to / min(w, h)
-            img = img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BILINEAR,
-                             reducing_gap=None)
+            img = img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BILINEAR, reducing_gap=None)
             w, h = img.size
             left, top = (w - self.size) // 2, (h - self.size) // 2
             img = img.crop((left, top, left + self.size, top + self.size))
         else:
             img = img.resize((self.size, self.size), Image.BILINEAR)
         x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)  # (S, S, 3)
-        x = x.permute(2, 0, 1)                                            # (3, S, S)
+        x = x.permute(2, 0, 1)  # (3, S, S)
         mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
         std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
         return (x - mean) / std

@@ -5,6 +5,7 @@ layers go into checkpoints as "encoder_state" under the names of `VGGEncoder.fea
 ("24.weight", ...); `encoder.apply_encoder_state` puts them back into a whole encoder.
 Shapes: n images, B captions, L locations, D feature size, S image side.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,12 +53,12 @@ class TunedEncoder(nn.Module):
         if self.frozen is None:
             n, L, D = inputs.shape
             g = math.isqrt(L)
-            x = inputs.transpose(1, 2).reshape(n, D, g, g)     # (n, D, 14, 14) pool4 maps
+            x = inputs.transpose(1, 2).reshape(n, D, g, g)  # (n, D, 14, 14) pool4 maps
         else:
             with torch.no_grad():
-                x = self.frozen(inputs)                         # (n, 256, 28, 28) pool3 maps
-        f = self.tuned(x).flatten(2).transpose(1, 2)            # (n, L, D)
-        return f if index is None else f[index]                 # (B, L, D)
+                x = self.frozen(inputs)  # (n, 256, 28, 28) pool3 maps
+        f = self.tuned(x).flatten(2).transpose(1, 2)  # (n, L, D)
+        return f if index is None else f[index]  # (B, L, D)
 
     def encoder_state(self) -> dict:
         """The trained layers as plain tensors, under `VGGEncoder.features`' names."""

@@ -5,10 +5,10 @@ no downloaded data); tokens with no letter or digit (punctuation) are dropped, a
 coco-caption PTB tokenizer does. Ids: <pad>=0, <start>=1, <end>=2, <unk>=3, then words by
 decreasing count.
 """
+
 from __future__ import annotations
 
 import string
-
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -28,7 +28,9 @@ _EDGE_PUNCTUATION = string.punctuation.replace("'", "")
 
 def tokenize(text: str) -> list[str]:
     """'A man, riding a Horse.' → ['a', 'man', 'riding', 'a', 'horse']"""
-    text = " ".join(text.lower().split())  # any whitespace (\r, \t, ...) as one space: the tokenizer's rules expect spaces
+    text = " ".join(
+        text.lower().split()
+    )  # any whitespace (\r, \t, ...) as one space: the tokenizer's rules expect spaces
     # Treebank splits some punctuation off only at the end of the text ("0." but "0.("): strip
     # it from every token's ends (a leading apostrophe stays: 's, 're), so tokenising is the same
     # wherever a word stands.
@@ -49,15 +51,16 @@ class Vocabulary:
         self.index = {w: i for i, w in enumerate(words)}
 
     @classmethod
-    def build(cls, token_lists: Iterable[Sequence[str]], min_count: int = 5) -> "Vocabulary":
+    def build(cls, token_lists: Iterable[Sequence[str]], min_count: int = 5) -> Vocabulary:
         """Keep words seen at least `min_count` times; ties broken alphabetically for determinism."""
         return cls.from_counts(Counter(t for tokens in token_lists for t in tokens), min_count)
 
     @classmethod
-    def from_counts(cls, counts: Counter, min_count: int = 5) -> "Vocabulary":
+    def from_counts(cls, counts: Counter, min_count: int = 5) -> Vocabulary:
         """The vocabulary of words counted at least `min_count` times, most frequent first."""
-        kept = sorted((w for w, c in counts.items() if c >= min_count and w not in SPECIALS),
-                      key=lambda w: (-counts[w], w))
+        kept = sorted(
+            (w for w, c in counts.items() if c >= min_count and w not in SPECIALS), key=lambda w: (-counts[w], w)
+        )
         return cls([*SPECIALS, *kept])
 
     def __len__(self) -> int:

@@ -6,6 +6,7 @@ not averaged), so their balance is the paper's; dividing a batch's total by its 
 only sets the scale. Padding is masked out of both.
 Symbols: B captions, T steps, L locations, V vocabulary size, N real (non-padding) positions.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,21 +22,27 @@ def word_nll(decoder: AttentionDecoder, unrolled: Unrolled, captions: torch.Tens
         (B, T-1) negative log-likelihoods (0 on padding), and the (B, T-1) mask.
     """
     T1 = unrolled.h.size(1)
-    mask = step_mask(lengths, T1)                                                          # (B, T-1)
-    logits = decoder.output(unrolled.emb[mask], unrolled.h[mask], unrolled.z[mask])        # (N, V)
+    mask = step_mask(lengths, T1)  # (B, T-1)
+    logits = decoder.output(unrolled.emb[mask], unrolled.h[mask], unrolled.z[mask])  # (N, V)
     nll = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
-    nll[mask] = F.cross_entropy(logits.float(), captions[:, 1:T1 + 1][mask], reduction="none")
+    nll[mask] = F.cross_entropy(logits.float(), captions[:, 1 : T1 + 1][mask], reduction="none")
     return nll, mask
 
 
 def attention_penalty(alphas: torch.Tensor, mask: torch.Tensor, alpha_c: float = 1.0) -> torch.Tensor:
     """Doubly stochastic regularisation of eq. (14) per image: λ Σ_i (1 − Σ_t α_ti)², (B,)."""
-    attended = (alphas * mask.unsqueeze(2)).sum(dim=1)           # (B, L), Σ_t α_ti over real steps
-    return alpha_c * ((1.0 - attended) ** 2).sum(dim=1)          # (B,)
+    attended = (alphas * mask.unsqueeze(2)).sum(dim=1)  # (B, L), Σ_t α_ti over real steps
+    return alpha_c * ((1.0 - attended) ** 2).sum(dim=1)  # (B,)
 
 
-def sequence_terms(decoder: AttentionDecoder, features: torch.Tensor, captions: torch.Tensor,
-                   lengths: torch.Tensor, alpha_c: float = 1.0, words: torch.Tensor | float | None = None):
+def sequence_terms(
+    decoder: AttentionDecoder,
+    features: torch.Tensor,
+    captions: torch.Tensor,
+    lengths: torch.Tensor,
+    alpha_c: float = 1.0,
+    words: torch.Tensor | float | None = None,
+):
     """Eq. (14)'s two terms per predicted word, with logits only where there are words, and the
     teacher-forced pass and its (B, T-1) mask of real steps (for terms computed on the same maps).
 
@@ -52,16 +59,23 @@ def sequence_terms(decoder: AttentionDecoder, features: torch.Tensor, captions: 
     return nll.sum() / words, attention_penalty(u.alphas.float(), mask, alpha_c).sum() / words, u, mask
 
 
-def caption_loss(logits: torch.Tensor, alphas: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor,
-                 alpha_c: float = 1.0, words: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def caption_loss(
+    logits: torch.Tensor,
+    alphas: torch.Tensor,
+    captions: torch.Tensor,
+    lengths: torch.Tensor,
+    alpha_c: float = 1.0,
+    words: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. (14) from `AttentionDecoder.forward`'s logits (B, T-1, V) and maps (B, T-1, L).
 
     Returns:
         (negative log-likelihood per word, penalty per word); the loss is their sum.
     """
     B, T1, V = logits.shape
-    mask = step_mask(lengths, T1)                                                # (B, T-1)
-    nll = F.cross_entropy(logits.reshape(-1, V).float(), captions[:, 1:T1 + 1].reshape(-1),
-                          reduction="none").view(B, T1)                          # (B, T-1)
+    mask = step_mask(lengths, T1)  # (B, T-1)
+    nll = F.cross_entropy(logits.reshape(-1, V).float(), captions[:, 1 : T1 + 1].reshape(-1), reduction="none").view(
+        B, T1
+    )  # (B, T-1)
     words = mask.sum() if words is None else words
     return (nll * mask).sum() / words, attention_penalty(alphas.float(), mask, alpha_c).sum() / words

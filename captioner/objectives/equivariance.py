@@ -19,6 +19,7 @@ rewriting.
 On a row-major grid, turning a map half a turn is reversing its flattened locations, for any
 grid shape.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,13 +55,14 @@ def equivariance_loss(alphas: torch.Tensor, rotated_alphas: torch.Tensor, mask: 
     Returns:
         (B,) summed over each caption's real steps.
     """
-    a = (alphas.float() + SQRT_EPS).sqrt()                    # α underflows to 0 in float32 for peaked
+    a = (alphas.float() + SQRT_EPS).sqrt()  # α underflows to 0 in float32 for peaked
     b = (half_turn(rotated_alphas.float()) + SQRT_EPS).sqrt()  # maps; √ at 0 has an infinite slope
     return (((a - b) ** 2).sum(-1) * mask).sum(-1)
 
 
-def equivariance_term(decoder, alphas: torch.Tensor, rotated: torch.Tensor, captions: torch.Tensor,
-                      mask: torch.Tensor, words) -> torch.Tensor:
+def equivariance_term(
+    decoder, alphas: torch.Tensor, rotated: torch.Tensor, captions: torch.Tensor, mask: torch.Tensor, words
+) -> torch.Tensor:
     """λ's multiplicand per word: `equivariance_loss` of the maps α of `captions` against the maps
     of the same captions on their images turned 180° (a soft pass of `decoder` on `rotated`).
 
@@ -68,5 +70,5 @@ def equivariance_term(decoder, alphas: torch.Tensor, rotated: torch.Tensor, capt
         alphas: (B, T-1, L) the maps on the images; rotated: (B, L, D) the turned images' features;
         captions: (B, T); mask: (B, T-1) real steps; words: what to divide the batch total by.
     """
-    turned = decoder.teacher_forced(rotated, captions)                 # same captions, images turned 180°
+    turned = decoder.teacher_forced(rotated, captions)  # same captions, images turned 180°
     return equivariance_loss(alphas, turned.alphas, mask.float()).sum() / words

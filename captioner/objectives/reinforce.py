@@ -12,6 +12,7 @@ Those expected-context captions also carry the half-turn equivariance term of so
 which learns its α from them as much as from its samples, settled one cell beside the objects on
 one of the two held-out scene sets (README, 'Soft attention on scenes made elsewhere').
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,15 +29,23 @@ LOG_EPS = 1e-12  # floor under α before the log: a sampled location always has 
 @dataclass
 class HardAttentionConfig:
     """Hard attention (`--attention hard`): REINFORCE settings."""
+
     entropy_weight: Annotated[float, "hard attention: λ_e, the weight of the entropy bonus"] = 0.002
     reward_scale: Annotated[float, "hard attention: λ_r, the weight of the REINFORCE term"] = 0.1
-    semi_sampling: Annotated[float, "hard attention: probability that an image uses the expected context "
-                             "instead of a sampled location"] = 0.5
+    semi_sampling: Annotated[
+        float, "hard attention: probability that an image uses the expected context instead of a sampled location"
+    ] = 0.5
     baseline_decay: Annotated[float, "hard attention: decay of the moving-average baseline"] = 0.9
 
 
-def reinforce_surrogate(logp_y: torch.Tensor, logp_s: torch.Tensor, entropy: torch.Tensor,
-                        baseline: float, reward_scale: float, entropy_weight: float) -> torch.Tensor:
+def reinforce_surrogate(
+    logp_y: torch.Tensor,
+    logp_s: torch.Tensor,
+    entropy: torch.Tensor,
+    baseline: float,
+    reward_scale: float,
+    entropy_weight: float,
+) -> torch.Tensor:
     """Per-caption surrogate whose gradient is the estimator of eq. (12); to be maximised.
 
     Args:
@@ -45,14 +54,24 @@ def reinforce_surrogate(logp_y: torch.Tensor, logp_s: torch.Tensor, entropy: tor
         entropy: (B,) H[s] summed over steps.
         baseline: b.
     """
-    advantage = (logp_y.detach() - baseline)                          # (B,), no gradient through the reward
+    advantage = logp_y.detach() - baseline  # (B,), no gradient through the reward
     return logp_y + reward_scale * advantage * logp_s + entropy_weight * entropy
 
 
-def hard_attention_loss(model, features, captions, lengths, *, baseline: float, cfg: HardAttentionConfig,
-                        alpha_c: float, generator: torch.Generator | None = None,
-                        words: torch.Tensor | float | None = None, rotated: torch.Tensor | None = None,
-                        equivariance: float = 0.0):
+def hard_attention_loss(
+    model,
+    features,
+    captions,
+    lengths,
+    *,
+    baseline: float,
+    cfg: HardAttentionConfig,
+    alpha_c: float,
+    generator: torch.Generator | None = None,
+    words: torch.Tensor | float | None = None,
+    rotated: torch.Tensor | None = None,
+    equivariance: float = 0.0,
+):
     """Loss for one batch of hard attention training.
 
     Args:
@@ -70,29 +89,33 @@ def hard_attention_loss(model, features, captions, lengths, *, baseline: float, 
     sampled = torch.rand(B, generator=generator, device=features.device) >= cfg.semi_sampling  # (B,)
     u = model.unroll(features, captions, sampled=sampled, generator=generator)
     alphas, locs = u.alphas, u.locations
-    nll, mask = word_nll(model, u, captions, lengths)                                          # (B, T-1)
+    nll, mask = word_nll(model, u, captions, lengths)  # (B, T-1)
     mask = mask.float()
-    logp_y = -nll.sum(1)                                                                      # (B,)
-    log_alpha = alphas.float().clamp_min(LOG_EPS).log()                                       # (B, T-1, L)
-    picked = log_alpha.gather(2, locs.clamp_min(0).unsqueeze(2)).squeeze(2)                   # (B, T-1)
-    logp_s = (picked * mask * (locs >= 0)).sum(1)                                             # (B,)
-    entropy = (-(alphas.float() * log_alpha).sum(2) * mask).sum(1)                            # (B,)
+    logp_y = -nll.sum(1)  # (B,)
+    log_alpha = alphas.float().clamp_min(LOG_EPS).log()  # (B, T-1, L)
+    picked = log_alpha.gather(2, locs.clamp_min(0).unsqueeze(2)).squeeze(2)  # (B, T-1)
+    logp_s = (picked * mask * (locs >= 0)).sum(1)  # (B,)
+    entropy = (-(alphas.float() * log_alpha).sum(2) * mask).sum(1)  # (B,)
     objective = reinforce_surrogate(logp_y, logp_s, entropy, baseline, cfg.reward_scale, cfg.entropy_weight)
     words = mask.sum() if words is None else words
     penalty = attention_penalty(alphas.float(), mask, alpha_c).sum() / words
     loss = -objective.sum() / words + penalty
     terms = {}
     if rotated is not None and equivariance > 0:
-        soft = ~sampled                                           # the expected-context captions
+        soft = ~sampled  # the expected-context captions
         equi = alphas.new_zeros(())
         if soft.any():
             equi = equivariance_term(model, alphas[soft], rotated[soft], captions[soft], mask[soft], words)
         loss = loss + equivariance * equi
         terms["equivariance"] = equi.detach()
-    drawn = (locs >= 0).any(dim=1)                                                            # (B,)
-    terms |= {"nll": -logp_y.detach().sum() / words, "penalty": penalty.detach(),
-              "entropy": entropy.detach().sum() / words,
-              "reward_sum": logp_y.detach()[drawn].sum(), "sampled": drawn.sum().float()}
+    drawn = (locs >= 0).any(dim=1)  # (B,)
+    terms |= {
+        "nll": -logp_y.detach().sum() / words,
+        "penalty": penalty.detach(),
+        "entropy": entropy.detach().sum() / words,
+        "reward_sum": logp_y.detach()[drawn].sum(),
+        "sampled": drawn.sum().float(),
+    }
     return loss, terms
 
 

@@ -17,37 +17,44 @@ join the words'.
 Symbols in shape comments: B images, n samples per image, N = B·n captions, L locations,
 D feature size, T steps, V vocabulary.
 """
+
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
-from typing import Annotated, Literal
-from typing import NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
-from captioner.objectives.cider import NgramScorer, References, cached_document_frequency
 from captioner.data.dataset import CaptionData, ImageBatch
 from captioner.models.decode import beam_search
 from captioner.models.decoder import EXPECTED, SAMPLE, AttentionDecoder
-from captioner.objectives.reinforce import LOG_EPS
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
+from captioner.objectives.cider import NgramScorer, References, cached_document_frequency
+from captioner.objectives.reinforce import LOG_EPS
 
 BASELINES = ("mean", "greedy")
-LR = 5e-5                        # SCST's default learning rate, ruotianluo/self-critical.pytorch's (docs/training.md)
+LR = 5e-5  # SCST's default learning rate, ruotianluo/self-critical.pytorch's (docs/training.md)
 
 
 @dataclass
 class ScstConfig:
     """Self-critical training (`--objective scst`); part of TrainConfig, so saved in every checkpoint."""
+
     samples: Annotated[int, "scst: captions sampled per image"] = 5
-    baseline: Annotated[Literal["mean", "greedy"], "--scst-baseline", "scst: mean reward of the image's other "
-                        "samples (Luo 2020) or of the greedy caption (Rennie 2017)"] = "mean"
+    baseline: Annotated[
+        Literal["mean", "greedy"],
+        "--scst-baseline",
+        "scst: mean reward of the image's other samples (Luo 2020) or of the greedy caption (Rennie 2017)",
+    ] = "mean"
     bleu_weight: Annotated[float, "scst: reward = CIDEr-D + this x BLEU-4"] = 0.0
-    context: Annotated[Literal["expected", "sample"], "--scst-context", "scst, hard attention: sample words with "
-                       "the expected context, or sample locations too"] = EXPECTED
+    context: Annotated[
+        Literal["expected", "sample"],
+        "--scst-context",
+        "scst, hard attention: sample words with the expected context, or sample locations too",
+    ] = EXPECTED
     # <end> counts as a word in the reward, as in ruotianluo/ImageCaptioning.pytorch: without it
     # a caption that stops mid-phrase ("a red circle left of a") loses nothing for it.
     end_token: Annotated[bool, "--no-end-token", "scst: leave <end> out of the reward's n-grams"] = True
@@ -56,8 +63,9 @@ class ScstConfig:
         if self.baseline not in BASELINES:
             raise ValueError(f"baseline must be one of {BASELINES}, got {self.baseline!r}")
         if self.baseline == "mean" and self.samples < 2:
-            raise ValueError("--samples: the mean baseline needs at least 2 samples per image "
-                             "(or pass --scst-baseline greedy)")
+            raise ValueError(
+                "--samples: the mean baseline needs at least 2 samples per image (or pass --scst-baseline greedy)"
+            )
         if self.context not in (EXPECTED, SAMPLE):
             raise ValueError(f"context must be {EXPECTED!r} or {SAMPLE!r}, got {self.context!r}")
 
@@ -68,7 +76,7 @@ class ScstConfig:
 def training_scorer(data: CaptionData, end_token: bool = True) -> NgramScorer:
     """CIDEr-D (and BLEU-4) against each training image's training references, with document
     frequencies of those references cached in the data directory."""
-    words = torch.from_numpy(data.tokens[:, 1:].astype(np.int64))   # (C, T) words, <end>, <pad>...
+    words = torch.from_numpy(data.tokens[:, 1:].astype(np.int64))  # (C, T) words, <end>, <pad>...
     lengths = torch.from_numpy(data.lengths.astype(np.int64)) - 2 + int(end_token)
     refs = References(words, lengths, torch.from_numpy(data.rows.astype(np.int64)), base=len(data.vocab))
     name = "cider_df_end.npz" if end_token else "cider_df.npz"
@@ -78,16 +86,25 @@ def training_scorer(data: CaptionData, end_token: bool = True) -> NgramScorer:
 
 # sampling
 
+
 class Samples(NamedTuple):
     """Sampled captions with what the gradient needs."""
-    tokens: torch.Tensor     # (N, T) words, <end>, then <pad>
-    words: torch.Tensor      # (N,) words before <end>
-    logp: torch.Tensor       # (N,) log p(w|a) (+ log p(s|a) of sampled locations), differentiable
-    entropy: torch.Tensor    # (N,) entropy of the word distributions, summed over the caption's steps
+
+    tokens: torch.Tensor  # (N, T) words, <end>, then <pad>
+    words: torch.Tensor  # (N,) words before <end>
+    logp: torch.Tensor  # (N,) log p(w|a) (+ log p(s|a) of sampled locations), differentiable
+    entropy: torch.Tensor  # (N,) entropy of the word distributions, summed over the caption's steps
 
 
-def sample_captions(decoder: AttentionDecoder, features: torch.Tensor, n: int, max_len: int, *,
-                    mode: str = EXPECTED, generator: torch.Generator | None = None) -> Samples:
+def sample_captions(
+    decoder: AttentionDecoder,
+    features: torch.Tensor,
+    n: int,
+    max_len: int,
+    *,
+    mode: str = EXPECTED,
+    generator: torch.Generator | None = None,
+) -> Samples:
     """Draw n captions per image from the decoder, step by step, keeping the graph for log p.
 
     Uses the decoder's own `step`, as beam search does; the same words are banned (<pad>,
@@ -97,10 +114,10 @@ def sample_captions(decoder: AttentionDecoder, features: torch.Tensor, n: int, m
         features: (B, L, D) raw annotation vectors.
         mode: context of each step: "expected", or "sample" (hard attention's locations).
     """
-    feats = decoder.normalize(features)                                          # (B, L, D)
-    projected = decoder.attention.project(feats).repeat_interleave(n, dim=0)    # (N, L, A)
-    h, c = (s.repeat_interleave(n, dim=0) for s in decoder.init_state(feats))   # (N, H)
-    feats = feats.repeat_interleave(n, dim=0)                                    # (N, L, D)
+    feats = decoder.normalize(features)  # (B, L, D)
+    projected = decoder.attention.project(feats).repeat_interleave(n, dim=0)  # (N, L, A)
+    h, c = (s.repeat_interleave(n, dim=0) for s in decoder.init_state(feats))  # (N, H)
+    feats = feats.repeat_interleave(n, dim=0)  # (N, L, D)
     N, V = feats.size(0), decoder.config.vocab_size
     banned = torch.zeros(V, device=feats.device)
     banned[[PAD_ID, START_ID, UNK_ID]] = float("-inf")
@@ -111,14 +128,14 @@ def sample_captions(decoder: AttentionDecoder, features: torch.Tensor, n: int, m
     tokens = []
     for t in range(max_len + 1):
         logits, h, c, alpha, loc = decoder.step(feats, projected, words, h, c, mode, generator)
-        if t == max_len:                                     # out of room: end now (no choice, no gradient)
+        if t == max_len:  # out of room: end now (no choice, no gradient)
             tokens.append(torch.where(alive, END_ID, PAD_ID))
             break
-        step_logp = (logits.float() + banned).log_softmax(dim=-1)                # (N, V)
-        p = step_logp.detach().exp()                                             # (N, V)
-        drawn = torch.multinomial(p, 1, generator=generator).squeeze(1)          # (N,)
-        chosen = step_logp.gather(1, drawn.unsqueeze(1)).squeeze(1)              # (N,)
-        if loc is not None:                                  # the sampled location is a choice too
+        step_logp = (logits.float() + banned).log_softmax(dim=-1)  # (N, V)
+        p = step_logp.detach().exp()  # (N, V)
+        drawn = torch.multinomial(p, 1, generator=generator).squeeze(1)  # (N,)
+        chosen = step_logp.gather(1, drawn.unsqueeze(1)).squeeze(1)  # (N,)
+        if loc is not None:  # the sampled location is a choice too
             chosen = chosen + alpha.float().gather(1, loc.unsqueeze(1)).squeeze(1).clamp_min(LOG_EPS).log()
         logp = logp + torch.where(alive, chosen, 0.0)
         entropy = entropy + torch.where(alive, -(p * step_logp.detach().clamp_min(-1e30)).sum(1), 0.0)
@@ -127,7 +144,7 @@ def sample_captions(decoder: AttentionDecoder, features: torch.Tensor, n: int, m
         alive = alive & (words != END_ID)
         if not bool(alive.any()):
             break
-    tokens = torch.stack(tokens, 1)                                              # (N, T)
+    tokens = torch.stack(tokens, 1)  # (N, T)
     return Samples(tokens, ((tokens != PAD_ID) & (tokens != END_ID)).sum(1), logp, entropy)
 
 
@@ -143,11 +160,12 @@ def greedy_tokens(decoder: AttentionDecoder, features: torch.Tensor, max_len: in
     decoder.train(was_training)
     tokens = torch.zeros(len(hyps), max(len(h) for h in hyps) + 1, dtype=torch.long)
     for i, h in enumerate(hyps):
-        tokens[i, :len(h) + 1] = torch.tensor(h + [END_ID], dtype=torch.long)
+        tokens[i, : len(h) + 1] = torch.tensor(h + [END_ID], dtype=torch.long)
     return tokens, torch.tensor([len(h) for h in hyps])
 
 
 # the objective
+
 
 class SelfCritical(nn.Module):
     """The SCST loss as a module, so that DistributedDataParallel wraps one forward.
@@ -186,12 +204,17 @@ class SelfCritical(nn.Module):
         reward = self.reward(s.tokens, s.words, rows.repeat_interleave(n)).view(-1, n)  # (B, n)
         if self.cfg.baseline == "greedy":
             tokens, words = greedy_tokens(self.decoder, batch.features, self.max_len)
-            base = self.reward(tokens, words, rows).unsqueeze(1).expand(-1, n)           # (B, n)
+            base = self.reward(tokens, words, rows).unsqueeze(1).expand(-1, n)  # (B, n)
         else:
-            base = (reward.sum(1, keepdim=True) - reward) / (n - 1)                     # (B, n), the others' mean
-        advantage = (reward - base).float().to(s.logp.device).view(-1)                  # (N,)
+            base = (reward.sum(1, keepdim=True) - reward) / (n - 1)  # (B, n), the others' mean
+        advantage = (reward - base).float().to(s.logp.device).view(-1)  # (N,)
         loss = -(advantage * s.logp).sum() / (images * n)
         steps = (s.words + 1).sum().clamp_min(1)
-        terms = {"reward": reward.mean(), "baseline": base.mean(), "entropy": s.entropy.sum() / steps,
-                 "sample_words": s.words.float().mean(), "advantage_abs": advantage.abs().mean()}
+        terms = {
+            "reward": reward.mean(),
+            "baseline": base.mean(),
+            "entropy": s.entropy.sum() / steps,
+            "sample_words": s.words.float().mean(),
+            "advantage_abs": advantage.abs().mean(),
+        }
         return loss, {k: v.detach().float() for k, v in terms.items()}

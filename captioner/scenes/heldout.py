@@ -15,26 +15,35 @@ touch the image's edges; the captions use their own wording.
     OUT/splits.json     Karpathy layout (train/val/test)
     OUT/boxes.json      COCO instances: one category per shape, a "color" field per object
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
 PALETTE: dict[str, tuple[int, int, int]] = {
-    "red": (205, 30, 35), "green": (30, 150, 45), "blue": (35, 70, 200), "yellow": (235, 205, 25),
-    "orange": (240, 120, 15), "purple": (120, 45, 160), "pink": (240, 120, 185), "white": (250, 250, 250),
+    "red": (205, 30, 35),
+    "green": (30, 150, 45),
+    "blue": (35, 70, 200),
+    "yellow": (235, 205, 25),
+    "orange": (240, 120, 15),
+    "purple": (120, 45, 160),
+    "pink": (240, 120, 185),
+    "white": (250, 250, 250),
 }
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "cross", "ring", "hexagon")
 _SUPERSAMPLE = 3  # sub-pixel samples per side, for anti-aliased edges
 
 
 # drawing
+
 
 def _inside(shape: str, u: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Whether points (u, v) in the shape's box, scaled to [-1, 1]², are inside the shape."""
@@ -57,22 +66,22 @@ def _inside(shape: str, u: np.ndarray, v: np.ndarray) -> np.ndarray:
 def _coverage(shape: str, side: int) -> np.ndarray:
     """(side, side) share of each pixel the shape covers, in [0, 1]."""
     n = side * _SUPERSAMPLE
-    t = (np.arange(n) + 0.5) / n * 2.0 - 1.0                           # sample centres in [-1, 1]
+    t = (np.arange(n) + 0.5) / n * 2.0 - 1.0  # sample centres in [-1, 1]
     v, u = np.meshgrid(t, t, indexing="ij")
-    inside = _inside(shape, u, v).astype(np.float32)                   # (n, n)
+    inside = _inside(shape, u, v).astype(np.float32)  # (n, n)
     return inside.reshape(side, _SUPERSAMPLE, side, _SUPERSAMPLE).mean(axis=(1, 3))
 
 
 def _background(rng: np.random.Generator, w: int, h: int) -> tuple[np.ndarray, str, str]:
     """(h, w, 3) float background, its kind, and a word for its brightness."""
     level = float(rng.uniform(25, 225))
-    tint = rng.normal(0, 6, size=3)                                     # a faint colour cast
+    tint = rng.normal(0, 6, size=3)  # a faint colour cast
     base = np.full((h, w, 3), level) + tint
-    kind = str(rng.choice(["flat", "gradient", "noisy", "cluttered", "striped"], p=[.2, .2, .2, .3, .1]))
+    kind = str(rng.choice(["flat", "gradient", "noisy", "cluttered", "striped"], p=[0.2, 0.2, 0.2, 0.3, 0.1]))
     yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
     if kind == "gradient":
         angle = rng.uniform(0, 2 * np.pi)
-        ramp = (np.cos(angle) * xx / w + np.sin(angle) * yy / h)
+        ramp = np.cos(angle) * xx / w + np.sin(angle) * yy / h
         base += (ramp - ramp.mean())[..., None] * rng.uniform(30, 90)
     elif kind == "noisy":
         base += rng.normal(0, rng.uniform(6, 18), size=(h, w, 1)) + rng.normal(0, 3, size=(h, w, 3))
@@ -113,11 +122,13 @@ def _layout(rng: np.random.Generator, w: int, h: int, count: int, level: float) 
             break
         side = max(8, int(round(rng.uniform(0.15, 0.35) * short)))
         x, y = int(rng.integers(0, w - side + 1)), int(rng.integers(0, h - side + 1))
-        if any(x < o["x"] + o["side"] and o["x"] < x + side and y < o["y"] + o["side"] and o["y"] < y + side
-               for o in objects):
+        if any(
+            x < o["x"] + o["side"] and o["x"] < x + side and y < o["y"] + o["side"] and o["y"] < y + side
+            for o in objects
+        ):
             continue
         color = str(rng.choice(list(PALETTE)))
-        if abs(_luma(PALETTE[color]) - level) < 40:                   # keep every object visible
+        if abs(_luma(PALETTE[color]) - level) < 40:  # keep every object visible
             continue
         shape = str(rng.choice(SHAPES))
         if any(o["color"] == color and o["shape"] == shape for o in objects):
@@ -133,16 +144,17 @@ def render(rng: np.random.Generator, w: int, h: int) -> tuple[np.ndarray, list[d
     objects = _layout(rng, w, h, count, float(pixels.mean()))
     for o in objects:
         x, y, s = o["x"], o["y"], o["side"]
-        cover = _coverage(o["shape"], s)[..., None]                     # (s, s, 1)
+        cover = _coverage(o["shape"], s)[..., None]  # (s, s, 1)
         colour = np.asarray(PALETTE[o["color"]], dtype=np.float32) + rng.normal(0, 8, size=3)
         shading = 1.0 + rng.uniform(-0.12, 0.12) * np.linspace(-1, 1, s)[:, None, None]  # light from above or below
-        patch = pixels[y:y + s, x:x + s]
-        pixels[y:y + s, x:x + s] = patch * (1 - cover) + colour * shading * cover
+        patch = pixels[y : y + s, x : x + s]
+        pixels[y : y + s, x : x + s] = patch * (1 - cover) + colour * shading * cover
         o["area"] = float(cover.sum())
     return np.clip(pixels, 0, 255).round().astype(np.uint8), objects, kind, bg_word
 
 
 # wording
+
 
 def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
@@ -173,8 +185,9 @@ def _beside(a: dict, b: dict) -> str:
     return "over" if dy < 0 else "under"
 
 
-def captions_for(rng: np.random.Generator, objects: list[dict], bg_word: str, w: int, h: int,
-                 colour: bool) -> list[str]:
+def captions_for(
+    rng: np.random.Generator, objects: list[dict], bg_word: str, w: int, h: int, colour: bool
+) -> list[str]:
     """Five captions in this generator's own wording; no colour words for grayscale files."""
     out = []
     for _ in range(5):
@@ -182,16 +195,31 @@ def captions_for(rng: np.random.Generator, objects: list[dict], bg_word: str, w:
         nouns = [_noun(o, colour) for o in objs]
         if len(objs) == 1:
             (o,), (n,) = objs, nouns
-            options = [n, f"{n} {_where(o, w, h)}", f"a picture of {n}", f"one {n.split(' ', 1)[1]} on a {bg_word} background",
-                       f"{n} is shown {_where(o, w, h)}", f"just {n} and nothing else"]
+            options = [
+                n,
+                f"{n} {_where(o, w, h)}",
+                f"a picture of {n}",
+                f"one {n.split(' ', 1)[1]} on a {bg_word} background",
+                f"{n} is shown {_where(o, w, h)}",
+                f"just {n} and nothing else",
+            ]
         elif len(objs) == 2:
             (a, b), rel = nouns, _beside(objs[0], objs[1])
-            options = [f"{a} and {b}", f"{a} {rel} {b}", f"two shapes, {a} and {b}",
-                       f"{a} placed {rel} {b}", f"a picture with {a} and {b}"]
+            options = [
+                f"{a} and {b}",
+                f"{a} {rel} {b}",
+                f"two shapes, {a} and {b}",
+                f"{a} placed {rel} {b}",
+                f"a picture with {a} and {b}",
+            ]
         else:
             a, b, c = nouns
-            options = [f"{a}, {b} and {c}", f"three shapes: {a}, {b} and {c}",
-                       f"{a} {_beside(objs[0], objs[1])} {b}, and {c}", f"a {bg_word} scene with {a}, {b} and {c}"]
+            options = [
+                f"{a}, {b} and {c}",
+                f"three shapes: {a}, {b} and {c}",
+                f"{a} {_beside(objs[0], objs[1])} {b}, and {c}",
+                f"a {bg_word} scene with {a}, {b} and {c}",
+            ]
         text = options[int(rng.integers(len(options)))]
         if rng.random() < 0.4:
             text = text.capitalize()
@@ -201,9 +229,10 @@ def captions_for(rng: np.random.Generator, objects: list[dict], bg_word: str, w:
 
 # files
 
+
 def _size(rng: np.random.Generator) -> tuple[int, int]:
     """Small, medium or large; up to 2.5:1 either way."""
-    short = int(rng.choice([rng.integers(48, 112), rng.integers(128, 400), rng.integers(400, 720)], p=[.2, .6, .2]))
+    short = int(rng.choice([rng.integers(48, 112), rng.integers(128, 400), rng.integers(400, 720)], p=[0.2, 0.6, 0.2]))
     ratio = float(np.exp(rng.uniform(-np.log(2.5), np.log(2.5))))
     return (int(short * ratio), short) if ratio >= 1 else (short, int(short / ratio))
 
@@ -246,9 +275,17 @@ def generate(out_dir: str | os.PathLike[str], n: int, seed: int = 0) -> dict[str
         _save(pixels, out / "images" / name, kind, rng)
         images.append({"id": image_id, "file_name": name, "width": w, "height": h})
         for o in objects:
-            boxes.append({"id": len(boxes) + 1, "image_id": image_id, "category_id": SHAPES.index(o["shape"]) + 1,
-                          "bbox": [o["x"], o["y"], o["side"], o["side"]], "area": o["area"], "iscrowd": 0,
-                          "color": o["color"]})
+            boxes.append(
+                {
+                    "id": len(boxes) + 1,
+                    "image_id": image_id,
+                    "category_id": SHAPES.index(o["shape"]) + 1,
+                    "bbox": [o["x"], o["y"], o["side"], o["side"]],
+                    "area": o["area"],
+                    "iscrowd": 0,
+                    "color": o["color"],
+                }
+            )
         texts = captions_for(rng, objects, bg_word, w, h, colour=kind != "gray")
         sentences = []
         for text in texts:
@@ -256,8 +293,16 @@ def generate(out_dir: str | os.PathLike[str], n: int, seed: int = 0) -> dict[str
             sentences.append({"raw": text, "tokens": text.lower().replace(",", " ").replace(".", " ").split()})
         fraction = idx / n
         split = "test" if fraction < 0.1 else "val" if fraction < 0.2 else "train"
-        karpathy.append({"filepath": "images", "filename": name, "cocoid": image_id, "imgid": idx,
-                         "split": split, "sentences": sentences})
+        karpathy.append(
+            {
+                "filepath": "images",
+                "filename": name,
+                "cocoid": image_id,
+                "imgid": idx,
+                "split": split,
+                "sentences": sentences,
+            }
+        )
     info = {"description": "captioner.heldout scenes", "seed": seed}
     _write(out / "captions.json", {"info": info, "images": images, "annotations": captions})
     _write(out / "splits.json", {"dataset": "coco", "images": karpathy})
@@ -267,8 +312,9 @@ def generate(out_dir: str | os.PathLike[str], n: int, seed: int = 0) -> dict[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m captioner.scenes.heldout",
-                                description="Write independent held-out scenes in COCO format.")
+    p = argparse.ArgumentParser(
+        prog="python -m captioner.scenes.heldout", description="Write independent held-out scenes in COCO format."
+    )
     p.add_argument("out", help="output directory")
     p.add_argument("--n", type=int, default=500, help="number of images (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")

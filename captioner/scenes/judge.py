@@ -6,6 +6,7 @@ scenes the truth is known object by object (`boxes.json`: a shape category and a
 object), so a caption can be judged exactly: the (colour, shape) pairs it names, a colour word
 directly followed by a shape word, must be the scene's objects, no more and no fewer.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -59,14 +60,15 @@ def judge(words: Sequence[str], objects: Sequence[Thing]) -> dict:
     shapes = {s for _, s in objects} | KNOWN_SHAPES
     named, truth = Counter(named_objects(words, colours, shapes)), Counter(objects)
     wrong, missing = named - truth, truth - named
-    return {"correct": not wrong and not missing,
-            "wrong": [_phrase(t) for t in sorted(wrong.elements())],
-            "missing": [_phrase(t) for t in sorted(missing.elements())],
-            "objects": ", ".join(_phrase(t) for t in objects)}
+    return {
+        "correct": not wrong and not missing,
+        "wrong": [_phrase(t) for t in sorted(wrong.elements())],
+        "missing": [_phrase(t) for t in sorted(missing.elements())],
+        "objects": ", ".join(_phrase(t) for t in objects),
+    }
 
 
 def accuracy(captions: Mapping[int, Sequence[str]], objects: Mapping[int, Sequence[Thing]]) -> float | None:
     """Share of captions (image id → words) that name exactly their scene's objects."""
     judged = [judge(words, objects[i])["correct"] for i, words in captions.items() if i in objects]
     return sum(judged) / len(judged) if judged else None
-

@@ -17,6 +17,7 @@ Running ``python -m captioner.scenes.synthetic OUT --n N --seed S`` writes::
 The dataset is tiny and fully deterministic for a given (N, seed), which makes
 it a smoke test for the whole pipeline and a training set for a demo model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,9 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -43,32 +45,53 @@ SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "diamond", "star")
 
 # Background brightness bands (name, min level, max level). All are near-gray,
 # so they never get confused with the saturated object colours or with white.
-_BACKGROUNDS: tuple[tuple[str, int, int], ...] = (
-    ("black", 15, 45), ("gray", 95, 140), ("light gray", 170, 195))
+_BACKGROUNDS: tuple[tuple[str, int, int], ...] = (("black", 15, 45), ("gray", 95, 140), ("light gray", 170, 195))
 # (image mode, file format, probability): mostly RGB JPEG, like real COCO.
 _MODES: tuple[tuple[str, str, float], ...] = (
-    ("RGB", "JPEG", 0.65), ("RGB", "PNG", 0.12), ("RGBA", "PNG", 0.09),
-    ("P", "PNG", 0.09), ("CMYK", "JPEG", 0.05))
+    ("RGB", "JPEG", 0.65),
+    ("RGB", "PNG", 0.12),
+    ("RGBA", "PNG", 0.09),
+    ("P", "PNG", 0.09),
+    ("CMYK", "JPEG", 0.05),
+)
 _MIN_SIDE, _MAX_SIDE = 96, 320
-_LONG_REL = {"left": "to the left of", "right": "to the right of",
-             "above": "above", "below": "below"}
+_LONG_REL = {"left": "to the left of", "right": "to the right of", "above": "above", "below": "below"}
 _SHORT_REL = {"left": "left of", "right": "right of", "above": "above", "below": "below"}
 # Caption templates: {a} {b} {c} are noun phrases ("a red circle"), {rel}/{srel}
 # the long/short relation of a to b, {pos} where a single object sits.
 _TEMPLATES: dict[int, tuple[str, ...]] = {
-    1: ("{a}", "a single {bare} {pos}", "there is {a} {pos}", "{a} on a {bg} background",
-        "{a} {pos} of the image", "a {bg} background with {a}", "the image shows {a}"),
-    2: ("{a} {rel} {b}", "{a} is {srel} {b}", "the image shows {a} {rel} {b}",
-        "there is {a} next to {b}", "{a} and {b}", "{a} and {b} on a {bg} background"),
+    1: (
+        "{a}",
+        "a single {bare} {pos}",
+        "there is {a} {pos}",
+        "{a} on a {bg} background",
+        "{a} {pos} of the image",
+        "a {bg} background with {a}",
+        "the image shows {a}",
+    ),
+    2: (
+        "{a} {rel} {b}",
+        "{a} is {srel} {b}",
+        "the image shows {a} {rel} {b}",
+        "there is {a} next to {b}",
+        "{a} and {b}",
+        "{a} and {b} on a {bg} background",
+    ),
 }
 # Three-object scenes are described whole: every template names all three objects, so a model
 # is never taught to leave one out. Nine of them, as many as the pool they replace (six pair and
 # three triple templates up to version 1.0), so the random stream, and every image, is unchanged.
-_TRIPLE_TEMPLATES = ("{a}, {b} and {c}", "{a}, {b} and {c} on a {bg} background",
-                     "there is {a}, {b} and {c}", "the image shows {a}, {b} and {c}",
-                     "{a} {rel} {b}, and {c}", "{a} is {srel} {b}, and there is {c}",
-                     "{a} next to {b} and {c}", "{a} and {b} with {c}",
-                     "a {bg} background with {a}, {b} and {c}")
+_TRIPLE_TEMPLATES = (
+    "{a}, {b} and {c}",
+    "{a}, {b} and {c} on a {bg} background",
+    "there is {a}, {b} and {c}",
+    "the image shows {a}, {b} and {c}",
+    "{a} {rel} {b}, and {c}",
+    "{a} is {srel} {b}, and there is {c}",
+    "{a} next to {b} and {c}",
+    "{a} and {b} with {c}",
+    "a {bg} background with {a}, {b} and {c}",
+)
 
 Obj = dict[str, Any]  # {"color", "shape", "box": (x0, y0, side), "area"}
 
@@ -113,7 +136,7 @@ def _background(rng: np.random.Generator, w: int, h: int) -> tuple[np.ndarray, s
         # Soft linear gradient in a random direction, at most +-12 levels.
         theta = rng.uniform(0, 2 * np.pi)
         yy, xx = np.mgrid[0:h, 0:w]
-        ramp = (np.cos(theta) * xx / w + np.sin(theta) * yy / h)
+        ramp = np.cos(theta) * xx / w + np.sin(theta) * yy / h
         noise = (ramp - ramp.mean())[..., None] * rng.uniform(8.0, 24.0)
     return np.clip(base + noise, 0, 255).astype(np.uint8), name
 
@@ -130,9 +153,10 @@ def _place_objects(rng: np.random.Generator, w: int, h: int, k: int) -> list[Obj
         side = int(rng.integers(lo, hi + 1))
         x0 = int(rng.integers(margin, w - margin - side + 1))
         y0 = int(rng.integers(margin, h - margin - side + 1))
-        if any(x0 < ox + os_ + gap and ox < x0 + side + gap and
-               y0 < oy + os_ + gap and oy < y0 + side + gap
-               for ox, oy, os_ in (o["box"] for o in objs)):
+        if any(
+            x0 < ox + os_ + gap and ox < x0 + side + gap and y0 < oy + os_ + gap and oy < y0 + side + gap
+            for ox, oy, os_ in (o["box"] for o in objs)
+        ):
             continue
         color = str(rng.choice(list(COLORS)))
         shape = str(rng.choice(SHAPES))
@@ -171,8 +195,7 @@ def _phrase(o: Obj) -> str:
     return f"{article} {o['color']} {o['shape']}"
 
 
-def _captions(rng: np.random.Generator, objs: list[Obj], bg: str,
-              w: int, h: int) -> list[str]:
+def _captions(rng: np.random.Generator, objs: list[Obj], bg: str, w: int, h: int) -> list[str]:
     """Five captions from distinct templates, with varied case and full stop."""
     pool = _TRIPLE_TEMPLATES if len(objs) == 3 else _TEMPLATES[len(objs)]
     caps = []
@@ -181,9 +204,16 @@ def _captions(rng: np.random.Generator, objs: list[Obj], bg: str,
         order = [objs[i] for i in rng.permutation(len(objs))]
         rel = _relation(order[0], order[1]) if len(order) > 1 else "left"
         a, b, c = ([_phrase(o) for o in order] + ["", ""])[:3]
-        cap = pool[t].format(a=a, b=b, c=c, bare=f"{order[0]['color']} {order[0]['shape']}",
-                             rel=_LONG_REL[rel], srel=_SHORT_REL[rel],
-                             pos=_position(order[0], w, h), bg=bg)
+        cap = pool[t].format(
+            a=a,
+            b=b,
+            c=c,
+            bare=f"{order[0]['color']} {order[0]['shape']}",
+            rel=_LONG_REL[rel],
+            srel=_SHORT_REL[rel],
+            pos=_position(order[0], w, h),
+            bg=bg,
+        )
         if rng.random() < 0.5:
             cap = cap[0].upper() + cap[1:]
         if rng.random() < 0.5:
@@ -208,7 +238,7 @@ def _save(img: Image.Image, path: Path, mode: str, fmt: str) -> None:
     if mode == "P":
         # A plain adaptive palette can merge a small object into background
         # shades, so the object colours are pinned as exact palette entries.
-        shades = img.quantize(colors=56, dither=Image.Dither.NONE).getpalette()[:56 * 3]
+        shades = img.quantize(colors=56, dither=Image.Dither.NONE).getpalette()[: 56 * 3]
         pal = Image.new("P", (1, 1))
         pal.putpalette([v for rgb in COLORS.values() for v in rgb] + shades)
         img = img.quantize(palette=pal, dither=Image.Dither.NONE)
@@ -234,7 +264,7 @@ def _splits(rng: np.random.Generator, n: int) -> list[str]:
     n_val = max(1, int(0.1 * n + 0.5)) if n >= 2 else 0
     n_test = max(1, int(0.1 * n + 0.5)) if n >= 3 else 0
     n_restval = int(0.1 * (n - n_val - n_test) + 0.5)
-    labels = (["val"] * n_val + ["test"] * n_test + ["restval"] * n_restval)
+    labels = ["val"] * n_val + ["test"] * n_test + ["restval"] * n_restval
     labels += ["train"] * (n - len(labels))
     return [labels[i] for i in rng.permutation(n)]
 
@@ -262,30 +292,54 @@ def generate(out_dir: str | os.PathLike[str], n: int, seed: int = 0) -> dict[str
         images.append({"id": img_id, "file_name": fname, "width": w, "height": h})
         for o in objs:
             x0, y0, side = o["box"]
-            box_anns.append({"id": len(box_anns) + 1, "image_id": img_id,
-                             "category_id": SHAPES.index(o["shape"]) + 1,
-                             "bbox": [x0, y0, side, side], "area": o["area"],
-                             "iscrowd": 0, "color": o["color"]})
+            box_anns.append(
+                {
+                    "id": len(box_anns) + 1,
+                    "image_id": img_id,
+                    "category_id": SHAPES.index(o["shape"]) + 1,
+                    "bbox": [x0, y0, side, side],
+                    "area": o["area"],
+                    "iscrowd": 0,
+                    "color": o["color"],
+                }
+            )
         sents = []
         for cap in _captions(rng, objs, bg, w, h):
             sid = len(caps_anns)
             caps_anns.append({"id": ann_ids[sid], "image_id": img_id, "caption": cap})
-            sents.append({"tokens": re.findall(r"[a-z]+", cap.lower()), "raw": cap,
-                          "imgid": idx, "sentid": sid})
-        karpathy.append({"filepath": "images", "filename": fname, "imgid": idx,
-                         "cocoid": img_id, "split": split_of[idx],
-                         "sentids": [s["sentid"] for s in sents], "sentences": sents})
-    info = {"description": "captioner synthetic coloured shapes", "version": "1.1",
-            "year": 2024, "contributor": "captioner.synthetic", "seed": seed}
-    _write_json(out / "captions.json", {"info": info, "licenses": [], "images": images,
-                                        "annotations": caps_anns})
+            sents.append({"tokens": re.findall(r"[a-z]+", cap.lower()), "raw": cap, "imgid": idx, "sentid": sid})
+        karpathy.append(
+            {
+                "filepath": "images",
+                "filename": fname,
+                "imgid": idx,
+                "cocoid": img_id,
+                "split": split_of[idx],
+                "sentids": [s["sentid"] for s in sents],
+                "sentences": sents,
+            }
+        )
+    info = {
+        "description": "captioner synthetic coloured shapes",
+        "version": "1.1",
+        "year": 2024,
+        "contributor": "captioner.synthetic",
+        "seed": seed,
+    }
+    _write_json(out / "captions.json", {"info": info, "licenses": [], "images": images, "annotations": caps_anns})
     _write_json(out / "splits.json", {"dataset": "coco", "images": karpathy})
     cats = [{"id": i + 1, "name": s, "supercategory": "shape"} for i, s in enumerate(SHAPES)]
-    _write_json(out / "boxes.json", {"info": info, "licenses": [], "images": images,
-                                     "categories": cats, "annotations": box_anns})
-    return {"out_dir": str(out), "images": n, "captions": len(caps_anns),
-            "objects": len(box_anns),
-            "splits": {s: split_of.count(s) for s in ("train", "restval", "val", "test")}}
+    _write_json(
+        out / "boxes.json",
+        {"info": info, "licenses": [], "images": images, "categories": cats, "annotations": box_anns},
+    )
+    return {
+        "out_dir": str(out),
+        "images": n,
+        "captions": len(caps_anns),
+        "objects": len(box_anns),
+        "splits": {s: split_of.count(s) for s in ("train", "restval", "val", "test")},
+    }
 
 
 def _positive_int(text: str) -> int:
@@ -301,16 +355,17 @@ def _positive_int(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m captioner.scenes.synthetic",
-        description="Write a synthetic coloured-shapes captioning dataset in COCO format.")
+        description="Write a synthetic coloured-shapes captioning dataset in COCO format.",
+    )
     parser.add_argument("out", help="output directory (created if missing)")
-    parser.add_argument("--n", type=_positive_int, default=100,
-                        help="number of images (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="random seed (default: %(default)s)")
+    parser.add_argument("--n", type=_positive_int, default=100, help="number of images (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     args = parser.parse_args(argv)
     summary = generate(args.out, args.n, args.seed)
-    print(f"wrote {summary['images']} images, {summary['captions']} captions, "
-          f"{summary['objects']} boxes to {summary['out_dir']} (splits: {summary['splits']})")
+    print(
+        f"wrote {summary['images']} images, {summary['captions']} captions, "
+        f"{summary['objects']} boxes to {summary['out_dir']} (splits: {summary['splits']})"
+    )
     return 0
 
 

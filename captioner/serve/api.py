@@ -1,4 +1,5 @@
 """The Python API: `Captioner.load(checkpoint).caption(image)` → words with their attention maps."""
+
 from __future__ import annotations
 
 import os
@@ -23,13 +24,14 @@ from captioner.models.vocab import Vocabulary
 @dataclass
 class Caption:
     """A caption and where the model looked for each word."""
+
     text: str
     words: list[str]
-    score: float                      # log-probability of the caption, <end> included
-    attention: np.ndarray             # (len(words), 14, 14), α used to produce each word
-    locations: list[tuple[int, int]] | None = None   # (row, col) chosen per word (hard: argmax/sample)
+    score: float  # log-probability of the caption, <end> included
+    attention: np.ndarray  # (len(words), 14, 14), α used to produce each word
+    locations: list[tuple[int, int]] | None = None  # (row, col) chosen per word (hard: argmax/sample)
     alternatives: list[tuple[str, float]] = field(default_factory=list)  # other beams, best first
-    size: tuple[int, int] = (0, 0)    # (width, height) of the upright image
+    size: tuple[int, int] = (0, 0)  # (width, height) of the upright image
     # Is the image like the training images? {"score", "unfamiliar", "message", "threshold"}
     # (captioner.familiarity); None when the checkpoint holds no training-feature statistics.
     familiarity: dict | None = None
@@ -38,10 +40,21 @@ class Caption:
 class Captioner:
     """A trained captioning model with its encoder, ready for images."""
 
-    def __init__(self, decoder: AttentionDecoder, vocab: Vocabulary, spec: EncoderSpec, *,
-                 encoder: torch.nn.Module | None = None, max_len: int = 20, step: int = 0,
-                 info: dict | None = None, device: str | torch.device = "cpu", fast: bool = True,
-                 encoder_state: dict | None = None, familiarity: FamiliarityStats | None = None):
+    def __init__(
+        self,
+        decoder: AttentionDecoder,
+        vocab: Vocabulary,
+        spec: EncoderSpec,
+        *,
+        encoder: torch.nn.Module | None = None,
+        max_len: int = 20,
+        step: int = 0,
+        info: dict | None = None,
+        device: str | torch.device = "cpu",
+        fast: bool = True,
+        encoder_state: dict | None = None,
+        familiarity: FamiliarityStats | None = None,
+    ):
         self.device = torch.device(device)
         self.encoder_state = encoder_state  # fine-tuned encoder layers (checkpoint "encoder_state"), if any
         self.decoder = decoder.to(self.device).eval()
@@ -66,7 +79,7 @@ class Captioner:
         return EXPECTED
 
     @classmethod
-    def load(cls, path: str, *, device: str = "cpu", build_encoder: bool = True, fast: bool = True) -> "Captioner":
+    def load(cls, path: str, *, device: str = "cpu", build_encoder: bool = True, fast: bool = True) -> Captioner:
         """Load a checkpoint written by `fit` (weights_only: pickled objects are refused).
 
         Args:
@@ -78,11 +91,25 @@ class Captioner:
         """
         trained = read_trained(load_checkpoint(path), path)
         encoder = rebuild_encoder(trained.encoder, trained.encoder_state, path)[0] if build_encoder else None
-        info = {**trained.info, "checkpoint": os.path.abspath(path), "step": trained.step,
-                "fine_tune": trained.info["train"].get("fine_tune")}
-        return cls(trained.decoder, trained.vocab, trained.encoder, encoder=encoder, max_len=trained.max_len,
-                   step=trained.step, info=info, device=device, fast=fast, encoder_state=trained.encoder_state,
-                   familiarity=FamiliarityStats.from_dict(trained.familiarity))
+        info = {
+            **trained.info,
+            "checkpoint": os.path.abspath(path),
+            "step": trained.step,
+            "fine_tune": trained.info["train"].get("fine_tune"),
+        }
+        return cls(
+            trained.decoder,
+            trained.vocab,
+            trained.encoder,
+            encoder=encoder,
+            max_len=trained.max_len,
+            step=trained.step,
+            info=info,
+            device=device,
+            fast=fast,
+            encoder_state=trained.encoder_state,
+            familiarity=FamiliarityStats.from_dict(trained.familiarity),
+        )
 
     @torch.inference_mode()
     def encode(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -98,9 +125,17 @@ class Captioner:
         return self.caption_batch([image], beam_size=beam_size, **kwargs)[0]
 
     @torch.inference_mode()
-    def caption_batch(self, images: Sequence, beam_size: int = 3, *, max_len: int | None = None,
-                      length_norm: bool = False, mode: str | None = None, seed: int | None = None,
-                      batch_size: int = 16) -> list[Caption]:
+    def caption_batch(
+        self,
+        images: Sequence,
+        beam_size: int = 3,
+        *,
+        max_len: int | None = None,
+        length_norm: bool = False,
+        mode: str | None = None,
+        seed: int | None = None,
+        batch_size: int = 16,
+    ) -> list[Caption]:
         """Caption several images with one batched beam search per chunk.
 
         Args:
@@ -127,19 +162,36 @@ class Captioner:
         out = []
         grid = self.encoder_spec.grid
         for i in range(0, len(images), batch_size):
-            feats, sizes = self.encode(images[i:i + batch_size])                  # (b, L, D)
-            verdicts = familiarity(feats, self.familiarity)                # is each image like the training ones?
-            for beams, size, verdict in zip(beam_search(self.decoder, feats, beam_size=int(beam_size), max_len=max_len,
-                                                       length_norm=length_norm, mode=mode, generator=generator),
-                                           sizes, verdicts):
+            feats, sizes = self.encode(images[i : i + batch_size])  # (b, L, D)
+            verdicts = familiarity(feats, self.familiarity)  # is each image like the training ones?
+            for beams, size, verdict in zip(
+                beam_search(
+                    self.decoder,
+                    feats,
+                    beam_size=int(beam_size),
+                    max_len=max_len,
+                    length_norm=length_norm,
+                    mode=mode,
+                    generator=generator,
+                ),
+                sizes,
+                verdicts,
+            ):
                 best = beams[0]
                 words = self.vocab.decode(best.tokens)
                 locs = None
                 if mode in (ARGMAX, SAMPLE):
                     locs = [(int(l) // grid, int(l) % grid) for l in best.locations]
-                out.append(Caption(
-                    text=" ".join(words), words=words, score=best.score,
-                    attention=best.attention.reshape(len(words), grid, grid), locations=locs,
-                    alternatives=[(" ".join(self.vocab.decode(h.tokens)), h.score) for h in beams],
-                    size=size, familiarity=verdict))
+                out.append(
+                    Caption(
+                        text=" ".join(words),
+                        words=words,
+                        score=best.score,
+                        attention=best.attention.reshape(len(words), grid, grid),
+                        locations=locs,
+                        alternatives=[(" ".join(self.vocab.decode(h.tokens)), h.score) for h in beams],
+                        size=size,
+                        familiarity=verdict,
+                    )
+                )
         return out

@@ -1,4 +1,5 @@
 """Concurrent caption requests batched into shared forward passes, each failure kept its own."""
+
 from __future__ import annotations
 
 import collections
@@ -44,7 +45,7 @@ class Batcher:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if nxt is None:          # close() was called: finish this batch, then stop
+                if nxt is None:  # close() was called: finish this batch, then stop
                     self._queue.put(None)
                     break
                 batch.append(nxt)

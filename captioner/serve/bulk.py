@@ -5,6 +5,7 @@ through `Captioner.caption_batch`; each result is appended to a JSON-lines log a
 batch is done (flushed and fsync'ed), so a killed run keeps what it did and `--resume` skips
 the images already in the log. The COCO results JSON is written at the end, atomically.
 """
+
 from __future__ import annotations
 
 import glob
@@ -17,13 +18,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from captioner.errors import CaptionerError, ImageError
 from captioner.data.images import load_image
+from captioner.errors import CaptionerError, ImageError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
 # inputs
+
 
 def _images_in(directory: str, recursive: bool) -> list[str]:
     if recursive:
@@ -48,12 +50,15 @@ def expand_inputs(specs: Sequence[str], recursive: bool = False) -> list[str]:
         if os.path.isdir(spec):
             found = _images_in(spec, recursive)
             if not found:
-                raise CaptionerError(f"{spec}: no image files in this directory ({', '.join(IMAGE_EXTENSIONS)})"
-                                     + ("" if recursive else "; --recursive looks in subdirectories"))
+                raise CaptionerError(
+                    f"{spec}: no image files in this directory ({', '.join(IMAGE_EXTENSIONS)})"
+                    + ("" if recursive else "; --recursive looks in subdirectories")
+                )
             paths += found
         elif not os.path.exists(spec) and re.search(r"[*?\[]", spec):
-            found = sorted(p for p in glob.glob(spec, recursive=True)
-                           if os.path.isfile(p) and p.lower().endswith(IMAGE_EXTENSIONS))
+            found = sorted(
+                p for p in glob.glob(spec, recursive=True) if os.path.isfile(p) and p.lower().endswith(IMAGE_EXTENSIONS)
+            )
             if not found:
                 raise CaptionerError(f"{spec}: the pattern matches no image files")
             paths += found
@@ -81,6 +86,7 @@ def image_ids(paths: Sequence[str]) -> dict[str, int | str]:
 
 # the results log
 
+
 class ResultLog:
     """Results as JSON lines, one per image, appended as they are made.
 
@@ -93,8 +99,9 @@ class ResultLog:
     def __init__(self, path: str, resume: bool):
         self.path, self.done = path, {}
         if os.path.exists(path) and os.path.getsize(path) and not resume:
-            raise CaptionerError(f"{path} already holds results; pass --resume to skip the images in it, "
-                                 "or remove it to start again")
+            raise CaptionerError(
+                f"{path} already holds results; pass --resume to skip the images in it, or remove it to start again"
+            )
         if resume and os.path.exists(path):
             self.done = self._read()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -103,16 +110,18 @@ class ResultLog:
     def _read(self) -> dict[str, dict]:
         with open(self.path, "rb") as f:
             data = f.read()
-        done, good = {}, 0                 # good: bytes up to the last complete, readable line
+        done, good = {}, 0  # good: bytes up to the last complete, readable line
         for line in data.split(b"\n")[:-1]:
             try:
                 record = json.loads(line)
                 done[record["file_name"]] = record
             except (ValueError, KeyError, TypeError):
-                raise CaptionerError(f"{self.path}: line {len(done) + 1} is not a result written by "
-                                     "`captioner caption`; remove the file to start again") from None
+                raise CaptionerError(
+                    f"{self.path}: line {len(done) + 1} is not a result written by "
+                    "`captioner caption`; remove the file to start again"
+                ) from None
             good += len(line) + 1
-        if good < len(data):                # a line cut off when a run was killed: drop it
+        if good < len(data):  # a line cut off when a run was killed: drop it
             with open(self.path, "r+b") as f:
                 f.truncate(good)
         return done
@@ -131,14 +140,17 @@ class ResultLog:
 
 # captioning
 
+
 def decoded(paths: Sequence[str], workers: int, ahead: int) -> Iterator[tuple[str, object]]:
     """(path, upright RGB image or the ImageError that explains why not), in order; up to
     `ahead` images are decoded by `workers` threads while the caller works on earlier ones."""
+
     def load(path):
         try:
             return load_image(path)
         except ImageError as e:
             return e
+
     if workers <= 0:
         yield from ((p, load(p)) for p in paths)
         return
@@ -148,12 +160,13 @@ def decoded(paths: Sequence[str], workers: int, ahead: int) -> Iterator[tuple[st
             if i + ahead < len(paths):
                 pending.append(pool.submit(load, paths[i + ahead]))
             yield path, pending[i].result()
-            pending[i] = None               # let the image go once captioned
+            pending[i] = None  # let the image go once captioned
 
 
 @dataclass
 class Outcome:
     """What a run did: the records of captioned images, and the images that failed."""
+
     records: list[dict] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
 
@@ -172,10 +185,19 @@ def record(path: str, image_id: int | str, out, attention: bool) -> dict:
     return r
 
 
-def caption_files(captioner, paths: Sequence[str], ids: dict, *, batch_size: int = 8, workers: int = 2,
-                  attention: bool = False, log: ResultLog | None = None,
-                  on_result: Callable | None = None, on_error: Callable | None = None,
-                  **caption_kwargs) -> Outcome:
+def caption_files(
+    captioner,
+    paths: Sequence[str],
+    ids: dict,
+    *,
+    batch_size: int = 8,
+    workers: int = 2,
+    attention: bool = False,
+    log: ResultLog | None = None,
+    on_result: Callable | None = None,
+    on_error: Callable | None = None,
+    **caption_kwargs,
+) -> Outcome:
     """Caption image files in batches, decoding ahead in threads.
 
     Args:

@@ -7,6 +7,7 @@ the model did not look at stay as they are. `attention_figure` lays out the imag
 panel per word with the word beneath it.
 Symbols: n words, g grid side, H×W the drawn image.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,14 +20,14 @@ from matplotlib.figure import Figure
 from PIL import Image
 
 from captioner.evaluation.maps import heatmaps
-
 from captioner.models.preprocess import Preprocess
 
-CMAP = "inferno"      # perceptually uniform, dark to bright: brighter is more attention
-OPACITY = 0.7         # opacity at a map's peak; it falls with the attention elsewhere
+CMAP = "inferno"  # perceptually uniform, dark to bright: brighter is more attention
+OPACITY = 0.7  # opacity at a map's peak; it falls with the attention elsewhere
 
 
 # helpers
+
 
 @functools.lru_cache(maxsize=8)
 def _lut(cmap: str) -> np.ndarray:
@@ -40,10 +41,10 @@ def overlay(image: Image.Image, heat: np.ndarray, opacity: float = OPACITY, cmap
     Where the model did not look (heat near 0) the image shows as it is; at the peak the
     colour map's brightest colour covers it at `opacity`.
     """
-    rgb = np.asarray(image.convert("RGB"), dtype=np.float32)                 # (H, W, 3)
+    rgb = np.asarray(image.convert("RGB"), dtype=np.float32)  # (H, W, 3)
     heat = np.clip(heat, 0.0, 1.0)
-    colours = _lut(cmap)[(heat * 255 + 0.5).astype(np.uint8)]                # (H, W, 3)
-    alpha = (float(opacity) * heat)[..., None]                                # (H, W, 1)
+    colours = _lut(cmap)[(heat * 255 + 0.5).astype(np.uint8)]  # (H, W, 3)
+    alpha = (float(opacity) * heat)[..., None]  # (H, W, 1)
     out = rgb + alpha * (colours - rgb)
     return Image.fromarray(out.clip(0, 255).round().astype(np.uint8))
 
@@ -56,8 +57,15 @@ def fit_side(image: Image.Image, side: int) -> Image.Image:
     return image if size == image.size else image.resize(size, Image.BILINEAR)
 
 
-def word_overlays(image: Image.Image, attention: np.ndarray, *, preprocess: Preprocess | None = None,
-                  opacity: float = OPACITY, cmap: str = CMAP, max_side: int | None = 512) -> list[Image.Image]:
+def word_overlays(
+    image: Image.Image,
+    attention: np.ndarray,
+    *,
+    preprocess: Preprocess | None = None,
+    opacity: float = OPACITY,
+    cmap: str = CMAP,
+    max_side: int | None = 512,
+) -> list[Image.Image]:
     """One overlay per word for an image and its (n, g, g) attention, drawn at most max_side."""
     image = image.convert("RGB")
     if max_side and max(image.size) > max_side:
@@ -68,10 +76,19 @@ def word_overlays(image: Image.Image, attention: np.ndarray, *, preprocess: Prep
     return [overlay(image, heat, opacity, cmap) for heat in heatmaps(attention, image.size, box)]
 
 
-def attention_figure(image: Image.Image, words: Sequence[str], attention: np.ndarray, *,
-                     preprocess: Preprocess | None = None, opacity: float = OPACITY, cmap: str = CMAP,
-                     columns: int = 5, locations: Sequence[tuple[int, int]] | None = None,
-                     title: str | None = None, panel_side: int = 320) -> Figure:
+def attention_figure(
+    image: Image.Image,
+    words: Sequence[str],
+    attention: np.ndarray,
+    *,
+    preprocess: Preprocess | None = None,
+    opacity: float = OPACITY,
+    cmap: str = CMAP,
+    columns: int = 5,
+    locations: Sequence[tuple[int, int]] | None = None,
+    title: str | None = None,
+    panel_side: int = 320,
+) -> Figure:
     """The paper-style figure: the image, then each word's overlay with the word beneath.
 
     Args:
@@ -98,8 +115,7 @@ def attention_figure(image: Image.Image, words: Sequence[str], attention: np.nda
         if locations is not None and k > 0:
             r, c = locations[k - 1]
             cell_w, cell_h = (box[2] - box[0]) / grid, (box[3] - box[1]) / grid
-            ax.plot(box[0] + (c + 0.5) * cell_w, box[1] + (r + 0.5) * cell_h, "o", ms=6,
-                    mfc="white", mec="black")
+            ax.plot(box[0] + (c + 0.5) * cell_w, box[1] + (r + 0.5) * cell_h, "o", ms=6, mfc="white", mec="black")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

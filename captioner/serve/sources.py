@@ -9,6 +9,7 @@ A URL must pin its content, `URL#sha256=<64 hex digits>`: it is downloaded once 
 hub cache (`$TORCH_HOME/hub/checkpoints/`, as torchvision's weights are), its sha256 is checked
 before it is used, and a file whose digest differs is refused and deleted.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,8 +39,9 @@ def example_images() -> list[str]:
     """Paths of the example scenes shipped with the demo model."""
     if not os.path.isdir(EXAMPLES_DIR):
         return []
-    return sorted(os.path.join(EXAMPLES_DIR, f) for f in os.listdir(EXAMPLES_DIR)
-                  if f.lower().endswith((".png", ".jpg", ".jpeg")))
+    return sorted(
+        os.path.join(EXAMPLES_DIR, f) for f in os.listdir(EXAMPLES_DIR) if f.lower().endswith((".png", ".jpg", ".jpeg"))
+    )
 
 
 def is_url(source: str) -> bool:
@@ -56,8 +58,10 @@ def split_pinned_url(url: str) -> tuple[str, str]:
     parts = urlsplit(url)
     match = _SHA256.fullmatch(parts.fragment)
     if match is None:
-        raise CaptionerError(f"{url}: a checkpoint URL must pin its content with '#sha256=<64 hex digits>' "
-                             "(compute it with `sha256sum FILE`)")
+        raise CaptionerError(
+            f"{url}: a checkpoint URL must pin its content with '#sha256=<64 hex digits>' "
+            "(compute it with `sha256sum FILE`)"
+        )
     return urlunsplit(parts._replace(fragment="")), match.group(1).lower()
 
 

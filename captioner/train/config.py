@@ -3,6 +3,7 @@
 Both travel in every checkpoint (`TrainConfig.to_dict`, `Progress` as a dict), so a resumed run
 continues as it was configured, from where it was.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,45 +19,75 @@ from captioner.train.finetune import FineTuneConfig
 @dataclass
 class TrainConfig:
     """Optimisation settings; saved in every checkpoint. Each field is also `fit`'s option."""
+
     epochs: Annotated[int, "passes over the training captions"] = 30
     batch_size: Annotated[int, "captions per step and process (scst: images, each sampled --samples times)"] = 32
     lr: Annotated[float | None, f"Adam learning rate (default: 1e-3 for xe, {SCST_LR:g} for scst)"] = None
     grad_clip: Annotated[float, "clip the gradients' total norm to this"] = 5.0
     alpha_c: Annotated[float, "λ of the doubly stochastic regularisation, eq. (14); the paper uses 1"] = 0.0
-    equivariance: Annotated[float, "--equivariance", "weight of the half-turn equivariance of the attention maps "
-                            "(soft; hard: its expected-context captions); needs the turned features prepare "
-                            "writes by default; 0: off"] = 1.0
+    equivariance: Annotated[
+        float,
+        "--equivariance",
+        "weight of the half-turn equivariance of the attention maps "
+        "(soft; hard: its expected-context captions); needs the turned features prepare "
+        "writes by default; 0: off",
+    ] = 1.0
     max_minutes: Annotated[float | None, "stop at a step boundary after this long, then validate and save"] = None
     patience: Annotated[int, "validations without improvement before stopping early"] = 8
     metric: Annotated[Literal["CIDEr", "BLEU-4"], "validation score that chooses best.pt and stops early"] = "CIDEr"
     val_beam_size: Annotated[int, "beam size of the validation captions (1: greedy)"] = 3
     val_images: Annotated[int | None, "validation images per epoch"] = 5000
     checkpoint_every: Annotated[int, "also write last.pt every N steps (0: off)"] = 0
-    checkpoint_minutes: Annotated[float, "also write last.pt when this many minutes have passed since the last "
-                                  "save (0: off), so a killed run loses at most that much"] = 0.5
+    checkpoint_minutes: Annotated[
+        float,
+        "also write last.pt when this many minutes have passed since the last "
+        "save (0: off), so a killed run loses at most that much",
+    ] = 0.5
     log_every: Annotated[int, "steps between log lines"] = 20
     seed: Annotated[int, "seed of the initial weights, batches and dropout"] = 0
-    amp: Annotated[Literal["none", "bf16", "fp16"], "mixed precision (autocast); fp16 adds a gradient scaler "
-                   "on CUDA"] = "none"
+    amp: Annotated[
+        Literal["none", "bf16", "fp16"], "mixed precision (autocast); fp16 adds a gradient scaler on CUDA"
+    ] = "none"
     compile: Annotated[bool, "torch.compile the decoder's recurrent step (for GPUs); trains on the plain pass"] = False
-    fused: Annotated[bool, "--no-fused", "train soft attention on the plain autograd pass instead of the fused "
-                     "one (same values and gradients, slower)"] = True
+    fused: Annotated[
+        bool,
+        "--no-fused",
+        "train soft attention on the plain autograd pass instead of the fused one (same values and gradients, slower)",
+    ] = True
     hard: HardAttentionConfig = field(default_factory=HardAttentionConfig)
-    fine_tune: Annotated[FineTuneConfig | None, "--fine-tune-encoder", "train the encoder's last layers with the "
-                         "decoder (the checkpoint then holds them under encoder_state); conv5_1 first caches "
-                         "pool4 outputs in the data directory, once"] = None
-    objective: Annotated[Literal["xe", "scst"], "xe: cross-entropy; scst: self-critical training on CIDEr-D, "
-                         "from --init or --resume (a resumed run keeps its own objective)"] = "xe"
-    init: Annotated[str | None, "start from this checkpoint's weights and decoder sizes, with a fresh optimizer "
-                    "(e.g. RUN/best.pt of a cross-entropy run)"] = None
+    fine_tune: Annotated[
+        FineTuneConfig | None,
+        "--fine-tune-encoder",
+        "train the encoder's last layers with the "
+        "decoder (the checkpoint then holds them under encoder_state); conv5_1 first caches "
+        "pool4 outputs in the data directory, once",
+    ] = None
+    objective: Annotated[
+        Literal["xe", "scst"],
+        "xe: cross-entropy; scst: self-critical training on CIDEr-D, "
+        "from --init or --resume (a resumed run keeps its own objective)",
+    ] = "xe"
+    init: Annotated[
+        str | None,
+        "start from this checkpoint's weights and decoder sizes, with a fresh optimizer "
+        "(e.g. RUN/best.pt of a cross-entropy run)",
+    ] = None
     scst: ScstConfig = field(default_factory=ScstConfig)
 
     def __post_init__(self):
         if self.objective not in ("xe", "scst"):
             raise ValueError(f"objective must be 'xe' or 'scst', got {self.objective!r}")
-        positive = {"epochs": self.epochs, "batch_size": self.batch_size, "patience": self.patience,
-                    "val_beam_size": self.val_beam_size, "log_every": self.log_every, "grad_clip": self.grad_clip,
-                    "lr": self.lr, "max_minutes": self.max_minutes, "val_images": self.val_images}
+        positive = {
+            "epochs": self.epochs,
+            "batch_size": self.batch_size,
+            "patience": self.patience,
+            "val_beam_size": self.val_beam_size,
+            "log_every": self.log_every,
+            "grad_clip": self.grad_clip,
+            "lr": self.lr,
+            "max_minutes": self.max_minutes,
+            "val_images": self.val_images,
+        }
         for name, value in positive.items():
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -78,13 +109,14 @@ class TrainConfig:
 @dataclass
 class Progress:
     """Where training is; part of every checkpoint."""
+
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
     best: float = -math.inf
     best_step: int = 0
-    best_healthy: bool = False           # best.pt's attention passed the health check
-    stale: int = 0                       # validations since the last improvement
-    baseline: float = 0.0                # REINFORCE moving-average baseline (hard attention)
-    skipped_steps: int = 0               # steps not applied: a non-finite loss or gradient
-    skipped_captions: int = 0            # captions left out, features not finite (rank 0's share)
+    best_healthy: bool = False  # best.pt's attention passed the health check
+    stale: int = 0  # validations since the last improvement
+    baseline: float = 0.0  # REINFORCE moving-average baseline (hard attention)
+    skipped_steps: int = 0  # steps not applied: a non-finite loss or gradient
+    skipped_captions: int = 0  # captions left out, features not finite (rank 0's share)

@@ -3,6 +3,7 @@
 Everything here is PyTorch's own engine (torch.distributed with gloo on CPU, NCCL on GPU);
 with one process every function is a no-op, so the training code reads the same either way.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ from captioner.errors import CaptionerError
 @dataclass(frozen=True)
 class Dist:
     """This process's place in the job."""
+
     rank: int = 0
     world: int = 1
     local_rank: int = 0
@@ -32,7 +34,7 @@ class Dist:
 
 
 def choose_device(name: str = "auto", local_rank: int = 0) -> torch.device:
-    """"auto" → this process's GPU if there is one, else the CPU; refuses cuda without a GPU."""
+    """ "auto" → this process's GPU if there is one, else the CPU; refuses cuda without a GPU."""
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise CaptionerError(f"--device {name}: no CUDA device is available here; use --device cpu")
     if name == "auto":

@@ -19,6 +19,7 @@ which training, validation, `evaluate` and `Captioner` all apply, so all see the
 
 Shapes: n images, B captions, L locations, D feature size, S image side.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,36 +46,42 @@ from captioner.models.tuned import TunedEncoder, start_index
 from captioner.train import distributed
 
 
-
 @dataclass
 class FineTuneConfig:
     """Encoder fine-tuning (`--fine-tune-encoder`); saved in the checkpoint's training config."""
-    start: Annotated[Literal["conv5_1", "conv4_1"], "--fine-tune-from", "first trained layer: conv5_1 runs on "
-                     "cached pool4 outputs, conv4_1 on the images"] = "conv5_1"
+
+    start: Annotated[
+        Literal["conv5_1", "conv4_1"],
+        "--fine-tune-from",
+        "first trained layer: conv5_1 runs on cached pool4 outputs, conv4_1 on the images",
+    ] = "conv5_1"
     lr: Annotated[float, "--encoder-lr", "Adam learning rate of the encoder's layers"] = 1e-4
     workers: Annotated[int, "DataLoader workers decoding images (the pool4 cache, conv4_1 batches)"] = 2
 
 
 # helpers
 
-def image_batches(rows: np.ndarray, batch_size: int, *, seed: int, epoch: int,
-                  rank: int = 0, world: int = 1) -> list[np.ndarray]:
+
+def image_batches(
+    rows: np.ndarray, batch_size: int, *, seed: int, epoch: int, rank: int = 0, world: int = 1
+) -> list[np.ndarray]:
     """Caption indices in batches of whole images: each holds all captions of k images.
 
     k is batch_size over the mean captions per image (at least 1); a global batch of k·world
     images is split across ranks image by image. The same (seed, epoch) gives the same batches.
     """
-    images, inverse = np.unique(rows, return_inverse=True)      # distinct feature rows
+    images, inverse = np.unique(rows, return_inverse=True)  # distinct feature rows
     by_image = np.split(np.argsort(inverse, kind="stable"), np.cumsum(np.bincount(inverse))[:-1])
     k = max(1, round(batch_size * len(images) / len(rows)))
     order = np.random.RandomState([seed, epoch]).permutation(len(images))
     size = k * world
-    chunks = [order[i:i + size] for i in range(0, len(order), size)]
+    chunks = [order[i : i + size] for i in range(0, len(order), size)]
     # Every process must take the same number of steps: drop a last chunk too small to share.
     return [np.concatenate([by_image[j] for j in c[rank::world]]) for c in chunks if len(c) >= world]
 
 
 # classes
+
 
 class FineTuning:
     """The fine-tuned encoder and where its inputs come from, for `fit`.
@@ -86,13 +93,23 @@ class FineTuning:
         progress: show the pool4 cache's progress bar.
     """
 
-    def __init__(self, data: CaptionData, cfg: FineTuneConfig, d: distributed.Dist, device: torch.device,
-                 *, progress: bool = True):
+    def __init__(
+        self,
+        data: CaptionData,
+        cfg: FineTuneConfig,
+        d: distributed.Dist,
+        device: torch.device,
+        *,
+        progress: bool = True,
+    ):
         self.data, self.cfg, self.device = data, cfg, device
         base, _ = build_encoder(data.encoder)
         start = start_index(base.features, cfg.start)
-        self.cache = input_cache(data, base, start, d, device, workers=cfg.workers, progress=progress) \
-            if cfg.start == "conv5_1" else None
+        self.cache = (
+            input_cache(data, base, start, d, device, workers=cfg.workers, progress=progress)
+            if cfg.start == "conv5_1"
+            else None
+        )
         self.encoder = TunedEncoder(base.features, start, from_cache=self.cache is not None).to(device)
 
     def parameters(self):
@@ -101,30 +118,51 @@ class FineTuning:
     def num_batches(self, batch_size: int, world: int = 1) -> int:
         return len(image_batches(self.data.rows, batch_size, seed=0, epoch=0, world=world))
 
-    def batches(self, batch_size: int, *, seed: int, epoch: int, start: int = 0,
-                rank: int = 0, world: int = 1, pin: bool = False) -> Iterator[Batch]:
+    def batches(
+        self,
+        batch_size: int,
+        *,
+        seed: int,
+        epoch: int,
+        start: int = 0,
+        rank: int = 0,
+        world: int = 1,
+        pin: bool = False,
+    ) -> Iterator[Batch]:
         """Batches of whole images: `features` holds the encoder's inputs, one per image."""
         groups = image_batches(self.data.rows, batch_size, seed=seed, epoch=epoch, rank=rank, world=world)[start:]
-        rows = [np.unique(self.data.rows[idx]) for idx in groups]            # each batch's distinct images
+        rows = [np.unique(self.data.rows[idx]) for idx in groups]  # each batch's distinct images
         if self.cache is not None:
             inputs = (torch.from_numpy(self.cache[r].astype(np.float32)) for r in rows)  # (n, L, D) pool4
         else:
             inputs = image_groups(self.data.meta["paths"], rows, self.data.encoder.preprocess, self.cfg.workers)
         for idx, r, x in zip(groups, rows, inputs):
             T = int(self.data.lengths[idx].max())
-            batch = Batch(x, torch.from_numpy(self.data.tokens[idx, :T].astype(np.int64)),
-                          torch.from_numpy(self.data.lengths[idx].astype(np.int64)),
-                          torch.from_numpy(np.searchsorted(r, self.data.rows[idx])))  # (B,) caption → image
+            batch = Batch(
+                x,
+                torch.from_numpy(self.data.tokens[idx, :T].astype(np.int64)),
+                torch.from_numpy(self.data.lengths[idx].astype(np.int64)),
+                torch.from_numpy(np.searchsorted(r, self.data.rows[idx])),
+            )  # (B,) caption → image
             yield batch.pin_memory() if pin else batch
 
     def features(self, rows: np.ndarray) -> torch.Tensor:
         """The fine-tuned encoder's features of rows (n, L, D), for validation."""
-        return encoded_features(self.encoder, self.data, rows, cache=self.cache, device=self.device,
-                                workers=self.cfg.workers)
+        return encoded_features(
+            self.encoder, self.data, rows, cache=self.cache, device=self.device, workers=self.cfg.workers
+        )
 
 
-def input_cache(data: CaptionData, base: VGGEncoder, start: int, d: distributed.Dist, device: torch.device,
-                *, workers: int = 2, progress: bool = True) -> FeatureCache:
+def input_cache(
+    data: CaptionData,
+    base: VGGEncoder,
+    start: int,
+    d: distributed.Dist,
+    device: torch.device,
+    *,
+    workers: int = 2,
+    progress: bool = True,
+) -> FeatureCache:
     """The frozen layers' output (pool4) for every image, cached beside the features; made if missing.
 
     Resumable like `prepare`: rows are marked done once on disk, and a later call finishes the
@@ -139,29 +177,43 @@ def input_cache(data: CaptionData, base: VGGEncoder, start: int, d: distributed.
             if os.path.exists(info_path):
                 with open(info_path, encoding="utf-8") as f:
                     if json.load(f) != info:
-                        raise CaptionerError(f"{info_path}: the {INPUT_CACHE} cache there was made for other "
-                                             f"layers or images; delete {INPUT_CACHE}.* in {data.dir} to remake it")
+                        raise CaptionerError(
+                            f"{info_path}: the {INPUT_CACHE} cache there was made for other "
+                            f"layers or images; delete {INPUT_CACHE}.* in {data.dir} to remake it"
+                        )
             else:
                 write_json_atomic(info_path, info)
             cache = FeatureCache(data.dir, n, L, FEATURE_DIM, mode="r+", name=INPUT_CACHE)
         except OSError as e:
-            raise CaptionerError(f"{data.dir}: cannot write the {INPUT_CACHE} cache that conv5_1 fine-tuning "
-                                 f"reads ({e.strerror}); make the data directory writable") from None
+            raise CaptionerError(
+                f"{data.dir}: cannot write the {INPUT_CACHE} cache that conv5_1 fine-tuning "
+                f"reads ({e.strerror}); make the data directory writable"
+            ) from None
         unreadable = np.flatnonzero((data.cache.done == BAD) & (cache.done == TODO))
         cache.mark_bad(unreadable)
     distributed.barrier(d)
     cache = FeatureCache(data.dir, n, L, FEATURE_DIM, mode="r+", name=INPUT_CACHE)
     if len(cache.todo(d.rank, d.world)):
-        frozen = optimize_encoder(VGGEncoder(base.features[:start]), device)   # same outputs, faster (prepare's)
-        extract_features(cache, data.meta["paths"], frozen, data.encoder.preprocess,
-                         batch_size=64 if device.type == "cuda" else 8, workers=workers, device=str(device),
-                         rank=d.rank, world=d.world, progress=progress)
+        frozen = optimize_encoder(VGGEncoder(base.features[:start]), device)  # same outputs, faster (prepare's)
+        extract_features(
+            cache,
+            data.meta["paths"],
+            frozen,
+            data.encoder.preprocess,
+            batch_size=64 if device.type == "cuda" else 8,
+            workers=workers,
+            device=str(device),
+            rank=d.rank,
+            world=d.world,
+            progress=progress,
+        )
     distributed.barrier(d)
     return cache
 
 
-def add_tuned_familiarity(paths: list[str], data: CaptionData, saver, device: torch.device, *, seed: int,
-                          workers: int = 2) -> float:
+def add_tuned_familiarity(
+    paths: list[str], data: CaptionData, saver, device: torch.device, *, seed: int, workers: int = 2
+) -> float:
     """Put into each fine-tuned checkpoint the familiarity statistics of the encoder it holds.
 
     `fit` saves fine-tuned checkpoints without them (the feature cache holds the frozen
@@ -185,7 +237,7 @@ def add_tuned_familiarity(paths: list[str], data: CaptionData, saver, device: to
         state = ck["encoder_state"]
         if ck["step"] not in done:
             encoder = apply_encoder_state(build_encoder(data.encoder)[0], state, path).to(device).eval()
-            read = checkpoint_features(encoder, state, data, device, path, workers)   # shares its layers
+            read = checkpoint_features(encoder, state, data, device, path, workers)  # shares its layers
             stats = fit_stats(data, seed=seed, features=read, encoder=encoder)
             done[ck["step"]] = stats.to_dict() if stats is not None else None
         ck["familiarity"] = done[ck["step"]]

@@ -14,6 +14,7 @@ best.pt is the best-scoring checkpoint among those whose attention the health ch
 meaningful (`evaluation.health`), when any is; otherwise the best-scoring one, recorded as not
 meaningful, and `fit` says so when it ends.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,9 +37,17 @@ from captioner.train.step import train_step
 log = logging.getLogger(__name__)
 
 
-def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
-        cfg: TrainConfig | None = None, *, resume: bool = False, device: str = "auto",
-        progress_bar: bool = True, stop: resilience.GracefulStop | None = None) -> Progress:
+def fit(
+    data_dir: str,
+    out_dir: str,
+    model_cfg: DecoderConfig | None = None,
+    cfg: TrainConfig | None = None,
+    *,
+    resume: bool = False,
+    device: str = "auto",
+    progress_bar: bool = True,
+    stop: resilience.GracefulStop | None = None,
+) -> Progress:
     """Train a decoder on a prepared data directory, writing last.pt, best.pt and metrics.jsonl.
 
     Args:
@@ -58,13 +67,24 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
         CaptionerError: the final save of last.pt or best.pt failed (e.g. a full disk); the
             message names the last good checkpoint. Failed saves before it only warn.
     """
-    run = start_run(data_dir, out_dir, model_cfg, cfg or TrainConfig(), resume=resume, device=device,
-                    progress_bar=progress_bar)
+    run = start_run(
+        data_dir, out_dir, model_cfg, cfg or TrainConfig(), resume=resume, device=device, progress_bar=progress_bar
+    )
     cfg, progress = run.cfg, run.progress
-    run.write_log({"event": "start", "step": progress.step, "epoch": progress.epoch, "resume": resume,
-                   "decoder": run.model_cfg.to_dict(), "train": cfg.to_dict(), "device": str(run.device),
-                   "world": run.d.world, "train_captions": int(len(run.data.lengths)),
-                   "batches_per_epoch": run.source.num_batches(cfg.batch_size, world=run.d.world)})
+    run.write_log(
+        {
+            "event": "start",
+            "step": progress.step,
+            "epoch": progress.epoch,
+            "resume": resume,
+            "decoder": run.model_cfg.to_dict(),
+            "train": cfg.to_dict(),
+            "device": str(run.device),
+            "world": run.d.world,
+            "train_captions": int(len(run.data.lengths)),
+            "batches_per_epoch": run.source.num_batches(cfg.batch_size, world=run.d.world),
+        }
+    )
     budget = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
     stopped = False
     while progress.epoch < cfg.epochs:
@@ -92,19 +112,40 @@ def fit(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None = None,
 def _train_epoch(run: Run, budget: float, stop, progress_bar: bool) -> str | None:
     """The rest of the current epoch's steps; "stopped" or "out of time" if it ended early."""
     cfg, progress, d, dev = run.cfg, run.progress, run.d, run.device
-    bar = tqdm(total=run.source.num_batches(cfg.batch_size, world=d.world), initial=progress.batch_in_epoch,
-               desc=f"epoch {progress.epoch + 1}", disable=not (progress_bar and d.main), dynamic_ncols=True,
-               leave=False)
+    bar = tqdm(
+        total=run.source.num_batches(cfg.batch_size, world=d.world),
+        initial=progress.batch_in_epoch,
+        desc=f"epoch {progress.epoch + 1}",
+        disable=not (progress_bar and d.main),
+        dynamic_ncols=True,
+        leave=False,
+    )
     pin = dev.type == "cuda"
     try:
-        for batch in run.source.batches(cfg.batch_size, seed=cfg.seed, epoch=progress.epoch,
-                                        start=progress.batch_in_epoch, rank=d.rank, world=d.world, pin=pin):
+        for batch in run.source.batches(
+            cfg.batch_size,
+            seed=cfg.seed,
+            epoch=progress.epoch,
+            start=progress.batch_in_epoch,
+            rank=d.rank,
+            world=d.world,
+            pin=pin,
+        ):
             # Captions of damaged feature rows were left out; a non-finite step is not applied.
             if batch.dropped:
                 progress.skipped_captions += len(batch.dropped)
                 run.notes.damaged_rows(batch.dropped, run.data, progress.step)
-            terms = train_step(run.objective, batch.to(dev, non_blocking=pin), run.optimizer, run.scaler, cfg,
-                               progress, run.generator, d, dev)
+            terms = train_step(
+                run.objective,
+                batch.to(dev, non_blocking=pin),
+                run.optimizer,
+                run.scaler,
+                cfg,
+                progress,
+                run.generator,
+                d,
+                dev,
+            )
             if not resilience.all_finite(terms):
                 progress.skipped_steps += 1
                 run.notes.skipped_step(progress.step + 1, terms, scaled=run.scaler.is_enabled())
@@ -113,11 +154,18 @@ def _train_epoch(run: Run, budget: float, stop, progress_bar: bool) -> str | Non
             bar.update(1)
             bar.set_postfix(loss=f"{terms['loss']:.3f}")
             if progress.step % cfg.log_every == 0:
-                run.write_log({"event": "train", "step": progress.step, "epoch": progress.epoch,
-                               "lr": run.optimizer.param_groups[0]["lr"], **terms})
+                run.write_log(
+                    {
+                        "event": "train",
+                        "step": progress.step,
+                        "epoch": progress.epoch,
+                        "lr": run.optimizer.param_groups[0]["lr"],
+                        **terms,
+                    }
+                )
             due = cfg.checkpoint_minutes and time.monotonic() - run.last_save > cfg.checkpoint_minutes * 60
             if due or (cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0):
-                run.save(run.last_path)   # rank 0 alone writes, so ranks need not agree on when
+                run.save(run.last_path)  # rank 0 alone writes, so ranks need not agree on when
             # SIGTERM/SIGINT on any process stops all of them after this step.
             if distributed.any_true(d, resilience.stop_requested(stop), dev):
                 return "stopped"
@@ -131,9 +179,18 @@ def _train_epoch(run: Run, budget: float, stop, progress_bar: bool) -> str | Non
 def _validate(run: Run, progress_bar: bool) -> dict:
     """Generation-based validation, split over processes and scored on the gathered captions."""
     t0, d, cfg = time.monotonic(), run.d, run.cfg
-    texts, hyps = caption_split(run.model, run.data, run.data.vocab, "val", beam_size=cfg.val_beam_size,
-                                max_len=run.data.max_len, device=run.device, max_images=cfg.val_images,
-                                shard=(d.rank, d.world), features=run.tuning.features if run.tuning else None)
+    texts, hyps = caption_split(
+        run.model,
+        run.data,
+        run.data.vocab,
+        "val",
+        beam_size=cfg.val_beam_size,
+        max_len=run.data.max_len,
+        device=run.device,
+        max_images=cfg.val_images,
+        shard=(d.rank, d.world),
+        features=run.tuning.features if run.tuning else None,
+    )
     texts = distributed.gather_dicts(d, texts)
     maps = distributed.gather_dicts(d, {i: h.attention.astype("float16") for i, h in hyps.items()})
     metrics = None
@@ -157,15 +214,26 @@ def _select(run: Run, metrics: dict) -> bool:
     else:
         progress.stale += 1
     run.scheduler.step(score)
-    run.write_log({"event": "val", "step": progress.step, "epoch": progress.epoch, **metrics,
-                   "lr": run.optimizer.param_groups[0]["lr"], "best": progress.best, "best_step": progress.best_step,
-                   "healthy": healthy})
+    run.write_log(
+        {
+            "event": "val",
+            "step": progress.step,
+            "epoch": progress.epoch,
+            **metrics,
+            "lr": run.optimizer.param_groups[0]["lr"],
+            "best": progress.best,
+            "best_step": progress.best_step,
+            "healthy": healthy,
+        }
+    )
     if run.d.main:
         chosen = " (best.pt)" if improved else ""
-        log.info(f"epoch {progress.epoch}: step {progress.step}, BLEU-4 {metrics['BLEU-4']:.3f}, "
-                 f"{cfg.metric if cfg.metric != 'BLEU-4' else 'CIDEr'} "
-                 f"{metrics[cfg.metric if cfg.metric != 'BLEU-4' else 'CIDEr']:.3f}{chosen}; "
-                 f"e.g. {metrics['example']!r}; {health_summary(metrics['attention_health'])}")
+        log.info(
+            f"epoch {progress.epoch}: step {progress.step}, BLEU-4 {metrics['BLEU-4']:.3f}, "
+            f"{cfg.metric if cfg.metric != 'BLEU-4' else 'CIDEr'} "
+            f"{metrics[cfg.metric if cfg.metric != 'BLEU-4' else 'CIDEr']:.3f}{chosen}; "
+            f"e.g. {metrics['example']!r}; {health_summary(metrics['attention_health'])}"
+        )
         if found:
             log.warning(f"step {progress.step}: {'; '.join(found)}: {ADVICE}")
     return improved
@@ -177,17 +245,39 @@ def _finish(run: Run, stop: resilience.GracefulStop | None) -> Progress:
     if stop is not None:  # a stop saves last.pt (unless it was just saved) and leaves best.pt as it is
         if run.saver.good.get(run.last_path) != progress.step:
             run.save(run.last_path, final=True)
-        run.write_log({"event": "stopped", "signal": stop.signal_name, "step": progress.step,
-                       "epoch": progress.epoch, "saved": run.last_path not in run.saver.failed})
+        run.write_log(
+            {
+                "event": "stopped",
+                "signal": stop.signal_name,
+                "step": progress.step,
+                "epoch": progress.epoch,
+                "saved": run.last_path not in run.saver.failed,
+            }
+        )
     elif d.main and run.best_path not in run.saver.good:  # e.g. resumed after the run had finished
         run.save(run.best_path, final=True)
     if run.tuning is not None and d.main and stop is None:
-        seconds = add_tuned_familiarity([run.best_path, run.last_path], run.data, run.saver, run.device,
-                                        seed=run.cfg.seed, workers=run.cfg.fine_tune.workers)
+        seconds = add_tuned_familiarity(
+            [run.best_path, run.last_path],
+            run.data,
+            run.saver,
+            run.device,
+            seed=run.cfg.seed,
+            workers=run.cfg.fine_tune.workers,
+        )
         run.write_log({"event": "familiarity", "step": progress.step, "seconds": round(seconds, 2)})
-    run.write_log({"event": "end", "step": progress.step, "epoch": progress.epoch, "best": progress.best,
-                   "best_step": progress.best_step, "best_healthy": progress.best_healthy,
-                   "skipped_steps": progress.skipped_steps, "skipped_captions": progress.skipped_captions})
+    run.write_log(
+        {
+            "event": "end",
+            "step": progress.step,
+            "epoch": progress.epoch,
+            "best": progress.best,
+            "best_step": progress.best_step,
+            "best_healthy": progress.best_healthy,
+            "skipped_steps": progress.skipped_steps,
+            "skipped_captions": progress.skipped_captions,
+        }
+    )
     if d.main and stop is None and progress.best_step:
         log.info(_chosen(run))
     if run.log_file:
@@ -204,8 +294,12 @@ def _chosen(run: Run) -> str:
     """Which best.pt `fit` chose, and why, in one line."""
     p, metric = run.progress, run.cfg.metric
     if p.best_healthy:
-        return (f"best.pt: step {p.best_step}, {metric} {p.best:.3f}: the best score among the validations "
-                "whose attention health is ok")
-    return (f"best.pt: step {p.best_step}, {metric} {p.best:.3f}: the attention health check flagged every "
-            "validation, so its heatmaps are NOT MEANINGFUL (the checkpoint records it, and the demo, "
-            f"`captioner caption --figures` and the notebooks say so): {ADVICE}")
+        return (
+            f"best.pt: step {p.best_step}, {metric} {p.best:.3f}: the best score among the validations "
+            "whose attention health is ok"
+        )
+    return (
+        f"best.pt: step {p.best_step}, {metric} {p.best:.3f}: the attention health check flagged every "
+        "validation, so its heatmaps are NOT MEANINGFUL (the checkpoint records it, and the demo, "
+        f"`captioner caption --figures` and the notebooks say so): {ADVICE}"
+    )

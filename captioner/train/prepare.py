@@ -6,6 +6,7 @@ rather than mixing two caches. The directory counts as prepared only once meta.j
 "complete", after everything else is on disk. A stop (SIGTERM, Ctrl-C) ends it after the current
 batch of features, with done marks only for rows on disk; `recheck` re-extracts damaged rows.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,9 +20,9 @@ import numpy as np
 from captioner.data.coco import SPLITS, load_dataset
 from captioner.data.dataset import FORMAT, ROTATED
 from captioner.data.features import BAD, DONE, TODO, FeatureCache, extract_features, nonfinite_rows
-from captioner.io import atomic_path, check_free_space, describe_os_error, read_json, write_json_atomic
 from captioner.data.karpathy import load_karpathy
 from captioner.errors import CaptionerError
+from captioner.io import atomic_path, check_free_space, describe_os_error, read_json, write_json_atomic
 from captioner.models.encoder import FEATURE_DIM, EncoderSpec, build_encoder
 from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.vocab import Vocabulary, tokenize
@@ -39,7 +40,9 @@ def _check_resumable(out_dir: str, meta: dict) -> None:
         if old.get(key) != meta.get(key):
             raise CaptionerError(
                 f"{out_dir} already holds features made for different {key.replace('_', ' ')}; "
-                "pass a new --out (or delete that directory) to prepare this data")
+                "pass a new --out (or delete that directory) to prepare this data"
+            )
+
 
 log = logging.getLogger(__name__)
 
@@ -47,33 +50,50 @@ log = logging.getLogger(__name__)
 @dataclass
 class PrepareConfig:
     """What `prepare` reads and how it encodes; each field is also `prepare`'s option."""
+
     images: Annotated[list[str], "--images", "image directories, searched in order (e.g. train2014 val2014)"]
     out: Annotated[str, "the data directory to write (resumed if it holds the same work)"]
-    captions: Annotated[list[str] | None, "COCO captions files (e.g. captions_train2014.json "
-                        "captions_val2014.json)"] = None
-    karpathy: Annotated[str | None, "instead of --captions/--splits: Karpathy's dataset_coco.json, "
-                        "dataset_flickr8k.json or dataset_flickr30k.json (captions and split in one file; images "
-                        "are DIR/filepath/filename or DIR/filename)"] = None
-    splits: Annotated[str | None, "Karpathy split file (dataset_coco.json); default: a deterministic "
-                      "90/5/5 split"] = None
+    captions: Annotated[
+        list[str] | None, "COCO captions files (e.g. captions_train2014.json captions_val2014.json)"
+    ] = None
+    karpathy: Annotated[
+        str | None,
+        "instead of --captions/--splits: Karpathy's dataset_coco.json, "
+        "dataset_flickr8k.json or dataset_flickr30k.json (captions and split in one file; images "
+        "are DIR/filepath/filename or DIR/filename)",
+    ] = None
+    splits: Annotated[str | None, "Karpathy split file (dataset_coco.json); default: a deterministic 90/5/5 split"] = (
+        None
+    )
     encoder: EncoderSpec = field(default_factory=EncoderSpec)
-    min_count: Annotated[int, "--min-word-freq", "--min-count", "words seen fewer times in the training split's "
-                         "captions become <unk> (val and test captions are not counted)"] = 5
+    min_count: Annotated[
+        int,
+        "--min-word-freq",
+        "--min-count",
+        "words seen fewer times in the training split's captions become <unk> (val and test captions are not counted)",
+    ] = 5
     max_len: Annotated[int, "longer training captions are left out"] = 20
     skip_missing: Annotated[bool, "go on without images whose file is missing"] = False
     skip_bad: Annotated[bool, "go on without malformed annotations and unreadable images"] = False
     batch_size: Annotated[int | None, "images per encoder batch (default: 8 on CPU, 64 on GPU)"] = None
     workers: Annotated[int, "DataLoader workers decoding images"] = 2
     device: Annotated[str, "auto, cpu, cuda or cuda:N"] = "auto"
-    recheck: Annotated[bool, "read every finished feature row first and extract again those holding inf or "
-                       "NaN (a damaged disk or copy)"] = False
-    rotated: Annotated[bool, "--no-rotated", "skip the features of the images turned 180° (the equivariance "
-                       "term's; without them the encoder runs half as long)"] = True
+    recheck: Annotated[
+        bool,
+        "read every finished feature row first and extract again those holding inf or NaN (a damaged disk or copy)",
+    ] = False
+    rotated: Annotated[
+        bool,
+        "--no-rotated",
+        "skip the features of the images turned 180° (the equivariance "
+        "term's; without them the encoder runs half as long)",
+    ] = True
 
     def __post_init__(self):
         if self.karpathy and (self.captions or self.splits):
-            raise CaptionerError("--karpathy reads captions and splits from its one file; "
-                                 "do not pass --captions or --splits with it")
+            raise CaptionerError(
+                "--karpathy reads captions and splits from its one file; do not pass --captions or --splits with it"
+            )
         if not (self.karpathy or self.captions):
             raise CaptionerError("one of --captions or --karpathy is required")
         for name in ("min_count", "max_len", "batch_size"):
@@ -82,7 +102,9 @@ class PrepareConfig:
                 raise CaptionerError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
 
 
-def prepare(cfg: PrepareConfig, *, dist: Dist = Dist(), progress: bool = True, stop: GracefulStop | None = None) -> dict:
+def prepare(
+    cfg: PrepareConfig, *, dist: Dist | None = None, progress: bool = True, stop: GracefulStop | None = None
+) -> dict:
     """Build a data directory; returns a summary (counts per split, vocabulary size, skipped).
 
     Args:
@@ -91,53 +113,84 @@ def prepare(cfg: PrepareConfig, *, dist: Dist = Dist(), progress: bool = True, s
         stop: once requested (SIGTERM, SIGINT), end after the current batch of features; the
             summary then says {"stopped": signal name, ...} and a rerun goes on from there.
     """
+    dist = dist or Dist()
     device = choose_device(cfg.device, dist.local_rank)
     records, skipped, sources = _read_records(cfg)
     enc, spec = build_encoder(cfg.encoder)
     grid = spec.grid
-    meta = {"format": FORMAT, "encoder": spec.to_dict(), "locations": grid * grid,
-            "feature_dim": FEATURE_DIM, "max_len": cfg.max_len, "min_count": cfg.min_count,
-            "image_ids": [r.image_id for r in records], "paths": [r.path for r in records],
-            "sources": sources, "rotated": cfg.rotated}
+    meta = {
+        "format": FORMAT,
+        "encoder": spec.to_dict(),
+        "locations": grid * grid,
+        "feature_dim": FEATURE_DIM,
+        "max_len": cfg.max_len,
+        "min_count": cfg.min_count,
+        "image_ids": [r.image_id for r in records],
+        "paths": [r.path for r in records],
+        "sources": sources,
+        "rotated": cfg.rotated,
+    }
     caches = _open_caches(cfg, meta, dist, progress)
     fast = optimize_encoder(enc, device, image_size=spec.image_size)  # same features as enc, faster
-    encoders = [fast, HalfTurn(fast)][:len(caches)]
+    encoders = [fast, HalfTurn(fast)][: len(caches)]
     batch_size = cfg.batch_size or (64 if device.type == "cuda" else 8)
     for target, encoder in zip(caches, encoders):
-        extract_features(target, meta["paths"], encoder, spec.preprocess, batch_size=batch_size,
-                         workers=cfg.workers, device=str(device), skip_bad=cfg.skip_bad, rank=dist.rank,
-                         world=dist.world, progress=progress, stop=stop)
+        extract_features(
+            target,
+            meta["paths"],
+            encoder,
+            spec.preprocess,
+            batch_size=batch_size,
+            workers=cfg.workers,
+            device=str(device),
+            skip_bad=cfg.skip_bad,
+            rank=dist.rank,
+            world=dist.world,
+            progress=progress,
+            stop=stop,
+        )
         if stop_requested(stop) and len(target.todo(dist.rank, dist.world)):
-            return {"stopped": stop.signal_name, "rank": dist.rank,
-                    "features_done": int((target.done == DONE).sum()),
-                    "features_to_do": int((target.done == TODO).sum()),
-                    **({"cache": ROTATED} if target is not caches[0] else {})}
+            return {
+                "stopped": stop.signal_name,
+                "rank": dist.rank,
+                "features_done": int((target.done == DONE).sum()),
+                "features_to_do": int((target.done == TODO).sum()),
+                **({"cache": ROTATED} if target is not caches[0] else {}),
+            }
     barrier(dist)  # every rank's rows are on disk before the dataset files are written
     if not dist.main:
         return {"rank": dist.rank}
     try:
         return _write_dataset(cfg.out, meta, records, caches[0], cfg.min_count, cfg.max_len, skipped)
     except OSError as e:
-        raise CaptionerError(f"cannot write the dataset files in {cfg.out}: {describe_os_error(e, cfg.out)}; "
-                             "the features are kept: free some space and run prepare again") from None
+        raise CaptionerError(
+            f"cannot write the dataset files in {cfg.out}: {describe_os_error(e, cfg.out)}; "
+            "the features are kept: free some space and run prepare again"
+        ) from None
 
 
 def _read_records(cfg: PrepareConfig):
     """The images with their captions and splits, what was skipped, and where they came from."""
     if cfg.karpathy:
-        records, skipped = load_karpathy(cfg.karpathy, cfg.images, skip_missing=cfg.skip_missing,
-                                         skip_bad=cfg.skip_bad)
+        records, skipped = load_karpathy(cfg.karpathy, cfg.images, skip_missing=cfg.skip_missing, skip_bad=cfg.skip_bad)
         return records, skipped, {"karpathy": os.path.abspath(cfg.karpathy)}
-    records, skipped = load_dataset(cfg.captions, cfg.images, cfg.splits, skip_missing=cfg.skip_missing,
-                                    skip_bad=cfg.skip_bad)
-    return records, skipped, {"captions": [os.path.abspath(c) for c in cfg.captions],
-                              "splits": os.path.abspath(cfg.splits) if cfg.splits else None}
+    records, skipped = load_dataset(
+        cfg.captions, cfg.images, cfg.splits, skip_missing=cfg.skip_missing, skip_bad=cfg.skip_bad
+    )
+    return (
+        records,
+        skipped,
+        {
+            "captions": [os.path.abspath(c) for c in cfg.captions],
+            "splits": os.path.abspath(cfg.splits) if cfg.splits else None,
+        },
+    )
 
 
 def _open_caches(cfg: PrepareConfig, meta: dict, dist: Dist, progress: bool) -> list[FeatureCache]:
     """The feature caches to fill (the turned images' too, with cfg.rotated), created once by rank 0."""
     n, shape = len(meta["image_ids"]), (meta["locations"], FEATURE_DIM)
-    names = ["features", ROTATED][:1 + cfg.rotated]
+    names = ["features", ROTATED][: 1 + cfg.rotated]
     os.makedirs(cfg.out, exist_ok=True)
     if dist.main:
         _check_resumable(cfg.out, meta)
@@ -158,8 +211,10 @@ def _recheck(cache: FeatureCache, meta: dict, progress: bool) -> None:
     """Mark finished feature rows that hold inf or NaN to be extracted again, naming their images."""
     damaged = cache.recheck(progress=progress)
     for row in damaged[:20]:
-        log.info(f"recheck: image {meta['image_ids'][row]} ({meta['paths'][row]}): features held inf or NaN; "
-                 "extracting them again")
+        log.info(
+            f"recheck: image {meta['image_ids'][row]} ({meta['paths'][row]}): features held inf or NaN; "
+            "extracting them again"
+        )
     log.info(f"recheck: {len(damaged)} of {len(cache.done)} feature rows to extract again")
 
 
@@ -169,14 +224,14 @@ def _feature_stats(cache: FeatureCache, rows: list[int], sample: int = 2000) -> 
     D = cache.shape[2]
     s1, s2, used = np.zeros(D), np.zeros(D), 0
     for i in range(0, len(pick), 256):
-        f = cache[pick[i:i + 256]]                                      # (n, L, D) fp16
-        f = f[~nonfinite_rows(f)].astype(np.float64).reshape(-1, D)      # (n'*L, D): damaged rows left out
+        f = cache[pick[i : i + 256]]  # (n, L, D) fp16
+        f = f[~nonfinite_rows(f)].astype(np.float64).reshape(-1, D)  # (n'*L, D): damaged rows left out
         s1 += f.sum(0)
         s2 += (f * f).sum(0)
         used += len(f) // cache.shape[1]
     n = max(used, 1) * cache.shape[1]
     mean = s1 / n
-    std = np.sqrt(np.maximum(s2 / n - mean ** 2, 0.0))
+    std = np.sqrt(np.maximum(s2 / n - mean**2, 0.0))
     return mean.round(6).tolist(), std.round(6).tolist()
 
 
@@ -186,8 +241,10 @@ def _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped) -
     counts = Counter(t for row, r in usable if r.split == "train" for c in r.captions for t in tokenize(c))
     vocab = Vocabulary.from_counts(counts, min_count=min_count)
     if len(vocab) <= 4:
-        raise CaptionerError(f"the training captions give an empty vocabulary at --min-word-freq "
-                             f"{min_count}; lower it or add training data")
+        raise CaptionerError(
+            f"the training captions give an empty vocabulary at --min-word-freq "
+            f"{min_count}; lower it or add training data"
+        )
     rare = [w for w, c in counts.items() if c < min_count]
     rows, tokens, lengths, too_long = [], [], [], 0
     for row, r in usable:
@@ -204,24 +261,35 @@ def _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped) -
             rows.append(row), lengths.append(len(ids))
             tokens.append(ids + [0] * (max_len + 2 - len(ids)))
     if not rows:
-        raise CaptionerError("no training captions: the train split is empty or every caption is "
-                             f"longer than --max-len {max_len}")
+        raise CaptionerError(
+            f"no training captions: the train split is empty or every caption is longer than --max-len {max_len}"
+        )
     with atomic_path(os.path.join(out_dir, "captions.npz")) as tmp:
-        np.savez(tmp, tokens=np.asarray(tokens, np.int32), lengths=np.asarray(lengths, np.int32),
-                 rows=np.asarray(rows, np.int64))
+        np.savez(
+            tmp,
+            tokens=np.asarray(tokens, np.int32),
+            lengths=np.asarray(lengths, np.int32),
+            rows=np.asarray(rows, np.int64),
+        )
     images = {s: [[r.image_id, row] for row, r in usable if r.split == s] for s in SPLITS}
-    references = {s: {str(r.image_id): r.captions for row, r in usable if r.split == s}
-                  for s in ("val", "test")}
-    write_json_atomic(os.path.join(out_dir, "vocab.json"),
-                      {"words": vocab.words, "min_count": min_count, "max_len": max_len})
+    references = {s: {str(r.image_id): r.captions for row, r in usable if r.split == s} for s in ("val", "test")}
+    write_json_atomic(
+        os.path.join(out_dir, "vocab.json"), {"words": vocab.words, "min_count": min_count, "max_len": max_len}
+    )
     write_json_atomic(os.path.join(out_dir, "splits.json"), {"images": images, "references": references})
     mean, std = _feature_stats(cache, sorted(set(rows)))
-    write_json_atomic(os.path.join(out_dir, "meta.json"),
-                      {**meta, "feature_mean": mean, "feature_std": std, "complete": True})
-    return {"images": {s: len(v) for s, v in images.items()}, "train_captions": len(rows),
-            "vocabulary": len(vocab), "min_word_freq": min_count,
-            # distinct training words seen fewer than min_word_freq times, now <unk>, and their share of words
-            "words_below_min_freq": len(rare),
-            "unk_share": round(sum(counts[w] for w in rare) / max(1, sum(counts.values())), 5),
-            "too_long": too_long, "bad_images": int((cache.done == BAD).sum()),
-            "skipped": skipped.report()}
+    write_json_atomic(
+        os.path.join(out_dir, "meta.json"), {**meta, "feature_mean": mean, "feature_std": std, "complete": True}
+    )
+    return {
+        "images": {s: len(v) for s, v in images.items()},
+        "train_captions": len(rows),
+        "vocabulary": len(vocab),
+        "min_word_freq": min_count,
+        # distinct training words seen fewer than min_word_freq times, now <unk>, and their share of words
+        "words_below_min_freq": len(rare),
+        "unk_share": round(sum(counts[w] for w in rare) / max(1, sum(counts.values())), 5),
+        "too_long": too_long,
+        "bad_images": int((cache.done == BAD).sum()),
+        "skipped": skipped.report(),
+    }

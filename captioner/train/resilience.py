@@ -10,6 +10,7 @@
 
 Shapes: n rows of (L, D) features, L locations, D feature size.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,9 +24,9 @@ import numpy as np
 import torch
 
 from captioner.data.features import damaged_row_message
+from captioner.errors import CaptionerError
 from captioner.io import describe_os_error
 from captioner.models.checkpoint import save_checkpoint
-from captioner.errors import CaptionerError
 
 # Exit status after a graceful stop: 0 for SIGTERM (the job did what a preemption notice asks:
 # saved and stopped, so it is not reported as a failure), 130 for Ctrl-C (the shell's convention,
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 
 # helpers
+
 
 def all_finite(values: dict) -> bool:
     """True if every number in a dict of loss terms is finite."""
@@ -51,6 +53,7 @@ def first_nonfinite(state: dict) -> str | None:
 
 
 # classes
+
 
 class GracefulStop:
     """Context manager: SIGTERM and SIGINT ask for a stop at the next safe point instead of killing.
@@ -70,7 +73,7 @@ class GracefulStop:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "GracefulStop":
+    def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():
             for s in self.signals:
                 self._previous[s] = signal.signal(s, self._handle)
@@ -89,8 +92,11 @@ class GracefulStop:
         if self.announce:
             # os.write, not print: the handler may run while the main code is inside a write to
             # stderr (the progress bar), and a buffered stream refuses a reentrant call.
-            os.write(sys.stderr.fileno(), f"\n{signal.Signals(signum).name}: stopping after the current "
-                                          "step, then saving (SIGKILL ends it at once)\n".encode())
+            os.write(
+                sys.stderr.fileno(),
+                f"\n{signal.Signals(signum).name}: stopping after the current "
+                "step, then saving (SIGKILL ends it at once)\n".encode(),
+            )
 
     def request(self, signum: int = signal.SIGTERM) -> None:
         """Ask for a stop as a signal would (for callers that are not signalled, and for tests)."""
@@ -130,7 +136,7 @@ class CheckpointSaver:
 
     def __init__(self, good: dict[str, int] | None = None):
         self.good: dict[str, int] = dict(good or {})
-        self.failed: dict[str, str] = {}      # path → message of its latest failed save
+        self.failed: dict[str, str] = {}  # path → message of its latest failed save
 
     def last_good(self, path: str) -> str:
         if path in self.good:
@@ -146,13 +152,14 @@ class CheckpointSaver:
         """
         bad = first_nonfinite(ck["model"])
         if bad is not None:
-            raise CaptionerError(f"the model's weights are not finite at step {ck['step']} ({bad}); not "
-                                 f"saving {path}; {self.last_good(path)}")
+            raise CaptionerError(
+                f"the model's weights are not finite at step {ck['step']} ({bad}); not "
+                f"saving {path}; {self.last_good(path)}"
+            )
         try:
             save_checkpoint(ck, path)
         except OSError as e:
-            message = (f"cannot save {path} at step {ck['step']}: {describe_os_error(e, path)}; "
-                       f"{self.last_good(path)}")
+            message = f"cannot save {path} at step {ck['step']}: {describe_os_error(e, path)}; {self.last_good(path)}"
             self.failed[path] = message
             return False
         self.good[path] = int(ck["step"])
@@ -170,7 +177,7 @@ class FaultLog:
 
     def __init__(self, write_log: Callable[[dict], None], show: bool = True):
         self.write_log, self.show = write_log, show
-        self.named: set[int] = set()          # feature rows already reported
+        self.named: set[int] = set()  # feature rows already reported
 
     def warn(self, event: str, message: str, *, show: bool = True, local: bool = False, **fields) -> None:
         """Print "warning: <message>" and log {"event": event, **fields, "message": message}.
@@ -192,8 +199,13 @@ class FaultLog:
         """
         shown = ", ".join(f"{k} {v:.4g}" for k, v in terms.items())
         overflow = scaled and np.isfinite(terms["loss"])
-        self.warn("skipped_step", f"step {step}: not finite ({shown}); the step was skipped, the weights "
-                  "are unchanged", show=not overflow, step=step, **{k: str(v) for k, v in terms.items()})
+        self.warn(
+            "skipped_step",
+            f"step {step}: not finite ({shown}); the step was skipped, the weights are unchanged",
+            show=not overflow,
+            step=step,
+            **{k: str(v) for k, v in terms.items()},
+        )
 
     def damaged_rows(self, rows: Sequence[int], data, step: int) -> None:
         """Report feature rows whose captions were left out of a batch; each image once per run.
@@ -202,9 +214,15 @@ class FaultLog:
             rows: one entry per caption left out (an image's row repeats for each of its captions).
             data: the CaptionData the rows belong to.
         """
-        for row in sorted(set(int(r) for r in rows) - self.named):
+        for row in sorted({int(r) for r in rows} - self.named):
             self.named.add(row)
             image_id, path = data.meta["image_ids"][row], data.path_of(row)
-            self.warn("damaged_features", damaged_row_message(image_id, path, row, data.cache.path,
-                                                              "its captions are left out of training"),
-                      local=True, step=step, image_id=image_id, file=path, row=row)
+            self.warn(
+                "damaged_features",
+                damaged_row_message(image_id, path, row, data.cache.path, "its captions are left out of training"),
+                local=True,
+                step=step,
+                image_id=image_id,
+                file=path,
+                row=row,
+            )

@@ -5,6 +5,7 @@ its batch source, the checkpoint saver and the log) from a prepared data directo
 start, `--init` weights, or `last.pt` of a run to resume. `Run.save` writes a checkpoint in the
 format of `models.checkpoint`, and `Run.write_log` a line of metrics.jsonl.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Run:
     """Everything a training run holds, made once by `start_run`."""
+
     cfg: TrainConfig
     model_cfg: DecoderConfig
     data: CaptionData
@@ -45,15 +47,15 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.ReduceLROnPlateau
     scaler: torch.amp.GradScaler
-    generator: torch.Generator            # hard attention's and SCST's draws, one stream per process
+    generator: torch.Generator  # hard attention's and SCST's draws, one stream per process
     objective: nn.Module
-    source: object                        # batches: CaptionData, FineTuning or TrainingImages
+    source: object  # batches: CaptionData, FineTuning or TrainingImages
     tuning: FineTuning | None
     progress: Progress
     out_dir: str
-    started: float                        # time.monotonic() of the start, setup of fine-tuning excluded
+    started: float  # time.monotonic() of the start, setup of fine-tuning excluded
     familiarity: dict | None = None
-    metrics: dict = field(default_factory=dict)      # the last validation's
+    metrics: dict = field(default_factory=dict)  # the last validation's
     saver: resilience.CheckpointSaver = field(default_factory=resilience.CheckpointSaver)
     notes: resilience.FaultLog | None = None
     last_save: float = 0.0
@@ -79,15 +81,27 @@ class Run:
 
     def checkpoint(self) -> dict:
         """This moment of the run in the checkpoint format (`models.checkpoint`)."""
-        ck = {"model": self.model.state_dict(), "decoder": self.model_cfg.to_dict(), "train": self.cfg.to_dict(),
-              "vocab": self.data.vocab.words, "encoder": self.data.encoder.to_dict(), "max_len": self.data.max_len,
-              "step": self.progress.step, "progress": asdict(self.progress), "optimizer": self.optimizer.state_dict(),
-              "scheduler": self.scheduler.state_dict(), "metrics": self.metrics,
-              "attention": verdict(self.metrics.get("attention_health")),
-              "rng": {"torch": torch.get_rng_state(), "generator": self.generator.get_state(),
-                      "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-              "data": {"dir": os.path.abspath(self.data.dir), "fingerprint": self.data.encoder.fingerprint},
-              "familiarity": self.familiarity}
+        ck = {
+            "model": self.model.state_dict(),
+            "decoder": self.model_cfg.to_dict(),
+            "train": self.cfg.to_dict(),
+            "vocab": self.data.vocab.words,
+            "encoder": self.data.encoder.to_dict(),
+            "max_len": self.data.max_len,
+            "step": self.progress.step,
+            "progress": asdict(self.progress),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "metrics": self.metrics,
+            "attention": verdict(self.metrics.get("attention_health")),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "generator": self.generator.get_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            },
+            "data": {"dir": os.path.abspath(self.data.dir), "fingerprint": self.data.encoder.fingerprint},
+            "familiarity": self.familiarity,
+        }
         if self.tuning:
             ck["encoder_state"] = self.tuning.encoder.encoder_state()  # the trained layers, trunk names
         return ck
@@ -96,13 +110,23 @@ class Run:
         """Save a checkpoint (rank 0); a failed save is reported, and raised by `fit` if it was the final one."""
         if self.d.main and not self.saver.save(self.checkpoint(), path):
             then = "fit ends with this error" if final else "training goes on and retries at the next save"
-            self.notes.warn("save_failed", f"{self.saver.failed[path]}; {then}", step=self.progress.step, show=not final)
+            self.notes.warn(
+                "save_failed", f"{self.saver.failed[path]}; {then}", step=self.progress.step, show=not final
+            )
         if path == self.last_path:
             self.last_save = time.monotonic()
 
 
-def start_run(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None, cfg: TrainConfig, *, resume: bool,
-              device: str, progress_bar: bool) -> Run:
+def start_run(
+    data_dir: str,
+    out_dir: str,
+    model_cfg: DecoderConfig | None,
+    cfg: TrainConfig,
+    *,
+    resume: bool,
+    device: str,
+    progress_bar: bool,
+) -> Run:
     """Set a run up: fresh, from cfg.init's weights, or resumed from out_dir/last.pt."""
     d, dev = distributed.setup(device)
     data = CaptionData(data_dir)
@@ -117,8 +141,10 @@ def start_run(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None, cfg:
         init = _init_checkpoint(cfg.init, data, dev)
         model_cfg = DecoderConfig(**init["decoder"])
     elif cfg.objective == "scst":
-        raise CaptionerError("--objective scst starts from a trained model: pass --init RUN/best.pt "
-                             "(or --resume to continue a self-critical run)")
+        raise CaptionerError(
+            "--objective scst starts from a trained model: pass --init RUN/best.pt "
+            "(or --resume to continue a self-critical run)"
+        )
     model_cfg = DecoderConfig(**{**(model_cfg or DecoderConfig(0)).to_dict(), "vocab_size": len(data.vocab)})
     _choose_objective_data(data, cfg, d)
     torch.manual_seed(cfg.seed)
@@ -133,11 +159,25 @@ def start_run(data_dir: str, out_dir: str, model_cfg: DecoderConfig | None, cfg:
             tuning.encoder.load_encoder_state(ck["encoder_state"], last_path)
         optimizer.add_param_group({"params": list(tuning.parameters()), "lr": cfg.fine_tune.lr})
         started = time.monotonic()  # the one-off pool4 cache is preparation, like prepare's: not training time
-    run = Run(cfg, model_cfg, data, d, dev, model, optimizer,
-              torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=2),
-              torch.amp.GradScaler(dev.type, enabled=cfg.amp == "fp16" and dev.type == "cuda"),
-              torch.Generator(device=dev).manual_seed(cfg.seed + 1 + d.rank), objective=None, source=None,
-              tuning=tuning, progress=Progress(), out_dir=out_dir, started=started, last_save=time.monotonic())
+    run = Run(
+        cfg,
+        model_cfg,
+        data,
+        d,
+        dev,
+        model,
+        optimizer,
+        torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=2),
+        torch.amp.GradScaler(dev.type, enabled=cfg.amp == "fp16" and dev.type == "cuda"),
+        torch.Generator(device=dev).manual_seed(cfg.seed + 1 + d.rank),
+        objective=None,
+        source=None,
+        tuning=tuning,
+        progress=Progress(),
+        out_dir=out_dir,
+        started=started,
+        last_save=time.monotonic(),
+    )
     if init is not None:
         model.load_state_dict(init["model"])
     if ck is not None:
@@ -154,9 +194,11 @@ def _choose_objective_data(data: CaptionData, cfg: TrainConfig, d: distributed.D
     if not equivariant:
         data.rotated = None
     elif d.main and data.rotated is None:
-        log.warning(f"{data.dir} has no features of the images turned 180° (prepared with --no-rotated or by "
-                    "an older version), so attention trains without its equivariance term and its heatmaps "
-                    "may sit beside the objects they name; run prepare again into a new directory to add them")
+        log.warning(
+            f"{data.dir} has no features of the images turned 180° (prepared with --no-rotated or by "
+            "an older version), so attention trains without its equivariance term and its heatmaps "
+            "may sit beside the objects they name; run prepare again into a new directory to add them"
+        )
 
 
 def _restore(run: Run, ck: dict) -> None:
@@ -175,15 +217,19 @@ def _restore(run: Run, ck: dict) -> None:
 def _objective(run: Run) -> None:
     """The loss as a module (DDP-wrapped under torchrun) and where its batches come from."""
     cfg, model = run.cfg, run.model
-    run.objective, run.source = Objective(model, cfg, run.tuning.encoder if run.tuning else None), run.tuning or run.data
+    run.objective, run.source = (
+        Objective(model, cfg, run.tuning.encoder if run.tuning else None),
+        run.tuning or run.data,
+    )
     if cfg.objective == "scst":
         if run.tuning:
             raise CaptionerError("--objective scst does not fine-tune the encoder; leave out --fine-tune-encoder")
         run.objective = SelfCritical(model, cfg.scst, training_scorer(run.data, cfg.scst.end_token), run.data.max_len)
         run.source = TrainingImages(run.data)
     if run.d.active:
-        run.objective = DistributedDataParallel(run.objective,
-                                                device_ids=[run.device.index] if run.device.type == "cuda" else None)
+        run.objective = DistributedDataParallel(
+            run.objective, device_ids=[run.device.index] if run.device.type == "cuda" else None
+        )
     model.fused = cfg.fused
     if cfg.compile:
         model.compile_step()
@@ -221,23 +267,35 @@ def _resume_config(ck: dict, data: CaptionData, cfg: TrainConfig, path: str) -> 
         raise CaptionerError(f"--resume: {path} was trained on other data than {data.dir}")
     saved = TrainConfig.from_dict(ck["train"])
     if cfg.objective == "scst" and saved.objective != "scst":
-        raise CaptionerError(f"--resume --objective scst: {path} is a cross-entropy run; start self-critical "
-                             f"training from it with --init {os.path.join(os.path.dirname(path), 'best.pt')} "
-                             "and a new --out")
+        raise CaptionerError(
+            f"--resume --objective scst: {path} is a cross-entropy run; start self-critical "
+            f"training from it with --init {os.path.join(os.path.dirname(path), 'best.pt')} "
+            "and a new --out"
+        )
     # Encoder fine-tuning: the layers and their learning rate are the saved ones; workers may change.
-    if cfg.fine_tune is not None and (saved.fine_tune is None or (cfg.fine_tune.start, cfg.fine_tune.lr)
-                                      != (saved.fine_tune.start, saved.fine_tune.lr)):
-        raise CaptionerError(f"--resume: {path} was trained {'with other' if saved.fine_tune else 'without'} "
-                             "--fine-tune-encoder settings; resume without those flags to continue as it was")
+    if cfg.fine_tune is not None and (
+        saved.fine_tune is None
+        or (cfg.fine_tune.start, cfg.fine_tune.lr) != (saved.fine_tune.start, saved.fine_tune.lr)
+    ):
+        raise CaptionerError(
+            f"--resume: {path} was trained {'with other' if saved.fine_tune else 'without'} "
+            "--fine-tune-encoder settings; resume without those flags to continue as it was"
+        )
     if saved.fine_tune is not None and "encoder_state" not in ck:
         raise CaptionerError(f"--resume: {path} lacks the encoder_state its fine-tuning settings call for")
     fine_tune = saved.to_dict()["fine_tune"]
     if fine_tune and cfg.fine_tune is not None:
         fine_tune["workers"] = cfg.fine_tune.workers
     return DecoderConfig(**ck["decoder"]), TrainConfig.from_dict(
-        {**saved.to_dict(), "epochs": cfg.epochs, "max_minutes": cfg.max_minutes,
-         "checkpoint_every": cfg.checkpoint_every, "checkpoint_minutes": cfg.checkpoint_minutes,
-         "fine_tune": fine_tune})
+        {
+            **saved.to_dict(),
+            "epochs": cfg.epochs,
+            "max_minutes": cfg.max_minutes,
+            "checkpoint_every": cfg.checkpoint_every,
+            "checkpoint_minutes": cfg.checkpoint_minutes,
+            "fine_tune": fine_tune,
+        }
+    )
 
 
 def _init_checkpoint(path: str, data: CaptionData, dev) -> dict:
@@ -247,10 +305,14 @@ def _init_checkpoint(path: str, data: CaptionData, dev) -> dict:
     except CaptionerError as e:
         raise CaptionerError(f"--init: {e}") from None
     if ck["vocab"] != data.vocab.words:
-        raise CaptionerError(f"--init: {path} has a vocabulary of {len(ck['vocab'])} words that differs from "
-                             f"{data.dir}'s ({len(data.vocab)} words); start from a model trained on this data")
+        raise CaptionerError(
+            f"--init: {path} has a vocabulary of {len(ck['vocab'])} words that differs from "
+            f"{data.dir}'s ({len(data.vocab)} words); start from a model trained on this data"
+        )
     fingerprint = ck.get("data", {}).get("fingerprint") or EncoderSpec.from_dict(ck["encoder"]).fingerprint
     if fingerprint != data.encoder.fingerprint:
-        raise CaptionerError(f"--init: {path} was trained on features of encoder {fingerprint}, but {data.dir} "
-                             f"holds features of encoder {data.encoder.fingerprint}")
+        raise CaptionerError(
+            f"--init: {path} was trained on features of encoder {fingerprint}, but {data.dir} "
+            f"holds features of encoder {data.encoder.fingerprint}"
+        )
     return ck

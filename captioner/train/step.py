@@ -2,6 +2,7 @@
 
 Shapes: B captions (images for SCST), L locations, D feature size, T steps.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,10 +39,20 @@ class Objective(nn.Module):
         if self.encoder is not None:
             features = self.encoder(features, batch.image_index)  # encoder inputs, one per image → (B, L, D)
         if self.decoder.config.attention == "hard":
-            return hard_attention_loss(self.decoder, features, captions, lengths, baseline=baseline,
-                                       cfg=self.cfg.hard, alpha_c=self.cfg.alpha_c, generator=generator, words=words,
-                                       rotated=batch.rotated, equivariance=self.cfg.equivariance)
-        if batch.rotated is not None:                             # `fit` reads them only for the term
+            return hard_attention_loss(
+                self.decoder,
+                features,
+                captions,
+                lengths,
+                baseline=baseline,
+                cfg=self.cfg.hard,
+                alpha_c=self.cfg.alpha_c,
+                generator=generator,
+                words=words,
+                rotated=batch.rotated,
+                equivariance=self.cfg.equivariance,
+            )
+        if batch.rotated is not None:  # `fit` reads them only for the term
             return self.equivariant_loss(features, batch.rotated, captions, lengths, words)
         nll, penalty, _, _ = sequence_terms(self.decoder, features, captions, lengths, self.cfg.alpha_c, words)
         return nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
@@ -52,11 +63,23 @@ class Objective(nn.Module):
         words = mask.sum() if words is None else words
         equi = equivariance_term(self.decoder, u.alphas, rotated, captions, mask, words)
         return nll + penalty + self.cfg.equivariance * equi, {
-            "nll": nll.detach(), "penalty": penalty.detach(), "equivariance": equi.detach()}
+            "nll": nll.detach(),
+            "penalty": penalty.detach(),
+            "equivariance": equi.detach(),
+        }
 
 
-def train_step(objective, batch, optimizer, scaler, cfg: TrainConfig, progress: Progress,
-               generator: torch.Generator, d: distributed.Dist, device: torch.device) -> dict:
+def train_step(
+    objective,
+    batch,
+    optimizer,
+    scaler,
+    cfg: TrainConfig,
+    progress: Progress,
+    generator: torch.Generator,
+    d: distributed.Dist,
+    device: torch.device,
+) -> dict:
     """One optimisation step on this process's share of a global batch; returns the loss terms.
 
     A step whose loss terms or gradient norm are not finite (on any process) is not applied:
@@ -75,20 +98,19 @@ def train_step(objective, batch, optimizer, scaler, cfg: TrainConfig, progress: 
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(objective.parameters(), cfg.grad_clip)
-    terms = {"loss": float(loss.detach()), **{k: float(v) for k, v in terms.items()},
-             "grad_norm": float(grad_norm)}
+    terms = {"loss": float(loss.detach()), **{k: float(v) for k, v in terms.items()}, "grad_norm": float(grad_norm)}
     counts = {k: terms.pop(k) for k in ("reward_sum", "sampled") if k in terms}
     # Each process's terms are its share of the global batch's: their mean is the batch's.
     names = list(terms) + list(counts)
     totals = distributed.all_sum(d, [terms[k] for k in terms] + list(counts.values()), device)
-    terms = {k: v / d.world for k, v in zip(names[:len(terms)], totals)}
+    terms = {k: v / d.world for k, v in zip(names[: len(terms)], totals)}
     # faults: the sums carry a NaN or inf from any process, so all agree to skip the update.
     applied = resilience.all_finite(terms)
     if applied:
         scaler.step(optimizer)
     scaler.update()
     if counts and applied:
-        reward_sum, sampled = totals[len(terms):]
+        reward_sum, sampled = totals[len(terms) :]
         progress.baseline = update_baseline(progress.baseline, reward_sum, sampled, cfg.hard.baseline_decay)
         terms["baseline"] = progress.baseline
     return terms
