@@ -112,11 +112,12 @@ def toy():
 
 
 def sample_logp(dec, feats, tokens, max_len=6):
-    """log p of given captions under the sampler's distribution (banned ids removed), teacher-forced;
+    """log p of given captions under the sampler's distribution (banned words removed), teacher-forced;
     an <end> forced at max_len words was no choice and has no probability."""
     captions = torch.cat([torch.full((len(tokens), 1), START_ID), tokens], 1)  # (N, T+1)
     logits, _ = dec(feats.expand(len(tokens), -1, -1), captions, (captions != PAD_ID).sum(1))
     logits[..., [PAD_ID, START_ID, UNK_ID]] = float("-inf")
+    logits[:, 0, END_ID] = float("-inf")  # no empty caption
     logp = logits.log_softmax(-1).gather(2, tokens.unsqueeze(2)).squeeze(2)  # (N, T)
     chosen = (tokens != PAD_ID) & (torch.arange(tokens.size(1)) < max_len)
     return torch.where(chosen, logp, 0.0).sum(1)
@@ -151,6 +152,16 @@ def test_one_step_raises_samples_that_beat_the_baseline(baseline):
     assert change[advantage.argmax()] > 0, (advantage, change)  # the best sample gained
     assert change[advantage.argmin()] < 0, (advantage, change)  # the worst lost
     assert float((advantage * change).sum()) > 0  # the expected advantage went up
+
+
+def test_samples_are_never_empty_as_decoding_never_is():
+    """SCST trains on captions the model can output: <end> is not allowed as the first word."""
+    dec, _, feats = toy()
+    with torch.no_grad():
+        dec.L_o.bias[END_ID] = 50.0  # <end> is almost certain at every step
+    s = sample_captions(dec, feats, 6, 5, generator=torch.Generator().manual_seed(0))
+    assert (s.words >= 1).all() and (s.words == 1).all()  # one word, then <end>
+    assert torch.isfinite(s.logp).all()
 
 
 def _batch(feats):

@@ -71,7 +71,6 @@ def beam_search(
         raise ValueError(f"beam_size and max_len must be positive, got {beam_size} and {max_len}")
     B, K, V = features.size(0), beam_size, decoder.config.vocab_size
     s = _Search.start(decoder, features, K, max_len + 1)
-    banned = [PAD_ID, START_ID] + ([UNK_ID] if ban_unk else [])
     offsets = (torch.arange(B, device=features.device) * K).unsqueeze(1)  # (B, 1)
     for t in range(max_len + 1):
         rows = s.writing.nonzero().squeeze(1)  # (n,) only the beams still writing take a step
@@ -79,7 +78,9 @@ def beam_search(
         s.alpha[t].index_copy_(0, rows, alpha.to(s.alpha.dtype))
         if loc is not None:
             s.loc[t].index_copy_(0, rows, loc)
-        step_logp = _allowed(logits.float().log_softmax(dim=-1), banned, first=t == 0, last=t == max_len)
+        step_logp = _allowed(
+            logits.float().log_softmax(dim=-1), banned(first=t == 0, ban_unk=ban_unk), last=t == max_len
+        )
         # Frozen beams carry their score forward through <pad>; beams without a step get -inf.
         logp = step_logp.new_full((s.words.size(0), V), float("-inf"))  # (N, V)
         logp.index_copy_(0, rows, step_logp)
@@ -108,13 +109,16 @@ def _step(decoder: AttentionDecoder, s: _Search, rows: torch.Tensor, mode: str, 
     return logits, alpha, loc
 
 
-def _allowed(step_logp: torch.Tensor, banned: list[int], *, first: bool, last: bool) -> torch.Tensor:
-    """A step's log-probabilities (n, V) with the words it may not emit at -inf: the banned ones,
-    <end> as the first word (every caption has at least one), and anything but <end> at the last
-    step, where <end> keeps its own log-probability (a caption cut short pays its end's cost)."""
+def banned(*, first: bool, ban_unk: bool = True) -> list[int]:
+    """The words a caption may not have at a step, in decoding and in SCST's sampling alike:
+    <pad>, <start>, <unk> (unless allowed), and <end> as the first word (every caption has one)."""
+    return [PAD_ID, START_ID] + ([UNK_ID] if ban_unk else []) + ([END_ID] if first else [])
+
+
+def _allowed(step_logp: torch.Tensor, banned: list[int], *, last: bool) -> torch.Tensor:
+    """A step's log-probabilities (n, V) with the banned words at -inf, and anything but <end> at
+    the last step, where <end> keeps its own log-probability (a caption cut short pays its cost)."""
     step_logp[:, banned] = float("-inf")
-    if first:
-        step_logp[:, END_ID] = float("-inf")
     if last:
         step_logp[:, :END_ID] = step_logp[:, END_ID + 1 :] = float("-inf")
     return step_logp

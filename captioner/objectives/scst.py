@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from captioner.data.dataset import CaptionData, ImageBatch
-from captioner.models.decode import beam_search
+from captioner.models.decode import banned, beam_search
 from captioner.models.decoder import EXPECTED, SAMPLE, AttentionDecoder
-from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
+from captioner.models.vocab import END_ID, PAD_ID, START_ID
 from captioner.objectives.cider import NgramScorer, References, cached_document_frequency
 from captioner.objectives.reinforce import LOG_EPS
 
@@ -107,8 +107,9 @@ def sample_captions(
 ) -> Samples:
     """Draw n captions per image from the decoder, step by step, keeping the graph for log p.
 
-    Uses the decoder's own `step`, as beam search does; the same words are banned (<pad>,
-    <start>, <unk>) and a caption reaching max_len words is ended there, as in decoding.
+    Uses the decoder's own `step`, as beam search does; the same words are banned
+    (`models.decode.banned`: <pad>, <start>, <unk>, and <end> as the first word, so no caption
+    is empty) and a caption reaching max_len words is ended there, as in decoding.
 
     Args:
         features: (B, L, D) raw annotation vectors.
@@ -119,8 +120,9 @@ def sample_captions(
     h, c = (s.repeat_interleave(n, dim=0) for s in decoder.init_state(feats))  # (N, H)
     feats = feats.repeat_interleave(n, dim=0)  # (N, L, D)
     N, V = feats.size(0), decoder.config.vocab_size
-    banned = torch.zeros(V, device=feats.device)
-    banned[[PAD_ID, START_ID, UNK_ID]] = float("-inf")
+    masks = [torch.zeros(V, device=feats.device) for _ in range(2)]  # the first step's, the others'
+    for mask, first in zip(masks, (True, False)):
+        mask[banned(first=first)] = float("-inf")
     words = torch.full((N,), START_ID, dtype=torch.long, device=feats.device)
     alive = torch.ones(N, dtype=torch.bool, device=feats.device)
     logp = feats.new_zeros(N, dtype=torch.float32)
@@ -131,7 +133,7 @@ def sample_captions(
         if t == max_len:  # out of room: end now (no choice, no gradient)
             tokens.append(torch.where(alive, END_ID, PAD_ID))
             break
-        step_logp = (logits.float() + banned).log_softmax(dim=-1)  # (N, V)
+        step_logp = (logits.float() + masks[t > 0]).log_softmax(dim=-1)  # (N, V)
         p = step_logp.detach().exp()  # (N, V)
         drawn = torch.multinomial(p, 1, generator=generator).squeeze(1)  # (N,)
         chosen = step_logp.gather(1, drawn.unsqueeze(1)).squeeze(1)  # (N,)
