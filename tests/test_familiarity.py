@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import gradio
 import numpy as np
@@ -23,7 +24,7 @@ from captioner.evaluation.familiarity import (
 )
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 
-# A real photograph the threshold was not set with (calibration uses matplotlib's and scikit-image's).
+# A real photograph the threshold was not set with (calibration uses matplotlib's).
 PHOTO = os.path.join(os.path.dirname(gradio.__file__), "media_assets", "images", "lion.jpg")
 
 
@@ -100,3 +101,20 @@ def test_verdicts_follow_the_threshold():
     assert np.allclose([v["score"] for v in verdicts], [0.0, 1.5, 3.0])
     assert familiarity(features, None) == [None, None, None]
     assert FamiliarityStats.from_dict(stats.to_dict()).threshold == 2.0 and FamiliarityStats.from_dict(None) is None
+
+
+def test_calibration_uses_only_what_the_dependencies_guarantee(tmp_path, monkeypatch):
+    """The same run stores the same threshold on every machine: an optional package that ships
+    photographs (scikit-image) does not join the calibration when it happens to be installed."""
+    fake = tmp_path / "skimage"
+    (fake / "data").mkdir(parents=True)
+    for name in ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "motorcycle_left.png"):
+        (fake / "data" / name).write_bytes(b"")
+    (fake / "__init__.py").write_text("")
+    (fake / "data" / "__init__.py").write_text("")
+    before = calibration_photos()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "skimage" or m.startswith("skimage.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert calibration_photos() == before
+    assert [os.path.basename(p) for p in before] == ["grace_hopper.jpg"]

@@ -17,7 +17,7 @@ channels go together.
 The threshold is calibrated on two sides. Familiar: the held-out validation images, which the
 model never trained on; the QUANTILE of their scores, times MARGIN, is the least the threshold
 may be. Unfamiliar: real photographs that Python packages ship (matplotlib's sample photograph,
-scikit-image's when installed; `calibration_photos`), each whole and in crops. When the
+`calibration_photos`), whole and in crops. When the
 photographs all score above that least value, the threshold lies halfway between the two (the
 geometric mean with the photographs' lowest score), so neither side sits on the edge; when some
 do not, it stays at the validation bound, since a scene flagged as unlike its own training
@@ -195,25 +195,16 @@ def _pooled(
 
 
 def calibration_photos() -> list[str]:
-    """Real photographs shipped by installed packages: matplotlib's, and scikit-image's if installed.
+    """The real photograph every install has: matplotlib's (a declared dependency).
 
-    Gradio's sample photographs are left out on purpose: the tests check the verdict on them,
-    so they must not be among the images the threshold was set with.
+    Only photographs the declared dependencies guarantee, so that the same training run stores
+    the same threshold on every machine, whatever else happens to be installed. Gradio's sample
+    photographs are left out on purpose: the tests check the verdict on them, so they must not be
+    among the images the threshold was set with.
     """
     import matplotlib.cbook
 
-    photos = [str(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))]
-    try:
-        import skimage.data
-
-        folder = os.path.dirname(skimage.data.__file__)
-        photos += [
-            os.path.join(folder, name)
-            for name in ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "motorcycle_left.png")
-        ]
-    except ImportError:
-        pass
-    return [p for p in photos if os.path.exists(p)]
+    return [str(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))]
 
 
 def photo_views(image: Image.Image) -> dict[str, Image.Image]:
