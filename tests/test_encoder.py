@@ -90,3 +90,19 @@ def test_preprocess_shapes_and_grid_box():
     l, t, r, b = Preprocess(crop=True).grid_box(320, 96)
     assert r - l == pytest.approx(b - t) and t == pytest.approx((96 - (b - t)) / 2)
     assert b - t == pytest.approx(96 * 224 / 256)
+
+
+def test_the_encoder_is_imagenets_wherever_it_is_not_chosen():
+    """The Python API, `prepare`'s config and its command line agree: random weights only when asked."""
+    from captioner.cli.train import get_parser
+    from captioner.options import from_args
+    from captioner.train.prepare import PrepareConfig
+
+    assert EncoderSpec().weights == "imagenet"
+    assert PrepareConfig(images=["i"], out="o", captions=["c.json"]).encoder.weights == "imagenet"
+    args = get_parser().parse_args(["prepare", "--images", "i", "--out", "o", "--captions", "c.json"])
+    assert from_args(PrepareConfig, args).encoder == EncoderSpec()
+    args = get_parser().parse_args(
+        ["prepare", "--images", "i", "--out", "o", "--captions", "c.json", "--encoder-weights", "none"]
+    )
+    assert from_args(PrepareConfig, args).encoder.weights == "none"
