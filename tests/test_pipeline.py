@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -12,9 +15,12 @@ from PIL import Image
 
 from captioner import Captioner, CaptionerError
 from captioner.data.dataset import CaptionData
+from captioner.evaluation.evaluate import evaluate
 from captioner.evaluation.maps import upsample
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.encoder import EncoderSpec
 from captioner.serve.heatmaps import attention_figure
+from captioner.train.prepare import PrepareConfig, prepare
 
 METRICS = ["BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr"]
 
@@ -54,6 +60,62 @@ def test_evaluate_cli_writes_metrics_and_results(small_run, data_dir, scenes, tm
     ids, _ = CaptionData(str(data_dir)).split_images("test")
     assert sorted(r["image_id"] for r in results) == sorted(ids.tolist())
     assert all(isinstance(r["caption"], str) and "<" not in r["caption"] for r in results)
+
+
+def test_evaluate_without_java_says_so_and_marks_the_figures(small_run, data_dir, tmp_path):
+    """No `java` on the PATH: evaluate still scores, but warns naming Java and writes official: false."""
+    out = tmp_path / "m.json"
+    args = [
+        "train.py",
+        "evaluate",
+        "--checkpoint",
+        str(small_run / "best.pt"),
+        "--data",
+        str(data_dir),
+        "--out",
+        str(out),
+        "--beam-size",
+        "1",
+    ]
+    p = run_cli(*args, env={**os.environ, "PATH": str(tmp_path)})
+    assert p.returncode == 0, p.stderr
+    assert "warning: Java was not found" in p.stderr and "Traceback" not in p.stderr
+    m = json.loads(out.read_text())
+    assert m["official"] is False and m["METEOR"] is None and m["BLEU-4"] is not None
+    if shutil.which("java"):
+        p = run_cli(*args)
+        assert p.returncode == 0 and "Java" not in p.stderr, p.stderr
+        assert json.loads(out.read_text())["official"] is True
+
+
+def test_evaluate_counts_the_split_images_it_could_not_score(small_run, scenes, tmp_path, caplog):
+    """A test image that was unreadable at prepare time is named in the count, not silently dropped."""
+    copy = tmp_path / "scenes"
+    shutil.copytree(scenes, copy)
+    test_ids = {
+        im["cocoid"] for im in json.loads((copy / "splits.json").read_text())["images"] if im["split"] == "test"
+    }
+    bad = next(im for im in json.loads((copy / "captions.json").read_text())["images"] if im["id"] in test_ids)
+    (copy / "images" / bad["file_name"]).write_bytes(b"not an image")
+    data = tmp_path / "data"
+    prepare(
+        PrepareConfig(
+            images=[str(copy / "images")],
+            out=str(data),
+            captions=[str(copy / "captions.json")],
+            splits=str(copy / "splits.json"),
+            encoder=EncoderSpec(weights="none"),
+            min_count=1,
+            workers=0,
+            skip_bad=True,
+        ),
+        progress=False,
+    )
+    caplog.set_level(logging.WARNING, logger="captioner")
+    m = evaluate(str(small_run / "best.pt"), str(data), "test", str(tmp_path / "m.json"), beam_size=1, use_java=False)
+    assert m["missing_images"] == 1 and m["missing_image_ids"] == [bad["id"]]
+    assert m["split_images"] == m["images"] + 1 == len(test_ids)
+    assert f"1 of the {len(test_ids)} test images were not scored" in caplog.text
 
 
 def test_checkpoint_round_trip_gives_identical_outputs(small_run, scenes, tmp_path):

@@ -80,6 +80,8 @@ class CaptionData:
         splits = read_json(os.path.join(data_dir, "splits.json"), "splits")
         self.images = {s: np.asarray(v, dtype=np.int64).reshape(-1, 2) for s, v in splits["images"].items()}
         self.references = {s: {int(k): v for k, v in refs.items()} for s, refs in splits["references"].items()}
+        # image ids of each split left out at prepare time (features not extracted); {} for older directories
+        self.dropped: dict[str, list[int]] = splits.get("dropped", {})
         with np.load(os.path.join(data_dir, "captions.npz")) as npz:
             self.tokens, self.lengths, self.rows = npz["tokens"], npz["lengths"], npz["rows"]
         self.damaged: set[int] = set()  # feature rows found holding inf or NaN, named once each

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -18,6 +19,8 @@ from captioner.io import write_json_atomic
 from captioner.models.checkpoint import load_checkpoint, read_trained
 from captioner.models.decoder import EXPECTED
 from captioner.models.encoder import build_encoder
+
+log = logging.getLogger(__name__)
 
 
 def results_path(metrics_path: str) -> str:
@@ -41,28 +44,69 @@ def evaluate(
 ) -> dict:
     """Caption a split with a checkpoint and write the metrics JSON and the COCO results JSON.
 
+    The metrics are coco-caption's (`"official": true`) when Java runs its tokenizer and METEOR;
+    without Java they are nltk's BLEU and Python tokenisation, METEOR is None, `"official"` is
+    false, and a warning says so.
+
     Args:
         grounding: a COCO instances file of object boxes: adds pointing accuracy and its chance rate.
+        use_java: None uses Java when present; False forces the Python figures.
 
     Returns:
-        The metrics written (all seven coco-caption metrics; METEOR is None without Java).
+        The metrics written: the seven coco-caption metrics, "official", the images scored
+        against the split's size, attention health, and pointing with `grounding`.
     """
     model = read_trained(load_checkpoint(checkpoint), checkpoint)
-    spec, device = model.encoder, torch.device(device)
-    data = CaptionData(data_dir)
+    data = _data_for(model, data_dir, checkpoint, split)
+    texts, hyps = _captions(model, data, checkpoint, split, beam_size, max_len, torch.device(device), mode)
+    metrics = score_captions(texts, data.references[split], metrics=ALL_METRICS, use_java=use_java)
+    if not metrics["official"]:
+        log.warning(
+            "Java was not found (or does not run), so these are not coco-caption's figures: BLEU is nltk's "
+            'on Python tokenisation and METEOR is missing (metrics JSON: "official": false); install a Java '
+            "runtime (8 or later) for the official metrics"
+        )
+    if grounding:
+        g = model.encoder.grid
+        words = {i: (texts[i].split(), h.attention.reshape(-1, g, g)) for i, h in hyps.items()}
+        metrics["grounding"] = pointing_accuracy(words, GroundingBoxes(grounding), model.encoder.preprocess)
+        metrics["pointing"] = metrics["grounding"]["pointing"]
+    metrics["attention_health"] = attention_health(h.attention for h in hyps.values())
+    metrics.update(
+        _coverage(data, split, texts),
+        split=split,
+        beam_size=beam_size,
+        step=model.step,
+        mean_length=float(np.mean([len(h.tokens) for h in hyps.values()])) if hyps else 0.0,
+        cut_captions=sum(not h.ended for h in hyps.values()),
+        checkpoint=os.path.abspath(checkpoint),
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    write_json_atomic(results_path(out), [{"image_id": i, "caption": texts[i]} for i in sorted(texts)])
+    write_json_atomic(out, metrics)
+    return metrics
+
+
+def _data_for(model, data_dir: str, checkpoint: str, split: str) -> CaptionData:
+    """The prepared data, refused unless its features come from the checkpoint's encoder."""
+    data, spec = CaptionData(data_dir), model.encoder
     if data.encoder.fingerprint != spec.fingerprint:
         raise CaptionerError(
-            f"{checkpoint} was trained on features of encoder {spec.fingerprint} "
-            f"({spec.weights}), but {data_dir} holds features of encoder "
-            f"{data.encoder.fingerprint} ({data.encoder.weights}); prepare the data with the same encoder"
+            f"{checkpoint} was trained on features of encoder {spec.fingerprint} ({spec.weights}), but {data_dir} "
+            f"holds features of encoder {data.encoder.fingerprint} ({data.encoder.weights}); prepare the data with "
+            "the same encoder"
         )
     if split not in data.references:
         raise CaptionerError(f"--split must be one of {sorted(data.references)}, got {split!r}")
+    return data
+
+
+def _captions(model, data: CaptionData, checkpoint: str, split: str, beam_size, max_len, device, mode):
+    """The split's captions and hypotheses, from the cache or, fine-tuned, from the checkpoint's encoder."""
     features = None
-    if model.encoder_state is not None:
-        # Fine-tuned: the cache holds the frozen encoder's features, not this encoder's.
+    if model.encoder_state is not None:  # the cache holds the frozen encoder's features, not this one's
         features = checkpoint_features(build_encoder(data.encoder)[0], model.encoder_state, data, device, checkpoint)
-    texts, hyps = caption_split(
+    return caption_split(
         model.decoder.to(device),
         data,
         model.vocab,
@@ -73,26 +117,16 @@ def evaluate(
         mode=mode or EXPECTED,
         features=features,
     )
-    metrics = score_captions(texts, data.references[split], metrics=ALL_METRICS, use_java=use_java)
-    if grounding:
-        g = spec.grid
-        words = {i: (texts[i].split(), h.attention.reshape(-1, g, g)) for i, h in hyps.items()}
-        metrics["grounding"] = pointing_accuracy(words, GroundingBoxes(grounding), spec.preprocess)
-        metrics["pointing"] = metrics["grounding"]["pointing"]
-    metrics["attention_health"] = attention_health(h.attention for h in hyps.values())
-    lengths = [len(h.tokens) for h in hyps.values()]
-    metrics.update(
-        {
-            "split": split,
-            "images": len(texts),
-            "beam_size": beam_size,
-            "mean_length": float(np.mean(lengths)) if lengths else 0.0,
-            "checkpoint": os.path.abspath(checkpoint),
-            "step": model.step,
-        }
-    )
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    results = [{"image_id": i, "caption": texts[i]} for i in sorted(texts)]
-    write_json_atomic(results_path(out), results)
-    write_json_atomic(out, metrics)
-    return metrics
+
+
+def _coverage(data: CaptionData, split: str, texts: dict) -> dict:
+    """How many of the split's images were scored, said on the console when some were not."""
+    missing = list(data.dropped.get(split, []))
+    size = len(texts) + len(missing)
+    if missing:
+        log.warning(
+            f"{len(missing)} of the {size} {split} images were not scored: their features could not be "
+            f"extracted when {data.dir} was prepared (unreadable images, --skip-bad); the figures cover "
+            f"the other {len(texts)} (metrics JSON: missing_image_ids)"
+        )
+    return {"images": len(texts), "split_images": size, "missing_images": len(missing), "missing_image_ids": missing}

@@ -1,8 +1,9 @@
 """Caption metrics through the official coco-caption code (pycocoevalcap).
 
 With Java (the PTB tokenizer and METEOR run on it) the numbers are those of the official
-pipeline: BLEU-1..4, METEOR, ROUGE-L, CIDEr. Without Java we say so and report BLEU (nltk's
-corpus BLEU), ROUGE-L and CIDEr on Python tokenisation; METEOR is then None. SPICE is left
+pipeline, and `"official"` is true: BLEU-1..4, METEOR, ROUGE-L, CIDEr. Without Java they are
+BLEU (nltk's corpus BLEU), ROUGE-L and CIDEr on Python tokenisation, METEOR is None, and
+`"official"` is false (`evaluate` warns, naming Java). SPICE is left
 out: it downloads models and needs Java 8. Scores are computed on the caption text, i.e. on
 words already cut at <end>, never on padded ids.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
@@ -58,7 +58,8 @@ def score_captions(
         use_java: None uses Java when present; False forces the Python fallback.
 
     Returns:
-        metric name → score (fractions; CIDEr as is), plus "tokenizer".
+        metric name → score (fractions; CIDEr as is), plus "official" (coco-caption's own code
+        ran, with Java) and "tokenizer".
     """
     from pycocoevalcap.bleu.bleu import Bleu
     from pycocoevalcap.cider.cider import Cider
@@ -69,12 +70,10 @@ def score_captions(
     if missing:
         raise ValueError(f"no reference captions for image ids {missing[:5]}")
     java = java_available() if use_java is None else (use_java and java_available())
-    if use_java and not java:
-        print("note: Java not found; METEOR is skipped and text is tokenised in Python", file=sys.stderr)
     tok = _ptb_tokenize if java else _python_tokenize
     gts = tok({i: list(references[i]) for i in ids})
     res = tok({i: [results[i]] for i in ids})
-    out: dict = {"tokenizer": "ptb" if java else "python"}
+    out: dict = {"official": java, "tokenizer": "ptb" if java else "python"}
     if any(m.startswith("BLEU") for m in metrics):
         if java:
             bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)

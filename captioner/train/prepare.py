@@ -276,7 +276,14 @@ def _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped) -
     write_json_atomic(
         os.path.join(out_dir, "vocab.json"), {"words": vocab.words, "min_count": min_count, "max_len": max_len}
     )
-    write_json_atomic(os.path.join(out_dir, "splits.json"), {"images": images, "references": references})
+    # Images whose features could not be extracted (unreadable, --skip-bad) are named per split, so
+    # that evaluation can say what it did not score.
+    dropped = {
+        s: [r.image_id for row, r in enumerate(records) if r.split == s and cache.done[row] == BAD] for s in SPLITS
+    }
+    write_json_atomic(
+        os.path.join(out_dir, "splits.json"), {"images": images, "references": references, "dropped": dropped}
+    )
     mean, std = _feature_stats(cache, sorted(set(rows)))
     write_json_atomic(
         os.path.join(out_dir, "meta.json"), {**meta, "feature_mean": mean, "feature_std": std, "complete": True}
