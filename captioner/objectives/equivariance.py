@@ -9,8 +9,9 @@ object, pointed at 0.73.
 
 The fix needs no boxes. `prepare` also stores the features of every image turned half a turn
 (180°, `features_rot180.npy`); `fit` runs the soft pass on those too, with the same caption, and
-adds λ Σ_t H²(α_t, R α'_t) per word, where R turns a map half a turn back and H² is the squared
-Hellinger distance (0 for equal maps, at most 2). Attending "one cell above the object" becomes
+adds λ Σ_t Σ_i (√α_ti − √(Rα')_ti)² per word, where R turns a map half a turn back; the sum
+over i is 2H², twice the squared Hellinger distance with the usual ½ (0 for equal maps, at most
+2). Attending "one cell above the object" becomes
 "one cell below it" in the turned image, which the term penalises; attending the object itself
 costs nothing. A half turn flips both axes, so one extra encoding covers offsets in any
 direction; captions are not trained on the turned features, so words like "left" need no
@@ -45,7 +46,7 @@ def half_turn(maps: torch.Tensor) -> torch.Tensor:
 
 
 def equivariance_loss(alphas: torch.Tensor, rotated_alphas: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Σ over real steps of H²(α_t, R α'_t) = Σ_i (√α_ti − √(Rα')_ti)², per caption.
+    """Σ over real steps of Σ_i (√α_ti − √(Rα')_ti)² = 2 H²(α_t, Rα'_t), per caption.
 
     Args:
         alphas: (B, T-1, L) the maps on the image.

@@ -4,8 +4,17 @@ With locations s sampled from α, the variational lower bound L_s = Σ_s p(s|a) 
 the Monte-Carlo gradient
     ∂log p(y|s̃,a) + λ_r (log p(y|s̃,a) − b) ∂log p(s̃|a) + λ_e ∂H[s̃]
 with a moving-average baseline b ← 0.9 b + 0.1 log p(y|s̃,a). We build a surrogate loss whose
-gradient is exactly that estimator. With probability `semi_sampling` an image uses the
-expected context (soft attention) for the whole caption instead, as the authors did.
+gradient is exactly that estimator. With probability `semi_sampling` a caption uses the
+expected context (soft attention) for all its steps instead of sampled locations (§4.1's
+"semi-sampling").
+
+Where this departs from the authors' released code (kelvinxu/arctic-captions, capgen.py), and why:
+- the semi-sampling coin is drawn per image, not once per minibatch (`binomial((1,))` there), so
+  every batch mixes both kinds of captions and the attention MLP gets both gradients each step;
+- the reward is the caption's log-likelihood log p(y|s̃,a), summed over its words, as in eq. (12),
+  where the code's default (`RL_sumCost`) uses the mean cost per step: with the same λ_r = 0.1
+  the REINFORCE term here weighs about T times more (T words per caption);
+- the baseline averages the summed log-likelihoods, to match.
 
 Those expected-context captions also carry the half-turn equivariance term of soft attention
 (equivariance.py) when the batch has the turned images' features: without it hard attention,

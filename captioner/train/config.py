@@ -32,6 +32,12 @@ class TrainConfig:
         "(soft; hard: its expected-context captions); needs the turned features prepare "
         "writes by default; 0: off",
     ] = 1.0
+    paper: Annotated[
+        bool,
+        "--paper-objective",
+        "train on the paper's objective exactly: eq. (14) with λ = 1 and no attention "
+        "term of ours (sets --alpha-c 1 and --equivariance 0)",
+    ] = False
     max_minutes: Annotated[float | None, "stop at a step boundary after this long, then validate and save"] = None
     patience: Annotated[int, "validations without improvement before stopping early"] = 8
     metric: Annotated[Literal["CIDEr", "BLEU-4"], "validation score that chooses best.pt and stops early"] = "CIDEr"
@@ -93,6 +99,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
         if self.lr is None:
             self.lr = SCST_LR if self.objective == "scst" else 1e-3
+        if self.paper:
+            self.alpha_c, self.equivariance = 1.0, 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

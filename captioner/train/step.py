@@ -52,7 +52,7 @@ class Objective(nn.Module):
                 rotated=batch.rotated,
                 equivariance=self.cfg.equivariance,
             )
-        if batch.rotated is not None:  # `fit` reads them only for the term
+        if batch.rotated is not None and self.cfg.equivariance > 0:  # `fit` reads them only for the term
             return self.equivariant_loss(features, batch.rotated, captions, lengths, words)
         nll, penalty, _, _ = sequence_terms(self.decoder, features, captions, lengths, self.cfg.alpha_c, words)
         return nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
