@@ -281,7 +281,7 @@ def bench_prepare(device: torch.device, small: int, large: int) -> dict:
     large set captioned through `captioner caption`'s path."""
     from captioner import Captioner
     from captioner.serve.bulk import caption_files, image_ids
-    from captioner.serve.sources import demo_checkpoint
+    from captioner.serve.sources import demo_model
     from captioner.train.prepare import PrepareConfig, prepare
 
     rates = vgg_rates(device)
@@ -303,7 +303,7 @@ def bench_prepare(device: torch.device, small: int, large: int) -> dict:
                 progress=False,
             )
             took[n] = time.perf_counter() - t0
-        cap = Captioner.load(demo_checkpoint(), device=str(device))
+        cap = Captioner.load(demo_model(), device=str(device))
         paths = sorted(os.path.join(images, f) for f in os.listdir(images))
         batch = 8 if device.type == "cpu" else 64
         caption_files(cap, paths[:batch], image_ids(paths[:batch]), batch_size=batch)  # warm-up
@@ -333,9 +333,9 @@ def bench_caption(device: torch.device, repeats: int) -> dict:
 
     from captioner import Captioner
     from captioner.models.decode import beam_search
-    from captioner.serve.sources import demo_checkpoint
+    from captioner.serve.sources import demo_model
 
-    cap = Captioner.load(demo_checkpoint(), device=str(device))
+    cap = Captioner.load(demo_model(), device=str(device))
     # The floor the goal is set against: torchvision's own VGG16 conv stack up to conv5_3 + ReLU,
     # eager, fp32, contiguous input (random weights: the speed does not depend on them).
     plain = torchvision.models.vgg16(weights=None).features[:30].eval().requires_grad_(False).to(device)

@@ -58,6 +58,7 @@ def atomic_path(path: str) -> Iterator[str]:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # some writers create their files private; what we write is meant to be read
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -161,3 +161,25 @@ def _given(cls, args: argparse.Namespace, prefix: str) -> list[str]:
         if getattr(args, prefix + f.name, NOT_GIVEN) is not NOT_GIVEN:
             out.append((flags or [f"--{f.name.replace('_', '-')}"])[0])
     return out
+
+
+def command_line(obj, *, prefix: str = "") -> list[str]:
+    """The options that give `obj` (a dataclass instance) from its class's defaults, as arguments."""
+    args = []
+    for f, tp, flags, text in _fields(type(obj)):
+        tp, optional = _optional(tp)
+        value, default = getattr(obj, f.name), _default(f)
+        flag = (flags or [f"--{f.name.replace('_', '-')}"])[0]
+        if dataclasses.is_dataclass(tp):
+            if value is not None:
+                args += ([flag] if optional else []) + command_line(value)
+            continue
+        if not text or value == default:
+            continue
+        if tp is bool and not optional:
+            args.append(flag if default is not True or flag.startswith("--no-") else f"--no-{flag[2:]}")
+        elif isinstance(value, list):
+            args += [flag, *map(str, value)]
+        elif value is not None:
+            args += [flag, str(value)]
+    return args

@@ -29,7 +29,7 @@ from PIL import Image
 from captioner import Captioner, CaptionerError
 from captioner.demo.card import examples_note, model_card, model_notice
 from captioner.demo.handlers import Batcher, Demo, PageOutputs, Session, fit_view, upload_source
-from captioner.serve.sources import download_checkpoint, resolve_checkpoint, sha256_file
+from captioner.models.hub import download_checkpoint, resolve, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -383,7 +383,7 @@ def test_pinned_url_is_downloaded_once_and_a_mismatch_refused(checkpoint, tmp_pa
     path = download_checkpoint(f"{url}#sha256={digest}", cache_dir=str(tmp_path), progress=False)
     assert sha256_file(path) == digest and Path(path).parent == tmp_path
     mtime = os.stat(path).st_mtime_ns
-    assert resolve_checkpoint(f"{url}#sha256={digest}", cache_dir=str(tmp_path)) == path
+    assert resolve(f"{url}#sha256={digest}", cache_dir=str(tmp_path)) == path
     assert os.stat(path).st_mtime_ns == mtime  # reused, not fetched again
     with pytest.raises(CaptionerError, match="refused"):
         download_checkpoint(f"{url}#sha256={'0' * 64}", cache_dir=str(tmp_path), progress=False)

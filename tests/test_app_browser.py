@@ -24,7 +24,7 @@ from PIL import Image
 from test_app import serve
 
 from captioner.evaluation import maps
-from captioner.serve.sources import DEMO_CHECKPOINT, example_images
+from captioner.serve.sources import DEMO_MODEL, example_images
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [
@@ -57,7 +57,7 @@ def browser():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`python app.py` on the bundled model and its examples."""
-    with serve(DEMO_CHECKPOINT, tmp_path_factory.mktemp("browser") / "app.log") as url:
+    with serve(DEMO_MODEL, tmp_path_factory.mktemp("browser") / "app.log") as url:
         yield url
 
 

@@ -18,7 +18,7 @@ from captioner.io import write_json_atomic
 from captioner.options import add_options, from_args
 from captioner.serve import bulk
 from captioner.serve.api import Captioner
-from captioner.serve.sources import resolve_checkpoint
+from captioner.serve.sources import model_source
 
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -29,8 +29,8 @@ class CaptionOptions:
 
     checkpoint: Annotated[
         str | None,
-        "a checkpoint written by `train.py fit`, or URL#sha256=HEX (default: the "
-        "bundled demo model, which knows synthetic coloured shapes only)",
+        "the model: a checkpoint written by `train.py fit`, an exported folder, URL#sha256=HEX or hf://ORG/NAME "
+        "(default: the bundled demo model, which knows synthetic coloured shapes only)",
     ] = None
     recursive: Annotated[bool, "also take images in subdirectories of a directory"] = False
     beam_size: Annotated[int, "beams per image (1: greedy)"] = 3
@@ -99,6 +99,13 @@ def get_parser() -> argparse.ArgumentParser:
     add_options(
         sub.add_parser("demo", help="serve the web demo (upload an image, see its caption and heatmaps)"), DemoOptions
     )
+    ep = sub.add_parser(
+        "export",
+        help="write a trained model as a folder to share: model.safetensors, "
+        "config.json, vocab.json and a README.md model card",
+    )
+    ep.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint written by `train.py fit` (or a pinned URL)")
+    ep.add_argument("out", metavar="DIR", help="the folder to write (publish it with huggingface-cli upload)")
     return p
 
 
@@ -112,7 +119,7 @@ def _caption(args: argparse.Namespace) -> int:
             "using the bundled demo model (synthetic coloured shapes only); --checkpoint chooses another",
             file=sys.stderr,
         )
-    cap = Captioner.load(resolve_checkpoint(opts.checkpoint), device=str(choose_device(opts.device)))
+    cap = Captioner.load(model_source(opts.checkpoint), device=str(choose_device(opts.device)))
     log = bulk.ResultLog(opts.log_path, resume=opts.resume) if opts.log_path else None
     done = log.done if log else {}
     ids = bulk.image_ids(list(dict.fromkeys([*done, *paths])))  # one id type over old and new
@@ -207,7 +214,14 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from captioner.serve.export import export
+
+    print(f"wrote {export(args.checkpoint, args.out)}: model.safetensors, config.json, vocab.json, README.md")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `captioner` (and `python -m captioner`)."""
     args = get_parser().parse_args(argv)
-    return run({"caption": _caption, "demo": _demo}[args.command], args)
+    return run({"caption": _caption, "demo": _demo, "export": _export}[args.command], args)

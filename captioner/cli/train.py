@@ -40,7 +40,11 @@ class FitOptions:
 class EvaluateOptions:
     """`evaluate`'s options, named as `evaluation.evaluate.evaluate` takes them."""
 
-    checkpoint: Annotated[str, "a checkpoint written by fit (best.pt, last.pt)"]
+    checkpoint: Annotated[
+        str,
+        "the model: a checkpoint written by fit (best.pt, last.pt), an exported folder, "
+        "URL#sha256=HEX or hf://ORG/NAME",
+    ]
     data_dir: Annotated[str, "--data", "a data directory written by prepare"]
     out: Annotated[str, "the metrics JSON; the captions go beside it in *_results.json"]
     split: Annotated[Literal["test", "val"], "which split to caption and score"] = "test"

@@ -5,13 +5,13 @@ trains in two stages: a soft-attention decoder on the frozen features (the packa
 equivariance term on), then, from its best weights, the decoder together with the encoder's
 conv5 layers (`fit --init ... --fine-tune-encoder`) at lower learning rates: the random
 encoder's features carry shape poorly, and training its last block on the scenes is what made
-the model name shapes right more often (README, 'Soft attention on scenes made elsewhere'). It
-scores the result on the held-out test scenes and writes `captioner/assets/demo.pt` (weights and
-trained encoder layers in fp16, no optimizer state, with a model card) and a few test scenes as
-example images. The examples are drawn at random from the test split (seeded), never chosen by
-hand, and the card records, for each, the caption the saved model writes and whether it names
-the scene's objects right (`captioner.scenes`), with the share of all test scenes it gets right,
-so the page can show how often the model is right beside them.
+the model name shapes right more often (docs/results.md). It scores the result on the held-out
+test scenes and writes `captioner/assets/demo/` (an exported folder: weights and trained encoder
+layers in fp16, no optimizer state, with a model card) and a few test scenes as example images.
+The examples are drawn at random from the test split (seeded), never chosen by hand, and the
+card records, for each, the caption the saved model writes and whether it names the scene's
+objects right (`captioner.scenes.judge`), with the share of all test scenes it gets right, so
+the page can show how often the model is right beside them.
 Everything is seeded; the training budgets are in minutes, so the result depends on the
 machine's speed (the card records the steps each stage reached). With `--work DIR`, stages
 already finished there (scenes, features, a training stage that ran to its end) are reused,
@@ -25,6 +25,8 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 import torch
@@ -34,16 +36,18 @@ from captioner.evaluation.evaluate import evaluate, results_path
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
+from captioner.options import add_options, from_args
 from captioner.scenes import judge as scenes
 from captioner.scenes.synthetic import generate
 from captioner.serve.api import Captioner
-from captioner.serve.sources import DEMO_CHECKPOINT, EXAMPLES_DIR
+from captioner.serve.export import export
+from captioner.serve.sources import DEMO_MODEL, EXAMPLES_DIR
 from captioner.train.finetune import FineTuneConfig
 from captioner.train.loop import TrainConfig, fit
 from captioner.train.prepare import PrepareConfig, prepare
 
 EXAMPLE_BEAM = 3  # the page's default beam size: the card shows what a visitor will see
-# The second stage (measured in the README, 'Soft attention on scenes made elsewhere'): the
+# The second stage (measured in docs/results.md): the
 # decoder at a fifth of its first learning rate, conv5 at a tenth of fine-tuning's default
 # (1e-4 undid the first stage: validation CIDEr fell from 3.3 to 1.1 in one epoch).
 TUNE_MINUTES = 30.0
@@ -108,19 +112,19 @@ def build(
     minutes: float,
     tune_minutes: float = TUNE_MINUTES,
     examples: int = 6,
-    checkpoint: str = DEMO_CHECKPOINT,
+    model_dir: str = DEMO_MODEL,
     examples_dir: str = EXAMPLES_DIR,
     decoder: DecoderConfig | None = None,
 ) -> dict:
-    """Make the demo model and its examples; returns the model card.
+    """Make the demo model (an exported folder) and its examples; returns the model card.
 
     Args:
-        work: where the scenes, features and training runs go.
+        work: where the scenes, features, training runs and the packed checkpoint go.
         minutes: the first stage's budget (frozen encoder); tune_minutes: the second's (0: none).
-        checkpoint, examples_dir: where the model and the example images are written.
+        model_dir, examples_dir: where the model and the example images are written.
         decoder: decoder sizes (default: the package's defaults, dropout 0.5).
     """
-    src, data, run = (os.path.join(work, d) for d in ("scenes", "data", "run"))
+    src, data = os.path.join(work, "scenes"), os.path.join(work, "data")
     if not os.path.exists(os.path.join(src, "boxes.json")):  # written last
         generate(src, n, seed=seed)
     prepare(
@@ -129,49 +133,23 @@ def build(
             images=[os.path.join(src, "images")],
             out=data,
             splits=os.path.join(src, "splits.json"),
-            encoder=EncoderSpec(weights="none", seed=0),
+            encoder=EncoderSpec(weights="none"),
         )
     )
-    best = train_stage(
-        data,
-        run,
-        decoder or DecoderConfig(0, dropout=0.5),
-        TrainConfig(epochs=1000, max_minutes=minutes, patience=1000, seed=seed),
-    )
-    if tune_minutes:
-        run = os.path.join(work, "tuned")
-        best = train_stage(
-            data,
-            run,
-            None,
-            TrainConfig(
-                epochs=1000,
-                max_minutes=tune_minutes,
-                patience=1000,
-                seed=seed,
-                lr=TUNE_LR,
-                init=best,
-                fine_tune=FineTuneConfig(lr=TUNE_ENCODER_LR),
-            ),
-        )
+    best = _train(work, data, seed, minutes, tune_minutes, decoder)
     boxes = os.path.join(src, "boxes.json")
-    metrics_path = os.path.join(run, "test_metrics.json")
+    metrics_path = os.path.join(os.path.dirname(best), "test_metrics.json")
     metrics = evaluate(best, data, "test", metrics_path, grounding=boxes)
     # Exactly right or not, scene by scene: the metrics above cannot tell a circle from a square.
     objects = scenes.read_objects(boxes)
     with open(results_path(metrics_path), encoding="utf-8") as f:
         test_words = {r["image_id"]: r["caption"].split() for r in json.load(f)}
-    ck = load_checkpoint(best)
-    keep = {k: v for k, v in ck.items() if k not in ("format", "optimizer", "scheduler", "rng")}
-    half = lambda state: {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
-    keep["model"] = half(ck["model"])
-    if "encoder_state" in ck:
-        keep["encoder_state"] = half(ck["encoder_state"])  # loaded into the fp32 encoder as floats
-    keep["card"] = {
+    ck = _packed(load_checkpoint(best))
+    ck["card"] = {
         "trained_on": f"{n} synthetic scenes of coloured shapes (python -m captioner.scenes.synthetic OUT --n {n} "
         f"--seed {seed}), features from the seeded random VGG16 (--encoder-weights none)"
         + (", its conv5 layers then trained on the scenes with the decoder" if tune_minutes else ""),
-        "limits": "knows coloured shapes only; real photos need a COCO-trained checkpoint (docs/training.md)",
+        "limits": "knows coloured shapes only; real photos need a COCO-trained model (docs/training.md)",
         "rebuild": f"python -m captioner.demo.build --n {n} --seed {seed} --minutes {minutes:g} "
         f"--tune-minutes {tune_minutes:g}",
         "stages": stage_steps(work, tune_minutes),
@@ -180,58 +158,99 @@ def build(
         "attention_health": metrics["attention_health"],
         "scene_accuracy": scenes.accuracy(test_words, objects),
     }
-    save_checkpoint(keep, checkpoint)
+    packed = os.path.join(work, "demo.pt")
+    save_checkpoint(ck, packed)
+    export(packed, model_dir)
+    paths = _copy_examples(CaptionData(data), examples, seed, examples_dir)
+    # Judged with the exported fp16 model on the copied files: what the page shows for each example.
+    ck["card"]["examples"] = judge_examples(model_dir, paths, objects)
+    save_checkpoint(ck, packed)
+    export(packed, model_dir)
+    return ck["card"]
+
+
+def _train(work: str, data: str, seed: int, minutes: float, tune_minutes: float, decoder) -> str:
+    """The two stages; returns the best.pt of the last."""
+    best = train_stage(
+        data,
+        os.path.join(work, "run"),
+        decoder or DecoderConfig(0, dropout=0.5),
+        TrainConfig(epochs=1000, max_minutes=minutes, patience=1000, seed=seed),
+    )
+    if not tune_minutes:
+        return best
+    return train_stage(
+        data,
+        os.path.join(work, "tuned"),
+        None,
+        TrainConfig(
+            epochs=1000,
+            max_minutes=tune_minutes,
+            patience=1000,
+            seed=seed,
+            lr=TUNE_LR,
+            init=best,
+            fine_tune=FineTuneConfig(lr=TUNE_ENCODER_LR),
+        ),
+    )
+
+
+def _packed(ck: dict) -> dict:
+    """The checkpoint without its training state, weights and trained encoder layers in fp16."""
+    keep = {k: v for k, v in ck.items() if k not in ("format", "optimizer", "scheduler", "rng")}
+    keep["model"] = _half(ck["model"])
+    if "encoder_state" in ck:
+        keep["encoder_state"] = _half(ck["encoder_state"])  # loaded into the fp32 encoder as floats
+    return keep
+
+
+def _half(state: dict) -> dict:
+    return {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _copy_examples(data: CaptionData, k: int, seed: int, examples_dir: str) -> dict[int, str]:
+    """k test scenes drawn at random (seeded), copied into examples_dir: image id → path."""
     shutil.rmtree(examples_dir, ignore_errors=True)
     os.makedirs(examples_dir)
-    split = CaptionData(data)
-    ids, rows = split.split_images("test")
+    ids, rows = data.split_images("test")
     row_of = dict(zip(ids.tolist(), rows.tolist()))
     paths = {}
-    for image_id in pick_examples(ids, examples, seed):
-        path = split.path_of(int(row_of[image_id]))
+    for image_id in pick_examples(ids, k, seed):
+        path = data.path_of(int(row_of[image_id]))
         paths[image_id] = os.path.join(examples_dir, os.path.basename(path))
         shutil.copy(path, paths[image_id])
-    # Judged with the saved fp16 model on the copied files: what the page shows for each example.
-    keep["card"]["examples"] = judge_examples(checkpoint, paths, objects)
-    save_checkpoint(keep, checkpoint)
-    return keep["card"]
+    return paths
+
+
+@dataclass
+class BuildOptions:
+    """`python -m captioner.demo.build`'s options."""
+
+    n: Annotated[int, "synthetic scenes to generate"] = 8000
+    seed: Annotated[int, "seed of the scenes, the training and the examples drawn"] = 0
+    minutes: Annotated[float, "first stage's training budget (frozen encoder)"] = 35.0
+    tune_minutes: Annotated[
+        float, "second stage's budget: decoder and conv5 from the first's best weights (0: skip it)"
+    ] = TUNE_MINUTES
+    examples: Annotated[int, "example scenes drawn at random from the test split"] = 6
+    work: Annotated[str | None, "keep the scenes, features and runs here (default: a temporary directory)"] = None
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--n", type=int, default=8000, help="synthetic scenes to generate")
-    p.add_argument("--seed", type=int, default=0, help="seed of the scenes, the training and the examples drawn")
-    p.add_argument("--minutes", type=float, default=35.0, help="first stage's training budget (frozen encoder)")
-    p.add_argument(
-        "--tune-minutes",
-        type=float,
-        default=TUNE_MINUTES,
-        help="second stage's budget: decoder and conv5 from the first's best weights (0: skip it)",
-    )
-    p.add_argument("--examples", type=int, default=6, help="example scenes drawn at random from the test split")
-    p.add_argument("--work", help="keep the scenes, features and run here (default: a temporary directory)")
-    args = p.parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_options(p, BuildOptions)
+    opts = from_args(BuildOptions, p.parse_args(argv))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    if args.work:
+    with tempfile.TemporaryDirectory() as tmp:
         card = build(
-            args.work,
-            n=args.n,
-            seed=args.seed,
-            minutes=args.minutes,
-            tune_minutes=args.tune_minutes,
-            examples=args.examples,
+            opts.work or tmp,
+            n=opts.n,
+            seed=opts.seed,
+            minutes=opts.minutes,
+            tune_minutes=opts.tune_minutes,
+            examples=opts.examples,
         )
-    else:
-        with tempfile.TemporaryDirectory() as work:
-            card = build(
-                work,
-                n=args.n,
-                seed=args.seed,
-                minutes=args.minutes,
-                tune_minutes=args.tune_minutes,
-                examples=args.examples,
-            )
-    print(f"wrote {DEMO_CHECKPOINT} ({os.path.getsize(DEMO_CHECKPOINT) / 1e6:.1f} MB) and {EXAMPLES_DIR}")
+    print(f"wrote {DEMO_MODEL} and {EXAMPLES_DIR}")
     right = sum(e["correct"] for e in card["examples"])
     print(f"examples right: {right} of {len(card['examples'])}; test scenes right: {card['scene_accuracy']:.1%}")
     print(card)

@@ -14,7 +14,8 @@ class DemoOptions:
 
     checkpoint: Annotated[
         str | None,
-        "checkpoint path, or URL#sha256=HEX downloaded once into torch's hub cache (default: the bundled demo model)",
+        "the model: a checkpoint, an exported folder, URL#sha256=HEX (downloaded once into torch's hub cache) or "
+        "hf://ORG/NAME (default: the bundled demo model)",
     ] = None
     host: Annotated[str, "address to serve on"] = "127.0.0.1"
     port: Annotated[int, "port"] = 7860

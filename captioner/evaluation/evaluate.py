@@ -16,9 +16,9 @@ from captioner.evaluation.grounding import pointing_accuracy
 from captioner.evaluation.health import attention_health
 from captioner.evaluation.metrics import ALL_METRICS, score_captions
 from captioner.io import write_json_atomic
-from captioner.models.checkpoint import load_checkpoint, read_trained
 from captioner.models.decoder import EXPECTED
 from captioner.models.encoder import build_encoder
+from captioner.models.hub import load_trained
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ def evaluate(
     false, and a warning says so.
 
     Args:
+        checkpoint: the model: a checkpoint, an exported folder, a pinned URL or hf://ORG/NAME.
         grounding: a COCO instances file of object boxes: adds pointing accuracy and its chance rate.
         use_java: None uses Java when present; False forces the Python figures.
 
@@ -56,7 +57,7 @@ def evaluate(
         The metrics written: the seven coco-caption metrics, "official", the images scored
         against the split's size, attention health, and pointing with `grounding`.
     """
-    model = read_trained(load_checkpoint(checkpoint), checkpoint)
+    model = load_trained(checkpoint)
     data = _data_for(model, data_dir, checkpoint, split)
     texts, hyps = _captions(model, data, checkpoint, split, beam_size, max_len, torch.device(device), mode)
     metrics = score_captions(texts, data.references[split], metrics=ALL_METRICS, use_java=use_java)
@@ -79,7 +80,7 @@ def evaluate(
         step=model.step,
         mean_length=float(np.mean([len(h.tokens) for h in hyps.values()])) if hyps else 0.0,
         cut_captions=sum(not h.ended for h in hyps.values()),
-        checkpoint=os.path.abspath(checkpoint),
+        checkpoint=checkpoint if "://" in checkpoint else os.path.abspath(checkpoint),
     )
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     write_json_atomic(results_path(out), [{"image_id": i, "caption": texts[i]} for i in sorted(texts)])

@@ -16,6 +16,7 @@ A checkpoint is a plain dict of tensors and Python values (never a pickled objec
     metrics          some      the last validation's figures, attention health included
     attention        some      whether its heatmaps are meaningful: {"meaningful", "problems", "health"}
     card             some      what a model card says (data, limits, test scores)
+    command          fit's     the command line that made it
     data             fit's     {"dir", "fingerprint"} of the prepared data it was trained on
     train, progress  fit's     `TrainConfig` and `Progress` as dicts
     optimizer, scheduler, rng  fit's: the state a resumed run continues from exactly

@@ -13,11 +13,11 @@ from PIL import Image
 from captioner.data.images import load_image
 from captioner.errors import CaptionerError
 from captioner.evaluation.familiarity import FamiliarityStats, familiarity
-from captioner.models.checkpoint import load_checkpoint, read_trained
 from captioner.models.decode import beam_search
 from captioner.models.decoder import ARGMAX, CONTEXT_MODES, EXPECTED, SAMPLE, AttentionDecoder
 from captioner.models.encoder import EncoderSpec, rebuild_encoder
 from captioner.models.fast_encoder import optimize_encoder
+from captioner.models.hub import load_trained
 from captioner.models.vocab import Vocabulary
 
 
@@ -79,21 +79,23 @@ class Captioner:
         return EXPECTED
 
     @classmethod
-    def load(cls, path: str, *, device: str = "cpu", build_encoder: bool = True, fast: bool = True) -> Captioner:
-        """Load a checkpoint written by `fit` (weights_only: pickled objects are refused).
+    def load(cls, source: str, *, device: str = "cpu", build_encoder: bool = True, fast: bool = True) -> Captioner:
+        """Load a model: a checkpoint written by `fit`, an exported folder (`captioner export`), a
+        pinned URL of either, or hf://ORG/NAME[@REVISION] (`models.hub`). Nothing is unpickled:
+        checkpoints are read with weights_only, exported weights are safetensors.
 
         Args:
-            path: the .pt file.
+            source: where the model is.
             device: where to run.
             build_encoder: also rebuild the image encoder (not needed on cached features).
             fast: run the encoder through `optimize_encoder` (same features, faster); False
                 keeps the plain PyTorch modules.
         """
-        trained = read_trained(load_checkpoint(path), path)
-        encoder = rebuild_encoder(trained.encoder, trained.encoder_state, path)[0] if build_encoder else None
+        trained = load_trained(source)
+        encoder = rebuild_encoder(trained.encoder, trained.encoder_state, source)[0] if build_encoder else None
         info = {
             **trained.info,
-            "checkpoint": os.path.abspath(path),
+            "checkpoint": source if "://" in source else os.path.abspath(source),
             "step": trained.step,
             "fine_tune": trained.info["train"].get("fine_tune"),
         }

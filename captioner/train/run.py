@@ -26,6 +26,7 @@ from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec
 from captioner.objectives.scst import SelfCritical, training_scorer
+from captioner.options import command_line
 from captioner.train import distributed, resilience
 from captioner.train.config import Progress, TrainConfig
 from captioner.train.finetune import FineTuning
@@ -60,6 +61,20 @@ class Run:
     notes: resilience.FaultLog | None = None
     last_save: float = 0.0
     log_file: object = None
+
+    @property
+    def command(self) -> str:
+        """The `train.py fit` command line that gives this run's configuration."""
+        return " ".join(
+            [
+                "python train.py fit --data",
+                self.data.dir,
+                "--out",
+                self.out_dir,
+                *command_line(self.model_cfg),
+                *command_line(self.cfg),
+            ]
+        )
 
     @property
     def last_path(self) -> str:
@@ -101,6 +116,7 @@ class Run:
             },
             "data": {"dir": os.path.abspath(self.data.dir), "fingerprint": self.data.encoder.fingerprint},
             "familiarity": self.familiarity,
+            "command": self.command,
         }
         if self.tuning:
             ck["encoder_state"] = self.tuning.encoder.encoder_state()  # the trained layers, trunk names
