@@ -17,7 +17,7 @@ def test_the_paper_switch_gives_eq_14_exactly(data_dir):
     """`--paper-objective`: the likelihood plus λ = 1 times the doubly stochastic term, nothing else,
     even on data that carries what our attention term reads."""
     cfg = TrainConfig(paper=True)
-    assert cfg.alpha_c == 1.0 and cfg.equivariance == 0.0
+    assert cfg.alpha_c == 1.0 and cfg.consistency == 0.0
     args = get_parser().parse_args(["fit", "--data", "d", "--out", "o", "--paper-objective"])
     assert from_args(TrainConfig, args) == cfg
     data = CaptionData(str(data_dir))

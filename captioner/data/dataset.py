@@ -38,7 +38,7 @@ class Batch:
     lengths: torch.Tensor    # (B,) long, counting <start> and <end>
     image_index: torch.Tensor | None = None  # (B,) long: each caption's row in `features` when fine-tuning
     dropped: tuple[int, ...] = ()  # feature rows of captions left out: their features are not finite
-    rotated: torch.Tensor | None = None  # (B, L, D) features of the images turned 180° (equivariance.py)
+    rotated: torch.Tensor | None = None  # (B, L, D) features of the images turned 180° (objectives.consistency)
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -73,7 +73,7 @@ class CaptionData:
         self.max_len = int(self.meta["max_len"])
         self.cache = FeatureCache(data_dir, len(self.meta["image_ids"]), self.meta["locations"],
                                   self.meta["feature_dim"], mode="r")
-        # The same images turned 180°, for the attention's equivariance term (older directories: None).
+        # The same images turned 180°, for the attention's half-turn consistency (older directories: None).
         self.rotated = (FeatureCache(data_dir, len(self.meta["image_ids"]), self.meta["locations"],
                                      self.meta["feature_dim"], mode="r", name=ROTATED)
                         if self.meta.get("rotated") else None)

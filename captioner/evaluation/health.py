@@ -92,10 +92,10 @@ def problems(health: dict) -> list[str]:
 
 
 ADVICE = (
-    "the heatmaps may not show what the model names. Maps spread evenly: lower --alpha-c; "
-    "parked maps: check that `prepare` stored the images' turned features (its default; the "
-    "equivariance term needs them), or try hard attention (--attention hard); "
-    "see docs/attention.md"
+    "the heatmaps may not show what the model names. Check that `prepare` stored the images' turned "
+    "features (its default: the half-turn consistency needs them) and that --consistency is on; with "
+    "object boxes, `fit --boxes` teaches attention where the objects are; maps spread evenly: lower "
+    "--alpha-c; see docs/attention.md"
 )
 
 

@@ -39,7 +39,7 @@ from captioner.models.encoder import EncoderSpec
 from captioner.models.vocab import Vocabulary
 
 FORMAT = "captioner-checkpoint"
-VERSION = 2
+VERSION = 3
 REQUIRED = ("model", "decoder", "vocab", "encoder", "step")
 
 
@@ -107,8 +107,9 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
 def migrate(ck, path: str) -> dict:
     """A checkpoint of any version, as the current version describes it.
 
-    Version 1 checkpoints whose training config predates the equivariance term were trained
-    without it (so a resumed run goes on without it).
+    Before version 3, attention was trained with the half-turn equivariance term (`equivariance`
+    in the training config), which the half-turn consistency replaced: a resumed older run goes on
+    with neither (`consistency` 0), as close as this version comes to how it was trained.
     """
     name, _, version = str(ck.get("format", "")).partition("/") if isinstance(ck, dict) else ("", "", "")
     if name != FORMAT or not version.isdigit():
@@ -121,8 +122,9 @@ def migrate(ck, path: str) -> dict:
     missing = [k for k in REQUIRED if k not in ck]
     if missing:
         raise CaptionerError(f"{path}: checkpoint lacks {missing}")
-    if int(version) == 1 and isinstance(ck.get("train"), dict):
-        ck["train"].setdefault("equivariance", 0.0)
+    if int(version) < 3 and isinstance(ck.get("train"), dict):
+        ck["train"].pop("equivariance", None)
+        ck["train"].setdefault("consistency", 0.0)
     ck["format"] = f"{FORMAT}/{VERSION}"
     return ck
 

@@ -48,15 +48,21 @@ class TunedEncoder(nn.Module):
         self.frozen = None if from_cache else trunk[:start].requires_grad_(False)
         self.tuned = trunk[start:].requires_grad_(True)
 
-    def forward(self, inputs: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
-        """(n, L, D) cached inputs or (n, 3, S, S) images → (n, L, D), or (B, L, D) per caption by index."""
+    def forward(self, inputs: torch.Tensor, index: torch.Tensor | None = None, turned: bool = False) -> torch.Tensor:
+        """(n, L, D) cached inputs or (n, 3, S, S) images → (n, L, D), or (B, L, D) per caption by index.
+
+        Args:
+            turned: a view of the inputs turned 180° (the half-turn consistency's): the images
+                themselves turned, or, from the pool4 cache, the pool4 maps turned.
+        """
         if self.frozen is None:
             n, L, D = inputs.shape
             g = math.isqrt(L)
             x = inputs.transpose(1, 2).reshape(n, D, g, g)  # (n, D, 14, 14) pool4 maps
+            x = x.flip(-2, -1) if turned else x
         else:
             with torch.no_grad():
-                x = self.frozen(inputs)  # (n, 256, 28, 28) pool3 maps
+                x = self.frozen(inputs.flip(-2, -1) if turned else inputs)  # (n, 256, 28, 28) pool3 maps
         f = self.tuned(x).flatten(2).transpose(1, 2)  # (n, L, D)
         return f if index is None else f[index]  # (B, L, D)
 

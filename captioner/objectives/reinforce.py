@@ -16,10 +16,6 @@ Where this departs from the authors' released code (kelvinxu/arctic-captions, ca
   the REINFORCE term here weighs about T times more (T words per caption);
 - the baseline averages the summed log-likelihoods, to match.
 
-Those expected-context captions also carry the half-turn equivariance term of soft attention
-(equivariance.py) when the batch has the turned images' features: without it hard attention,
-which learns its α from them as much as from its samples, settled one cell beside the objects on
-one of the two held-out scene sets (README, 'Soft attention on scenes made elsewhere').
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ from typing import Annotated
 import torch
 
 from captioner.objectives.cross_entropy import attention_penalty, word_nll
-from captioner.objectives.equivariance import equivariance_term
 
 LOG_EPS = 1e-12  # floor under α before the log: a sampled location always has α > 0, but float32 may round
 
@@ -78,8 +73,6 @@ def hard_attention_loss(
     alpha_c: float,
     generator: torch.Generator | None = None,
     words: torch.Tensor | float | None = None,
-    rotated: torch.Tensor | None = None,
-    equivariance: float = 0.0,
 ):
     """Loss for one batch of hard attention training.
 
@@ -87,12 +80,11 @@ def hard_attention_loss(
         baseline: b, the moving average of log p(y|s̃,a) so far.
         words: what to divide the batch totals by (default: this batch's predicted words;
             under DDP, the global count over processes).
-        rotated: (B, L, D) features of the images turned 180°; with `equivariance` > 0, the
-            expected-context captions add λ × their maps' half-turn equivariance (equivariance.py).
 
     Returns:
         (loss to minimise, dict of detached terms for logging, with "reward_sum" and
-        "sampled" to update the baseline by `update_baseline`)
+        "sampled" to update the baseline by `update_baseline`, the `Unrolled` pass, and its
+        (B, T-1) mask of real steps, for terms computed on the same maps)
     """
     B = features.size(0)
     sampled = torch.rand(B, generator=generator, device=features.device) >= cfg.semi_sampling  # (B,)
@@ -109,23 +101,15 @@ def hard_attention_loss(
     words = mask.sum() if words is None else words
     penalty = attention_penalty(alphas.float(), mask, alpha_c).sum() / words
     loss = -objective.sum() / words + penalty
-    terms = {}
-    if rotated is not None and equivariance > 0:
-        soft = ~sampled  # the expected-context captions
-        equi = alphas.new_zeros(())
-        if soft.any():
-            equi = equivariance_term(model, alphas[soft], rotated[soft], captions[soft], mask[soft], words)
-        loss = loss + equivariance * equi
-        terms["equivariance"] = equi.detach()
     drawn = (locs >= 0).any(dim=1)  # (B,)
-    terms |= {
+    terms = {
         "nll": -logp_y.detach().sum() / words,
         "penalty": penalty.detach(),
         "entropy": entropy.detach().sum() / words,
         "reward_sum": logp_y.detach()[drawn].sum(),
         "sampled": drawn.sum().float(),
     }
-    return loss, terms
+    return loss, terms, u, mask.bool()
 
 
 def update_baseline(baseline: float, reward_sum: float, sampled: float, decay: float) -> float:

@@ -25,18 +25,17 @@ class TrainConfig:
     lr: Annotated[float | None, f"Adam learning rate (default: 1e-3 for xe, {SCST_LR:g} for scst)"] = None
     grad_clip: Annotated[float, "clip the gradients' total norm to this"] = 5.0
     alpha_c: Annotated[float, "λ of the doubly stochastic regularisation, eq. (14); the paper uses 1"] = 0.0
-    equivariance: Annotated[
+    consistency: Annotated[
         float,
-        "--equivariance",
-        "weight of the half-turn equivariance of the attention maps "
-        "(soft; hard: its expected-context captions); needs the turned features prepare "
-        "writes by default; 0: off",
+        "weight of the half-turn consistency of the attention maps (objectives.consistency: maps that follow "
+        "the objects through a half turn, sharp); needs the turned features prepare writes by default; 0: off",
     ] = 1.0
+    consistency_share: Annotated[float, "share of each batch's captions the consistency is estimated on"] = 0.25
     paper: Annotated[
         bool,
         "--paper-objective",
-        "train on the paper's objective exactly: eq. (14) with λ = 1 and no attention "
-        "term of ours (sets --alpha-c 1 and --equivariance 0)",
+        "train on the paper's objective exactly: eq. (14) with λ = 1 and no attention term of ours "
+        "(sets --alpha-c 1 and --consistency 0)",
     ] = False
     max_minutes: Annotated[float | None, "stop at a step boundary after this long, then validate and save"] = None
     patience: Annotated[int, "validations without improvement before stopping early"] = 8
@@ -100,7 +99,7 @@ class TrainConfig:
         if self.lr is None:
             self.lr = SCST_LR if self.objective == "scst" else 1e-3
         if self.paper:
-            self.alpha_c, self.equivariance = 1.0, 0.0
+            self.alpha_c, self.consistency = 1.0, 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

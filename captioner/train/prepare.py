@@ -23,10 +23,9 @@ from captioner.data.features import BAD, DONE, TODO, FeatureCache, extract_featu
 from captioner.data.karpathy import load_karpathy
 from captioner.errors import CaptionerError
 from captioner.io import atomic_path, check_free_space, describe_os_error, read_json, write_json_atomic
-from captioner.models.encoder import FEATURE_DIM, EncoderSpec, build_encoder
+from captioner.models.encoder import FEATURE_DIM, EncoderSpec, HalfTurn, build_encoder
 from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.vocab import Vocabulary, tokenize
-from captioner.objectives.equivariance import HalfTurn
 from captioner.train.distributed import Dist, barrier, choose_device
 from captioner.train.resilience import GracefulStop, stop_requested
 
@@ -85,8 +84,8 @@ class PrepareConfig:
     rotated: Annotated[
         bool,
         "--no-rotated",
-        "skip the features of the images turned 180° (the equivariance "
-        "term's; without them the encoder runs half as long)",
+        "skip the features of the images turned 180° (the half-turn consistency's; without them the "
+        "encoder runs half as long and attention trains without the consistency)",
     ] = True
 
     def __post_init__(self):

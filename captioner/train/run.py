@@ -205,14 +205,14 @@ def start_run(
 
 
 def _choose_objective_data(data: CaptionData, cfg: TrainConfig, d: distributed.Dist) -> None:
-    """Read the turned images' features only where the equivariance term uses them (no extra I/O otherwise)."""
-    equivariant = cfg.equivariance > 0 and cfg.objective == "xe" and cfg.fine_tune is None
-    if not equivariant:
+    """Read the turned images' features only where the consistency uses them (no extra I/O otherwise).
+    A fine-tuned encoder makes its own turned view (`models.tuned.TunedEncoder`)."""
+    if not (cfg.consistency > 0 and cfg.objective == "xe" and cfg.fine_tune is None):
         data.rotated = None
     elif d.main and data.rotated is None:
         log.warning(
             f"{data.dir} has no features of the images turned 180° (prepared with --no-rotated or by "
-            "an older version), so attention trains without its equivariance term and its heatmaps "
+            "an older version), so attention trains without its half-turn consistency and its heatmaps "
             "may sit beside the objects they name; run prepare again into a new directory to add them"
         )
 

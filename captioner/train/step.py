@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from captioner.models.decoder import AttentionDecoder
+from captioner.objectives.consistency import consistency
 from captioner.objectives.cross_entropy import sequence_terms
-from captioner.objectives.equivariance import equivariance_term
 from captioner.objectives.reinforce import hard_attention_loss, update_baseline
 from captioner.train import distributed, resilience
 from captioner.train.config import Progress, TrainConfig
@@ -35,38 +35,36 @@ class Objective(nn.Module):
         self.encoder = encoder  # fine-tuned encoder layers (finetune.TunedEncoder), None on cached features
 
     def forward(self, batch, words, baseline: float, generator=None):
-        features, captions, lengths = batch.features, batch.captions, batch.lengths
-        if self.encoder is not None:
-            features = self.encoder(features, batch.image_index)  # encoder inputs, one per image → (B, L, D)
+        features, captions, lengths, cfg = batch.features, batch.captions, batch.lengths, self.cfg
+        turned = batch.rotated
+        if self.encoder is not None:  # encoder inputs, one per image → (B, L, D)
+            if cfg.consistency > 0:
+                with torch.no_grad():  # the turned view teaches the attention, not the encoder
+                    turned = self.encoder(features, batch.image_index, turned=True)
+            features = self.encoder(features, batch.image_index)
         if self.decoder.config.attention == "hard":
-            return hard_attention_loss(
+            loss, terms, u, mask = hard_attention_loss(
                 self.decoder,
                 features,
                 captions,
                 lengths,
                 baseline=baseline,
-                cfg=self.cfg.hard,
-                alpha_c=self.cfg.alpha_c,
+                cfg=cfg.hard,
+                alpha_c=cfg.alpha_c,
                 generator=generator,
                 words=words,
-                rotated=batch.rotated,
-                equivariance=self.cfg.equivariance,
             )
-        if batch.rotated is not None and self.cfg.equivariance > 0:  # `fit` reads them only for the term
-            return self.equivariant_loss(features, batch.rotated, captions, lengths, words)
-        nll, penalty, _, _ = sequence_terms(self.decoder, features, captions, lengths, self.cfg.alpha_c, words)
-        return nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
-
-    def equivariant_loss(self, features, rotated, captions, lengths, words):
-        """The soft loss plus λ × the half-turn equivariance of the maps, per word (equivariance.py)."""
-        nll, penalty, u, mask = sequence_terms(self.decoder, features, captions, lengths, self.cfg.alpha_c, words)
+        else:
+            nll, penalty, u, mask = sequence_terms(self.decoder, features, captions, lengths, cfg.alpha_c, words)
+            loss, terms = nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
         words = mask.sum() if words is None else words
-        equi = equivariance_term(self.decoder, u.alphas, rotated, captions, mask, words)
-        return nll + penalty + self.cfg.equivariance * equi, {
-            "nll": nll.detach(),
-            "penalty": penalty.detach(),
-            "equivariance": equi.detach(),
-        }
+        if turned is not None and cfg.consistency > 0:  # `fit` reads the turned features only for the term
+            c = consistency(
+                self.decoder, features, turned, u, mask, words, share=cfg.consistency_share, generator=generator
+            )
+            loss = loss + cfg.consistency * c
+            terms["consistency"] = c.detach()
+        return loss, terms
 
 
 def train_step(
