@@ -14,7 +14,7 @@ from captioner.data.images import load_image
 from captioner.models.checkpoint import migrate
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec, build_encoder
-from captioner.objectives.consistency import consistency, half_turn, pick, symmetric_cross_entropy
+from captioner.objectives.consistency import consistency, half_turn, real_steps, symmetric_cross_entropy
 from captioner.objectives.cross_entropy import sequence_terms
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
@@ -58,12 +58,17 @@ def test_the_term_is_finite_on_maps_with_zeros():
     assert torch.isfinite(loss) and torch.isfinite(a.grad).all()
 
 
-def test_it_is_estimated_on_real_steps_of_a_share_of_the_captions():
+def test_it_is_estimated_on_real_steps_of_a_share_of_the_captions(data_dir):
     mask = torch.arange(6).unsqueeze(0) < torch.tensor([[2], [6], [1], [4]])
     g = torch.Generator().manual_seed(0)
-    for share, n in ((0.25, 1), (0.5, 2), (1.0, 4)):
-        rows, steps = pick(mask, share, g)
-        assert len(rows) == n == len(set(rows.tolist())) and mask[rows, steps].all()
+    rows = torch.tensor([0, 2, 3])
+    for _ in range(20):
+        assert mask[rows, real_steps(mask, rows, g)].all()
+    data = CaptionData(str(data_dir))
+    data.turned_share = 0.25
+    for batch in data.batches(16, seed=0, epoch=0):
+        assert len(batch.turned_rows) == len(batch.turned) == 4 and len(set(batch.turned_rows.tolist())) == 4
+        assert batch.turned.shape[1:] == batch.features.shape[1:]
 
 
 def test_the_term_uses_the_passs_own_states_and_no_second_pass():
@@ -75,8 +80,9 @@ def test_the_term_uses_the_passs_own_states_and_no_second_pass():
     captions = torch.tensor([[1, 4, 5, 2], [1, 6, 2, 0], [1, 7, 8, 2], [1, 3, 2, 0]])
     lengths = torch.tensor([4, 3, 4, 3])
     _, _, u, mask = sequence_terms(dec, feats, captions, lengths)
-    got = consistency(dec, feats, turned, u, mask, mask.sum(), share=1.0, generator=torch.Generator().manual_seed(3))
-    rows, steps = pick(mask, 1.0, torch.Generator().manual_seed(3))
+    rows = torch.tensor([0, 1, 3])
+    got = consistency(dec, feats, turned[rows], rows, u, mask, mask.sum(), torch.Generator().manual_seed(3))
+    steps = real_steps(mask, rows, torch.Generator().manual_seed(3))
     want = []
     for b, t in zip(rows.tolist(), steps.tolist()):
         a = dec.normalize(feats[b : b + 1])
@@ -96,13 +102,13 @@ def test_the_term_uses_the_passs_own_states_and_no_second_pass():
 def test_prepare_stores_the_features_of_the_turned_images(data_dir, scenes):
     """features_rot180 row r is the encoder's output on image r turned 180° (its file turned by Pillow)."""
     data = CaptionData(str(data_dir))
-    assert data.meta["rotated"] is True and data.rotated is not None
+    assert data.meta["rotated"] is True and data.turned is not None
     encoder, spec = build_encoder(EncoderSpec(weights="none"))
     rows = [0, 5]
     images = torch.stack([spec.preprocess(load_image(data.path_of(r)).rotate(180)) for r in rows])
     with torch.inference_mode():
         want = encoder(images).numpy()  # (2, L, D)
-    got = data.rotated[rows].astype(np.float32)
+    got = data.turned[rows].astype(np.float32)
     plain = data.cache[rows].astype(np.float32)
     scale = np.abs(want).max()
     # fp16 storage and Pillow's resampling of a turned file against turning the resampled tensor
@@ -144,7 +150,7 @@ def test_fit_says_when_the_data_has_no_turned_features(scenes, tmp_path, caplog)
         ),
         progress=False,
     )
-    assert CaptionData(str(out)).rotated is None
+    assert CaptionData(str(out)).turned is None
     fit(
         str(out),
         str(tmp_path / "run"),

@@ -11,6 +11,7 @@ Features stay on disk and are paged in per batch, so memory does not grow with t
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,7 +39,10 @@ class Batch:
     lengths: torch.Tensor    # (B,) long, counting <start> and <end>
     image_index: torch.Tensor | None = None  # (B,) long: each caption's row in `features` when fine-tuning
     dropped: tuple[int, ...] = ()  # feature rows of captions left out: their features are not finite
-    rotated: torch.Tensor | None = None  # (B, L, D) features of the images turned 180° (objectives.consistency)
+    # The images turned 180° (objectives.consistency), for a share of the captions: turned_rows (k,)
+    # are their places in the batch, turned (k, L, D) their features.
+    turned: torch.Tensor | None = None
+    turned_rows: torch.Tensor | None = None
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -48,9 +52,9 @@ class Batch:
 
     def _map(self, fn) -> "Batch":
         """The batch with fn applied to each of its tensors."""
-        moved = [t if t is None else fn(t)
-                 for t in (self.features, self.captions, self.lengths, self.image_index, self.rotated)]
-        return Batch(*moved[:4], self.dropped, moved[4])
+        moved = [t if t is None else fn(t) for t in
+                 (self.features, self.captions, self.lengths, self.image_index, self.turned, self.turned_rows)]
+        return Batch(*moved[:4], self.dropped, *moved[4:])
 
 
 class CaptionData:
@@ -74,7 +78,8 @@ class CaptionData:
         self.cache = FeatureCache(data_dir, len(self.meta["image_ids"]), self.meta["locations"],
                                   self.meta["feature_dim"], mode="r")
         # The same images turned 180°, for the attention's half-turn consistency (older directories: None).
-        self.rotated = (FeatureCache(data_dir, len(self.meta["image_ids"]), self.meta["locations"],
+        self.turned_share = 1.0
+        self.turned = (FeatureCache(data_dir, len(self.meta["image_ids"]), self.meta["locations"],
                                      self.meta["feature_dim"], mode="r", name=ROTATED)
                         if self.meta.get("rotated") else None)
         splits = read_json(os.path.join(data_dir, "splits.json"), "splits")
@@ -126,32 +131,40 @@ class CaptionData:
         """Training batches of one epoch, bucketed by length; `start` skips finished ones.
 
         Captions whose image's features hold inf or NaN (a damaged cache row) are left out of
-        their batch and named in `Batch.dropped`, so that they never reach the model.
+        their batch and named in `Batch.dropped`, so that they never reach the model. When the
+        turned images' features are read (`self.turned`), a share of each batch's captions
+        (`self.turned_share`, drawn from (seed, epoch, batch) like the batches) get theirs.
 
         Args:
             pin: page-locked memory, for non-blocking copies to a GPU.
 
+
         Raises:
             CaptionerError: every caption of a batch has damaged features.
         """
-        for idx in bucket_batches(self.lengths, batch_size, seed=seed, epoch=epoch,
-                                  rank=rank, world=world)[start:]:
+        batches = bucket_batches(self.lengths, batch_size, seed=seed, epoch=epoch, rank=rank, world=world)
+        for k, idx in enumerate(batches[start:], start):
             raw = self.cache[self.rows[idx]]                      # (B, L, D) fp16
-            turned = None if self.rotated is None else self.rotated[self.rows[idx]]
             bad = nonfinite_rows(raw)                             # (B,)
-            if turned is not None:
-                bad |= nonfinite_rows(turned)
+            picked = turned = None
+            if self.turned is not None:
+                rs = np.random.RandomState([seed, epoch, k, rank])
+                picked = np.sort(rs.permutation(len(idx))[: max(1, math.ceil(self.turned_share * len(idx)))])
+                turned = self.turned[self.rows[idx[picked]]]      # (k, L, D) fp16
+                bad[picked[nonfinite_rows(turned)]] = True
             dropped = tuple(int(r) for r in self.rows[idx][bad])
             if bad.all():
                 raise CaptionerError(f"{self.cache.path}: the features of every image in a batch hold inf or "
                                      f"NaN (rows {sorted(set(dropped))[:10]}); the cache is damaged: run "
                                      "`train.py prepare ... --recheck` to re-extract bad rows")
-            idx, raw = idx[~bad], raw[~bad]
-            T = int(self.lengths[idx].max())
-            batch = Batch(torch.from_numpy(raw.astype(np.float32)),
-                          torch.from_numpy(self.tokens[idx, :T].astype(np.int64)),
-                          torch.from_numpy(self.lengths[idx].astype(np.int64)), dropped=dropped,
-                          rotated=None if turned is None else torch.from_numpy(turned[~bad].astype(np.float32)))
+            batch = Batch(torch.from_numpy(raw[~bad].astype(np.float32)),
+                          torch.from_numpy(self.tokens[idx[~bad], :int(self.lengths[idx[~bad]].max())].astype(np.int64)),
+                          torch.from_numpy(self.lengths[idx[~bad]].astype(np.int64)), dropped=dropped)
+            if picked is not None:
+                good = ~bad[picked]
+                if good.any():   # their places among the captions kept
+                    batch.turned = torch.from_numpy(turned[good].astype(np.float32))
+                    batch.turned_rows = torch.from_numpy((np.cumsum(~bad) - 1)[picked[good]].astype(np.int64))
             yield batch.pin_memory() if pin else batch
 
 

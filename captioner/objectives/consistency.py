@@ -15,17 +15,16 @@ grid stays there when the content turns; an offset from the object flips sides; 
 pair of cells mirrored through the centre costs log of its spread. Looking at the object costs
 nothing. Captions are not trained on the turned images, so "left" and "right" need no rewriting.
 
-The term is estimated on a share of each batch's captions, at one random real step each, and
-scaled to the batch's words, so its cost stays small: one attention map per picked caption (no
-second LSTM pass) and the projection of those captions' turned images.
+The term is estimated on a share of each batch's captions (the loader reads the turned features
+of those only: `CaptionData.turned_share`), at one random real step each, and scaled to the
+batch's words, so its cost stays small: one attention map per picked caption (no second LSTM
+pass) and the projection of those captions' turned images.
 
 Symbols: B captions, T steps, L locations, D feature size, A attention size, H LSTM size, N
 picked (caption, step) pairs.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -46,50 +45,39 @@ def symmetric_cross_entropy(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return -0.5 * ((p * log_q).sum(-1) + (q * log_p).sum(-1))
 
 
-def pick(mask: torch.Tensor, share: float, generator: torch.Generator | None = None):
-    """A random share of the captions (at least one), and one random real step of each.
-
-    Returns:
-        rows (N,) and steps (N,) into the (B, T-1) mask.
-    """
-    B = mask.size(0)
-    order = torch.randperm(B, generator=generator, device=mask.device)
-    rows = order[: max(1, math.ceil(share * B))]  # (N,)
+def real_steps(mask: torch.Tensor, rows: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One random real step (N,) of each caption in `rows`, from the (B, T-1) mask."""
     noise = torch.rand(mask[rows].shape, generator=generator, device=mask.device)
-    steps = noise.masked_fill(~mask[rows], -1.0).argmax(1)  # (N,), a real step
-    return rows, steps
+    return noise.masked_fill(~mask[rows], -1.0).argmax(1)
 
 
 def consistency(
     decoder: AttentionDecoder,
     features: torch.Tensor,
     turned: torch.Tensor,
+    rows: torch.Tensor,
     unrolled: Unrolled,
     mask: torch.Tensor,
     words,
-    *,
-    share: float = 0.25,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """λ's multiplicand per word: the half-turn consistency of the maps, estimated on a share of
-    the captions and scaled to the batch's real steps.
+    """λ's multiplicand per word: the half-turn consistency of the maps, estimated at one random
+    real step of each caption in `rows` and scaled to the batch's real steps.
 
     Args:
         features: (B, L, D) the images' raw annotation vectors, as the pass saw them.
-        turned: (B, L, D) the same images turned 180°.
+        turned: (N, L, D) the images of captions `rows` (N,) turned 180°.
         unrolled: the teacher-forced pass on `features` (its maps α and states h_t).
         mask: (B, T-1) real steps.
         words: what to divide the batch total by.
-        share: of the captions it is computed on.
     """
-    rows, steps = pick(mask, share, generator)
+    steps = real_steps(mask, rows, generator)  # (N,)
     images = decoder.normalize(features[rows])  # (N, L, D)
     h0, _ = decoder.init_state(images)  # (N, H)
     h_before = unrolled.h[rows, (steps - 1).clamp_min(0)]  # (N, H) h_{t-1}
     h_before = torch.where((steps == 0).unsqueeze(1), h0, h_before)
-    projected = decoder.attention.project(decoder.normalize(turned[rows]))  # (N, L, A)
+    projected = decoder.attention.project(decoder.normalize(turned))  # (N, L, A)
     maps_turned = decoder.attention(projected, h_before)  # (N, L) α'
     maps = unrolled.alphas[rows, steps]  # (N, L) α
     per_step = symmetric_cross_entropy(half_turn(maps), maps_turned)  # (N,)
-    real_steps = mask.sum()
-    return per_step.mean() * real_steps / words
+    return per_step.mean() * mask.sum() / words

@@ -6,6 +6,7 @@ Shapes: B captions (images for SCST), L locations, D feature size, T steps.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import nn
@@ -36,11 +37,10 @@ class Objective(nn.Module):
 
     def forward(self, batch, words, baseline: float, generator=None):
         features, captions, lengths, cfg = batch.features, batch.captions, batch.lengths, self.cfg
-        turned = batch.rotated
+        turned, rows = batch.turned, batch.turned_rows
         if self.encoder is not None:  # encoder inputs, one per image → (B, L, D)
             if cfg.consistency > 0:
-                with torch.no_grad():  # the turned view teaches the attention, not the encoder
-                    turned = self.encoder(features, batch.image_index, turned=True)
+                turned, rows = self.turned_view(batch, generator)
             features = self.encoder(features, batch.image_index)
         if self.decoder.config.attention == "hard":
             loss, terms, u, mask = hard_attention_loss(
@@ -59,12 +59,20 @@ class Objective(nn.Module):
             loss, terms = nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
         words = mask.sum() if words is None else words
         if turned is not None and cfg.consistency > 0:  # `fit` reads the turned features only for the term
-            c = consistency(
-                self.decoder, features, turned, u, mask, words, share=cfg.consistency_share, generator=generator
-            )
+            c = consistency(self.decoder, features, turned, rows, u, mask, words, generator)
             loss = loss + cfg.consistency * c
             terms["consistency"] = c.detach()
         return loss, terms
+
+    @torch.no_grad()
+    def turned_view(self, batch, generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fine-tuned encoder's features of a share of the captions' images turned 180°, and
+        those captions' places; without gradients: the turned view teaches the attention."""
+        B = len(batch.captions)
+        rows = torch.randperm(B, generator=generator, device=batch.captions.device)
+        rows = rows[: max(1, math.ceil(self.cfg.consistency_share * B))].sort().values
+        images, index = batch.image_index[rows].unique(return_inverse=True)
+        return self.encoder(batch.features[images], turned=True)[index], rows
 
 
 def train_step(
