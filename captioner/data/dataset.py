@@ -43,6 +43,11 @@ class Batch:
     # are their places in the batch, turned (k, L, D) their features.
     turned: torch.Tensor | None = None
     turned_rows: torch.Tensor | None = None
+    # Where the captions' object words should look (`fit --boxes`): (E,) places in the batch and
+    # steps, (E, L) the objects' cells.
+    box_rows: torch.Tensor | None = None
+    box_steps: torch.Tensor | None = None
+    box_masks: torch.Tensor | None = None
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -52,9 +57,17 @@ class Batch:
 
     def _map(self, fn) -> "Batch":
         """The batch with fn applied to each of its tensors."""
-        moved = [t if t is None else fn(t) for t in
-                 (self.features, self.captions, self.lengths, self.image_index, self.turned, self.turned_rows)]
+        tensors = (self.features, self.captions, self.lengths, self.image_index, self.turned, self.turned_rows,
+                   self.box_rows, self.box_steps, self.box_masks)
+        moved = [t if t is None else fn(t) for t in tensors]
         return Batch(*moved[:4], self.dropped, *moved[4:])
+
+    def with_targets(self, targets, idx: np.ndarray) -> Batch:
+        """The batch with the box targets of its captions `idx` (`data.boxes.BoxTargets`), if any."""
+        found = targets.for_captions(idx) if targets is not None else None
+        if found is not None:
+            self.box_rows, self.box_steps, self.box_masks = (torch.from_numpy(x) for x in found)
+        return self
 
 
 class CaptionData:
@@ -79,6 +92,7 @@ class CaptionData:
                                   self.meta["feature_dim"], mode="r")
         # The same images turned 180°, for the attention's half-turn consistency (older directories: None).
         self.turned_share = 1.0
+        self.box_targets = None  # data.boxes.BoxTargets, set by `fit --boxes`
         self.turned = (FeatureCache(data_dir, len(self.meta["image_ids"]), self.meta["locations"],
                                      self.meta["feature_dim"], mode="r", name=ROTATED)
                         if self.meta.get("rotated") else None)
@@ -165,6 +179,7 @@ class CaptionData:
                 if good.any():   # their places among the captions kept
                     batch.turned = torch.from_numpy(turned[good].astype(np.float32))
                     batch.turned_rows = torch.from_numpy((np.cumsum(~bad) - 1)[picked[good]].astype(np.int64))
+            batch.with_targets(self.box_targets, idx[~bad])
             yield batch.pin_memory() if pin else batch
 
 

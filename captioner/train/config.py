@@ -31,6 +31,12 @@ class TrainConfig:
         "the objects through a half turn, sharp); needs the turned features prepare writes by default; 0: off",
     ] = 1.0
     consistency_share: Annotated[float, "share of each batch's captions the consistency is estimated on"] = 0.25
+    boxes: Annotated[
+        str | None,
+        "object boxes in COCO instances format (optionally a 'color' per annotation) for the training images: "
+        "caption words that name a boxed object also teach attention where it is (attention correctness)",
+    ] = None
+    boxes_weight: Annotated[float, "weight of the attention correctness term of --boxes"] = 1.0
     paper: Annotated[
         bool,
         "--paper-objective",

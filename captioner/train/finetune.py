@@ -144,6 +144,7 @@ class FineTuning:
                 torch.from_numpy(self.data.lengths[idx].astype(np.int64)),
                 torch.from_numpy(np.searchsorted(r, self.data.rows[idx])),
             )  # (B,) caption → image
+            batch.with_targets(self.data.box_targets, idx)
             yield batch.pin_memory() if pin else batch
 
     def features(self, rows: np.ndarray) -> torch.Tensor:

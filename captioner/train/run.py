@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData, TrainingImages
 from captioner.errors import CaptionerError
 from captioner.evaluation.familiarity import fit_stats as familiarity_stats
@@ -163,6 +164,8 @@ def start_run(
         )
     model_cfg = DecoderConfig(**{**(model_cfg or DecoderConfig(0)).to_dict(), "vocab_size": len(data.vocab)})
     _choose_objective_data(data, cfg, d)
+    if cfg.boxes:
+        data.box_targets = box_targets(data, cfg.boxes, d)
     torch.manual_seed(cfg.seed)
     model = AttentionDecoder.from_config(model_cfg)
     model.set_feature_stats(*data.feature_stats())
@@ -217,6 +220,21 @@ def _choose_objective_data(data: CaptionData, cfg: TrainConfig, d: distributed.D
             "an older version), so attention trains without its half-turn consistency and its heatmaps "
             "may sit beside the objects they name; run prepare again into a new directory to add them"
         )
+
+
+def box_targets(data: CaptionData, path: str, d: distributed.Dist) -> BoxTargets:
+    """`fit --boxes`: where the training captions' object words should look."""
+    targets = BoxTargets(data, GroundingBoxes(path), data.encoder.preprocess, data.encoder.grid)
+    if not targets.words:
+        raise CaptionerError(
+            f"--boxes {path}: no word of the training captions names an object boxed there "
+            f"(the file must hold the training images of {data.dir}, by image id)"
+        )
+    if d.main:
+        log.info(
+            f"--boxes: {targets.words} words of the training captions name a boxed object; they also learn where it is"
+        )
+    return targets
 
 
 def _restore(run: Run, ck: dict) -> None:

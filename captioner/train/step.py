@@ -13,6 +13,7 @@ from torch import nn
 
 from captioner.models.decoder import AttentionDecoder
 from captioner.objectives.consistency import consistency
+from captioner.objectives.correctness import attention_correctness
 from captioner.objectives.cross_entropy import sequence_terms
 from captioner.objectives.reinforce import hard_attention_loss, update_baseline
 from captioner.train import distributed, resilience
@@ -62,6 +63,10 @@ class Objective(nn.Module):
             c = consistency(self.decoder, features, turned, rows, u, mask, words, generator)
             loss = loss + cfg.consistency * c
             terms["consistency"] = c.detach()
+        if batch.box_rows is not None and cfg.boxes_weight > 0:
+            b = attention_correctness(u.alphas, batch.box_rows, batch.box_steps, batch.box_masks, words)
+            loss = loss + cfg.boxes_weight * b
+            terms["boxes"] = b.detach()
         return loss, terms
 
     @torch.no_grad()

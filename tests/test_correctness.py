@@ -1,0 +1,80 @@
+"""`fit --boxes`: attention correctness from object boxes, for the training images only."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from captioner.data.boxes import BoxTargets, GroundingBoxes, grid_cells
+from captioner.data.dataset import CaptionData
+from captioner.errors import CaptionerError
+from captioner.models.decoder import DecoderConfig
+from captioner.objectives.correctness import attention_correctness
+from captioner.train.config import TrainConfig
+from captioner.train.loop import fit
+
+
+def test_grid_cells_of_boxes():
+    cells = grid_cells([[50, 0, 50, 100]], (100, 100), (0, 0, 100, 100), 4).reshape(4, 4)
+    assert cells[:, 2:].all() and not cells[:, :2].any()  # the right half
+    tiny = grid_cells([[60, 10, 2, 2]], (100, 100), (0, 0, 100, 100), 4).reshape(4, 4)
+    assert tiny.sum() == 1 and tiny[0, 2]  # too small for a centre: the cell holding its centre
+
+
+def test_the_term_is_minus_the_log_of_the_attention_on_the_object():
+    masks = torch.zeros(2, 16, dtype=torch.bool)
+    masks[:, :4] = True
+    even = torch.full((1, 3, 16), 1 / 16)
+    on = torch.zeros(1, 3, 16)
+    on[..., 2] = 1.0
+    rows, steps = torch.tensor([0, 0]), torch.tensor([0, 2])
+    assert float(attention_correctness(even, rows, steps, masks, 2)) == pytest.approx(-math.log(4 / 16))
+    assert float(attention_correctness(on, rows, steps, masks, 2)) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_targets_are_the_object_words_of_training_images(data_dir, scenes):
+    data = CaptionData(str(data_dir))
+    boxes = GroundingBoxes(str(scenes / "boxes.json"))
+    targets = BoxTargets(data, boxes, data.encoder.preprocess, data.encoder.grid)
+    train = {int(i) for i in data.split_images("train")[0]}
+    assert targets.words > 0
+    for c, step, m in zip(targets.caption[:50], targets.steps[:50], targets.which[:50]):
+        image_id = int(data.meta["image_ids"][data.rows[c]])
+        word = data.vocab.words[int(data.tokens[c, step + 1])]
+        assert image_id in train and boxes.boxes_for(image_id, word)
+        size = boxes.size(image_id)
+        want = grid_cells(boxes.boxes_for(image_id, word), size, data.encoder.preprocess.grid_box(*size), 14)
+        assert np.array_equal(targets.masks[m], want)
+    batch = next(iter(data.batches(8, seed=0, epoch=0)))
+    assert batch.box_rows is None  # only `fit --boxes` attaches them
+    data.box_targets = targets
+    batch = next(iter(data.batches(8, seed=0, epoch=0)))
+    assert batch.box_rows is not None and batch.box_masks.shape == (len(batch.box_rows), 196)
+
+
+def test_fit_learns_from_the_boxes_and_refuses_a_file_without_training_images(data_dir, scenes, tmp_path):
+    small = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0)
+    cfg = TrainConfig(epochs=2, batch_size=8, val_images=4, log_every=1, boxes=str(scenes / "boxes.json"))
+    fit(str(data_dir), str(tmp_path / "run"), small, cfg, device="cpu", progress_bar=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    terms = [r["boxes"] for r in log if r["event"] == "train"]
+    assert terms and np.mean(terms[-5:]) < np.mean(terms[:5])  # attention moves onto the objects
+    data = CaptionData(str(data_dir))
+    held = {int(i) for s in ("val", "test") for i in data.split_images(s)[0]}
+    instances = json.loads((scenes / "boxes.json").read_text())
+    instances["images"] = [im for im in instances["images"] if im["id"] in held]
+    instances["annotations"] = [a for a in instances["annotations"] if a["image_id"] in held]
+    (tmp_path / "held.json").write_text(json.dumps(instances))
+    with pytest.raises(CaptionerError, match="no word of the training captions names an object boxed there"):
+        fit(
+            str(data_dir),
+            str(tmp_path / "bad"),
+            small,
+            TrainConfig(epochs=1, boxes=str(tmp_path / "held.json")),
+            device="cpu",
+            progress_bar=False,
+        )
