@@ -62,3 +62,66 @@ def test_accepts_grids_and_flat_maps(shape):
     maps = _peaked([(3, 4), (3, 4), (9, 9), (9, 9)]).reshape(shape)
     health = attention_health([maps])
     assert health["words"] == 4 and health["stay"] == 0.5
+
+
+class _Run:
+    """What `loop._select` reads of a run."""
+
+    def __init__(self):
+        from captioner.train.config import Progress, TrainConfig
+
+        self.progress, self.cfg, self.logged = Progress(), TrainConfig(), []
+        self.scheduler = type("S", (), {"step": lambda self, score: None})()
+        self.optimizer = type("O", (), {"param_groups": [{"lr": 1e-3}]})()
+        self.d = type("D", (), {"main": False})()
+        self.write_log = self.logged.append
+
+
+HEALTHY = {"entropy": 0.5, "stay": 0.6, "border": 0.3, "top5": 0.1, "words": 100, "captions": 20}
+PARKED = {**HEALTHY, "top5": 0.9}
+
+
+def test_best_is_the_best_scoring_validation_whose_health_is_ok():
+    from captioner.train.loop import _select
+
+    run = _Run()
+    chosen = [
+        _select(run, {"CIDEr": c, "BLEU-4": 0.1, "example": "", "attention_health": h})
+        for c, h in ((1.0, PARKED), (0.8, HEALTHY), (1.5, PARKED), (0.9, HEALTHY), (0.85, HEALTHY))
+    ]
+    # a healthy one replaces a flagged best.pt whatever its score; a flagged one never replaces a healthy one
+    assert chosen == [True, True, False, True, False]
+    assert run.progress.best == 0.9 and run.progress.best_healthy and run.progress.stale == 1
+
+
+def test_a_model_whose_maps_were_flagged_says_so_wherever_it_shows_them(small_run, scenes, tmp_path):
+    from conftest import run_cli
+
+    from captioner import Captioner
+    from captioner.demo.card import model_notice
+    from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+
+    ck = load_checkpoint(str(small_run / "best.pt"))
+    assert ck["attention"] is not None and "meaningful" in ck["attention"]  # fit records its verdict
+    ck["attention"] = {"meaningful": False, "problems": problems(PARKED), "health": PARKED}
+    save_checkpoint(ck, str(tmp_path / "flagged.pt"))
+    cap = Captioner.load(str(tmp_path / "flagged.pt"))
+    assert "not meaningful" in cap.attention_warning and "same five cells" in cap.attention_warning
+    assert cap.attention_warning in model_notice(cap)
+    image = str(sorted((scenes / "images").iterdir())[0])
+    p = run_cli(
+        "-m",
+        "captioner",
+        "caption",
+        image,
+        "--checkpoint",
+        str(tmp_path / "flagged.pt"),
+        "--figures",
+        str(tmp_path / "figs"),
+        "--device",
+        "cpu",
+    )
+    assert p.returncode == 0 and "warning: This model's attention maps are not meaningful" in p.stderr, p.stderr
+    ck["attention"] = {"meaningful": True, "problems": [], "health": HEALTHY}
+    save_checkpoint(ck, str(tmp_path / "ok.pt"))
+    assert Captioner.load(str(tmp_path / "ok.pt")).attention_warning is None

@@ -177,6 +177,8 @@ def _shown(cap: Captioner, opts: CaptionOptions, bar):
 
     if opts.figures:
         os.makedirs(opts.figures, exist_ok=True)
+    if cap.attention_warning and (opts.figures or opts.attention):
+        tqdm.write(f"warning: {cap.attention_warning}", file=sys.stderr)
 
     def on_result(path, image, out, record):
         bar.update()
@@ -192,6 +194,7 @@ def _shown(cap: Captioner, opts: CaptionOptions, bar):
                 preprocess=cap.encoder_spec.preprocess,
                 locations=out.locations,
                 title=out.text,
+                warning=cap.attention_warning,
             )
             # Named after the file; after its path where file names repeat (the ids are paths then).
             name = os.path.splitext(os.path.basename(path))[0]

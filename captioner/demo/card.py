@@ -31,17 +31,20 @@ def trained_on(captioner: Captioner) -> str:
 
 
 def model_notice(captioner: Captioner) -> str:
-    """The plain paragraph above the page: what this model can describe, and what it cannot."""
+    """The plain paragraph above the page: what this model can describe, and what it cannot, and
+    whether its heatmaps can be trusted."""
     if captioner.encoder_spec.weights == "none":
         # A random encoder only separates what the synthetic scenes vary: colours, shapes, places.
-        return (
+        notice = (
             "**This demo model knows only pictures of coloured shapes, like the examples below.** "
             "It describes every picture as if it were one of them, so a photograph gets a caption "
             "about shapes; the page says when a picture is unlike the ones it was trained on. "
-            "To caption photographs, serve a model trained on photos such as MS-COCO: the training guide's "
-            "section 'Train on MS-COCO' shows how."
+            "To caption photographs, serve a model trained on photos such as MS-COCO (docs/training.md)."
         )
-    return f"**This model was trained on {trained_on(captioner)}.**"
+    else:
+        notice = f"**This model was trained on {trained_on(captioner)}.**"
+    warning = captioner.attention_warning
+    return notice + (f"\n\n⚠ **{warning}**" if warning else "")
 
 
 def attention_health(captioner: Captioner) -> dict | None:

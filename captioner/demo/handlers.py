@@ -178,11 +178,11 @@ def error_html(message: str) -> str:
     return f'<p class="image-error" role="alert">⚠ {html.escape(message)}</p>'
 
 
-def large_label(view: View) -> str:
+def large_label(view: View, warning: str | None = None) -> str:
     k = view.selected
     return (
         f'Where the model looked for **"{view.words[k]}"** (word {k + 1} of {len(view.words)}); '
-        "brighter means more attention"
+        "brighter means more attention" + (f" (⚠ {warning})" if warning else "")
     )
 
 
@@ -274,7 +274,9 @@ class Demo:
             caption=out.text or "(no words)",
             familiarity=familiarity_html(out.familiarity),
             words=highlighted(view),
-            large_label=large_label(view) if view.words else "The model wrote no words",
+            large_label=large_label(view, self.captioner.attention_warning)
+            if view.words
+            else "The model wrote no words",
             large=large,
             gallery=gallery,
             alternatives=rows,
@@ -289,7 +291,7 @@ class Demo:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         view.selected = min(int(evt.index if not isinstance(evt.index, list) else evt.index[0]), len(view.words) - 1)
         large, gallery = self.heatmaps(view, opacity)
-        return highlighted(view), large_label(view), large, gallery
+        return highlighted(view), large_label(view, self.captioner.attention_warning), large, gallery
 
     def redraw(self, session: Session | None, opacity: float):
         """Opacity changed → (large heatmap, gallery), redrawn from the View, not the model."""
@@ -314,6 +316,7 @@ class Demo:
             opacity=float(opacity),
             locations=view.locations,
             title=view.text,
+            warning=self.captioner.attention_warning,
         )
         name = re.sub(r"[^a-z0-9]+", "-", view.text.lower()).strip("-")[:48] or "no-words"
         fd, path = tempfile.mkstemp(dir=self.figures_dir, prefix=f"attention-{name}-", suffix=".png")

@@ -275,3 +275,8 @@ def caption_split_images(
             )
         )
     return out
+
+
+def attention_warning(checkpoint: str) -> str | None:
+    """What to say beside a model's heatmaps when `fit` found them not meaningful (else None)."""
+    return Captioner.load(checkpoint, build_encoder=False).attention_warning

@@ -78,6 +78,19 @@ class Captioner:
     def default_mode(self) -> str:
         return EXPECTED
 
+    @property
+    def attention_warning(self) -> str | None:
+        """A line to show beside this model's heatmaps when its attention health check found them
+        not meaningful (recorded in the checkpoint by `fit`); None when they passed or are unjudged."""
+        verdict = self.info.get("attention") or {}
+        if verdict.get("meaningful") is not False:
+            return None
+        return (
+            "This model's attention maps are not meaningful: the health check flagged them when it was "
+            f"trained ({'; '.join(verdict.get('problems') or [])}), so the heatmaps may not show what the words "
+            "name."
+        )
+
     @classmethod
     def load(cls, source: str, *, device: str = "cpu", build_encoder: bool = True, fast: bool = True) -> Captioner:
         """Load a model: a checkpoint written by `fit`, an exported folder (`captioner export`), a

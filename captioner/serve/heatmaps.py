@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import io
+import textwrap
 from collections.abc import Sequence
 
 import matplotlib
@@ -88,12 +89,15 @@ def attention_figure(
     locations: Sequence[tuple[int, int]] | None = None,
     title: str | None = None,
     panel_side: int = 320,
+    warning: str | None = None,
 ) -> Figure:
     """The paper-style figure: the image, then each word's overlay with the word beneath.
 
     Args:
         locations: (row, col) grid cells chosen by hard attention, marked with a dot.
         panel_side: longest side of each panel's image in pixels (a panel is 240 at 100 dpi).
+        warning: a line shown in red under the title (`Captioner.attention_warning`: the model's
+            maps are not meaningful).
     """
     base = image.convert("RGB")
     if max(base.size) > panel_side:
@@ -116,9 +120,13 @@ def attention_figure(
             r, c = locations[k - 1]
             cell_w, cell_h = (box[2] - box[0]) / grid, (box[3] - box[1]) / grid
             ax.plot(box[0] + (c + 0.5) * cell_w, box[1] + (r + 0.5) * cell_h, "o", ms=6, mfc="white", mec="black")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
+    if title or warning:
+        fig.suptitle(title or "")
+    fig.tight_layout(rect=(0, 0, 1, 0.93) if warning else None)
+    if warning:
+        fig.text(
+            0.5, 0.935, "\n".join(textwrap.wrap(warning, 40 * cols)), ha="center", va="top", color="#b91c1c", fontsize=9
+        )
     return fig
 
 
