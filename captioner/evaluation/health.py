@@ -28,7 +28,9 @@ import numpy as np
 # boxes (docs/attention.md): pointing fell as the border ratio rose, and as more peaks crowded
 # onto a few cells. "stay" is reported but never warned on: models that point well stay on one
 # object in one-object scenes.
-LIMITS = {"top5": 0.25, "border": 1.2, "entropy_low": 0.02, "entropy_high": 0.92}
+# A sharp map is not a failure: the half-turn consistency trains maps onto one cell of the object
+# (entropy 0.02-0.06), and parking on one place is what top5 and border catch.
+LIMITS = {"top5": 0.25, "border": 1.2, "entropy_high": 0.92}
 
 
 def _maps(attention: np.ndarray) -> np.ndarray:
@@ -84,8 +86,6 @@ def problems(health: dict) -> list[str]:
         out.append(f"{health['top5']:.0%} of all peaks fall on the same five cells, whatever the image")
     if health["border"] >= LIMITS["border"]:
         out.append(f"peaks fall on the grid's border {health['border']:.1f}x as often as its area would give")
-    if health["entropy"] <= LIMITS["entropy_low"]:
-        out.append("every map is a single cell")
     if health["entropy"] >= LIMITS["entropy_high"]:
         out.append("the maps are spread almost evenly over the image")
     return out
