@@ -8,11 +8,10 @@ decreasing count.
 
 from __future__ import annotations
 
+import functools
 import string
 from collections import Counter
 from collections.abc import Iterable, Sequence
-
-from nltk.tokenize import TreebankWordTokenizer
 
 from captioner.errors import CaptionerError
 
@@ -20,10 +19,16 @@ PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS = (PAD, START, END, UNK)
 PAD_ID, START_ID, END_ID, UNK_ID = range(4)
 
-_treebank = TreebankWordTokenizer()
-
 
 _EDGE_PUNCTUATION = string.punctuation.replace("'", "")
+
+
+@functools.cache
+def _treebank():
+    # nltk is needed to tokenise captions (prepare, metrics), not to caption images: imported here.
+    from nltk.tokenize import TreebankWordTokenizer
+
+    return TreebankWordTokenizer()
 
 
 def tokenize(text: str) -> list[str]:
@@ -34,7 +39,7 @@ def tokenize(text: str) -> list[str]:
     # Treebank splits some punctuation off only at the end of the text ("0." but "0.("): strip
     # it from every token's ends (a leading apostrophe stays: 's, 're), so tokenising is the same
     # wherever a word stands.
-    tokens = (t.lstrip(_EDGE_PUNCTUATION).rstrip(string.punctuation) for t in _treebank.tokenize(text))
+    tokens = (t.lstrip(_EDGE_PUNCTUATION).rstrip(string.punctuation) for t in _treebank().tokenize(text))
     return [t for t in tokens if any(ch.isalnum() for ch in t)]
 
 
