@@ -357,7 +357,7 @@ def test_model_panel_describes_the_model(demo):
     card, notice = model_card(demo.captioner), model_notice(demo.captioner)
     assert f"{len(demo.captioner.vocab)} words" in card and demo.captioner.attention_type in card
     assert "synthetic" in card and "| CIDEr |" in card  # one metric per row: no broken words
-    assert "Train on MS-COCO" in notice and "--" not in notice  # plain words, not command-line flags
+    assert "MS-COCO" in notice and "--" not in notice  # plain words, not command-line flags
 
 
 def test_model_panel_shows_attention_health_and_the_examples_record(demo, tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shutil
 import subprocess
@@ -73,3 +74,33 @@ def test_subpackages_are_the_layers():
         "serve",
         "train",
     ]
+
+
+def test_the_core_install_captions_without_the_extras(tmp_path):
+    """Captioning from Python and `captioner caption` need none of [train]'s and [demo]'s packages."""
+    for name in ("gradio", "gradio_client", "nltk", "pycocoevalcap", "pycocotools"):
+        (tmp_path / f"{name}.py").write_text(f"raise ImportError('{name} is not installed in this test')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code = (
+        "from captioner import Captioner\nfrom captioner.serve.sources import demo_model, example_images\n"
+        "print(Captioner.load(demo_model()).caption(example_images()[0]).text)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip(), p.stderr[-2000:]
+    example = p.stdout.strip()
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "captioner",
+            "caption",
+            "--device",
+            "cpu",
+            str(sorted((PACKAGE / "assets" / "examples").iterdir())[0]),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert p.returncode == 0 and p.stdout.strip().split("\t")[1] == example, p.stderr[-2000:]

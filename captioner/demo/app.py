@@ -62,137 +62,145 @@ def get_args_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def build_app(demo: Demo, examples: list[str]) -> gr.Blocks:
     """The page: image and settings on the left; caption, words and heatmaps on the right."""
-    cap = demo.captioner
-    # preprocess=False: uploads reach `load_image` undecoded (see captioner.demo.upload_source).
-    model_events = dict(concurrency_id="model", concurrency_limit=demo.batcher.max_batch_size, preprocess=False)
-    draw_events = dict(concurrency_id="draw", concurrency_limit=2, api_visibility="private")
     with gr.Blocks(title="captioner: Show, Attend and Tell", analytics_enabled=False) as app:
         gr.Markdown(
             "# Show, Attend and Tell\nUpload an image: the model writes a caption one word at a time, "
             "looking at a different place for each word. Click a word to see where it looked."
         )
-        gr.Markdown(model_notice(cap), elem_id="notice")
-        session = gr.State(None, time_to_live=3600)
+        gr.Markdown(model_notice(demo.captioner), elem_id="notice")
+        page = {"session": gr.State(None, time_to_live=3600)}
         with gr.Row(equal_height=False):
             with gr.Column(scale=2, min_width=300):
-                image = gr.Image(
-                    type="filepath",
-                    image_mode=None,
-                    label="Image",
-                    height=340,
-                    elem_id="image",
-                    sources=["upload", "clipboard", "webcam"],
-                )
-                error = gr.HTML(visible=False, elem_id="image-error")
-                chooser = gr.Dataset(
-                    components=[image],
-                    samples=[[p] for p in examples],
-                    type="index",
-                    label="Examples",
-                    elem_id="examples",
-                    visible=bool(examples),
-                )
-                if examples:
-                    gr.Markdown(examples_note(cap, examples), elem_id="examples-note")
-                beam = gr.Slider(1, 10, value=3, step=1, label="Beam size", info="1 is greedy decoding")
-                max_len = gr.Slider(1, max(50, cap.max_len), value=cap.max_len, step=1, label="Maximum length (words)")
-                opacity = gr.Slider(
-                    0,
-                    1,
-                    value=viz.OPACITY,
-                    step=0.05,
-                    label="Heatmap opacity",
-                    info="at the most attended place; elsewhere it fades with the attention",
-                )
-                run = gr.Button("Caption", variant="primary")
-                with gr.Accordion("Model", open=True):
-                    gr.Markdown(model_card(cap), elem_id="model-card")
+                page |= _inputs(demo.captioner, examples)
             with gr.Column(scale=3, min_width=400):
-                caption = gr.Textbox(label="Caption", elem_id="caption", interactive=False, buttons=["copy"])
-                familiarity = gr.HTML(elem_id="familiarity")
-                words = gr.HighlightedText(
-                    label="Click a word",
-                    elem_id="words",
-                    color_map=COLORS,
-                    show_inline_category=False,
-                    show_legend=False,
-                )
-                large_label = gr.Markdown(elem_id="large-label")
-                large = gr.Image(
-                    show_label=False,
-                    type="pil",
-                    interactive=False,
-                    height=420,
-                    elem_id="large-heatmap",
-                    format="jpeg",
-                    buttons=["fullscreen"],
-                )
-                gr.Markdown("Every word (click one to show it large; the framed one is shown)")
-                gallery = gr.Gallery(
-                    show_label=False,
-                    columns=5,
-                    fit_columns=False,
-                    allow_preview=False,
-                    object_fit="contain",
-                    elem_id="word-gallery",
-                    format="jpeg",
-                    buttons=[],
-                )
-                alternatives = gr.Dataframe(
-                    headers=["Beam", "log-probability"],
-                    label="Top beams",
-                    interactive=False,
-                    wrap=True,
-                    column_widths=["80%", "20%"],
-                )
-                download = gr.Button("Download attention figure (PNG)", interactive=False, elem_id="download-figure")
-                figure = gr.File(visible=False, elem_id="figure-file")
+                page |= _outputs()
         with gr.Accordion("Data for programs (what /caption returns)", open=False):
-            data = gr.JSON(label="Caption data")
-
-        # One event for every way of choosing an image, so the page sends one request per image;
-        # "always_last" runs a request made while one is pending after it, with the newest input.
-        def caption_event(picture, example, beam_size, length, alpha, state, evt: gr.EventData):
-            if isinstance(evt.target, gr.Dataset):  # an example: show it in the input, then caption it
-                yield from demo.caption_view(
-                    examples[int(example)], beam_size, length, alpha, state, show=examples[int(example)]
-                )
-            else:
-                yield from demo.caption_view(picture, beam_size, length, alpha, state)
-
-        page = dict(
-            image=image,
-            error=error,
-            caption=caption,
-            familiarity=familiarity,
-            words=words,
-            large_label=large_label,
-            large=large,
-            gallery=gallery,
-            alternatives=alternatives,
-            data=data,
-            download=download,
-            session=session,
-        )
-        gr.on(
-            [image.input, run.click, chooser.click],
-            caption_event,
-            [image, chooser, beam, max_len, opacity, session],
-            [page[name] for name in PageOutputs._fields],
-            api_visibility="private",
-            trigger_mode="always_last",
-            show_progress="minimal",
-            **model_events,
-        )
-        words.select(demo.select_word, [session, opacity], [words, large_label, large, gallery], **draw_events)
-        gallery.select(demo.select_word, [session, opacity], [words, large_label, large, gallery], **draw_events)
-        opacity.change(demo.redraw, [session, opacity], [large, gallery], **draw_events)
-        download.click(demo.figure, [session, opacity], [figure], **draw_events).success(
-            None, [figure], None, js=DOWNLOAD_JS
-        )
-        # The API: exactly (image, beam size) → caption text, then data. No trigger on the page.
-        gr.on([], demo.caption, [image, beam], [caption, data], api_name="caption", **model_events)
+            page["data"] = gr.JSON(label="Caption data")
+        _wire(demo, examples, page)
     return app
+
+
+def _inputs(cap, examples: list[str]) -> dict:
+    """The left column: the image, its examples, the settings and the model's card."""
+    image = gr.Image(
+        type="filepath",
+        image_mode=None,
+        label="Image",
+        height=340,
+        elem_id="image",
+        sources=["upload", "clipboard", "webcam"],
+    )
+    error = gr.HTML(visible=False, elem_id="image-error")
+    chooser = gr.Dataset(
+        components=[image],
+        samples=[[p] for p in examples],
+        type="index",
+        label="Examples",
+        elem_id="examples",
+        visible=bool(examples),
+    )
+    if examples:
+        gr.Markdown(examples_note(cap, examples), elem_id="examples-note")
+    beam = gr.Slider(1, 10, value=3, step=1, label="Beam size", info="1 is greedy decoding")
+    max_len = gr.Slider(1, max(50, cap.max_len), value=cap.max_len, step=1, label="Maximum length (words)")
+    opacity = gr.Slider(
+        0,
+        1,
+        value=viz.OPACITY,
+        step=0.05,
+        label="Heatmap opacity",
+        info="at the most attended place; elsewhere it fades with the attention",
+    )
+    run = gr.Button("Caption", variant="primary")
+    with gr.Accordion("Model", open=True):
+        gr.Markdown(model_card(cap), elem_id="model-card")
+    return {
+        "image": image,
+        "error": error,
+        "chooser": chooser,
+        "beam": beam,
+        "max_len": max_len,
+        "opacity": opacity,
+        "run": run,
+    }
+
+
+def _outputs() -> dict:
+    """The right column: the caption, its words, the heatmaps, the beams and the figure's download."""
+    return {
+        "caption": gr.Textbox(label="Caption", elem_id="caption", interactive=False, buttons=["copy"]),
+        "familiarity": gr.HTML(elem_id="familiarity"),
+        "words": gr.HighlightedText(
+            label="Click a word", elem_id="words", color_map=COLORS, show_inline_category=False, show_legend=False
+        ),
+        "large_label": gr.Markdown(elem_id="large-label"),
+        "large": gr.Image(
+            show_label=False,
+            type="pil",
+            interactive=False,
+            height=420,
+            elem_id="large-heatmap",
+            format="jpeg",
+            buttons=["fullscreen"],
+        ),
+        "gallery_note": gr.Markdown("Every word (click one to show it large; the framed one is shown)"),
+        "gallery": gr.Gallery(
+            show_label=False,
+            columns=5,
+            fit_columns=False,
+            allow_preview=False,
+            object_fit="contain",
+            elem_id="word-gallery",
+            format="jpeg",
+            buttons=[],
+        ),
+        "alternatives": gr.Dataframe(
+            headers=["Beam", "log-probability"],
+            label="Top beams",
+            interactive=False,
+            wrap=True,
+            column_widths=["80%", "20%"],
+        ),
+        "download": gr.Button("Download attention figure (PNG)", interactive=False, elem_id="download-figure"),
+        "figure": gr.File(visible=False, elem_id="figure-file"),
+    }
+
+
+def _wire(demo: Demo, examples: list[str], p: dict) -> None:
+    """The page's events and the /caption API."""
+    # preprocess=False: uploads reach `load_image` undecoded (see demo.handlers.upload_source).
+    model_events = dict(concurrency_id="model", concurrency_limit=demo.batcher.max_batch_size, preprocess=False)
+    draw_events = dict(concurrency_id="draw", concurrency_limit=2, api_visibility="private")
+
+    # One event for every way of choosing an image, so the page sends one request per image;
+    # "always_last" runs a request made while one is pending after it, with the newest input.
+    def caption_event(picture, example, beam_size, length, alpha, state, evt: gr.EventData):
+        if isinstance(evt.target, gr.Dataset):  # an example: show it in the input, then caption it
+            chosen = examples[int(example)]
+            yield from demo.caption_view(chosen, beam_size, length, alpha, state, show=chosen)
+        else:
+            yield from demo.caption_view(picture, beam_size, length, alpha, state)
+
+    settings = [p["beam"], p["max_len"], p["opacity"], p["session"]]
+    gr.on(
+        [p["image"].input, p["run"].click, p["chooser"].click],
+        caption_event,
+        [p["image"], p["chooser"], *settings],
+        [p[name] for name in PageOutputs._fields],
+        api_visibility="private",
+        trigger_mode="always_last",
+        show_progress="minimal",
+        **model_events,
+    )
+    shown = [p["words"], p["large_label"], p["large"], p["gallery"]]
+    p["words"].select(demo.select_word, [p["session"], p["opacity"]], shown, **draw_events)
+    p["gallery"].select(demo.select_word, [p["session"], p["opacity"]], shown, **draw_events)
+    p["opacity"].change(demo.redraw, [p["session"], p["opacity"]], [p["large"], p["gallery"]], **draw_events)
+    p["download"].click(demo.figure, [p["session"], p["opacity"]], [p["figure"]], **draw_events).success(
+        None, [p["figure"]], None, js=DOWNLOAD_JS
+    )
+    # The API: exactly (image, beam size) → caption text, then data. No trigger on the page.
+    gr.on([], demo.caption, [p["image"], p["beam"]], [p["caption"], p["data"]], api_name="caption", **model_events)
 
 
 def main(args: argparse.Namespace | DemoOptions) -> None:

@@ -107,7 +107,7 @@ def resolve(source: str, *, cache_dir: str | None = None) -> str:
         return from_hub(source)
     if is_url(source):
         path = download_checkpoint(source, cache_dir=cache_dir)
-        return _unpacked(path) if zipfile.is_zipfile(path) else path
+        return _unpacked(path) if _holds_a_folder(path) else path
     return source
 
 
@@ -148,6 +148,14 @@ def _hub_cache() -> str:
     from huggingface_hub import constants
 
     return constants.HF_HUB_CACHE
+
+
+def _holds_a_folder(path: str) -> bool:
+    """A .zip of an exported folder (a checkpoint is a zip file too, but holds no config.json)."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any(os.path.basename(n) == "config.json" for n in z.namelist())
 
 
 def _unpacked(path: str) -> str:
