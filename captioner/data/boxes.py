@@ -1,0 +1,212 @@
+"""Object boxes per image (COCO instances files), and which caption words name which objects.
+
+Boxes come from a COCO instances file read with pycocotools: real COCO (`instances_val2014.json`,
+caption words mapped to categories by `SYNONYMS`) or the synthetic scenes' `boxes.json` (shape
+categories plus a `color` field per object). Evaluation scores attention against them
+(pointing accuracy); training can learn from them (`fit --boxes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections import defaultdict
+
+import numpy as np
+from pycocotools.coco import COCO
+
+from captioner.errors import CaptionerError
+from captioner.io import read_json
+
+# Caption word → COCO category name, for the words people use instead of the category name.
+SYNONYMS = {
+    **dict.fromkeys(
+        [
+            "man",
+            "men",
+            "woman",
+            "women",
+            "person",
+            "people",
+            "persons",
+            "boy",
+            "boys",
+            "girl",
+            "girls",
+            "child",
+            "children",
+            "kid",
+            "kids",
+            "guy",
+            "guys",
+            "lady",
+            "ladies",
+            "player",
+            "players",
+            "skier",
+            "skiers",
+            "surfer",
+            "surfers",
+            "skateboarder",
+            "rider",
+            "baby",
+            "adult",
+            "adults",
+            "gentleman",
+            "toddler",
+        ],
+        "person",
+    ),
+    **dict.fromkeys(["bike", "bikes", "bicycles", "cyclist"], "bicycle"),
+    **dict.fromkeys(["motorbike", "motorbikes", "motorcycles", "scooter"], "motorcycle"),
+    **dict.fromkeys(["plane", "planes", "jet", "jets", "airplanes", "aircraft", "airliner"], "airplane"),
+    **dict.fromkeys(["ship", "ships", "boats", "sailboat", "canoe", "kayak"], "boat"),
+    **dict.fromkeys(["puppy", "puppies", "dogs"], "dog"),
+    **dict.fromkeys(["kitten", "kitty", "cats"], "cat"),
+    **dict.fromkeys(["cows", "cattle", "calf", "bull"], "cow"),
+    **dict.fromkeys(["lamb", "lambs"], "sheep"),
+    **dict.fromkeys(["ball", "balls", "soccer", "football"], "sports ball"),
+    **dict.fromkeys(["racket", "racquet", "rackets"], "tennis racket"),
+    **dict.fromkeys(["bat"], "baseball bat"),
+    **dict.fromkeys(["glove", "mitt"], "baseball glove"),
+    **dict.fromkeys(["sofa", "sofas", "couches"], "couch"),
+    **dict.fromkeys(["table", "tables", "desk"], "dining table"),
+    **dict.fromkeys(["plant", "plants"], "potted plant"),
+    **dict.fromkeys(["television", "tv", "tvs", "monitor"], "tv"),
+    **dict.fromkeys(["phone", "phones", "cellphone", "smartphone"], "cell phone"),
+    **dict.fromkeys(["fridge", "refrigerators"], "refrigerator"),
+    **dict.fromkeys(["doughnut", "doughnuts", "donuts"], "donut"),
+    **dict.fromkeys(["hydrant"], "fire hydrant"),
+    **dict.fromkeys(["teddy"], "teddy bear"),
+    **dict.fromkeys(["glass", "wine"], "wine glass"),
+    **dict.fromkeys(["hotdog", "hotdogs"], "hot dog"),
+    **dict.fromkeys(["laptops", "computer"], "laptop"),
+    **dict.fromkeys(["bag", "purse"], "handbag"),
+    **dict.fromkeys(["luggage", "suitcases"], "suitcase"),
+    **dict.fromkeys(["buses"], "bus"),
+    **dict.fromkeys(["trains"], "train"),
+    **dict.fromkeys(["trucks"], "truck"),
+    **dict.fromkeys(["cars", "taxi"], "car"),
+}
+
+
+class GroundingBoxes:
+    """Object boxes per image, and which caption words name which objects."""
+
+    def __init__(self, path: str):
+        data = read_json(path, "COCO instances (object boxes)")
+        if not isinstance(data, dict) or not all(
+            isinstance(data.get(k), list) for k in ("images", "annotations", "categories")
+        ):
+            raise CaptionerError(
+                f"{path}: expected a COCO instances file with 'images', 'annotations' and 'categories' lists"
+            )
+        for i, ann in enumerate(data["annotations"]):
+            bbox = ann.get("bbox") if isinstance(ann, dict) else None
+            if not (isinstance(bbox, list) and len(bbox) == 4 and "image_id" in ann and "category_id" in ann):
+                raise CaptionerError(f"{path}: annotations[{i}]: needs image_id, category_id and bbox [x, y, w, h]")
+            ann.setdefault("id", i + 1)
+        coco = COCO()
+        coco.dataset = data
+        with contextlib.redirect_stdout(io.StringIO()):
+            coco.createIndex()
+        self.coco = coco
+        self.category_of_word: dict[str, set[int]] = defaultdict(set)
+        names = {c["name"] for c in coco.cats.values()}
+        for cat in coco.cats.values():
+            name, last = cat["name"], cat["name"].split()[-1]
+            # "sports ball" is named by "ball", but "hot dog" must not claim "dog".
+            for word in (name, name + "s") + ((last, last + "s") if last not in names else ()):
+                self.category_of_word[word].add(cat["id"])
+        for word, name in SYNONYMS.items():
+            self.category_of_word[word] |= {c["id"] for c in coco.cats.values() if c["name"] == name}
+        self.colors = {a["color"] for a in coco.anns.values() if isinstance(a.get("color"), str)}
+
+    def __contains__(self, image_id: int) -> bool:
+        return image_id in self.coco.imgs
+
+    def size(self, image_id: int) -> tuple[int, int]:
+        img = self.coco.imgs[image_id]
+        return int(img["width"]), int(img["height"])
+
+    def names_object(self, word: str) -> bool:
+        return word in self.colors or bool(self.category_of_word.get(word))
+
+    def boxes_for(self, image_id: int, word: str) -> list[list[float]]:
+        """Boxes [x, y, w, h] of the objects in an image that `word` names."""
+        cats = self.category_of_word.get(word, set())
+        return [
+            a["bbox"]
+            for a in self.coco.imgToAnns.get(image_id, [])
+            if a["category_id"] in cats or a.get("color") == word
+        ]
+
+
+def grid_cells(boxes: list[list[float]], size: tuple[int, int], grid_box, grid: int) -> np.ndarray:
+    """The grid cells (L,) bool that the boxes [x, y, w, h] cover: those whose centre lies in a box,
+    or, for a box too small to hold a centre, the cell that holds the box's centre.
+
+    Args:
+        size: (width, height) of the image the boxes are in.
+        grid_box: the region of the image the grid covers (`Preprocess.grid_box`).
+    """
+    left, top, right, bottom = grid_box
+    centres = (np.arange(grid) + 0.5) / grid
+    cx, cy = left + centres * (right - left), top + centres * (bottom - top)  # (g,) each, in image pixels
+    cells = np.zeros((grid, grid), dtype=bool)
+    for x, y, w, h in boxes:
+        inside = ((cy >= y) & (cy <= y + h))[:, None] & ((cx >= x) & (cx <= x + w))[None, :]
+        if not inside.any():
+            col = int(np.clip((x + w / 2 - left) / (right - left) * grid, 0, grid - 1))
+            row = int(np.clip((y + h / 2 - top) / (bottom - top) * grid, 0, grid - 1))
+            inside[row, col] = True
+        cells |= inside
+    return cells.reshape(-1)
+
+
+class BoxTargets:
+    """Where each training caption's object words should look: the grid cells of the objects they
+    name (through `GroundingBoxes`' categories, synonyms and colours), for `fit --boxes`.
+
+    Only training images' boxes are read. Stored compactly: one mask per (image, word) and, per
+    caption, the (step, mask) pairs of its object words, so that a batch's targets are a lookup.
+
+    Args:
+        data: the prepared data directory (`CaptionData`).
+        boxes: the object boxes.
+        preprocess, grid: how images were fed to the encoder, and its grid side.
+    """
+
+    def __init__(self, data, boxes: GroundingBoxes, preprocess, grid: int):
+        ids = data.meta["image_ids"]
+        train = {int(i) for i in data.split_images("train")[0]}
+        masks, index, caption, steps, which = [], {}, [], [], []
+        for c, (row, tokens, length) in enumerate(zip(data.rows, data.tokens, data.lengths)):
+            image_id = int(ids[row])
+            if image_id not in train or image_id not in boxes:
+                continue
+            for p in range(1, int(length) - 1):  # the words; α at step p-1 produced word p
+                word = data.vocab.words[int(tokens[p])]
+                if (image_id, word) not in index:
+                    found = boxes.boxes_for(image_id, word) if boxes.names_object(word) else []
+                    index[image_id, word] = None
+                    if found:
+                        size = boxes.size(image_id)
+                        index[image_id, word] = len(masks)
+                        masks.append(grid_cells(found, size, preprocess.grid_box(*size), grid))
+                if index[image_id, word] is not None:
+                    caption.append(c), steps.append(p - 1), which.append(index[image_id, word])
+        self.masks = np.stack(masks) if masks else np.zeros((0, grid * grid), dtype=bool)  # (M, L)
+        self.caption, self.steps, self.which = (np.asarray(x, dtype=np.int64) for x in (caption, steps, which))
+        self.words = len(self.caption)
+
+    def for_captions(self, idx: np.ndarray):
+        """The targets of captions `idx` (a batch, in order): their places in the batch (E,), the
+        steps (E,) and the masks (E, L); None when they have none."""
+        starts = np.searchsorted(self.caption, idx, side="left")  # the entries are in caption order
+        ends = np.searchsorted(self.caption, idx, side="right")
+        counts = ends - starts
+        if not counts.any():
+            return None
+        entries = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)])
+        return np.repeat(np.arange(len(idx)), counts), self.steps[entries], self.masks[self.which[entries]]
