@@ -179,7 +179,7 @@ def caption_batch(device: torch.device, seed: int = 0):
 
 
 def our_train_step(device: torch.device, feats, caps, lengths, amp: str, compiled: bool):
-    """`fit`'s own step (`training.train_step`) on one batch (the paper's objective: no turned features)."""
+    """`fit`'s own step (`captioner.train.step.train_step`) on one batch (the paper's objective: no turned features)."""
     torch.manual_seed(0)
     decoder = AttentionDecoder(
         vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512, dropout=0.5

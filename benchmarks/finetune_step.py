@@ -1,6 +1,6 @@
 """Cost of one training step, frozen encoder against `--fine-tune-encoder` (conv5_1 and conv4_1).
 
-Times the real step (`training.train_step`: forward, backward, clipping, Adam) on a prepared
+Times the real step (`captioner.train.step.train_step`: forward, backward, clipping, Adam) on a prepared
 data directory, with the default decoder, batch size 32 captions:
 
     python benchmarks/finetune_step.py --data /tmp/k_data [--steps 10] [--modes frozen conv5_1 conv4_1]

@@ -9,4 +9,4 @@ from captioner.errors import CaptionerError, ImageError
 from captioner.serve.api import Caption, Captioner
 
 __all__ = ["Caption", "Captioner", "CaptionerError", "ImageError"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

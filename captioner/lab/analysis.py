@@ -1,7 +1,7 @@
 """What the notebooks compute: attention statistics, training logs, dataset summaries, tables.
 
 The notebooks in `notebooks/` import these functions and only display the results; the
-figures are drawn by `captioner.plots`.
+figures are drawn by `captioner.lab.plots`.
 
 Symbols in shape comments: n words of a caption, g side of the attention grid, L = g·g
 locations, N captions.

@@ -1,6 +1,6 @@
 """The notebooks' figures, each a `matplotlib.figure.Figure` of its own (no pyplot state).
 
-Attention heatmaps themselves are drawn by `captioner.viz`; these figures arrange captions,
+Attention heatmaps themselves are drawn by `captioner.serve.heatmaps`; these figures arrange captions,
 statistics and training curves around them.
 """
 
