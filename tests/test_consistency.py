@@ -1,4 +1,4 @@
-"""Half-turn consistency of attention: the term, the turned features, and fit using them."""
+"""View consistency of attention: the views, the term, the views' features, and fit using them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from captioner.data.images import load_image
 from captioner.models.checkpoint import migrate
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec, build_encoder
-from captioner.objectives.consistency import consistency, half_turn, real_steps, symmetric_cross_entropy
+from captioner.models.views import back_from_view, max_shift, random_shifts, shifts, view
+from captioner.objectives.consistency import consistency, on_shared_cells, real_steps, symmetric_cross_entropy
 from captioner.objectives.cross_entropy import sequence_terms
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
@@ -29,24 +30,72 @@ def cell(x: int, y: int) -> torch.Tensor:
     return m / m.sum()
 
 
-def test_half_turn_is_a_180_degree_rotation_of_the_grid():
-    maps = torch.rand(2, 3, 7 * 5)  # any row-major grid, here 7 x 5
-    assert torch.equal(half_turn(maps).view(2, 3, 7, 5), torch.rot90(maps.view(2, 3, 7, 5), 2, dims=(2, 3)))
+def moved(x: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
+    """(C, H, W) moved dy cells down and dx right, zeros where it uncovers, by padding and cropping."""
+    H, W = x.shape[-2:]
+    padded = torch.nn.functional.pad(x, (max(dx, 0), max(-dx, 0), max(dy, 0), max(-dy, 0)))
+    return padded[..., max(-dy, 0) : max(-dy, 0) + H, max(-dx, 0) : max(-dx, 0) + W]
 
 
-def test_only_a_sharp_map_that_follows_the_content_costs_nothing():
-    """An object at (4, 9) is at (9, 4) once the image is turned. Each way a map can fail pays."""
+def test_a_view_is_the_image_turned_then_moved_by_whole_cells():
+    x = torch.rand(3, 2, 56, 56)  # a 4 x 4 grid of 14-pixel cells
+    moves = torch.tensor([[1, -2], [0, 1], [-1, -1]])
+    got = view(x, moves, grid=4)
+    for i, (dy, dx) in enumerate(moves.tolist()):
+        assert torch.equal(got[i], moved(torch.rot90(x[i], 2, dims=(1, 2)), 14 * dy, 14 * dx))
+
+
+def test_maps_come_back_from_the_view_onto_the_images_cells():
+    """A map that follows the content: on the view it is the image's map turned and moved."""
+    maps = torch.rand(3, S * S)
+    moves = torch.tensor([[2, -1], [-2, 2], [1, 0]])
+    in_view = torch.stack(
+        [
+            moved(torch.rot90(m.view(1, S, S), 2, dims=(1, 2)), dy, dx).flatten()
+            for m, (dy, dx) in zip(maps, moves.tolist())
+        ]
+    )
+    back, inside = back_from_view(in_view, moves, S)
+    assert torch.equal(back, maps * inside)
+    assert inside.sum(1).tolist() == [(S - 2) * (S - 1), (S - 2) * (S - 2), (S - 1) * S]
+
+
+def test_each_image_has_its_own_move_the_same_every_time():
+    rows = np.arange(5000)
+    got = shifts(rows, 2)
+    assert np.array_equal(got, shifts(rows, 2))  # prepare and fit agree without storing it
+    assert np.abs(got).max() == 2 and not (got == 0).all(1).any()
+    assert len({tuple(m) for m in got}) == 24  # every move but none
+    counts = np.unique(got, axis=0, return_counts=True)[1]
+    assert counts.min() > 0.6 * counts.mean()
+    assert (shifts(rows, 0) == 0).all()  # data prepared with the turn alone
+    drawn = random_shifts(1000, 1, torch.Generator().manual_seed(0))
+    assert drawn.abs().max() == 1 and not (drawn == 0).all(1).any()
+    assert max_shift(14) == 2 and max_shift(7) == 1
+
+
+def test_only_a_sharp_map_on_the_content_costs_nothing():
+    """An object at column 4, row 9; the view is turned and moved one row down, two columns left.
+    Each way a map can fail pays, among them one that a turn alone let through."""
     x, y = 4, 9
-    turn = lambda m: half_turn(m)  # noqa: E731
-    on_object = symmetric_cross_entropy(turn(cell(x, y)), cell(S - 1 - x, S - 1 - y))
-    offset = symmetric_cross_entropy(turn(cell(x, y - 1)), cell(S - 1 - x, S - 1 - y - 1))  # one cell above, both
-    parked = symmetric_cross_entropy(turn(cell(0, 0)), cell(0, 0))  # the same corner whatever the image
+
+    def cost(on_image, on_view, dy=1, dx=-2):
+        return float(symmetric_cross_entropy(*on_shared_cells(on_image, on_view, torch.tensor([[dy, dx]]), S)))
+
+    def seen(x, y, dy=1, dx=-2):  # where the image's cell (column x, row y) is in the view
+        return S - 1 - x + dx, S - 1 - y + dy
+
+    vx, vy = seen(x, y)
     even = torch.full((1, S * S), 1.0 / (S * S), dtype=torch.float64)
-    pair = (cell(2, 3) + cell(S - 3, S - 4)) / 2  # two cells mirrored through the centre
-    assert float(on_object) < 1e-5  # the cells off the object hold 1e-9 each
-    assert float(offset) > 5 and float(parked) > 5
-    assert float(symmetric_cross_entropy(turn(even), even)) == pytest.approx(math.log(S * S))
-    assert float(symmetric_cross_entropy(turn(pair), pair)) == pytest.approx(math.log(2), abs=1e-4)
+    assert cost(cell(x, y), cell(vx, vy)) < 1e-5  # on the object in both
+    assert cost(cell(x, y - 1), cell(vx, vy - 1)) > 5  # one cell above the object, both times
+    assert cost(cell(0, 0), cell(0, 0)) > 5  # parked on one cell whatever the image
+    assert cost(even, even) > math.log(100)
+    # On the cell mirrored through the grid's centre from the object, both times: a turn alone
+    # cannot tell it from the object; the move can.
+    assert cost(cell(S - 1 - x, S - 1 - y), cell(S - 1 - vx, S - 1 - vy)) > 5
+    tx, ty = seen(x, y, 0, 0)
+    assert cost(cell(S - 1 - x, S - 1 - y), cell(S - 1 - tx, S - 1 - ty), 0, 0) < 1e-5
 
 
 def test_the_term_is_finite_on_maps_with_zeros():
@@ -69,10 +118,11 @@ def test_it_is_estimated_on_real_steps_of_a_share_of_the_captions(data_dir):
     for batch in data.batches(16, seed=0, epoch=0):
         assert len(batch.turned_rows) == len(batch.turned) == 4 and len(set(batch.turned_rows.tolist())) == 4
         assert batch.turned.shape[1:] == batch.features.shape[1:]
+        assert batch.turned_moves.shape == (4, 2) and batch.turned_moves.abs().max() <= data.view_shift
 
 
 def test_the_term_uses_the_passs_own_states_and_no_second_pass():
-    """α' is the map the same h_{t-1} gives on the turned image, the step's own α turned back."""
+    """α' is the map the same h_{t-1} gives on the view, compared with the step's own α."""
     torch.manual_seed(0)
     dec = AttentionDecoder(vocab_size=9, encoder_dim=6, embed_dim=5, hidden_dim=7, attention_dim=4, dropout=0.0)
     dec = dec.double()
@@ -81,10 +131,11 @@ def test_the_term_uses_the_passs_own_states_and_no_second_pass():
     lengths = torch.tensor([4, 3, 4, 3])
     _, _, u, mask = sequence_terms(dec, feats, captions, lengths)
     rows = torch.tensor([0, 1, 3])
-    got = consistency(dec, feats, turned[rows], rows, u, mask, mask.sum(), torch.Generator().manual_seed(3))
+    moves = torch.tensor([[1, 0], [-1, 1], [0, -1]])
+    got = consistency(dec, feats, turned[rows], rows, moves, u, mask, mask.sum(), torch.Generator().manual_seed(3))
     steps = real_steps(mask, rows, torch.Generator().manual_seed(3))
     want = []
-    for b, t in zip(rows.tolist(), steps.tolist()):
+    for b, t, move in zip(rows.tolist(), steps.tolist(), moves):
         a = dec.normalize(feats[b : b + 1])
         h, c = dec.init_state(a)
         proj = dec.attention.project(a)
@@ -92,32 +143,35 @@ def test_the_term_uses_the_passs_own_states_and_no_second_pass():
             alpha = dec.attend(proj, h)
             h, c, _ = dec.advance(a, alpha, dec.embedding(captions[b : b + 1, s]), h, c)
         on_image = dec.attend(proj, h)
-        on_turned = dec.attend(dec.attention.project(dec.normalize(turned[b : b + 1])), h)
-        want.append(symmetric_cross_entropy(half_turn(on_image), on_turned))
+        on_view = dec.attend(dec.attention.project(dec.normalize(turned[b : b + 1])), h)
+        want.append(symmetric_cross_entropy(*on_shared_cells(on_image, on_view, move.view(1, 2), 3)))
     assert float(got.detach()) == pytest.approx(float(torch.cat(want).mean().detach()), rel=1e-6)
     got.backward()
     assert all(p.grad is not None for p in dec.attention.parameters())
 
 
-def test_prepare_stores_the_features_of_the_turned_images(data_dir, scenes):
-    """features_rot180 row r is the encoder's output on image r turned 180° (its file turned by Pillow)."""
+def test_prepare_stores_the_features_of_the_views(data_dir, scenes):
+    """features_rot180 row r is the encoder's output on image r's file turned 180° by Pillow, then
+    moved by row r's move in whole cells of 16 pixels."""
     data = CaptionData(str(data_dir))
-    assert data.meta["rotated"] is True and data.turned is not None
+    assert data.meta["rotated"] is True and data.turned is not None and data.view_shift == 2
     encoder, spec = build_encoder(EncoderSpec(weights="none"))
     rows = [0, 5]
-    images = torch.stack([spec.preprocess(load_image(data.path_of(r)).rotate(180)) for r in rows])
+    images = []
+    for r, (dy, dx) in zip(rows, shifts(np.array(rows), data.view_shift).tolist()):
+        images.append(moved(spec.preprocess(load_image(data.path_of(r)).rotate(180)), 16 * dy, 16 * dx))
     with torch.inference_mode():
-        want = encoder(images).numpy()  # (2, L, D)
+        want = encoder(torch.stack(images)).numpy()  # (2, L, D)
     got = data.turned[rows].astype(np.float32)
     plain = data.cache[rows].astype(np.float32)
     scale = np.abs(want).max()
     # fp16 storage and Pillow's resampling of a turned file against turning the resampled tensor
     assert np.abs(got - want).max() < 0.05 * scale
-    assert np.abs(plain - want).max() > 0.2 * scale  # the turned features are not the plain ones
+    assert np.abs(plain - want).max() > 0.2 * scale  # the views' features are not the plain ones
 
 
 @pytest.mark.parametrize("attention", ["soft", "hard"])
-def test_fit_adds_the_term_when_the_data_has_turned_features(data_dir, tmp_path, attention):
+def test_fit_adds_the_term_when_the_data_has_views(data_dir, tmp_path, attention):
     small = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0, attention=attention)
     for name, weight in (("on", 1.0), ("off", 0.0)):
         cfg = TrainConfig(epochs=1, batch_size=8, val_images=4, log_every=1, consistency=weight)
@@ -133,7 +187,7 @@ def test_fit_adds_the_term_when_the_data_has_turned_features(data_dir, tmp_path,
     assert all("consistency" not in r for r in rows["off"] if r["event"] == "train")
 
 
-def test_fit_says_when_the_data_has_no_turned_features(scenes, tmp_path, caplog):
+def test_fit_says_when_the_data_has_no_views(scenes, tmp_path, caplog):
     from captioner.train.prepare import PrepareConfig, prepare
 
     out = tmp_path / "plain"
@@ -159,7 +213,7 @@ def test_fit_says_when_the_data_has_no_turned_features(scenes, tmp_path, caplog)
         device="cpu",
         progress_bar=False,
     )
-    assert "no features of the images turned 180°" in caplog.text and "prepare again" in caplog.text
+    assert "no features of the images' views" in caplog.text and "prepare again" in caplog.text
 
 
 @pytest.mark.parametrize("saved", [{}, {"equivariance": 0.5}])

@@ -4,6 +4,7 @@ Every problem in a user's files becomes a `CaptionerError` naming the file and t
 image; `skip_missing` goes on without images whose file is absent, `skip_bad` without
 malformed annotations (both counted and reported).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from pycocotools.coco import COCO
 
-from captioner.io import read_json
 from captioner.errors import CaptionerError
+from captioner.io import read_json
 
 SPLITS = ("train", "val", "test")
 
@@ -24,26 +25,26 @@ SPLITS = ("train", "val", "test")
 @dataclass
 class ImageRecord:
     """One image and its reference captions."""
+
     image_id: int
-    path: str                      # absolute path of the image file
-    split: str                     # train | val | test
+    path: str  # absolute path of the image file
+    split: str  # train | val | test
     captions: list[str] = field(default_factory=list)
 
 
 @dataclass
 class Skipped:
     """What was left out, and why, for the report at the end of `prepare`."""
+
     missing_images: list[str] = field(default_factory=list)
     bad_annotations: list[str] = field(default_factory=list)
 
     def report(self) -> str:
         parts = []
         if self.missing_images:
-            parts.append(f"{len(self.missing_images)} missing images skipped "
-                         f"(e.g. {self.missing_images[0]})")
+            parts.append(f"{len(self.missing_images)} missing images skipped (e.g. {self.missing_images[0]})")
         if self.bad_annotations:
-            parts.append(f"{len(self.bad_annotations)} bad annotations skipped "
-                         f"(e.g. {self.bad_annotations[0]})")
+            parts.append(f"{len(self.bad_annotations)} bad annotations skipped (e.g. {self.bad_annotations[0]})")
         return "; ".join(parts)
 
 
@@ -54,8 +55,12 @@ def _require(cond: bool, path: str, where: str, problem: str) -> None:
 
 def _check_captions_json(data, path: str, skip_bad: bool, skipped: Skipped) -> dict:
     """Validate the COCO captions layout; returns the data with bad annotations dropped."""
-    _require(isinstance(data, dict), path, "top level", "expected a JSON object with "
-             "'images' and 'annotations' (COCO captions format)")
+    _require(
+        isinstance(data, dict),
+        path,
+        "top level",
+        "expected a JSON object with 'images' and 'annotations' (COCO captions format)",
+    )
     for key in ("images", "annotations"):
         _require(key in data, path, "top level", f"missing the '{key}' field")
         _require(isinstance(data[key], list), path, f"'{key}'", "must be a list")
@@ -65,8 +70,12 @@ def _check_captions_json(data, path: str, skip_bad: bool, skipped: Skipped) -> d
         _require(isinstance(img, dict), path, where, "must be an object")
         for k, typ in (("id", int), ("file_name", str)):
             _require(k in img, path, where, f"missing the '{k}' field")
-            _require(isinstance(img[k], typ) and not isinstance(img[k], bool), path,
-                     f"{where}.{k}", f"must be {typ.__name__}, got {type(img[k]).__name__}")
+            _require(
+                isinstance(img[k], typ) and not isinstance(img[k], bool),
+                path,
+                f"{where}.{k}",
+                f"must be {typ.__name__}, got {type(img[k]).__name__}",
+            )
         _require(img["id"] not in seen, path, f"{where}.id", f"duplicate image id {img['id']}")
         seen.add(img["id"])
     good, ann_ids = [], set()
@@ -110,16 +119,24 @@ def _load_coco(path: str, skip_bad: bool, skipped: Skipped) -> COCO:
 def _karpathy_splits(path: str) -> dict[int, str]:
     """image id → split from a Karpathy `dataset_coco.json`; restval counts as train."""
     data = read_json(path, "Karpathy split")
-    _require(isinstance(data, dict) and isinstance(data.get("images"), list), path, "top level",
-             "expected {'images': [...]} (Karpathy dataset_coco.json layout)")
+    _require(
+        isinstance(data, dict) and isinstance(data.get("images"), list),
+        path,
+        "top level",
+        "expected {'images': [...]} (Karpathy dataset_coco.json layout)",
+    )
     splits = {}
     for i, img in enumerate(data["images"]):
         where = f"images[{i}]"
         _require(isinstance(img, dict), path, where, "must be an object")
         key = "cocoid" if "cocoid" in img else "imgid" if "imgid" in img else None
         _require(key is not None, path, where, "missing the 'cocoid' field")
-        _require(img.get("split") in ("train", "restval", "val", "test"), path, f"{where}.split",
-                 f"must be train, restval, val or test, got {img.get('split')!r}")
+        _require(
+            img.get("split") in ("train", "restval", "val", "test"),
+            path,
+            f"{where}.split",
+            f"must be train, restval, val or test, got {img.get('split')!r}",
+        )
         splits[img[key]] = "train" if img["split"] == "restval" else img["split"]
     return splits
 
@@ -143,8 +160,14 @@ def _find_image(file_name: str, image_dirs: Sequence[str]) -> str | None:
     return None
 
 
-def load_dataset(captions: Sequence[str], image_dirs: Sequence[str], splits_path: str | None = None,
-                 *, skip_missing: bool = False, skip_bad: bool = False) -> tuple[list[ImageRecord], Skipped]:
+def load_dataset(
+    captions: Sequence[str],
+    image_dirs: Sequence[str],
+    splits_path: str | None = None,
+    *,
+    skip_missing: bool = False,
+    skip_bad: bool = False,
+) -> tuple[list[ImageRecord], Skipped]:
     """Read one or more COCO caption files and pair each image with its file and split.
 
     Args:
@@ -175,8 +198,10 @@ def load_dataset(captions: Sequence[str], image_dirs: Sequence[str], splits_path
         splits = _karpathy_splits(splits_path)
         unknown = [i for i in splits if i not in records]
         if unknown:
-            raise CaptionerError(f"{splits_path}: {len(unknown)} images are not in the caption files "
-                                 f"(e.g. id {unknown[0]}); pass every --captions file the split uses")
+            raise CaptionerError(
+                f"{splits_path}: {len(unknown)} images are not in the caption files "
+                f"(e.g. id {unknown[0]}); pass every --captions file the split uses"
+            )
         records = {i: r for i, r in records.items() if i in splits}
     else:
         splits = default_splits(list(records))
@@ -188,13 +213,17 @@ def load_dataset(captions: Sequence[str], image_dirs: Sequence[str], splits_path
         found = _find_image(rec.path, image_dirs)
         if found is None:
             if not skip_missing:
-                raise CaptionerError(f"image {rec.path} (id {image_id}, listed in {sources[image_id]}) "
-                                     f"is not in {', '.join(image_dirs)}; --skip-missing goes on without it")
+                raise CaptionerError(
+                    f"image {rec.path} (id {image_id}, listed in {sources[image_id]}) "
+                    f"is not in {', '.join(image_dirs)}; --skip-missing goes on without it"
+                )
             skipped.missing_images.append(rec.path)
             continue
         rec.path, rec.split = found, splits[image_id]
         out.append(rec)
     if not out:
-        raise CaptionerError(f"no usable images: none of the captioned images in {', '.join(captions)} "
-                             f"were found in {', '.join(image_dirs)}")
+        raise CaptionerError(
+            f"no usable images: none of the captioned images in {', '.join(captions)} "
+            f"were found in {', '.join(image_dirs)}"
+        )
     return out, skipped

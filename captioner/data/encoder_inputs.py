@@ -6,6 +6,7 @@ data directory (DATA/pool4.npy and pool4.done, the feature cache's format; made 
 DataLoader workers ahead of the step.
 Shapes: n images, L locations, D feature size, S image side.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,8 +73,15 @@ def complete_input_cache(data: CaptionData, start: int) -> FeatureCache | None:
 
 
 @torch.inference_mode()
-def encoded_features(encoder: nn.Module, data: CaptionData, rows: np.ndarray, *, cache: FeatureCache | None,
-                     device: torch.device, workers: int = 2) -> torch.Tensor:
+def encoded_features(
+    encoder: nn.Module,
+    data: CaptionData,
+    rows: np.ndarray,
+    *,
+    cache: FeatureCache | None,
+    device: torch.device,
+    workers: int = 2,
+) -> torch.Tensor:
     """Features (n, L, D) of rows by `encoder`, on the cached pool4 rows or on the images.
 
     Args:
@@ -84,5 +92,9 @@ def encoded_features(encoder: nn.Module, data: CaptionData, rows: np.ndarray, *,
         return encoder(torch.from_numpy(cache[rows].astype(np.float32)).to(device)).float()  # (n, L, D)
     # Groups of 8 images, so that the workers decode in parallel.
     groups = np.array_split(np.asarray(rows), max(1, math.ceil(len(rows) / 8)))
-    return torch.cat([encoder(images.to(device)).float()                     # (8, L, D)
-                      for images in image_groups(data.meta["paths"], groups, data.encoder.preprocess, workers)])
+    return torch.cat(
+        [
+            encoder(images.to(device)).float()  # (8, L, D)
+            for images in image_groups(data.meta["paths"], groups, data.encoder.preprocess, workers)
+        ]
+    )

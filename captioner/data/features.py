@@ -13,6 +13,7 @@ a failed write (a full disk) marks nothing. Both files are created under a tempo
 renamed, so they exist whole or not at all. `recheck` finds done rows whose features hold
 inf or NaN (a damaged disk or copy) and marks them to do again.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,9 +25,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from captioner.data.images import load_image
 from captioner.errors import CaptionerError, ImageError
 from captioner.io import atomic_path, describe_os_error, disk_error
-from captioner.data.images import load_image
 from captioner.models.preprocess import Preprocess
 
 TODO, DONE, BAD = 0, 1, 2
@@ -51,7 +52,7 @@ def nonfinite_rows(features: np.ndarray) -> np.ndarray:
     n = len(features)
     if n == 0 or features.size == 0:
         return np.zeros(n, dtype=bool)
-    flat = np.ascontiguousarray(features).reshape(n, -1)       # (n, L*D)
+    flat = np.ascontiguousarray(features).reshape(n, -1)  # (n, L*D)
     if flat.dtype == np.float16:
         return (flat.view(np.uint16) & 0x7FFF).max(axis=1) >= 0x7C00
     return ~np.isfinite(flat).all(axis=1)
@@ -59,8 +60,10 @@ def nonfinite_rows(features: np.ndarray) -> np.ndarray:
 
 def damaged_row_message(image_id, path: str, row: int, cache_path: str, consequence: str) -> str:
     """One line naming a damaged feature row's image and how to re-extract it."""
-    return (f"image {image_id} ({path}): its features (row {row} of {cache_path}) hold inf or NaN, so "
-            f"{consequence}; re-extract them with `train.py prepare ... --recheck` (the same flags as before)")
+    return (
+        f"image {image_id} ({path}): its features (row {row} of {cache_path}) hold inf or NaN, so "
+        f"{consequence}; re-extract them with `train.py prepare ... --recheck` (the same flags as before)"
+    )
 
 
 def _npy_layout(path: str) -> tuple[tuple[int, ...], np.dtype, int]:
@@ -89,11 +92,15 @@ class FeatureCache:
             shape, dtype, self.offset = _npy_layout(self.path)
             self.done = np.memmap(self.done_path, dtype=np.uint8, mode=mode, shape=(n,))
         except (OSError, ValueError) as e:
-            raise CaptionerError(f"{data_dir}: the feature cache is missing or unreadable ({e}); "
-                                 "run `train.py prepare` for this directory") from None
+            raise CaptionerError(
+                f"{data_dir}: the feature cache is missing or unreadable ({e}); "
+                "run `train.py prepare` for this directory"
+            ) from None
         if tuple(shape) != self.shape or dtype != np.float16:
-            raise CaptionerError(f"{self.path}: holds {dtype} {tuple(shape)}, expected float16 {self.shape}; "
-                                 "the cache was made for another image list")
+            raise CaptionerError(
+                f"{self.path}: holds {dtype} {tuple(shape)}, expected float16 {self.shape}; "
+                "the cache was made for another image list"
+            )
         self.fd = os.open(self.path, os.O_RDWR if mode == "r+" else os.O_RDONLY)
 
     def __del__(self):
@@ -103,8 +110,10 @@ class FeatureCache:
 
     def _create_missing(self) -> None:
         if not os.path.exists(self.path):
+
             def make(tmp):
                 np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=self.shape).flush()
+
             _create_atomically(self.path, make)
         if not os.path.exists(self.done_path):
             _create_atomically(self.done_path, lambda tmp: np.zeros(self.shape[0], np.uint8).tofile(tmp))
@@ -129,8 +138,10 @@ class FeatureCache:
                     view, at = view[n:], at + n
             os.fsync(self.fd)
         except OSError as e:
-            raise CaptionerError(f"cannot write features to {self.path}: {describe_os_error(e, self.path)}; rows "
-                                 "finished so far are kept: free some space and run prepare again") from None
+            raise CaptionerError(
+                f"cannot write features to {self.path}: {describe_os_error(e, self.path)}; rows "
+                "finished so far are kept: free some space and run prepare again"
+            ) from None
         self.done[rows] = DONE
         self.done.flush()
 
@@ -143,9 +154,10 @@ class FeatureCache:
         """Read every done row, mark those holding inf or NaN to do again; returns those rows."""
         rows = np.flatnonzero(self.done == DONE)
         damaged = []
-        for i in tqdm(range(0, len(rows), chunk), desc="recheck", unit="chunk", disable=not progress,
-                      dynamic_ncols=True):
-            part = rows[i:i + chunk]
+        for i in tqdm(
+            range(0, len(rows), chunk), desc="recheck", unit="chunk", disable=not progress, dynamic_ncols=True
+        ):
+            part = rows[i : i + chunk]
             damaged += part[nonfinite_rows(self[part])].tolist()
         if damaged:
             self.done[damaged] = TODO
@@ -163,8 +175,10 @@ class FeatureCache:
         for i, row in enumerate(rows):
             got = os.preadv(self.fd, [out[i]], self.offset + int(row) * self.row_bytes)
             if got != self.row_bytes:
-                raise CaptionerError(f"{self.path}: row {row} is cut short ({got} of {self.row_bytes} bytes); "
-                                     "the file is truncated: run `prepare` again into a new directory")
+                raise CaptionerError(
+                    f"{self.path}: row {row} is cut short ({got} of {self.row_bytes} bytes); "
+                    "the file is truncated: run `prepare` again into a new directory"
+                )
         return out
 
 
@@ -193,14 +207,27 @@ class _ImageFiles(Dataset):
             return row, torch.zeros(3, size, size), str(e)
 
 
-def extract_features(cache: FeatureCache, paths: Sequence[str], encoder: torch.nn.Module,
-                     preprocess: Preprocess, *,
-                     batch_size: int = 32, workers: int = 2, device: str = "cpu",
-                     skip_bad: bool = False, rank: int = 0, world: int = 1,
-                     progress: bool = True, stop=None) -> list[str]:
+def extract_features(
+    cache: FeatureCache,
+    paths: Sequence[str],
+    encoder: torch.nn.Module,
+    preprocess: Preprocess,
+    *,
+    transform=None,
+    batch_size: int = 32,
+    workers: int = 2,
+    device: str = "cpu",
+    skip_bad: bool = False,
+    rank: int = 0,
+    world: int = 1,
+    progress: bool = True,
+    stop=None,
+) -> list[str]:
     """Fill the cache's unfinished rows (this rank's share) with encoder features.
 
     Args:
+        transform: (images (b, 3, S, S), cache rows (b,)) → the images to encode instead (the
+            views of `models.views`).
         stop: once its `requested` is true (`train.resilience.GracefulStop`: SIGTERM, SIGINT),
             return after the current batch is on disk.
 
@@ -213,9 +240,14 @@ def extract_features(cache: FeatureCache, paths: Sequence[str], encoder: torch.n
     if len(rows) == 0:
         return []
     encoder = encoder.to(device)
-    loader = DataLoader(_ImageFiles(paths, rows, preprocess), batch_size=batch_size,
-                        num_workers=workers, pin_memory=device.startswith("cuda"),
-                        persistent_workers=False, worker_init_fn=_leave_signals_to_the_main_process)
+    loader = DataLoader(
+        _ImageFiles(paths, rows, preprocess),
+        batch_size=batch_size,
+        num_workers=workers,
+        pin_memory=device.startswith("cuda"),
+        persistent_workers=False,
+        worker_init_fn=_leave_signals_to_the_main_process,
+    )
     bad = []
     bar = tqdm(total=len(rows), desc="features", unit="img", disable=not progress, dynamic_ncols=True)
     with torch.inference_mode():
@@ -223,12 +255,15 @@ def extract_features(cache: FeatureCache, paths: Sequence[str], encoder: torch.n
             errors = list(errors)
             ok = [i for i, e in enumerate(errors) if not e]
             if ok:
-                feats = encoder(images[ok].to(device, non_blocking=True)).float().cpu().numpy()  # (b, L, D)
+                x = images[ok] if transform is None else transform(images[ok], batch_rows[ok].numpy())
+                feats = encoder(x.to(device, non_blocking=True)).float().cpu().numpy()  # (b, L, D)
                 # NaN is never stored (inf is clipped to the fp16 range by write): a broken encoder.
-                nan = np.isnan(feats).reshape(len(ok), -1).any(axis=1)                          # (b,)
+                nan = np.isnan(feats).reshape(len(ok), -1).any(axis=1)  # (b,)
                 for i in np.flatnonzero(nan):
-                    errors[ok[i]] = (f"{paths[int(batch_rows[ok[i]])]}: the encoder's features for this image "
-                                     "are NaN (broken encoder weights?)")
+                    errors[ok[i]] = (
+                        f"{paths[int(batch_rows[ok[i]])]}: the encoder's features for this image "
+                        "are NaN (broken encoder weights?)"
+                    )
                 keep = [i for i, is_nan in zip(ok, nan) if not is_nan]
                 if keep:
                     cache.write(batch_rows[keep].numpy(), feats[~nan])

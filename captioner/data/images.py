@@ -3,6 +3,7 @@
 `load_image` turns any file Pillow can read into an upright RGB image or raises an `ImageError`
 that says what is wrong with it (`models.preprocess.Preprocess` then makes the encoder's input).
 """
+
 from __future__ import annotations
 
 import io
@@ -17,6 +18,7 @@ from captioner.errors import ImageError
 
 # Pillow's decompression-bomb guard: images above this many pixels are refused.
 DEFAULT_MAX_PIXELS = 64_000_000
+
 
 def set_max_pixels(limit: int | None) -> None:
     """Set Pillow's decompression-bomb limit (None keeps the default); never disables it."""
@@ -70,8 +72,10 @@ def load_image(src, *, max_pixels: int | None = None) -> Image.Image:
             if w < 1 or h < 1:
                 raise ImageError(f"{name}: the image has no pixels ({w}x{h})")
             if w * h > limit:
-                raise ImageError(f"{name}: {w}x{h} = {w * h} pixels is over the limit of {limit} "
-                                 "(refused as a possible decompression bomb)")
+                raise ImageError(
+                    f"{name}: {w}x{h} = {w * h} pixels is over the limit of {limit} "
+                    "(refused as a possible decompression bomb)"
+                )
             if getattr(img, "n_frames", 1) > 1:
                 img.seek(0)  # animations: caption the first frame
             img.load()
@@ -90,8 +94,9 @@ def load_image(src, *, max_pixels: int | None = None) -> Image.Image:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         found = re.search(r"\((\d+) pixels\)", str(e))  # Pillow's message carries the pixel count
         count = f"{found.group(1)} pixels is" if found else "the image is"
-        raise ImageError(f"{name}: {count} over the limit of {limit} "
-                         "(refused as a possible decompression bomb)") from None
+        raise ImageError(
+            f"{name}: {count} over the limit of {limit} (refused as a possible decompression bomb)"
+        ) from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise ImageError(f"{name}: the image data is truncated or corrupt ({e})") from None
 

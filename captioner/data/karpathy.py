@@ -12,14 +12,15 @@ given as two --images directories); the id is `cocoid` when present, `imgid` oth
 `restval` counts as train. Mistakes become `CaptionerError`s naming the file, the image (index
 and file name) and the field, as for COCO files.
 """
+
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 
 from captioner.data.coco import ImageRecord, Skipped
-from captioner.io import read_json
 from captioner.errors import CaptionerError
+from captioner.io import read_json
 
 KARPATHY_SPLITS = {"train": "train", "restval": "train", "val": "val", "test": "test"}
 
@@ -72,8 +73,9 @@ def _check_image(img, i: int, path: str, seen) -> tuple[int, str, str | None, st
     require("filename" in img, "missing the 'filename' field")
     require(isinstance(name, str) and bool(name), "'filename' must be a non-empty string")
     filepath = img.get("filepath")
-    require(filepath is None or isinstance(filepath, str),
-            f"'filepath' must be a string, got {type(filepath).__name__}")
+    require(
+        filepath is None or isinstance(filepath, str), f"'filepath' must be a string, got {type(filepath).__name__}"
+    )
     key = "cocoid" if "cocoid" in img else "imgid" if "imgid" in img else None
     require(key is not None, "missing the 'cocoid' or 'imgid' field")
     image_id = img[key]
@@ -86,8 +88,9 @@ def _check_image(img, i: int, path: str, seen) -> tuple[int, str, str | None, st
     return image_id, name, filepath, KARPATHY_SPLITS[img["split"]], where
 
 
-def load_karpathy(path: str, image_dirs: Sequence[str], *, skip_missing: bool = False,
-                  skip_bad: bool = False) -> tuple[list[ImageRecord], Skipped]:
+def load_karpathy(
+    path: str, image_dirs: Sequence[str], *, skip_missing: bool = False, skip_bad: bool = False
+) -> tuple[list[ImageRecord], Skipped]:
     """Read a Karpathy dataset file and pair each image with its file, split and captions.
 
     Args:
@@ -108,8 +111,10 @@ def load_karpathy(path: str, image_dirs: Sequence[str], *, skip_missing: bool = 
             raise CaptionerError(f"--images {d}: no such directory")
     data = read_json(path, "Karpathy dataset")
     if not (isinstance(data, dict) and isinstance(data.get("images"), list)):
-        raise CaptionerError(f"{path}: top level: expected {{'images': [...]}} (Karpathy "
-                             "dataset_coco.json / dataset_flickr8k.json layout)")
+        raise CaptionerError(
+            f"{path}: top level: expected {{'images': [...]}} (Karpathy "
+            "dataset_coco.json / dataset_flickr8k.json layout)"
+        )
     skipped = Skipped()
     records: dict[int, ImageRecord] = {}
     filepaths: dict[int, str | None] = {}
@@ -135,12 +140,15 @@ def load_karpathy(path: str, image_dirs: Sequence[str], *, skip_missing: bool = 
         shown = os.path.join(filepaths[image_id] or "", rec.path)
         if found is None:
             if not skip_missing:
-                raise CaptionerError(f"image {shown} (id {image_id}, listed in {path}) is not in "
-                                     f"{', '.join(image_dirs)}; --skip-missing goes on without it")
+                raise CaptionerError(
+                    f"image {shown} (id {image_id}, listed in {path}) is not in "
+                    f"{', '.join(image_dirs)}; --skip-missing goes on without it"
+                )
             skipped.missing_images.append(shown)
             continue
         out.append(ImageRecord(image_id, found, rec.split, rec.captions))
     if not out:
-        raise CaptionerError(f"no usable images: none of the captioned images in {path} "
-                             f"were found in {', '.join(image_dirs)}")
+        raise CaptionerError(
+            f"no usable images: none of the captioned images in {path} were found in {', '.join(image_dirs)}"
+        )
     return out, skipped

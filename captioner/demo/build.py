@@ -2,7 +2,7 @@
 
 Generates synthetic scenes, prepares them with the seeded random VGG16 (no download needed), and
 trains in two stages: a soft-attention decoder on the frozen features (the package's defaults,
-half-turn consistency on), then, from its best weights, the decoder together with the encoder's
+view consistency on), then, from its best weights, the decoder together with the encoder's
 conv5 layers (`fit --init ... --fine-tune-encoder`) at lower learning rates: the random
 encoder's features carry shape poorly, and training its last block on the scenes is what made
 the model name shapes right more often (docs/results.md). It scores the result on the held-out

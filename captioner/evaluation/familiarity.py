@@ -43,6 +43,7 @@ from captioner.data.features import nonfinite_rows
 from captioner.data.images import load_image
 from captioner.errors import CaptionerError
 from captioner.models.encoder import EncoderSpec, build_encoder
+from captioner.models.fast_encoder import optimize_encoder
 
 METHOD = "pooled-mahalanobis/1"
 MAX_TRAIN_IMAGES = 4000  # enough for the covariance with shrinkage; bounds the reads on COCO
@@ -230,14 +231,18 @@ def _encode_views(encoder: torch.nn.Module, spec: EncoderSpec, photos: Sequence[
         for view, pil in photo_views(load_image(path)).items():
             names.append(f"{os.path.basename(path)}:{view}")
             pils.append(pil)
-    x = torch.stack([spec.preprocess(p) for p in pils]).to(next(encoder.parameters()).device)  # (N, 3, S, S)
+    weight = next(encoder.parameters(), None)  # none in a fused CPU encoder
+    x = torch.stack([spec.preprocess(p) for p in pils]).to(
+        weight.device if weight is not None else "cpu"
+    )  # (N, 3, S, S)
     return tuple(names), encoder(x).float().cpu()  # (N, L, D)
 
 
 @functools.lru_cache(maxsize=4)
 def _photo_features(spec: EncoderSpec, photos: tuple[str, ...]) -> tuple[tuple[str, ...], torch.Tensor]:
-    """The views' vectors by the spec's own encoder (cached: one encoder pass per process)."""
-    return _encode_views(build_encoder(spec)[0], spec, photos)
+    """The views' vectors by the spec's own encoder, run as `prepare` and the captioner run it
+    (cached: one encoder pass per process)."""
+    return _encode_views(optimize_encoder(build_encoder(spec)[0], image_size=spec.image_size), spec, photos)
 
 
 def photo_scores(

@@ -28,7 +28,7 @@ import numpy as np
 # boxes (docs/attention.md): pointing fell as the border ratio rose, and as more peaks crowded
 # onto a few cells. "stay" is reported but never warned on: models that point well stay on one
 # object in one-object scenes.
-# A sharp map is not a failure: the half-turn consistency trains maps onto one cell of the object
+# A sharp map is not a failure: the view consistency trains maps onto one cell of the object
 # (entropy 0.02-0.06), and parking on one place is what top5 and border catch.
 LIMITS = {"top5": 0.25, "border": 1.2, "entropy_high": 0.92}
 
@@ -92,8 +92,8 @@ def problems(health: dict) -> list[str]:
 
 
 ADVICE = (
-    "the heatmaps may not show what the model names. Check that `prepare` stored the images' turned "
-    "features (its default: the half-turn consistency needs them) and that --consistency is on; with "
+    "the heatmaps may not show what the model names. Check that `prepare` stored the images' views "
+    "(its default: the attention consistency needs them) and that --consistency is on; with "
     "object boxes, `fit --boxes` teaches attention where the objects are; maps spread evenly: lower "
     "--alpha-c; see docs/attention.md"
 )

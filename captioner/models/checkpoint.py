@@ -108,7 +108,7 @@ def migrate(ck, path: str) -> dict:
     """A checkpoint of any version, as the current version describes it.
 
     Before version 3, attention was trained with the half-turn equivariance term (`equivariance`
-    in the training config), which the half-turn consistency replaced: a resumed older run goes on
+    in the training config), which the view consistency replaced: a resumed older run goes on
     with neither (`consistency` 0), as close as this version comes to how it was trained.
     """
     name, _, version = str(ck.get("format", "")).partition("/") if isinstance(ck, dict) else ("", "", "")

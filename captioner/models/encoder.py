@@ -239,14 +239,3 @@ def rebuild_encoder(spec: EncoderSpec, encoder_state: dict | None, source: str) 
     if encoder_state is not None:
         apply_encoder_state(encoder, encoder_state, source)
     return encoder, spec
-
-
-class HalfTurn(nn.Module):
-    """An encoder that sees its (B, 3, H, W) inputs turned 180°: the features of the turned image."""
-
-    def __init__(self, encoder: nn.Module):
-        super().__init__()
-        self.encoder = encoder
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.encoder(images.flip(-2, -1))

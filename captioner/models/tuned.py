@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from captioner.errors import CaptionerError
+from captioner.models.views import view
 
 STARTS = ("conv5_1", "conv4_1")
 
@@ -48,23 +49,29 @@ class TunedEncoder(nn.Module):
         self.frozen = None if from_cache else trunk[:start].requires_grad_(False)
         self.tuned = trunk[start:].requires_grad_(True)
 
-    def forward(self, inputs: torch.Tensor, index: torch.Tensor | None = None, turned: bool = False) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, index: torch.Tensor | None = None, moves: torch.Tensor | None = None):
         """(n, L, D) cached inputs or (n, 3, S, S) images → (n, L, D), or (B, L, D) per caption by index.
 
         Args:
-            turned: a view of the inputs turned 180° (the half-turn consistency's): the images
-                themselves turned, or, from the pool4 cache, the pool4 maps turned.
+            moves: (n, 2) cells: the features of the inputs' views instead (`models.views`, the
+                consistency's): the images themselves turned and moved, or, from the pool4
+                cache, the pool4 maps turned and moved.
         """
         if self.frozen is None:
             n, L, D = inputs.shape
             g = math.isqrt(L)
             x = inputs.transpose(1, 2).reshape(n, D, g, g)  # (n, D, 14, 14) pool4 maps
-            x = x.flip(-2, -1) if turned else x
+            x = x if moves is None else view(x, moves, g)
         else:
+            images = inputs if moves is None else view(inputs, moves, inputs.size(-1) // 16)
             with torch.no_grad():
-                x = self.frozen(inputs.flip(-2, -1) if turned else inputs)  # (n, 256, 28, 28) pool3 maps
+                x = self.frozen(images)  # (n, 256, 28, 28) pool3 maps
         f = self.tuned(x).flatten(2).transpose(1, 2)  # (n, L, D)
         return f if index is None else f[index]  # (B, L, D)
+
+    def grid(self, inputs: torch.Tensor) -> int:
+        """The side of the feature grid the inputs give."""
+        return math.isqrt(inputs.size(1)) if self.frozen is None else inputs.size(-1) // 16
 
     def encoder_state(self) -> dict:
         """The trained layers as plain tensors, under `VGGEncoder.features`' names."""

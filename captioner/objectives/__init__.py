@@ -1,2 +1,2 @@
 """Training objectives: the soft loss of eq. (14), hard attention's REINFORCE, self-critical
-training on CIDEr-D, and the attention terms (half-turn consistency, attention correctness)."""
+training on CIDEr-D, and the attention terms (view consistency, attention correctness)."""

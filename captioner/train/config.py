@@ -27,8 +27,9 @@ class TrainConfig:
     alpha_c: Annotated[float, "λ of the doubly stochastic regularisation, eq. (14); the paper uses 1"] = 0.0
     consistency: Annotated[
         float,
-        "weight of the half-turn consistency of the attention maps (objectives.consistency: maps that follow "
-        "the objects through a half turn, sharp); needs the turned features prepare writes by default; 0: off",
+        "weight of the attention maps' consistency between each image and its view, turned 180° and moved "
+        "(objectives.consistency: sharp maps that follow the content); needs the views' features prepare "
+        "writes by default; 0: off",
     ] = 1.0
     consistency_share: Annotated[float, "share of each batch's captions the consistency is estimated on"] = 0.25
     boxes: Annotated[

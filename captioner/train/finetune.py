@@ -239,7 +239,8 @@ def add_tuned_familiarity(
         if ck["step"] not in done:
             encoder = apply_encoder_state(build_encoder(data.encoder)[0], state, path).to(device).eval()
             read = checkpoint_features(encoder, state, data, device, path, workers)  # shares its layers
-            stats = fit_stats(data, seed=seed, features=read, encoder=encoder)
+            served = optimize_encoder(encoder, device, image_size=data.encoder.image_size)  # as the captioner runs it
+            stats = fit_stats(data, seed=seed, features=read, encoder=served)
             done[ck["step"]] = stats.to_dict() if stats is not None else None
         ck["familiarity"] = done[ck["step"]]
         saver.save(ck, path)

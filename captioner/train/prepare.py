@@ -23,8 +23,9 @@ from captioner.data.features import BAD, DONE, TODO, FeatureCache, extract_featu
 from captioner.data.karpathy import load_karpathy
 from captioner.errors import CaptionerError
 from captioner.io import atomic_path, check_free_space, describe_os_error, read_json, write_json_atomic
-from captioner.models.encoder import FEATURE_DIM, EncoderSpec, HalfTurn, build_encoder
+from captioner.models.encoder import FEATURE_DIM, EncoderSpec, build_encoder
 from captioner.models.fast_encoder import optimize_encoder
+from captioner.models.views import max_shift, shifts, view
 from captioner.models.vocab import Vocabulary, tokenize
 from captioner.train.distributed import Dist, barrier, choose_device
 from captioner.train.resilience import GracefulStop, stop_requested
@@ -41,6 +42,11 @@ def _check_resumable(out_dir: str, meta: dict) -> None:
                 f"{out_dir} already holds features made for different {key.replace('_', ' ')}; "
                 "pass a new --out (or delete that directory) to prepare this data"
             )
+    if old.get("rotated") and meta["rotated"] and old.get("view_shift", 0) != meta["view_shift"]:
+        raise CaptionerError(
+            f"{out_dir} holds views of the images made by an older version (turned, not moved); "
+            "pass a new --out to prepare this data, or --no-rotated to leave them"
+        )
 
 
 log = logging.getLogger(__name__)
@@ -84,8 +90,8 @@ class PrepareConfig:
     rotated: Annotated[
         bool,
         "--no-rotated",
-        "skip the features of the images turned 180° (the half-turn consistency's; without them the "
-        "encoder runs half as long and attention trains without the consistency)",
+        "skip the features of the images' views, turned 180° and moved by a cell or two (the attention "
+        "consistency's; without them the encoder runs half as long and attention trains without it)",
     ] = True
 
     def __post_init__(self):
@@ -128,17 +134,19 @@ def prepare(
         "paths": [r.path for r in records],
         "sources": sources,
         "rotated": cfg.rotated,
+        "view_shift": max_shift(grid) if cfg.rotated else 0,
     }
     caches = _open_caches(cfg, meta, dist, progress)
     fast = optimize_encoder(enc, device, image_size=spec.image_size)  # same features as enc, faster
-    encoders = [fast, HalfTurn(fast)][: len(caches)]
+    views = [None, lambda images, rows: view(images, shifts(rows, meta["view_shift"]), grid)][: len(caches)]
     batch_size = cfg.batch_size or (64 if device.type == "cuda" else 8)
-    for target, encoder in zip(caches, encoders):
+    for target, transform in zip(caches, views):
         extract_features(
             target,
             meta["paths"],
-            encoder,
+            fast,
             spec.preprocess,
+            transform=transform,
             batch_size=batch_size,
             workers=cfg.workers,
             device=str(device),

@@ -208,17 +208,17 @@ def start_run(
 
 
 def _choose_objective_data(data: CaptionData, cfg: TrainConfig, d: distributed.Dist) -> None:
-    """Read the turned images' features only where the consistency uses them (no extra I/O otherwise).
-    A fine-tuned encoder makes its own turned view (`models.tuned.TunedEncoder`)."""
+    """Read the views' features only where the consistency uses them (no extra I/O otherwise).
+    A fine-tuned encoder makes its own views (`models.tuned.TunedEncoder`)."""
     if not (cfg.consistency > 0 and cfg.objective == "xe" and cfg.fine_tune is None):
         data.turned = None
     elif data.turned is not None:
         data.turned_share = cfg.consistency_share
     elif d.main:
         log.warning(
-            f"{data.dir} has no features of the images turned 180° (prepared with --no-rotated or by "
-            "an older version), so attention trains without its half-turn consistency and its heatmaps "
-            "may sit beside the objects they name; run prepare again into a new directory to add them"
+            f"{data.dir} has no features of the images' views (prepared with --no-rotated or by an older "
+            "version), so attention trains without its consistency and its heatmaps may not rest on the "
+            "objects they name; run prepare again into a new directory to add them"
         )
 
 

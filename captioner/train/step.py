@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from captioner.models.decoder import AttentionDecoder
+from captioner.models.views import max_shift, random_shifts
 from captioner.objectives.consistency import consistency
 from captioner.objectives.correctness import attention_correctness
 from captioner.objectives.cross_entropy import sequence_terms
@@ -38,10 +39,10 @@ class Objective(nn.Module):
 
     def forward(self, batch, words, baseline: float, generator=None):
         features, captions, lengths, cfg = batch.features, batch.captions, batch.lengths, self.cfg
-        turned, rows = batch.turned, batch.turned_rows
+        turned, rows, moves = batch.turned, batch.turned_rows, batch.turned_moves
         if self.encoder is not None:  # encoder inputs, one per image → (B, L, D)
             if cfg.consistency > 0:
-                turned, rows = self.turned_view(batch, generator)
+                turned, rows, moves = self.views(batch, generator)
             features = self.encoder(features, batch.image_index)
         if self.decoder.config.attention == "hard":
             loss, terms, u, mask = hard_attention_loss(
@@ -59,8 +60,8 @@ class Objective(nn.Module):
             nll, penalty, u, mask = sequence_terms(self.decoder, features, captions, lengths, cfg.alpha_c, words)
             loss, terms = nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
         words = mask.sum() if words is None else words
-        if turned is not None and cfg.consistency > 0:  # `fit` reads the turned features only for the term
-            c = consistency(self.decoder, features, turned, rows, u, mask, words, generator)
+        if turned is not None and cfg.consistency > 0:  # `fit` reads the views' features only for the term
+            c = consistency(self.decoder, features, turned, rows, moves, u, mask, words, generator)
             loss = loss + cfg.consistency * c
             terms["consistency"] = c.detach()
         if batch.box_rows is not None and cfg.boxes_weight > 0:
@@ -70,14 +71,16 @@ class Objective(nn.Module):
         return loss, terms
 
     @torch.no_grad()
-    def turned_view(self, batch, generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """A fine-tuned encoder's features of a share of the captions' images turned 180°, and
-        those captions' places; without gradients: the turned view teaches the attention."""
+    def views(self, batch, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A fine-tuned encoder's features of the views of a share of the captions' images, those
+        captions' places, and the views' moves; without gradients: the views teach the attention."""
         B = len(batch.captions)
         rows = torch.randperm(B, generator=generator, device=batch.captions.device)
         rows = rows[: max(1, math.ceil(self.cfg.consistency_share * B))].sort().values
         images, index = batch.image_index[rows].unique(return_inverse=True)
-        return self.encoder(batch.features[images], turned=True)[index], rows
+        grid = self.encoder.grid(batch.features)
+        moves = random_shifts(len(images), max_shift(grid), generator, batch.captions.device)
+        return self.encoder(batch.features[images], moves=moves)[index], rows, moves[index]
 
 
 def train_step(

@@ -1,0 +1,77 @@
+"""The second view of an image that the attention's consistency compares maps across.
+
+The view is the image turned 180° and then moved by a few whole grid cells (dy down, dx right;
+the cells it uncovers are filled with zeros: the mean colour of a normalised image, no
+activation in a feature map). A map that rests on what a word names follows the content into
+the view; a map parked on the grid, mirrored through its centre, or at a fixed offset from the
+object does not, because the turn flips offsets and the move shifts the centre of the turn.
+
+Each image's move comes from its row in the feature cache (`shifts`), so `prepare` and `fit`
+agree on it without storing it. Shapes: N maps or images, L = G×G locations, S image side.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def max_shift(grid: int) -> int:
+    """The largest move in cells: 2 on the 14×14 grid, 1 on small grids."""
+    return max(1, round(grid / 7))
+
+
+def shifts(rows: np.ndarray, most: int) -> np.ndarray:
+    """(n, 2) moves (dy, dx) in cells for cache rows (n,), each in [-most, most], never (0, 0);
+    `most` = 0 gives no move (data prepared with the turn alone)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if most == 0:
+        return np.zeros((len(rows), 2), dtype=np.int64)
+    side = 2 * most + 1
+    k = (rows * 2654435761 % 2**32) >> 16  # a fixed scramble of the row number
+    k = k % (side * side - 1)
+    k = k + (k >= side * side // 2)  # skip the middle: (0, 0)
+    return np.stack([k // side - most, k % side - most], axis=1)
+
+
+def random_shifts(n: int, most: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """(n, 2) moves drawn at random, never (0, 0), for views made during training."""
+    side = 2 * most + 1
+    k = torch.randint(side * side - 1, (n,), generator=generator, device=device)
+    k = k + (k >= side * side // 2)
+    return torch.stack([k // side - most, k % side - most], dim=1)
+
+
+def view(x: torch.Tensor, moves: torch.Tensor | np.ndarray, grid: int) -> torch.Tensor:
+    """Images or maps (N, C, S, S) → their views: turned 180°, then moved by `moves` (N, 2) cells
+    of S / grid pixels each."""
+    x = x.flip(-2, -1)
+    moves = torch.as_tensor(np.asarray(moves), dtype=torch.int64).view(-1, 2)
+    if not moves.any():
+        return x
+    S = x.size(-1)
+    cell = S // grid
+    out = torch.zeros_like(x)
+    for i, (dy, dx) in enumerate((moves * cell).tolist()):
+        out[i, :, max(dy, 0) : S + min(dy, 0), max(dx, 0) : S + min(dx, 0)] = x[
+            i, :, max(-dy, 0) : S - max(dy, 0), max(-dx, 0) : S - max(dx, 0)
+        ]
+    return out
+
+
+def back_from_view(maps: torch.Tensor, moves: torch.Tensor, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Maps (N, L) over the views' grids, brought back onto the images' grids.
+
+    Returns:
+        The maps (N, L) in the image's cells, zero where the cell left the view, and which cells
+        are in both (N, L) bool.
+    """
+    G = grid
+    r = torch.arange(G, device=maps.device)
+    moves = moves.to(maps.device)
+    rows = G - 1 - r + moves[:, :1]  # (N, G): the view's row of each image row
+    cols = G - 1 - r + moves[:, 1:]  # (N, G)
+    inside = ((rows >= 0) & (rows < G)).unsqueeze(2) & ((cols >= 0) & (cols < G)).unsqueeze(1)  # (N, G, G)
+    index = (rows.clamp(0, G - 1).unsqueeze(2) * G + cols.clamp(0, G - 1).unsqueeze(1)).flatten(1)  # (N, L)
+    inside = inside.flatten(1)
+    return maps.gather(1, index) * inside, inside
