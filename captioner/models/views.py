@@ -1,8 +1,10 @@
 """The second view of an image that the attention's consistency compares maps across.
 
-The view is the image turned 180° and then moved by a few whole grid cells (dy down, dx right;
-the cells it uncovers are filled with zeros: the mean colour of a normalised image, no
-activation in a feature map). A map that rests on what a word names follows the content into
+The view is the image turned 180° and then moved by a few whole grid cells (dy down, dx right).
+The rows and columns it uncovers repeat the image's edge next to them, so the view shows no new
+boundary: a blank fill would draw the image's edge inside the view, where it looks like the
+encoder's zero padding at the grid's border, and a map could follow that edge (the image's
+corner) instead of an object. A map that rests on what a word names follows the content into
 the view; a map parked on the grid, mirrored through its centre, or at a fixed offset from the
 object does not, because the turn flips offsets and the move shifts the centre of the turn.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 
 def max_shift(grid: int) -> int:
@@ -44,18 +47,16 @@ def random_shifts(n: int, most: int, generator: torch.Generator | None = None, d
 
 def view(x: torch.Tensor, moves: torch.Tensor | np.ndarray, grid: int) -> torch.Tensor:
     """Images or maps (N, C, S, S) → their views: turned 180°, then moved by `moves` (N, 2) cells
-    of S / grid pixels each."""
+    of S / grid pixels each, the uncovered rows and columns repeating the edge next to them."""
     x = x.flip(-2, -1)
     moves = torch.as_tensor(np.asarray(moves), dtype=torch.int64).view(-1, 2)
     if not moves.any():
         return x
     S = x.size(-1)
-    cell = S // grid
-    out = torch.zeros_like(x)
-    for i, (dy, dx) in enumerate((moves * cell).tolist()):
-        out[i, :, max(dy, 0) : S + min(dy, 0), max(dx, 0) : S + min(dx, 0)] = x[
-            i, :, max(-dy, 0) : S - max(dy, 0), max(-dx, 0) : S - max(dx, 0)
-        ]
+    out = torch.empty_like(x)
+    for i, (dy, dx) in enumerate((moves * (S // grid)).tolist()):
+        padded = F.pad(x[i : i + 1], (max(dx, 0), max(-dx, 0), max(dy, 0), max(-dy, 0)), mode="replicate")
+        out[i] = padded[0, :, max(-dy, 0) : max(-dy, 0) + S, max(-dx, 0) : max(-dx, 0) + S]
     return out
 
 

@@ -8,8 +8,9 @@ found again in a second view of the image, and to be sharp:
     C_t = ½ [ CE(α_t, V⁻¹α'_t) + CE(V⁻¹α'_t, α_t) ],   CE(p, q) = −Σ_i p_i log q_i,
 
 where α_t is the map on the image, α'_t the map the same state h_{t−1} gives on the view, V⁻¹
-brings a map on the view back onto the image's cells, and both maps are compared on the cells
-the two share, each rescaled to sum to 1 there. The view (`models.views`) is the image turned
+brings a map on the view back onto the image's cells; both are compared over the cells the two
+share and one more outcome, "elsewhere" (the image's cells moved out of the view, the view's
+uncovered cells), so that no mass escapes the comparison. The view (`models.views`) is the image turned
 180° and moved by one or two whole cells, a move drawn per image; `prepare` stores its features.
 
 A cross-entropy is smallest when both maps are the same single cell, so the only maps that make
@@ -50,12 +51,18 @@ def symmetric_cross_entropy(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return -0.5 * ((p * log_q).sum(-1) + (q * log_p).sum(-1))
 
 
-def on_shared_cells(maps: torch.Tensor, maps_in_view: torch.Tensor, moves: torch.Tensor, grid: int):
-    """The two maps (N, L) of each pair on the image's cells the view also shows, each rescaled to
-    sum to 1 there: what the consistency compares."""
+def comparable(maps: torch.Tensor, maps_in_view: torch.Tensor, moves: torch.Tensor, grid: int):
+    """The two maps (N, L) of each pair as distributions over the same L + 1 outcomes: the image's
+    cells the view also shows (the view's map brought back there), and "elsewhere", the mass on
+    cells one of the two does not show (the image's cells moved out of the view, the view's
+    uncovered cells)."""
     back, inside = back_from_view(maps_in_view.float(), moves, grid)
-    maps = maps.float() * inside
-    return maps / maps.sum(-1, keepdim=True).clamp_min(LOG_EPS), back / back.sum(-1, keepdim=True).clamp_min(LOG_EPS)
+    maps = maps.float()
+    shared = maps * inside
+    return (
+        torch.cat([shared, (maps - shared).sum(-1, keepdim=True)], dim=-1),
+        torch.cat([back, (1 - back.sum(-1, keepdim=True)).clamp_min(0)], dim=-1),
+    )
 
 
 def real_steps(mask: torch.Tensor, rows: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -95,5 +102,5 @@ def consistency(
     maps_in_view = decoder.attention(projected, h_before)  # (N, L) α'
     maps = unrolled.alphas[rows, steps]  # (N, L) α
     grid = math.isqrt(maps.size(-1))
-    per_step = symmetric_cross_entropy(*on_shared_cells(maps, maps_in_view, moves, grid))  # (N,)
+    per_step = symmetric_cross_entropy(*comparable(maps, maps_in_view, moves, grid))  # (N,)
     return per_step.mean() * mask.sum() / words
