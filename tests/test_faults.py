@@ -1,4 +1,4 @@
-"""What a cluster job meets (issue 15): a full disk, SIGTERM, damaged feature rows, non-finite steps."""
+"""What a cluster job meets: a full disk, SIGTERM, damaged feature rows, non-finite steps."""
 
 from __future__ import annotations
 

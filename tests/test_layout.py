@@ -53,9 +53,13 @@ def test_modules_and_functions_are_small():
 def test_code_carries_no_history():
     """Issue numbers and dates belong to git and docs/, not to the code."""
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    code = [*PACKAGE.rglob("*.py"), *(REPO / "tests").glob("*.py"), *(REPO / "benchmarks").glob("*.py")]
+    for path in sorted(p for p in code + [REPO / "app.py", REPO / "train.py"] if p.name != "test_layout.py"):
         for k, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if re.search(r"\bissue[ #]*\d+|\b20[2-3]\d-\d\d-\d\d\b", line, flags=re.IGNORECASE):
+            if (
+                re.search(r"\bissue[ #]*\d+|\b20[2-3]\d-\d\d-\d\d\b", line, flags=re.IGNORECASE)
+                and path.name != "test_layout.py"
+            ):
                 found.append(f"{path.relative_to(REPO)}:{k}: {line.strip()}")
     assert not found, found
 

@@ -48,7 +48,7 @@ def estimate(dec, feats, n, baseline, seed):
     """The training loss's gradient on n sampled copies of the caption, as ∇ of the objective."""
     cfg = HardAttentionConfig(entropy_weight=0.0, reward_scale=1.0, semi_sampling=0.0)
     gen = torch.Generator().manual_seed(seed)
-    loss, _ = hard_attention_loss(
+    loss, *_ = hard_attention_loss(
         dec,
         feats.expand(n, -1, -1),
         CAPTION.expand(n, -1),
@@ -94,7 +94,7 @@ def test_hard_loss_is_finite_with_peaked_attention():
     dec, feats = problem()
     feats = feats * 1e4  # extreme features → near one-hot attention
     cfg = HardAttentionConfig(semi_sampling=0.0)
-    loss, terms = hard_attention_loss(
+    loss, terms, *_ = hard_attention_loss(
         dec,
         feats.expand(8, -1, -1),
         CAPTION.expand(8, -1),
@@ -112,7 +112,7 @@ def test_hard_loss_is_finite_with_peaked_attention():
 def test_baseline_moves_towards_the_reward():
     dec, feats = problem()
     cfg = HardAttentionConfig(semi_sampling=0.0)
-    _, terms = hard_attention_loss(
+    _, terms, *_ = hard_attention_loss(
         dec,
         feats.expand(4, -1, -1),
         CAPTION.expand(4, -1),

@@ -120,8 +120,11 @@ def test_captioner_fast_and_plain_agree(small_run, scenes):
     paths = [str(p) for p in sorted((scenes / "images").iterdir())[:2]]
     fast = Captioner.load(str(small_run / "best.pt"))
     plain = Captioner.load(str(small_run / "best.pt"), fast=False)
-    for a, b in zip(fast.caption_batch(paths, beam_size=3), plain.caption_batch(paths, beam_size=3)):
-        assert a.words == b.words and a.score == pytest.approx(b.score, rel=1e-3)  # summed over the words
+    fast_out, plain_out = fast.caption_batch(paths, beam_size=3), plain.caption_batch(paths, beam_size=3)
+    # The fused encoder runs in bfloat16 on CPUs that have it: 8 bits of mantissa, about 0.4% per value.
+    bf16 = getattr(fast.encoder, "dtype", None) == torch.bfloat16
+    for a, b in zip(fast_out, plain_out):
+        assert a.words == b.words and a.score == pytest.approx(b.score, rel=1e-2 if bf16 else 1e-3)
 
 
 def test_the_benchmark_times_fits_own_step():
