@@ -1,6 +1,6 @@
 """Speed of the parts that matter, each printed beside its floor, on a CPU or a GPU.
 
-    python benchmarks/benchmark.py [--device cpu|cuda] [--only encoder,decoder,prepare,caption]
+    python benchmarks/benchmark.py [--device cpu|cuda] [--only encoder,decoder,prepare,caption,scst,objective]
         [--steps 10] [--decoder-variants fp32,bf16,compile] [--tutorial-models PATH/models.py]
         [--compile-encoder]
 
@@ -17,6 +17,7 @@
   path), captions/s, on COCO-sized JPEGs; beside the bare VGG16 forward.
 - caption: one image through `Captioner.caption` at beam 3, beside the bare VGG16 forward.
 - scst: one self-critical step (sampling, CIDEr-D reward, backward, Adam) and the reward's share.
+- objective: a training step on the default objective against the paper's, soft and hard.
 Then an estimate of COCO's times from the figures measured: `prepare`, one epoch of `fit`, and
 captioning the 5,000 test images. Timings alternate between the things compared, so that
 machine noise hits them alike, and report medians.
@@ -48,6 +49,7 @@ from captioner.data.dataset import Batch  # noqa: E402
 from captioner.models.decoder import AttentionDecoder  # noqa: E402
 from captioner.models.encoder import EncoderSpec, build_encoder  # noqa: E402
 from captioner.models.fast_encoder import optimize_encoder  # noqa: E402
+from captioner.models.views import max_shift, shifts  # noqa: E402
 from captioner.train.config import Progress, TrainConfig  # noqa: E402
 from captioner.train.distributed import Dist  # noqa: E402
 from captioner.train.step import Objective, make_optimizer, train_step  # noqa: E402
@@ -178,21 +180,56 @@ def caption_batch(device: torch.device, seed: int = 0):
     return torch.rand(B, L, D, generator=g).to(device), caps.to(device), lengths.to(device)
 
 
-def our_train_step(device: torch.device, feats, caps, lengths, amp: str, compiled: bool):
-    """`fit`'s own step (`captioner.train.step.train_step`) on one batch (the paper's objective: no turned features)."""
+def our_train_step(
+    device: torch.device,
+    feats,
+    caps,
+    lengths,
+    amp: str,
+    compiled: bool,
+    cfg: TrainConfig | None = None,
+    batch: Batch | None = None,
+    attention: str = "soft",
+):
+    """`fit`'s own step (`captioner.train.step.train_step`) on one batch; by default on the paper's
+    objective (no views in the batch)."""
     torch.manual_seed(0)
     decoder = AttentionDecoder(
-        vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512, dropout=0.5
+        vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512, dropout=0.5, attention=attention
     ).to(device)
     if compiled:
         decoder.compile_step()
-    cfg = TrainConfig(amp=amp)
+    cfg = cfg or TrainConfig(amp=amp)
     objective = Objective(decoder, cfg)
     optimizer = make_optimizer(decoder, cfg.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=False)
-    batch = Batch(feats, caps, lengths)
+    batch = batch or Batch(feats, caps, lengths)
     gen, progress = torch.Generator(device=device).manual_seed(0), Progress()
     return lambda: train_step(objective, batch, optimizer, scaler, cfg, progress, gen, Dist(), device), decoder
+
+
+def bench_objective(device: torch.device, steps: int) -> None:
+    """A training step on the default objective (the view consistency on a quarter of the
+    captions) against the paper's (eq. 14, λ = 1), soft and hard, as `fit` runs them."""
+    feats, caps, lengths = caption_batch(device)
+    default, paper = TrainConfig(), TrainConfig(paper=True)
+    k = math.ceil(default.consistency_share * B)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randperm(B, generator=g)[:k].sort().values
+    moves = torch.from_numpy(shifts(rows.numpy(), max_shift(14)))
+    with_views = Batch(feats, caps, lengths, turned=torch.rand(k, L, D, generator=g).to(device))
+    with_views.turned_rows, with_views.turned_moves = rows.to(device), moves.to(device)
+    fns = {}
+    for attention in ("soft", "hard"):
+        for name, cfg, batch in (("default", default, with_views), ("paper", paper, None)):
+            fns[f"{attention}, {name}"] = our_train_step(
+                device, feats, caps, lengths, "none", False, cfg=cfg, batch=batch, attention=attention
+            )[0]
+    t = interleaved(fns, steps, device)
+    print(f"training step, default objective against the paper's (B={B}, sizes 512, V={V}, T={caps.shape[1]})")
+    for name, ts in t.items():
+        attention = name.split(",")[0]
+        print(f"  {name:16s} {fmt(ts)}  {med(ts) / med(t[f'{attention}, paper']):5.2f}x the paper's")
 
 
 def bench_decoder(
@@ -437,7 +474,7 @@ def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--only", default="encoder,decoder,prepare,caption,scst", help="comma-separated sections")
+    p.add_argument("--only", default="encoder,decoder,prepare,caption,scst,objective", help="comma-separated sections")
     p.add_argument("--steps", type=int, default=10, help="timed repetitions per measurement")
     p.add_argument(
         "--decoder-variants", default=None, help="of fp32, bf16, compile (default: all three on a GPU, fp32 on a CPU)"
@@ -485,6 +522,8 @@ def main(argv=None) -> None:
         bench_caption(device, args.steps)
     if "scst" in sections:
         bench_scst(args.steps)
+    if "objective" in sections:
+        bench_objective(device, args.steps)
     if decoder or prepare:
         estimate_coco({k: v for k, v in (decoder or {}).items() if k.startswith("captioner")}, prepare)
 

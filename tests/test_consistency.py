@@ -15,7 +15,7 @@ from captioner.models.checkpoint import migrate
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.models.views import back_from_view, max_shift, random_shifts, shifts, view
-from captioner.objectives.consistency import comparable, consistency, real_steps, symmetric_cross_entropy
+from captioner.objectives.consistency import consistency, disagreement, real_steps
 from captioner.objectives.cross_entropy import sequence_terms
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
@@ -82,7 +82,7 @@ def test_only_a_sharp_map_on_the_content_costs_nothing():
     x, y = 4, 9
 
     def cost(on_image, on_view, dy=1, dx=-2):
-        return float(symmetric_cross_entropy(*comparable(on_image, on_view, torch.tensor([[dy, dx]]), S)))
+        return float(disagreement(on_image, on_view, torch.tensor([[dy, dx]]), S))
 
     def seen(x, y, dy=1, dx=-2):  # where the image's cell (column x, row y) is in the view
         return S - 1 - x + dx, S - 1 - y + dy
@@ -91,12 +91,14 @@ def test_only_a_sharp_map_on_the_content_costs_nothing():
     even = torch.full((1, S * S), 1.0 / (S * S), dtype=torch.float64)
     assert cost(cell(x, y), cell(vx, vy)) < 1e-5  # on the object in both
     assert cost(cell(x, y - 1), cell(vx, vy - 1)) > 5  # one cell above the object, both times
-    # Parked on one cell whatever the image: it pays wherever the move keeps that cell in view (for
-    # a corner, a third of the moves; elsewhere the cell and the view's own are both "elsewhere").
+    # Parked on one cell whatever the image, the grid's corners and edges among them: it pays for
+    # every move, whether the move keeps that cell in view or takes it out.
     moves = [(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3) if (dy, dx) != (0, 0)]
     for x0, y0 in ((0, 0), (S - 1, 0), (6, 0), (5, 7)):
-        assert np.mean([cost(cell(x0, y0), cell(x0, y0), dy, dx) for dy, dx in moves]) > 5
-    assert cost(even, even) > math.log(80)  # log of the shared cells, less the "elsewhere" outcome
+        assert min(cost(cell(x0, y0), cell(x0, y0), dy, dx) for dy, dx in moves) > 5
+    # On the image's corner cell, and on the view's uncovered corner: neither agrees with anything.
+    assert cost(cell(S - 1, S - 1), cell(S - 1, 0)) > 5
+    assert cost(even, even) > math.log(S * S)  # log of the grid's cells, and more for those not shared
     # On the cell mirrored through the grid's centre from the object, both times: a turn alone
     # cannot tell it from the object; the move can.
     assert cost(cell(S - 1 - x, S - 1 - y), cell(S - 1 - vx, S - 1 - vy)) > 5
@@ -108,7 +110,7 @@ def test_the_term_is_finite_on_maps_with_zeros():
     a = torch.zeros(2, S * S, requires_grad=True)
     with torch.no_grad():
         a[:, 0] = 1.0  # float32 softmax can underflow to exact zeros
-    loss = symmetric_cross_entropy(a, a.detach().flip(-1)).sum()
+    loss = disagreement(a, a.detach().flip(-1), torch.tensor([[1, 1], [0, -2]]), S).sum()
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(a.grad).all()
 
@@ -150,7 +152,7 @@ def test_the_term_uses_the_passs_own_states_and_no_second_pass():
             h, c, _ = dec.advance(a, alpha, dec.embedding(captions[b : b + 1, s]), h, c)
         on_image = dec.attend(proj, h)
         on_view = dec.attend(dec.attention.project(dec.normalize(turned[b : b + 1])), h)
-        want.append(symmetric_cross_entropy(*comparable(on_image, on_view, move.view(1, 2), 3)))
+        want.append(disagreement(on_image, on_view, move.view(1, 2), 3))
     assert float(got.detach()) == pytest.approx(float(torch.cat(want).mean().detach()), rel=1e-6)
     got.backward()
     assert all(p.grad is not None for p in dec.attention.parameters())

@@ -5,18 +5,19 @@ state already summarises the image, so a map may rest on the grid's border, spre
 sit a cell beside the object (a conv5 cell sees its neighbours). This term asks each map to be
 found again in a second view of the image, and to be sharp:
 
-    C_t = ½ [ CE(α_t, V⁻¹α'_t) + CE(V⁻¹α'_t, α_t) ],   CE(p, q) = −Σ_i p_i log q_i,
+    C_t = −log Σ_i α_ti (V⁻¹α'_t)_i,
 
-where α_t is the map on the image, α'_t the map the same state h_{t−1} gives on the view, V⁻¹
-brings a map on the view back onto the image's cells; both are compared over the cells the two
-share and one more outcome, "elsewhere" (the image's cells moved out of the view, the view's
-uncovered cells), so that no mass escapes the comparison. The view (`models.views`) is the image turned
-180° and moved by one or two whole cells, a move drawn per image; `prepare` stores its features.
+where α_t is the map on the image, α'_t the map the same state h_{t−1} gives on the view, and V⁻¹
+brings a map on the view back onto the image's cells (zero on the cells the view does not show):
+−log of the chance that a cell drawn from each map is the same cell of the image. The view
+(`models.views`) is the image turned 180° and moved by one or two whole cells, a move drawn per
+image; `prepare` stores its features.
 
-A cross-entropy is smallest when both maps are the same single cell, so the only maps that make
-it small are sharp ones that follow the content. Each failure pays: a map parked on the grid
-stays where it is when the content turns; an offset from the object flips sides; an even map
-costs log of its spread. The move matters too: under a turn alone, a map on the cell mirrored
+C_t is smallest, 0, when both maps are the same single cell, so the only maps that make it small
+are sharp ones that follow the content. Each failure pays: a map parked on the grid stays where
+it is when the content turns; an offset from the object flips sides; an even map costs log of
+its spread; mass on cells the move takes out of the view, or on the view's uncovered cells,
+agrees with nothing. The move matters too: under a turn alone, a map on the cell mirrored
 through the grid's centre, or on whichever of two mirrored corners is on the object's side,
 follows the turn as well as the object does, and models trained that way found those maps. The
 move shifts the centre of the turn by a different amount per image, which only a map anchored
@@ -41,28 +42,18 @@ import torch
 from captioner.models.decoder import AttentionDecoder, Unrolled
 from captioner.models.views import back_from_view
 
-LOG_EPS = 1e-12  # floor under α before the log: float32 rounds far-off cells of a sharp map to 0
+AGREEMENT_FLOOR = 1e-6  # under the agreement before the log: maps that share no cell cost log 1e6, not inf
 
 
-def symmetric_cross_entropy(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """½ [CE(p, q) + CE(q, p)] of maps (N, L), (N,): smallest, 0, for equal single-cell maps."""
-    p, q = p.float(), q.float()
-    log_p, log_q = p.clamp_min(LOG_EPS).log(), q.clamp_min(LOG_EPS).log()
-    return -0.5 * ((p * log_q).sum(-1) + (q * log_p).sum(-1))
+def disagreement(maps: torch.Tensor, maps_in_view: torch.Tensor, moves: torch.Tensor, grid: int) -> torch.Tensor:
+    """−log Σ_i α_i (V⁻¹α')_i per pair (N,): −log of the chance that a cell drawn from the map on
+    the image and one drawn from the view's map, brought back, are the same cell of the image.
 
-
-def comparable(maps: torch.Tensor, maps_in_view: torch.Tensor, moves: torch.Tensor, grid: int):
-    """The two maps (N, L) of each pair as distributions over the same L + 1 outcomes: the image's
-    cells the view also shows (the view's map brought back there), and "elsewhere", the mass on
-    cells one of the two does not show (the image's cells moved out of the view, the view's
-    uncovered cells)."""
-    back, inside = back_from_view(maps_in_view.float(), moves, grid)
-    maps = maps.float()
-    shared = maps * inside
-    return (
-        torch.cat([shared, (maps - shared).sum(-1, keepdim=True)], dim=-1),
-        torch.cat([back, (1 - back.sum(-1, keepdim=True)).clamp_min(0)], dim=-1),
-    )
+    Mass on cells only one of the two shows (the image's cells the move takes out of the view,
+    the view's uncovered cells) can agree with nothing, so it pays like mass on the wrong cell.
+    """
+    back, _ = back_from_view(maps_in_view.float(), moves, grid)
+    return -((maps.float() * back).sum(-1) + AGREEMENT_FLOOR).log()
 
 
 def real_steps(mask: torch.Tensor, rows: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -102,5 +93,5 @@ def consistency(
     maps_in_view = decoder.attention(projected, h_before)  # (N, L) α'
     maps = unrolled.alphas[rows, steps]  # (N, L) α
     grid = math.isqrt(maps.size(-1))
-    per_step = symmetric_cross_entropy(*comparable(maps, maps_in_view, moves, grid))  # (N,)
+    per_step = disagreement(maps, maps_in_view, moves, grid)  # (N,)
     return per_step.mean() * mask.sum() / words
