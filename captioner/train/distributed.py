@@ -64,7 +64,10 @@ def setup(device: str = "auto") -> tuple[Dist, torch.device]:
 
 
 def cleanup() -> None:
+    """Leave the process group together: a rank that destroys it while another still talks to it
+    can abort in gloo's threads ("terminate called without an active exception")."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
