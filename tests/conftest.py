@@ -27,6 +27,23 @@ def run_cli(*args: str, cwd: Path = REPO, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, **kw)
 
 
+def prepare_scenes(scenes: Path, out: Path, **config) -> dict:
+    """`prepare`, quietly, of a generated scene folder (images/, captions.json, splits.json) into
+    `out`, with the seeded random VGG16 and no worker processes; `config` sets other fields of
+    `PrepareConfig` or overrides these."""
+    config = {"encoder": EncoderSpec(weights="none"), "workers": 0, **config}
+    return prepare(
+        PrepareConfig(
+            captions=[str(scenes / "captions.json")],
+            images=[str(scenes / "images")],
+            out=str(out),
+            splits=str(scenes / "splits.json"),
+            **config,
+        ),
+        progress=False,
+    )
+
+
 @pytest.fixture(scope="session")
 def scenes(tmp_path_factory) -> Path:
     """48 synthetic scenes in COCO format (images, captions.json, splits.json, boxes.json)."""
@@ -39,18 +56,7 @@ def scenes(tmp_path_factory) -> Path:
 def data_dir(scenes, tmp_path_factory) -> Path:
     """The scenes prepared: vocabulary and the feature cache of the seeded random VGG16."""
     out = tmp_path_factory.mktemp("data")
-    prepare(
-        PrepareConfig(
-            captions=[str(scenes / "captions.json")],
-            images=[str(scenes / "images")],
-            out=str(out),
-            splits=str(scenes / "splits.json"),
-            encoder=EncoderSpec(weights="none"),
-            min_count=1,
-            workers=0,
-        ),
-        progress=False,
-    )
+    prepare_scenes(scenes, out, min_count=1)
     return out
 
 

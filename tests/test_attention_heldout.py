@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import prepare_scenes
 
 from captioner.evaluation.evaluate import evaluate
 from captioner.models.decoder import DecoderConfig
@@ -19,24 +20,13 @@ from captioner.models.encoder import EncoderSpec
 from captioner.scenes.heldout import generate
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
-from captioner.train.prepare import PrepareConfig, prepare
 
 
 @pytest.fixture(scope="module")
 def heldout_112(tmp_path_factory):
     root = tmp_path_factory.mktemp("heldout_train")
     generate(root / "scenes", 1200, seed=1)
-    prepare(
-        PrepareConfig(
-            captions=[str(root / "scenes" / "captions.json")],
-            images=[str(root / "scenes" / "images")],
-            out=str(root / "data"),
-            splits=str(root / "scenes" / "splits.json"),
-            encoder=EncoderSpec(weights="none", image_size=112),
-            workers=0,
-        ),
-        progress=False,
-    )
+    prepare_scenes(root / "scenes", root / "data", encoder=EncoderSpec(weights="none", image_size=112))
     return root
 
 

@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import prepare_scenes, run_cli
 from PIL import Image
 
 from captioner.data.coco import default_splits, load_dataset
@@ -206,18 +206,7 @@ def test_prepare_resumes_without_redoing_work(tmp_path, scenes, data_dir):
     feats.flush(), done.flush()
     with pytest.raises(CaptionerError, match="has not finished"):
         CaptionData(str(out))
-    prepare(
-        PrepareConfig(
-            captions=[str(scenes / "captions.json")],
-            images=[str(scenes / "images")],
-            out=str(out),
-            splits=str(scenes / "splits.json"),
-            encoder=EncoderSpec(weights="none"),
-            min_count=1,
-            workers=0,
-        ),
-        progress=False,
-    )
+    prepare_scenes(scenes, out, min_count=1)
     feats = np.load(out / "features.npy", mmap_mode="r")
     np.testing.assert_array_equal(feats[3], reference[3])
     assert (feats[0] == 7).all()
@@ -229,17 +218,7 @@ def test_prepare_refuses_to_mix_caches(tmp_path, scenes, data_dir):
     out = tmp_path / "data"
     shutil.copytree(data_dir, out)
     with pytest.raises(CaptionerError, match="different encoder"):
-        prepare(
-            PrepareConfig(
-                captions=[str(scenes / "captions.json")],
-                images=[str(scenes / "images")],
-                out=str(out),
-                splits=str(scenes / "splits.json"),
-                encoder=EncoderSpec(weights="none", seed=5),
-                workers=0,
-            ),
-            progress=False,
-        )
+        prepare_scenes(scenes, out, encoder=EncoderSpec(weights="none", seed=5))
 
 
 def test_prepare_cli_errors_are_one_line(tmp_path, scenes):

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import prepare_scenes
 from test_reliability import start, wait_for
 
 import captioner.data.features as features
@@ -349,19 +350,7 @@ def test_damaged_feature_row_is_named_left_out_and_rechecked(scenes, data_dir, t
     for name in ("last.pt", "best.pt"):
         assert all_finite(load_checkpoint(str(out / name)))
     # `prepare --recheck` finds the row, extracts it again, and the cache is whole.
-    prepare(
-        PrepareConfig(
-            captions=[str(scenes / "captions.json")],
-            images=[str(scenes / "images")],
-            out=str(data),
-            splits=str(scenes / "splits.json"),
-            encoder=EncoderSpec(weights="none"),
-            min_count=1,
-            workers=0,
-            recheck=True,
-        ),
-        progress=False,
-    )
+    prepare_scenes(scenes, data, min_count=1, recheck=True)
     assert f"recheck: image {image_id} ({path})" in caplog.text and "recheck: 2 of 48 feature rows" in caplog.text
     repaired = np.load(data / "features.npy", mmap_mode="r")[[row, val_row]].astype(np.float32)
     reference = np.load(data_dir / "features.npy", mmap_mode="r")[[row, val_row]].astype(np.float32)

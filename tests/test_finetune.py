@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import run_cli
+from conftest import prepare_scenes, run_cli
 
 from captioner import Captioner
 from captioner.data.dataset import CaptionData
@@ -29,7 +29,6 @@ from captioner.train import distributed
 from captioner.train.config import Progress, TrainConfig
 from captioner.train.finetune import FineTuneConfig, FineTuning, image_batches
 from captioner.train.loop import fit
-from captioner.train.prepare import PrepareConfig, prepare
 from captioner.train.step import Objective, make_optimizer, train_step
 
 TINY = DecoderConfig(0, embed_dim=32, hidden_dim=48, attention_dim=24, dropout=0.0)
@@ -228,18 +227,7 @@ def test_amp_step_trains_the_encoder(tuned_data):
 def test_conv4_1_from_images(scenes, tmp_path):
     # Small images (64 px, a 4×4 grid) keep the conv4 block cheap; the path is the same at 224.
     data_dir = tmp_path / "data"
-    prepare(
-        PrepareConfig(
-            captions=[str(scenes / "captions.json")],
-            images=[str(scenes / "images")],
-            out=str(data_dir),
-            splits=str(scenes / "splits.json"),
-            encoder=EncoderSpec(weights="none", image_size=64),
-            min_count=1,
-            workers=0,
-        ),
-        progress=False,
-    )
+    prepare_scenes(scenes, data_dir, encoder=EncoderSpec(weights="none", image_size=64), min_count=1)
     run = tmp_path / "run"
     cfg = tune_cfg(1, start="conv4_1")
     cfg.fine_tune.workers = 1  # images decoded by a DataLoader worker

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import prepare_scenes
 
 from captioner.evaluation.evaluate import evaluate
 from captioner.models.decoder import DecoderConfig
@@ -13,7 +14,6 @@ from captioner.models.encoder import EncoderSpec
 from captioner.scenes.synthetic import generate
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
-from captioner.train.prepare import PrepareConfig, prepare
 
 SMALL = DecoderConfig(0, embed_dim=64, hidden_dim=128, attention_dim=64, dropout=0.1)
 
@@ -23,17 +23,7 @@ def scenes_112(tmp_path_factory):
     """240 scenes encoded at 112×112 (a 7×7 grid): four times cheaper than 224, same pipeline."""
     root = tmp_path_factory.mktemp("learn")
     generate(str(root / "scenes"), 240, seed=5)
-    prepare(
-        PrepareConfig(
-            captions=[str(root / "scenes" / "captions.json")],
-            images=[str(root / "scenes" / "images")],
-            out=str(root / "data"),
-            splits=str(root / "scenes" / "splits.json"),
-            encoder=EncoderSpec(weights="none", image_size=112),
-            workers=0,
-        ),
-        progress=False,
-    )
+    prepare_scenes(root / "scenes", root / "data", encoder=EncoderSpec(weights="none", image_size=112))
     return root / "data"
 
 

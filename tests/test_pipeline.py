@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
+from conftest import prepare_scenes, run_cli
 from PIL import Image
 
 from captioner import Captioner, CaptionerError
@@ -18,9 +18,7 @@ from captioner.data.dataset import CaptionData
 from captioner.evaluation.evaluate import evaluate
 from captioner.evaluation.maps import upsample
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
-from captioner.models.encoder import EncoderSpec
 from captioner.serve.heatmaps import attention_figure
-from captioner.train.prepare import PrepareConfig, prepare
 
 METRICS = ["BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr"]
 
@@ -98,19 +96,7 @@ def test_evaluate_counts_the_split_images_it_could_not_score(small_run, scenes, 
     bad = next(im for im in json.loads((copy / "captions.json").read_text())["images"] if im["id"] in test_ids)
     (copy / "images" / bad["file_name"]).write_bytes(b"not an image")
     data = tmp_path / "data"
-    prepare(
-        PrepareConfig(
-            images=[str(copy / "images")],
-            out=str(data),
-            captions=[str(copy / "captions.json")],
-            splits=str(copy / "splits.json"),
-            encoder=EncoderSpec(weights="none"),
-            min_count=1,
-            workers=0,
-            skip_bad=True,
-        ),
-        progress=False,
-    )
+    prepare_scenes(copy, data, min_count=1, skip_bad=True)
     caplog.set_level(logging.WARNING, logger="captioner")
     m = evaluate(str(small_run / "best.pt"), str(data), "test", str(tmp_path / "m.json"), beam_size=1, use_java=False)
     assert m["missing_images"] == 1 and m["missing_image_ids"] == [bad["id"]]
