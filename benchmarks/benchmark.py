@@ -217,8 +217,8 @@ def bench_objective(device: torch.device, steps: int) -> None:
     g = torch.Generator().manual_seed(1)
     rows = torch.randperm(B, generator=g)[:k].sort().values
     moves = torch.from_numpy(shifts(rows.numpy(), max_shift(14)))
-    with_views = Batch(feats, caps, lengths, turned=torch.rand(k, L, D, generator=g).to(device))
-    with_views.turned_rows, with_views.turned_moves = rows.to(device), moves.to(device)
+    views = torch.rand(k, L, D, generator=g)
+    with_views = Batch(feats, caps, lengths, turned=views, turned_rows=rows, turned_moves=moves).to(device)
     fns = {}
     for attention in ("soft", "hard"):
         for name, cfg, batch in (("default", default, with_views), ("paper", paper, None)):

@@ -60,13 +60,9 @@ def view(x: torch.Tensor, moves: torch.Tensor | np.ndarray, grid: int) -> torch.
     return out
 
 
-def back_from_view(maps: torch.Tensor, moves: torch.Tensor, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Maps (N, L) over the views' grids, brought back onto the images' grids.
-
-    Returns:
-        The maps (N, L) in the image's cells, zero where the cell left the view, and which cells
-        are in both (N, L) bool.
-    """
+def back_from_view(maps: torch.Tensor, moves: torch.Tensor, grid: int) -> torch.Tensor:
+    """Maps (N, L) over the views' grids, brought back onto the images' grids (N, L): zero on the
+    image's cells the move took out of the view."""
     G = grid
     r = torch.arange(G, device=maps.device)
     moves = moves.to(maps.device)
@@ -74,5 +70,4 @@ def back_from_view(maps: torch.Tensor, moves: torch.Tensor, grid: int) -> tuple[
     cols = G - 1 - r + moves[:, 1:]  # (N, G)
     inside = ((rows >= 0) & (rows < G)).unsqueeze(2) & ((cols >= 0) & (cols < G)).unsqueeze(1)  # (N, G, G)
     index = (rows.clamp(0, G - 1).unsqueeze(2) * G + cols.clamp(0, G - 1).unsqueeze(1)).flatten(1)  # (N, L)
-    inside = inside.flatten(1)
-    return maps.gather(1, index) * inside, inside
+    return maps.gather(1, index) * inside.flatten(1)

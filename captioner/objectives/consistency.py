@@ -52,7 +52,7 @@ def disagreement(maps: torch.Tensor, maps_in_view: torch.Tensor, moves: torch.Te
     Mass on cells only one of the two shows (the image's cells the move takes out of the view,
     the view's uncovered cells) can agree with nothing, so it pays like mass on the wrong cell.
     """
-    back, _ = back_from_view(maps_in_view.float(), moves, grid)
+    back = back_from_view(maps_in_view.float(), moves, grid)
     return -((maps.float() * back).sum(-1) + AGREEMENT_FLOOR).log()
 
 
