@@ -132,7 +132,8 @@ def test_it_is_estimated_on_real_steps_of_a_share_of_the_captions(data_dir):
 
 
 def test_the_term_uses_the_passs_own_states_and_no_second_pass():
-    """α' is the map the same h_{t-1} gives on the view, compared with the step's own α."""
+    """α' is the map the same h_{t-1} gives on the view, compared with the step's own α; the term
+    trains the attention, not the LSTM's state."""
     torch.manual_seed(0)
     dec = AttentionDecoder(vocab_size=9, encoder_dim=6, embed_dim=5, hidden_dim=7, attention_dim=4, dropout=0.0)
     dec = dec.double()
@@ -158,6 +159,9 @@ def test_the_term_uses_the_passs_own_states_and_no_second_pass():
     assert float(got.detach()) == pytest.approx(float(torch.cat(want).mean().detach()), rel=1e-6)
     got.backward()
     assert all(p.grad is not None for p in dec.attention.parameters())
+    for name, p in dec.named_parameters():
+        if not name.startswith("attention."):
+            assert p.grad is None or not p.grad.any(), name
 
 
 def test_prepare_stores_the_features_of_the_views(data_dir, scenes):

@@ -24,10 +24,15 @@ move shifts the centre of the turn by a different amount per image, which only a
 on the content follows. Captions are not trained on the views, so "left" and "right" need no
 rewriting.
 
+The term trains where to look from a given state, not the state: h_{t−1} is detached, so its
+gradient reaches the attention's own weights (and a fine-tuned encoder) but not the LSTM, whose
+state the captions alone shape. With the state in its gradient the term also rewrote what the
+state carries, and captions named their objects right less often.
+
 The term is estimated on a share of each batch's captions (the loader reads the views' features
 of those only: `CaptionData.turned_share`), at one random real step each, and scaled to the
-batch's words, so its cost stays small: one attention map per picked caption (no second LSTM
-pass) and the projection of those captions' views.
+batch's words, so its cost stays small: two attention maps per picked caption, on the image and
+on its view (no second LSTM pass), and the projection of those captions' images and views.
 
 Symbols: B captions, T steps, L locations, D feature size, A attention size, H LSTM size, N
 picked (caption, step) pairs.
@@ -80,7 +85,7 @@ def consistency(
         features: (B, L, D) the images' raw annotation vectors, as the pass saw them.
         views: (N, L, D) the features of the views (`models.views`) of the images of captions
             `rows` (N,), moved by `moves` (N, 2) cells.
-        unrolled: the teacher-forced pass on `features` (its maps α and states h_t).
+        unrolled: the teacher-forced pass on `features` (its states h_t).
         mask: (B, T-1) real steps.
         words: what to divide the batch total by.
     """
@@ -88,10 +93,9 @@ def consistency(
     images = decoder.normalize(features[rows])  # (N, L, D)
     h0, _ = decoder.init_state(images)  # (N, H)
     h_before = unrolled.h[rows, (steps - 1).clamp_min(0)]  # (N, H) h_{t-1}
-    h_before = torch.where((steps == 0).unsqueeze(1), h0, h_before)
-    projected = decoder.attention.project(decoder.normalize(views))  # (N, L, A)
-    maps_in_view = decoder.attention(projected, h_before)  # (N, L) α'
-    maps = unrolled.alphas[rows, steps]  # (N, L) α
+    h_before = torch.where((steps == 0).unsqueeze(1), h0, h_before).detach()
+    maps = decoder.attend(decoder.attention.project(images), h_before)  # (N, L) α
+    maps_in_view = decoder.attend(decoder.attention.project(decoder.normalize(views)), h_before)  # (N, L) α'
     grid = math.isqrt(maps.size(-1))
     per_step = disagreement(maps, maps_in_view, moves, grid)  # (N,)
     return per_step.mean() * mask.sum() / words
