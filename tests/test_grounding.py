@@ -123,3 +123,33 @@ def test_kinds_and_lookahead(boxes):
     assert out["by_kind"] == {"category": 0.5}  # man hit, dog missed (it looks at the man)
     # words with an object word after them: a → man (hit), man → dog (miss), and → dog, his → dog (hits)
     assert out["lookahead_words"] == 4 and out["lookahead"] == 0.75
+
+
+def test_two_objects_asks_whether_the_maps_move_to_the_second_object(boxes):
+    words = ["a", "man", "and", "his", "dog"]
+    on_man, on_dog = peak_at(7, 2), peak_at(10, 12)
+    stays = pointing_accuracy({7: (words, np.stack([on_man, on_man, on_man, on_man, on_man]))}, boxes)
+    assert stays["pointing"] == 0.5 and stays["two_objects"] == 0.0 and stays["two_object_captions"] == 1
+    moves = pointing_accuracy({7: (words, np.stack([on_man, on_man, on_dog, on_dog, on_dog]))}, boxes)
+    assert moves["two_objects"] == 1.0
+    # A caption that names one object is not asked.
+    one = pointing_accuracy({7: (["a", "dog"], np.stack([on_dog, on_dog]))}, boxes)
+    assert one["two_objects"] is None and one["two_object_captions"] == 0
+
+
+def test_a_colour_word_naming_both_objects_does_not_count_as_moving(tmp_path):
+    path = tmp_path / "boxes.json"
+    two = {
+        "images": [{"id": 1, "width": 280, "height": 140}],
+        "categories": [{"id": 1, "name": "triangle"}, {"id": 2, "name": "square"}],
+        "annotations": [
+            {"image_id": 1, "category_id": 1, "bbox": [0, 0, 100, 140], "color": "yellow"},
+            {"image_id": 1, "category_id": 2, "bbox": [180, 40, 100, 100], "color": "yellow"},
+        ],
+    }
+    path.write_text(json.dumps(two))
+    words = ["a", "yellow", "triangle", "and", "a", "yellow", "square"]
+    on_square = peak_at(10, 12)
+    out = pointing_accuracy({1: (words, np.stack([on_square] * len(words)))}, GroundingBoxes(str(path)))
+    assert out["pointing"] == 0.75  # both "yellow"s and "square" hit
+    assert out["two_objects"] == 0.0 and out["two_object_captions"] == 1

@@ -50,7 +50,8 @@ def evaluate(
 
     Args:
         checkpoint: the model: a checkpoint, an exported folder, a pinned URL or hf://ORG/NAME.
-        grounding: a COCO instances file of object boxes: adds pointing accuracy and its chance rate.
+        grounding: a COCO instances file of object boxes: adds pointing accuracy and its chance rate,
+            and how often the maps of captions naming two separate objects peak on both.
         use_java: None uses Java when present; False forces the Python figures.
 
     Returns:
@@ -72,6 +73,7 @@ def evaluate(
         words = {i: (texts[i].split(), h.attention.reshape(-1, g, g)) for i, h in hyps.items()}
         metrics["grounding"] = pointing_accuracy(words, GroundingBoxes(grounding), model.encoder.preprocess)
         metrics["pointing"] = metrics["grounding"]["pointing"]
+        metrics["two_objects"] = metrics["grounding"]["two_objects"]
     metrics["attention_health"] = attention_health(h.attention for h in hyps.values())
     metrics.update(
         _coverage(data, split, texts),

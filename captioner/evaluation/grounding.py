@@ -57,13 +57,16 @@ def pointing_accuracy(
          "unmatched": object words with no such object in the image, "by_word": {word: [hits, n]},
          "by_kind": {"colour" | "category": hit rate}, "lookahead": share of words whose peak
          lies on the object named by the next object word after them, "lookahead_words": how many
-         words that was measured on}
+         words that was measured on, "two_objects": of the captions naming two objects whose boxes
+         share none, the share in which some word's map peaks on each, "two_object_captions": how
+         many captions that was measured on}
     """
     preprocess = preprocess or Preprocess()
     hits, chances, unmatched = [], [], 0
     by_word: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     by_kind: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     ahead: list[bool] = []
+    both: list[bool] = []
     for image_id, (words, attention) in captions.items():
         if image_id not in boxes:
             continue
@@ -79,6 +82,7 @@ def pointing_accuracy(
             return any(x <= px <= x + w and y <= py <= y + h for x, y, w, h in found)
 
         named = [boxes.boxes_for(image_id, w) if boxes.names_object(w) else None for w in words]
+        objects, reached = [], []  # the box sets the caption names, and those a word's map peaked on
         for k, (word, found) in enumerate(zip(words, named)):
             nxt = next((f for f in named[k + 1 :] if f), None)  # the next object word present in the image
             if nxt:
@@ -89,6 +93,9 @@ def pointing_accuracy(
                 unmatched += 1
                 continue
             hit = on(k, found)
+            objects.append(found)
+            if hit:
+                reached.append(found)
             hits.append(hit)
             chances.append(_covered_share(found, (l, t, r, b), size))
             by_word[word][0] += int(hit)
@@ -96,6 +103,8 @@ def pointing_accuracy(
             kind = by_kind["colour" if word in boxes.colors else "category"]
             kind[0] += int(hit)
             kind[1] += 1
+        if _two_apart(objects):
+            both.append(_two_apart(reached))
     return {
         "pointing": float(np.mean(hits)) if hits else None,
         "chance": float(np.mean(chances)) if chances else None,
@@ -105,4 +114,12 @@ def pointing_accuracy(
         "by_kind": {k: h / n for k, (h, n) in by_kind.items()},
         "lookahead": float(np.mean(ahead)) if ahead else None,
         "lookahead_words": len(ahead),
+        "two_objects": float(np.mean(both)) if both else None,
+        "two_object_captions": len(both),
     }
+
+
+def _two_apart(box_sets: list[list[list[float]]]) -> bool:
+    """Whether two of the box sets share no box: two separate objects (a colour word may name both)."""
+    sets = [{tuple(b) for b in found} for found in box_sets]
+    return any(not (a & b) for i, a in enumerate(sets) for b in sets[i + 1 :])
