@@ -153,7 +153,9 @@ def build(
         "rebuild": f"python -m captioner.demo.build --n {n} --seed {seed} --minutes {minutes:g} "
         f"--tune-minutes {tune_minutes:g}",
         "stages": stage_steps(work, tune_minutes),
-        "test_metrics": {k: metrics[k] for k in ("BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "pointing")},
+        "test_metrics": {
+            k: metrics[k] for k in ("BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "pointing", "two_objects")
+        },
         "test_images": metrics["images"],
         "attention_health": metrics["attention_health"],
         "scene_accuracy": scenes.accuracy(test_words, objects),

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from captioner.evaluation.health import summary as health_summary
 from captioner.serve.api import Captioner
 
-METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "pointing")
+METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "pointing", "two_objects")
 CARD_DATA_KEYS = ("trained_on", "data", "dataset", "description")  # card fields that say what it learnt from
 # Card fields shown by their own sections, not as plain "key: value" lines.
 CARD_SECTIONS = (*CARD_DATA_KEYS, "test_images", "test_metrics", "attention_health", "examples", "scene_accuracy")
@@ -113,7 +113,8 @@ def model_card(captioner: Captioner) -> str:
         lines += [
             "",
             "**Scores** (coco-caption; BLEU, METEOR, ROUGE-L as fractions; pointing: share of "
-            "object words whose attention peak lies on the object):",
+            "object words whose attention peak lies on the object; two_objects: share of captions naming "
+            "two separate objects whose maps peak on both):",
             "",
             *_metrics_table(test, val, card.get("test_images"), metrics.get("images")),
         ]
