@@ -377,6 +377,15 @@ def test_model_panel_shows_attention_health_and_the_examples_record(demo, tmp_pa
     assert "2 of these 3" in note and "✓ ✗ ✓" in note and "75%" in note
 
 
+def test_model_panel_explains_two_objects_only_when_the_card_has_it(demo, monkeypatch):
+    cap = demo.captioner
+    monkeypatch.setattr(cap, "info", {**cap.info, "card": {"test_metrics": {"pointing": 0.8}}})
+    assert "two_objects" not in model_card(cap)
+    monkeypatch.setattr(cap, "info", {**cap.info, "card": {"test_metrics": {"pointing": 0.8, "two_objects": 0.25}}})
+    text = model_card(cap)
+    assert "| two_objects | 0.250 |" in text and "two separate objects" in text
+
+
 def test_pinned_url_is_downloaded_once_and_a_mismatch_refused(checkpoint, tmp_path):
     digest = sha256_file(str(checkpoint))
     url = checkpoint.as_uri()

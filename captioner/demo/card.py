@@ -109,12 +109,14 @@ def model_card(captioner: Captioner) -> str:
     test = {k: v for k, v in (card.get("test_metrics") or {}).items() if isinstance(v, (int, float))}
     metrics = info.get("metrics") or {}
     val = {k: v for k, v in metrics.items() if k in METRICS and isinstance(v, (int, float))}
+    both = "two_objects" in test or "two_objects" in val
     if test or val:
         lines += [
             "",
             "**Scores** (coco-caption; BLEU, METEOR, ROUGE-L as fractions; pointing: share of "
-            "object words whose attention peak lies on the object; two_objects: share of captions naming "
-            "two separate objects whose maps peak on both):",
+            "object words whose attention peak lies on the object"
+            + ("; two_objects: share of captions naming two separate objects whose maps peak on both" if both else "")
+            + "):",
             "",
             *_metrics_table(test, val, card.get("test_images"), metrics.get("images")),
         ]
