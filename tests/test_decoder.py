@@ -10,6 +10,7 @@ from captioner.models.decoder import ARGMAX, EXPECTED, SAMPLE, AttentionDecoder
 from captioner.models.fused import fused_unroll
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
 from captioner.objectives.cross_entropy import caption_loss, sequence_terms, word_nll
+from captioner.train.step import make_optimizer
 
 V, L, D = 30, 196, 64
 
@@ -189,6 +190,27 @@ def test_batched_search_equals_one_by_one():
     for b in range(3):
         alone = beam_search(dec, feats[b : b + 1], beam_size=3, max_len=8)[0]
         assert [h.tokens for h in alone] == [h.tokens for h in together[b]]
+
+
+def test_decoding_after_a_training_step_uses_the_new_weights():
+    """`fit` validates between optimizer steps: each validation must decode with the weights of
+    that moment. The fused Adam updates parameters without bumping their version counters, so a
+    cache keyed on them kept the weights of the first validation."""
+    dec = tiny().eval()
+    feats, caps, lengths = batch()
+    optimizer = make_optimizer(dec, 0.05)
+    beam_search(dec, feats, beam_size=3, max_len=8)
+    for _ in range(3):
+        optimizer.zero_grad()
+        nll, penalty = caption_loss(*dec(feats, caps, lengths), caps, lengths)
+        (nll + penalty).backward()
+        optimizer.step()
+    fresh = tiny().eval()
+    fresh.load_state_dict(dec.state_dict())
+    after, expected = beam_search(dec, feats, beam_size=3, max_len=8), beam_search(fresh, feats, beam_size=3, max_len=8)
+    for got, want in zip(after, expected):
+        assert [h.tokens for h in got] == [h.tokens for h in want]
+        assert [h.score for h in got] == pytest.approx([h.score for h in want], abs=1e-5)
 
 
 def test_hard_modes_report_locations():

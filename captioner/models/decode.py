@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from captioner.models.decoder import EXPECTED, AttentionDecoder
+from captioner.models.decoder import EXPECTED, AttentionDecoder, Joined
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
 
 
@@ -100,10 +100,10 @@ def beam_search(
 def _step(decoder: AttentionDecoder, s: _Search, rows: torch.Tensor, mode: str, generator):
     """The decoder's step for the beams in `rows` (all of them without copying when all write)."""
     if rows.numel() == s.words.numel():
-        logits, s.h, s.c, alpha, loc = decoder.step(s.feats, s.projected, s.words, s.h, s.c, mode, generator)
+        logits, s.h, s.c, alpha, loc = decoder.step(s.feats, s.projected, s.words, s.h, s.c, mode, generator, s.joined)
         return logits, alpha, loc
     logits, h, c, alpha, loc = decoder.step(
-        s.feats[rows], s.projected[rows], s.words[rows], s.h[rows], s.c[rows], mode, generator
+        s.feats[rows], s.projected[rows], s.words[rows], s.h[rows], s.c[rows], mode, generator, s.joined
     )
     s.h, s.c = s.h.index_copy(0, rows, h), s.c.index_copy(0, rows, c)
     return logits, alpha, loc
@@ -142,6 +142,7 @@ class _Search:
     parent: torch.Tensor  # (T, N)
     alpha: torch.Tensor  # (T, N, L)
     loc: torch.Tensor  # (T, N)
+    joined: Joined  # the decoder's weights for this search
 
     @classmethod
     def start(cls, decoder: AttentionDecoder, features: torch.Tensor, K: int, T: int) -> _Search:
@@ -164,6 +165,7 @@ class _Search:
             torch.zeros(T, N, dtype=torch.long, device=device),
             features.new_zeros(T, N, L),
             torch.full((T, N), -1, dtype=torch.long, device=device),
+            decoder.joined(),
         )
 
 

@@ -64,6 +64,13 @@ class Unrolled(NamedTuple):
     locations: torch.Tensor  # (B, T-1) location used, -1 where the context was expected
 
 
+class Joined(NamedTuple):
+    """A step's weights side by side (`AttentionDecoder.joined`): one product each, not three and two."""
+
+    lstm: torch.Tensor  # (4H, E+H+D) [W_y | W_h | W_z]
+    output: torch.Tensor  # (E, H+D) [L_h | L_z]
+
+
 class Attention(nn.Module):
     """f_att, the MLP of eq. (4): e_ti = v·tanh(W_a a_i + W_h h_{t-1}); α_t = softmax(e_t), eq. (5).
 
@@ -170,6 +177,7 @@ class AttentionDecoder(nn.Module):
         h: torch.Tensor,
         c: torch.Tensor,
         locations: torch.Tensor | None = None,
+        joined: Joined | None = None,
     ):
         """The context from α_t, gated by β_t (§4.2.1), then the LSTM, eqs. (1)-(3).
 
@@ -187,35 +195,29 @@ class AttentionDecoder(nn.Module):
             picked = features[rows, locations.clamp_min(0)]  # (B, D)
             z = torch.where((locations >= 0).unsqueeze(1), picked, z)
         z = beta * z
-        gates = self.gates(emb, h, z)  # (B, 4H)
+        gates = self.gates(emb, h, z, joined)  # (B, 4H)
         h, c = lstm_cell(gates, c)
         return h, c, z
 
-    def gates(self, emb: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """Eq. (1)'s affine map of [E y_{t-1}; h_{t-1}; ẑ_t] (B, 4H); one product when decoding."""
-        if torch.is_grad_enabled():
+    def gates(self, emb: torch.Tensor, h: torch.Tensor, z: torch.Tensor, joined: Joined | None = None) -> torch.Tensor:
+        """Eq. (1)'s affine map of [E y_{t-1}; h_{t-1}; ẑ_t] (B, 4H); one product with `joined`."""
+        if joined is None:
             return self.lstm_y(emb) + self.lstm_h(h) + self.lstm_z(z)
-        W, _ = self._inference_weights()
-        return F.linear(torch.cat([emb, h, z], dim=1), W, self.lstm_y.bias)
+        return F.linear(torch.cat([emb, h, z], dim=1), joined.lstm, self.lstm_y.bias)
 
-    def output(self, emb: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """Deep output layer, eq. (7): logits over the vocabulary (..., V)."""
-        if torch.is_grad_enabled() or emb.dim() != 2:
+    def output(self, emb: torch.Tensor, h: torch.Tensor, z: torch.Tensor, joined: Joined | None = None) -> torch.Tensor:
+        """Deep output layer, eq. (7): logits over the vocabulary (..., V); one product with `joined`."""
+        if joined is None:
             return self.L_o(self.dropout(emb + self.L_h(h) + self.L_z(z)))
-        _, W = self._inference_weights()
-        return self.L_o(self.dropout(emb + F.linear(torch.cat([h, z], dim=1), W, self.L_h.bias)))
+        return self.L_o(self.dropout(emb + F.linear(torch.cat([h, z], dim=1), joined.output, self.L_h.bias)))
 
-    def _inference_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[W_y | W_h | W_z] (4H, E+H+D) and [L_h | L_z] (E, H+D), built once and kept until a
-        weight changes (an optimizer step or load_state_dict bumps its version)."""
-        parts = (self.lstm_y.weight, self.lstm_h.weight, self.lstm_z.weight, self.L_h.weight, self.L_z.weight)
-        key = tuple((p.data_ptr(), p.dtype, p._version) for p in parts)
-        cached = self.__dict__.get("_step_weights")
-        if cached is None or cached[0] != key:
-            with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, usable anywhere
-                cached = key, torch.cat(parts[:3], dim=1), torch.cat(parts[3:], dim=1)
-            self.__dict__["_step_weights"] = cached
-        return cached[1], cached[2]
+    def joined(self) -> Joined:
+        """The step's weights side by side, for a decoding loop in which they do not change (beam
+        search): each caller takes them afresh, so no copy outlives an optimizer step."""
+        return Joined(
+            torch.cat([self.lstm_y.weight, self.lstm_h.weight, self.lstm_z.weight], dim=1),
+            torch.cat([self.L_h.weight, self.L_z.weight], dim=1),
+        )
 
     def step(
         self,
@@ -226,11 +228,13 @@ class AttentionDecoder(nn.Module):
         c: torch.Tensor,
         mode: str = EXPECTED,
         generator: torch.Generator | None = None,
+        joined: Joined | None = None,
     ):
         """One generation step from the previous words (B,): attend, choose the context, advance, output.
 
         Args:
             mode: "expected" (soft), "argmax" or "sample" (hard attention's location).
+            joined: `self.joined()`, taken since the weights last changed: fewer products.
 
         Returns:
             logits (B, V), h (B, H), c (B, H), α (B, L), chosen locations (B,) or None.
@@ -238,8 +242,8 @@ class AttentionDecoder(nn.Module):
         alpha = self.attend(projected, h)  # (B, L)
         loc = choose_locations(alpha, mode, generator)  # (B,) or None
         emb = self.embedding(words)  # (B, E)
-        h, c, z = self.advance(features, alpha, emb, h, c, loc)
-        return self.output(emb, h, z), h, c, alpha, loc
+        h, c, z = self.advance(features, alpha, emb, h, c, loc, joined)
+        return self.output(emb, h, z, joined), h, c, alpha, loc
 
     def compile_step(self) -> None:
         """torch.compile the step (for GPUs); teacher forcing then takes the plain pass, `unroll`."""
