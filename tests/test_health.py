@@ -57,6 +57,11 @@ def test_even_maps_are_flagged_and_no_words_is_not_judged():
     assert empty["words"] == 0 and problems(empty) == []
 
 
+@pytest.mark.parametrize("entropy, flagged", [(0.78, False), (0.87, False), (0.90, True), (0.92, True)])
+def test_entropy_warns_where_the_paper_objectives_maps_sit_and_not_below(entropy, flagged):
+    assert any("evenly" in p for p in problems({**HEALTHY, "entropy": entropy})) == flagged
+
+
 @pytest.mark.parametrize("shape", [(4, G, G), (4, G * G)])
 def test_accepts_grids_and_flat_maps(shape):
     maps = _peaked([(3, 4), (3, 4), (9, 9), (9, 9)]).reshape(shape)

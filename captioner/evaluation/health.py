@@ -29,8 +29,9 @@ import numpy as np
 # onto a few cells. "stay" is reported but never warned on: models that point well stay on one
 # object in one-object scenes.
 # A sharp map is not a failure: the view consistency trains maps onto one cell of the object
-# (entropy 0.02-0.06), and parking on one place is what top5 and border catch.
-LIMITS = {"top5": 0.25, "border": 1.2, "entropy_high": 0.92}
+# (entropy 0.02-0.06), and parking on one place is what top5 and border catch. No model that
+# pointed at 0.5 or more had maps at entropy 0.88 or more; the paper objective's sat at 0.90-1.00.
+LIMITS = {"top5": 0.25, "border": 1.2, "entropy_high": 0.88}
 
 
 def _maps(attention: np.ndarray) -> np.ndarray:
