@@ -49,6 +49,11 @@ class TrainConfig:
         "(sets --alpha-c 1 and --consistency 0)",
     ] = False
     max_minutes: Annotated[float | None, "stop at a step boundary after this long, then validate and save"] = None
+    cooldown: Annotated[
+        float,
+        "share of the --max-minutes budget, at its end, over which the learning rate falls linearly to 0 "
+        "(0: off; without --max-minutes the rate only halves when validation stalls)",
+    ] = 0.2
     patience: Annotated[int, "validations without improvement before stopping early"] = 8
     metric: Annotated[Literal["CIDEr", "BLEU-4"], "validation score that chooses best.pt and stops early"] = "CIDEr"
     val_beam_size: Annotated[int, "beam size of the validation captions (1: greedy)"] = 3
@@ -107,6 +112,8 @@ class TrainConfig:
         for name, value in positive.items():
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if not 0 <= self.cooldown <= 1:
+            raise ValueError(f"--cooldown is a share of the time budget, from 0 to 1, got {self.cooldown}")
         if self.lr is None:
             self.lr = SCST_LR if self.objective == "scst" else 1e-3
         if self.paper:
@@ -138,3 +145,4 @@ class Progress:
     baseline: float = 0.0  # REINFORCE moving-average baseline (hard attention)
     skipped_steps: int = 0  # steps not applied: a non-finite loss or gradient
     skipped_captions: int = 0  # captions left out, features not finite (rank 0's share)
+    cooldown_from: list[float] | None = None  # each parameter group's learning rate when the cooldown began

@@ -135,6 +135,7 @@ def _train_epoch(run: Run, budget: float, stop, progress_bar: bool) -> str | Non
             if batch.dropped:
                 progress.skipped_captions += len(batch.dropped)
                 run.notes.damaged_rows(batch.dropped, run.data, progress.step)
+            _cool_down(run, budget)
             terms = train_step(
                 run.objective,
                 batch.to(dev, non_blocking=pin),
@@ -176,6 +177,26 @@ def _train_epoch(run: Run, budget: float, stop, progress_bar: bool) -> str | Non
     return None
 
 
+def _cool_down(run: Run, budget: float) -> None:
+    """Over the last `cfg.cooldown` share of the time budget, the learning rate falls linearly to
+    0 from where it was (a warmup-stable-decay schedule without the warmup: Hägele et al., 2024,
+    found a cooldown of about a fifth of training as good as cosine decay, without fixing the
+    length of training in advance). An 8-minute run still improving at its end then ends on
+    weights that have settled, rather than wherever the last full-size step left them."""
+    share, progress = run.cfg.cooldown, run.progress
+    if not (share > 0 and math.isfinite(budget)):
+        return
+    elapsed = distributed.all_sum(run.d, [time.monotonic() - run.started], run.device)[0] / run.d.world
+    left = min(1.0, max(0.0, (budget - elapsed) / (share * budget)))
+    if left == 1.0:
+        return
+    groups = run.optimizer.param_groups
+    if progress.cooldown_from is None:
+        progress.cooldown_from = [g["lr"] for g in groups]
+    for group, lr in zip(groups, progress.cooldown_from):
+        group["lr"] = lr * left
+
+
 def _validate(run: Run, progress_bar: bool) -> dict:
     """Generation-based validation, split over processes and scored on the gathered captions."""
     t0, d, cfg = time.monotonic(), run.d, run.cfg
@@ -213,7 +234,8 @@ def _select(run: Run, metrics: dict) -> bool:
         progress.best, progress.best_step, progress.best_healthy, progress.stale = score, progress.step, healthy, 0
     else:
         progress.stale += 1
-    run.scheduler.step(score)
+    if progress.cooldown_from is None:  # the cooldown sets the rate from here on
+        run.scheduler.step(score)
     run.write_log(
         {
             "event": "val",

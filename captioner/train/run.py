@@ -243,6 +243,10 @@ def _restore(run: Run, ck: dict) -> None:
     run.optimizer.load_state_dict(ck["optimizer"])
     run.scheduler.load_state_dict(ck["scheduler"])
     run.progress = Progress(**ck["progress"])
+    if run.progress.cooldown_from is not None:  # this invocation has its own budget, and its own cooldown
+        for group, lr in zip(run.optimizer.param_groups, run.progress.cooldown_from):
+            group["lr"] = lr
+        run.progress.cooldown_from = None
     run.metrics = ck.get("metrics") or {}
     torch.set_rng_state(ck["rng"]["torch"].cpu())
     run.generator.set_state(ck["rng"]["generator"].cpu())
