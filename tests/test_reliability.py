@@ -183,3 +183,36 @@ def test_last_checkpoint_is_also_written_on_a_clock(data_dir, tmp_path, monkeypa
     mid_epoch = [step for step, path in saved if path.endswith("last.pt") and step < progress.step]
     assert len(mid_epoch) >= progress.step - 2  # about once per step at this setting, not only at the end
     assert load_checkpoint(str(tmp_path / "run" / "last.pt"))["step"] == progress.step
+
+
+def test_learning_rate_cools_down_at_the_end_of_the_time_budget_and_a_resume_starts_it_again(
+    data_dir, tmp_path, monkeypatch
+):
+    """On a clock that moves one second per step, a 12-second budget with cooldown 0.5 trains its
+    first 6 steps at the full rate, then falls linearly towards 0; resumed with a new budget, the
+    run starts again from the full rate, not from the cooled one its last.pt holds."""
+    import captioner.train.loop as training
+    from captioner.models.decoder import DecoderConfig
+
+    now = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    rates = []
+    real_step = training.train_step
+
+    def step(objective, batch, optimizer, *args):
+        rates.append(optimizer.param_groups[0]["lr"])
+        now[0] += 1.0
+        return real_step(objective, batch, optimizer, *args)
+
+    monkeypatch.setattr(training, "train_step", step)
+    cfg = training.TrainConfig(epochs=5, batch_size=8, val_beam_size=1, lr=1e-3, max_minutes=0.2, cooldown=0.5)
+    small = DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8)
+    training.fit(str(data_dir), str(tmp_path / "run"), small, cfg, device="cpu", progress_bar=False)
+    assert len(rates) == 13  # the step that crosses 12 s is the last
+    assert rates[:7] == [1e-3] * 7  # 0-6 s elapsed: before the cooldown
+    assert rates[7:] == pytest.approx([1e-3 * (12 - t) / 6 for t in range(7, 13)])
+    assert rates[-1] == 0.0
+
+    rates.clear()
+    training.fit(str(data_dir), str(tmp_path / "run"), small, cfg, resume=True, device="cpu", progress_bar=False)
+    assert rates[0] == 1e-3
