@@ -181,8 +181,8 @@ def _cool_down(run: Run, budget: float) -> None:
     """Over the last `cfg.cooldown` share of the time budget, the learning rate falls linearly to
     0 from where it was (a warmup-stable-decay schedule without the warmup: Hägele et al., 2024,
     found a cooldown of about a fifth of training as good as cosine decay, without fixing the
-    length of training in advance). An 8-minute run still improving at its end then ends on
-    weights that have settled, rather than wherever the last full-size step left them."""
+    length of training in advance), so that a run still improving when its time runs out ends on
+    weights that have settled. Off by default: docs/results.md has what it did to 8-minute runs."""
     share, progress = run.cfg.cooldown, run.progress
     if not (share > 0 and math.isfinite(budget)):
         return
