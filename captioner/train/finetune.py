@@ -55,7 +55,12 @@ class FineTuneConfig:
         "--fine-tune-from",
         "first trained layer: conv5_1 runs on cached pool4 outputs, conv4_1 on the images",
     ] = "conv5_1"
-    lr: Annotated[float, "--encoder-lr", "Adam learning rate of the encoder's layers"] = 1e-4
+    lr: Annotated[
+        float,
+        "--encoder-lr",
+        "Adam learning rate of the encoder's layers (1e-4, the tutorial's, made the random encoder's "
+        "captions and maps worse after the first epoch when training from scratch: docs/results.md)",
+    ] = 1e-5
     workers: Annotated[int, "DataLoader workers decoding images (the pool4 cache, conv4_1 batches)"] = 2
 
 
