@@ -125,8 +125,6 @@ def migrate(ck, path: str) -> dict:
     if int(version) < 3 and isinstance(ck.get("train"), dict):
         ck["train"].pop("equivariance", None)
         ck["train"].setdefault("consistency", 0.0)
-    if isinstance(ck.get("train"), dict):
-        ck["train"].setdefault("cooldown", 0.0)  # written before the cooldown: resumed without one
     ck["format"] = f"{FORMAT}/{VERSION}"
     return ck
 
