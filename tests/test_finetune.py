@@ -27,7 +27,7 @@ from captioner.models.fast_encoder import native_bf16
 from captioner.models.tuned import TunedEncoder, start_index
 from captioner.train import distributed
 from captioner.train.config import Progress, TrainConfig
-from captioner.train.finetune import FineTuneConfig, FineTuning, image_batches
+from captioner.train.finetune import DECODER_FIRST, FineTuneConfig, FineTuning, image_batches
 from captioner.train.loop import fit
 from captioner.train.step import Objective, make_optimizer, train_step
 
@@ -35,14 +35,14 @@ TINY = DecoderConfig(0, embed_dim=32, hidden_dim=48, attention_dim=24, dropout=0
 TUNED = {f"{i}.{p}" for i in (24, 26, 28) for p in ("weight", "bias")}  # conv5_1..conv5_3 of VGG16
 
 
-def tune_cfg(epochs: int, start: str = "conv5_1") -> TrainConfig:
+def tune_cfg(epochs: int, start: str = "conv5_1", after: int = 0) -> TrainConfig:
     return TrainConfig(
         epochs=epochs,
         batch_size=8,
         lr=3e-3,
         val_beam_size=1,
         checkpoint_minutes=0,
-        fine_tune=FineTuneConfig(start, lr=1e-3, workers=0),
+        fine_tune=FineTuneConfig(start, lr=1e-3, workers=0, after=after),
     )
 
 
@@ -85,7 +85,7 @@ def test_checkpoint_holds_the_trained_layers(tuned_run, tuned_data):
     ck = torch.load(tuned_run / "best.pt", weights_only=True)
     assert set(ck["encoder_state"]) == TUNED
     assert all(type(v) is torch.Tensor for v in ck["encoder_state"].values())
-    assert ck["train"]["fine_tune"] == {"start": "conv5_1", "lr": 1e-3, "workers": 0}
+    assert ck["train"]["fine_tune"] == {"start": "conv5_1", "lr": 1e-3, "workers": 0, "after": 0}
     assert "conv5_1 onward trained on the captions" in model_card(Captioner.load(str(tuned_run / "best.pt")))
     # The decoder's standardisation stays the frozen features' statistics, the same everywhere.
     mean, std = CaptionData(str(tuned_data)).feature_stats()
@@ -193,6 +193,26 @@ def test_resumed_fine_tuning_equals_uninterrupted(tuned_run, tuned_data, tmp_pat
             device="cpu",
             progress_bar=False,
         )
+
+
+def test_decoder_trains_alone_first_then_with_the_encoder(tuned_data, tmp_path, caplog):
+    assert TrainConfig(fine_tune=FineTuneConfig()).fine_tune.after == DECODER_FIRST
+    assert TrainConfig(fine_tune=FineTuneConfig(), init="run/best.pt").fine_tune.after == 0
+    older = {"fine_tune": {"start": "conv5_1", "lr": 1e-4, "workers": 2}}  # saved before --tune-after
+    assert TrainConfig.from_dict(older).fine_tune.after == 0
+    run = tmp_path / "run"
+    fit(str(tuned_data), str(run), TINY, tune_cfg(1, after=1), device="cpu", progress_bar=False)
+    assert "the encoder did not train" in caplog.text
+    first = load_checkpoint(str(run / "last.pt"))
+    seeded = build_encoder(CaptionData(str(tuned_data)).encoder)[0].features.state_dict()
+    assert all(torch.equal(first["encoder_state"][k], seeded[k]) for k in TUNED)
+    # The first epoch drew batches of captions from the cached features, not batches of whole images.
+    assert first["step"] == CaptionData(str(tuned_data)).num_batches(8)
+    fit(str(tuned_data), str(run), TINY, tune_cfg(2, after=1), resume=True, device="cpu", progress_bar=False)
+    second = load_checkpoint(str(run / "last.pt"))
+    assert all(not torch.equal(second["encoder_state"][k], seeded[k]) for k in TUNED)
+    events = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [(e["epoch"], e["step"]) for e in events if e["event"] == "encoder_trains"] == [(1, first["step"])]
 
 
 def test_amp_step_trains_the_encoder(tuned_data):

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from captioner.objectives.reinforce import HardAttentionConfig
 from captioner.objectives.scst import LR as SCST_LR
 from captioner.objectives.scst import ScstConfig
-from captioner.train.finetune import FineTuneConfig
+from captioner.train.finetune import DECODER_FIRST, FineTuneConfig
 
 
 @dataclass
@@ -119,6 +119,10 @@ class TrainConfig:
             self.lr = SCST_LR if self.objective == "scst" else 1e-3
         if self.paper:
             self.alpha_c, self.consistency = 1.0, 0.0
+        if self.fine_tune is not None and self.fine_tune.after is None:
+            self.fine_tune.after = 0 if self.init else DECODER_FIRST
+        if self.fine_tune is not None and self.fine_tune.after < 0:
+            raise ValueError(f"--tune-after is a number of epochs, got {self.fine_tune.after}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,7 +131,8 @@ class TrainConfig:
     def from_dict(cls, d: dict) -> TrainConfig:
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         kw["hard"] = HardAttentionConfig(**d.get("hard", {}))
-        kw["fine_tune"] = FineTuneConfig(**d["fine_tune"]) if d.get("fine_tune") else None
+        # Checkpoints from before --tune-after trained the encoder from the first step.
+        kw["fine_tune"] = FineTuneConfig(**{"after": 0, **d["fine_tune"]}) if d.get("fine_tune") else None
         kw["scst"] = ScstConfig(**d.get("scst", {}))
         return cls(**kw)
 

@@ -45,6 +45,8 @@ from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.tuned import TunedEncoder, start_index
 from captioner.train import distributed
 
+DECODER_FIRST = 2  # epochs of a run from scratch before the encoder trains (FineTuneConfig.after)
+
 
 @dataclass
 class FineTuneConfig:
@@ -62,6 +64,13 @@ class FineTuneConfig:
         "captions and maps worse after the first epoch when training from scratch: docs/results.md)",
     ] = 1e-5
     workers: Annotated[int, "DataLoader workers decoding images (the pool4 cache, conv4_1 batches)"] = 2
+    after: Annotated[
+        int | None,
+        "--tune-after",
+        f"epochs the decoder trains alone on the cached features, with the prepared views' consistency, "
+        f"before the encoder's layers train with it (default: {DECODER_FIRST} from scratch, 0 with --init: "
+        "the encoder's gradients from an untrained decoder spoilt its maps, docs/results.md)",
+    ] = None
 
 
 # helpers

@@ -31,7 +31,7 @@ from captioner.models.decoder import DecoderConfig
 from captioner.train import distributed, resilience
 from captioner.train.config import Progress, TrainConfig
 from captioner.train.finetune import add_tuned_familiarity
-from captioner.train.run import Run, start_run
+from captioner.train.run import Run, set_objective, start_run
 from captioner.train.step import train_step
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,11 @@ def fit(
     budget = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
     stopped = False
     while progress.epoch < cfg.epochs:
+        if run.tuning and progress.epoch == cfg.fine_tune.after > 0 and progress.batch_in_epoch == 0:
+            set_objective(run)  # the decoder has trained alone for `after` epochs; the encoder joins it
+            run.write_log({"event": "encoder_trains", "step": progress.step, "epoch": progress.epoch})
+            if run.d.main:
+                log.info(f"epoch {progress.epoch + 1}: the encoder's layers from {cfg.fine_tune.start} train from here")
         ended = _train_epoch(run, budget, stop, progress_bar)
         if ended == "stopped":
             stopped = True
@@ -302,6 +307,13 @@ def _finish(run: Run, stop: resilience.GracefulStop | None) -> Progress:
     )
     if d.main and stop is None and progress.best_step:
         log.info(_chosen(run))
+    ft = run.cfg.fine_tune
+    if d.main and stop is None and ft is not None and (progress.epoch, progress.batch_in_epoch) <= (ft.after, 0):
+        log.warning(  # not one step trained the encoder
+            f"the encoder did not train: the run ended within the {ft.after} epochs the decoder trains alone "
+            "first (--tune-after); `fit --resume` with more --epochs or --max-minutes goes on, "
+            "or set --tune-after lower"
+        )
     if run.log_file:
         run.log_file.close()
     # Every rank waits for rank 0's saves and ends the same way: a failed final save is an error.

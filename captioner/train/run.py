@@ -201,7 +201,7 @@ def start_run(
         model.load_state_dict(init["model"])
     if ck is not None:
         _restore(run, ck)
-    _objective(run)
+    set_objective(run)
     _open_files(run, resumed=ck is not None)
     run.familiarity = _familiarity(run, ck)
     return run
@@ -209,8 +209,9 @@ def start_run(
 
 def _choose_objective_data(data: CaptionData, cfg: TrainConfig, d: distributed.Dist) -> None:
     """Read the views' features only where the consistency uses them (no extra I/O otherwise).
-    A fine-tuned encoder makes its own views (`models.tuned.TunedEncoder`)."""
-    if not (cfg.consistency > 0 and cfg.objective == "xe" and cfg.fine_tune is None):
+    A fine-tuned encoder makes its own views (`models.tuned.TunedEncoder`) once it trains."""
+    decoder_alone = cfg.fine_tune is None or cfg.fine_tune.after > 0
+    if not (cfg.consistency > 0 and cfg.objective == "xe" and decoder_alone):
         data.turned = None
     elif data.turned is not None:
         data.turned_share = cfg.consistency_share
@@ -254,12 +255,14 @@ def _restore(run: Run, ck: dict) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in ck["rng"]["cuda"]])
 
 
-def _objective(run: Run) -> None:
-    """The loss as a module (DDP-wrapped under torchrun) and where its batches come from."""
+def set_objective(run: Run) -> None:
+    """The loss as a module (DDP-wrapped under torchrun) and where its batches come from, for the
+    current epoch: until the encoder trains, the decoder's alone on the cached features."""
     cfg, model = run.cfg, run.model
+    tuned = run.tuning is not None and run.progress.epoch >= cfg.fine_tune.after
     run.objective, run.source = (
-        Objective(model, cfg, run.tuning.encoder if run.tuning else None),
-        run.tuning or run.data,
+        Objective(model, cfg, run.tuning.encoder if tuned else None),
+        run.tuning if tuned else run.data,
     )
     if cfg.objective == "scst":
         if run.tuning:
