@@ -196,8 +196,10 @@ def test_resumed_fine_tuning_equals_uninterrupted(tuned_run, tuned_data, tmp_pat
 
 
 def test_decoder_trains_alone_first_then_with_the_encoder(tuned_data, tmp_path, caplog):
-    assert TrainConfig(fine_tune=FineTuneConfig()).fine_tune.after == DECODER_FIRST
-    assert TrainConfig(fine_tune=FineTuneConfig(), init="run/best.pt").fine_tune.after == 0
+    shared = FineTuneConfig()
+    assert TrainConfig(fine_tune=shared).fine_tune.after == DECODER_FIRST
+    assert TrainConfig(fine_tune=shared, init="run/best.pt").fine_tune.after == 0
+    assert shared.after is None  # each TrainConfig resolves its own default
     older = {"fine_tune": {"start": "conv5_1", "lr": 1e-4, "workers": 2}}  # saved before --tune-after
     assert TrainConfig.from_dict(older).fine_tune.after == 0
     run = tmp_path / "run"

@@ -7,7 +7,7 @@ continues as it was configured, from where it was.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Annotated, Literal
 
 from captioner.objectives.reinforce import HardAttentionConfig
@@ -120,7 +120,7 @@ class TrainConfig:
         if self.paper:
             self.alpha_c, self.consistency = 1.0, 0.0
         if self.fine_tune is not None and self.fine_tune.after is None:
-            self.fine_tune.after = 0 if self.init else DECODER_FIRST
+            self.fine_tune = replace(self.fine_tune, after=0 if self.init else DECODER_FIRST)  # not the caller's
         if self.fine_tune is not None and self.fine_tune.after < 0:
             raise ValueError(f"--tune-after is a number of epochs, got {self.fine_tune.after}")
 
