@@ -199,7 +199,7 @@ def _train(work: str, data: str, seed: int, minutes: float, tune_minutes: float,
 
 def _packed(ck: dict) -> dict:
     """The checkpoint without its training state, weights and trained encoder layers in fp16."""
-    keep = {k: v for k, v in ck.items() if k not in ("format", "optimizer", "scheduler", "rng")}
+    keep = {k: v for k, v in ck.items() if k not in ("format", "optimizer", "scheduler", "rng", "training_model")}
     keep["model"] = _half(ck["model"])
     if "encoder_state" in ck:
         keep["encoder_state"] = _half(ck["encoder_state"])  # loaded into the fp32 encoder as floats

@@ -5,7 +5,7 @@ A checkpoint is a plain dict of tensors and Python values (never a pickled objec
 
     key              in        what
     format           every     "captioner-checkpoint/<version>"
-    model            every     the decoder's state dict
+    model            every     the decoder's state dict (with `fit --ema`, the weights' moving average)
     decoder          every     `DecoderConfig` as a dict
     vocab            every     the vocabulary's words, in id order
     encoder          every     `EncoderSpec` as a dict, with the fingerprint of its weights
@@ -20,6 +20,7 @@ A checkpoint is a plain dict of tensors and Python values (never a pickled objec
     data             fit's     {"dir", "fingerprint"} of the prepared data it was trained on
     train, progress  fit's     `TrainConfig` and `Progress` as dicts
     optimizer, scheduler, rng  fit's: the state a resumed run continues from exactly
+    training_model   fit's     with `--ema`: the raw weights the optimizer steps (for `--resume`)
 
 Older versions are brought up to date by `migrate` as they are read.
 """

@@ -55,6 +55,11 @@ class TrainConfig:
         "(0: off, the rate only halves when validation stalls; 0.2 did not bring 8-minute runs' captions "
         "closer to the paper objective's: docs/results.md)",
     ] = 0.0
+    ema: Annotated[
+        float,
+        "decay of an exponential moving average of the decoder's weights, which validation scores and "
+        "checkpoints hold (train.averaging; 0: off)",
+    ] = 0.0
     patience: Annotated[int, "validations without improvement before stopping early"] = 8
     metric: Annotated[Literal["CIDEr", "BLEU-4"], "validation score that chooses best.pt and stops early"] = "CIDEr"
     val_beam_size: Annotated[int, "beam size of the validation captions (1: greedy)"] = 3
@@ -113,6 +118,8 @@ class TrainConfig:
         for name, value in positive.items():
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if not 0 <= self.ema < 1:
+            raise ValueError(f"--ema is a decay from 0 (off) to below 1, got {self.ema}")
         if not 0 <= self.cooldown <= 1:
             raise ValueError(f"--cooldown is a share of the time budget, from 0 to 1, got {self.cooldown}")
         if self.lr is None:

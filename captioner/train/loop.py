@@ -155,6 +155,8 @@ def _train_epoch(run: Run, budget: float, stop, progress_bar: bool) -> str | Non
             if not resilience.all_finite(terms):
                 progress.skipped_steps += 1
                 run.notes.skipped_step(progress.step + 1, terms, scaled=run.scaler.is_enabled())
+            elif run.average:
+                run.average.update(run.model, progress.step + 1)
             progress.step += 1
             progress.batch_in_epoch += 1
             bar.update(1)
@@ -206,7 +208,7 @@ def _validate(run: Run, progress_bar: bool) -> dict:
     """Generation-based validation, split over processes and scored on the gathered captions."""
     t0, d, cfg = time.monotonic(), run.d, run.cfg
     texts, hyps = caption_split(
-        run.model,
+        run.average.model if run.average else run.model,
         run.data,
         run.data.vocab,
         "val",

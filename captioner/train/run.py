@@ -29,6 +29,7 @@ from captioner.models.encoder import EncoderSpec
 from captioner.objectives.scst import SelfCritical, training_scorer
 from captioner.options import command_line
 from captioner.train import distributed, resilience
+from captioner.train.averaging import WeightAverage
 from captioner.train.config import Progress, TrainConfig
 from captioner.train.finetune import FineTuning
 from captioner.train.step import Objective, make_optimizer
@@ -57,6 +58,7 @@ class Run:
     out_dir: str
     started: float  # time.monotonic() of the start, setup of fine-tuning excluded
     familiarity: dict | None = None
+    average: WeightAverage | None = None  # --ema: the weights validation scores and checkpoints hold
     metrics: dict = field(default_factory=dict)  # the last validation's
     saver: resilience.CheckpointSaver = field(default_factory=resilience.CheckpointSaver)
     notes: resilience.FaultLog | None = None
@@ -98,7 +100,7 @@ class Run:
     def checkpoint(self) -> dict:
         """This moment of the run in the checkpoint format (`models.checkpoint`)."""
         ck = {
-            "model": self.model.state_dict(),
+            "model": (self.average or self.model).state_dict(),
             "decoder": self.model_cfg.to_dict(),
             "train": self.cfg.to_dict(),
             "vocab": self.data.vocab.words,
@@ -119,6 +121,8 @@ class Run:
             "familiarity": self.familiarity,
             "command": self.command,
         }
+        if self.average:
+            ck["training_model"] = self.model.state_dict()  # the raw weights the optimizer steps, for --resume
         if self.tuning:
             ck["encoder_state"] = self.tuning.encoder.encoder_state()  # the trained layers, trunk names
         return ck
@@ -199,6 +203,8 @@ def start_run(
     )
     if init is not None:
         model.load_state_dict(init["model"])
+    if cfg.ema:
+        run.average = WeightAverage(model, cfg.ema)
     if ck is not None:
         _restore(run, ck)
     set_objective(run)
@@ -240,7 +246,9 @@ def box_targets(data: CaptionData, path: str, d: distributed.Dist) -> BoxTargets
 
 def _restore(run: Run, ck: dict) -> None:
     """Put a resumed run's saved state back: weights, optimizer, schedule, progress, random streams."""
-    run.model.load_state_dict(ck["model"])
+    run.model.load_state_dict(ck.get("training_model", ck["model"]))
+    if run.average:
+        run.average.load_state_dict(ck["model"])
     run.optimizer.load_state_dict(ck["optimizer"])
     run.scheduler.load_state_dict(ck["scheduler"])
     run.progress = Progress(**ck["progress"])
