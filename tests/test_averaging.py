@@ -73,3 +73,9 @@ def test_without_the_average_checkpoints_hold_only_the_trained_weights(data_dir,
     cfg = TrainConfig(epochs=1, batch_size=8, val_beam_size=1, ema=0.0)
     fit(str(data_dir), str(tmp_path / "run"), SMALL, cfg, device="cpu", progress_bar=False)
     assert "training_model" not in load_checkpoint(str(tmp_path / "run" / "last.pt"))
+
+
+def test_runs_saved_before_the_average_resume_without_it():
+    saved = {k: v for k, v in TrainConfig().to_dict().items() if k != "ema"}
+    assert TrainConfig().ema > 0  # on for new runs
+    assert TrainConfig.from_dict(saved).ema == 0.0

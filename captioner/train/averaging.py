@@ -1,13 +1,16 @@
-"""An exponential moving average of the decoder's weights (Polyak averaging, as in Polyak and
-Juditsky, 1992, and the EMA most vision and language training keeps): `fit --ema DECAY`.
+"""An exponential moving average of the decoder's weights (Polyak averaging; Polyak and Juditsky,
+1992): `fit --ema DECAY`, on by default.
 
-At a constant learning rate the weights jitter around where the loss is low; the average of
-the last few hundred steps sits nearer its middle. With the average on, it is what validation
-captions, what chooses `best.pt`, and what every checkpoint holds as its model, while the
-optimizer goes on stepping the raw weights (saved beside it so `--resume` continues exactly).
+At a constant learning rate the weights jitter around where the loss is low, and which
+validation happens to catch them low or high decides `best.pt`; the average of the recent
+steps sits nearer the middle. Validation captions with the average, `best.pt` is chosen on it,
+and every checkpoint holds it as its model, while the optimizer steps the raw weights (saved
+beside it, so `--resume` continues exactly).
 
-The decay ramps in, min(decay, (1 + step) / (10 + step)), so the first steps' random weights
-do not linger in the average.
+After step t the average keeps min(DECAY, (1 + t) / (10 + t)) of itself: early on the ramp
+binds, so the average spans about the last tenth of the steps taken and the first random
+weights do not linger; DECAY caps the span in long runs (0.999: about a thousand steps).
+The encoder layers of `--fine-tune-encoder` are not averaged.
 """
 
 from __future__ import annotations

@@ -57,9 +57,9 @@ class TrainConfig:
     ] = 0.0
     ema: Annotated[
         float,
-        "decay of an exponential moving average of the decoder's weights, which validation scores and "
-        "checkpoints hold (train.averaging; 0: off)",
-    ] = 0.0
+        "most of the decoder's weights' moving average that each step keeps: validation scores the average "
+        "and checkpoints hold it (train.averaging; after step t it keeps min(EMA, (1+t)/(10+t)); 0: off)",
+    ] = 0.999
     patience: Annotated[int, "validations without improvement before stopping early"] = 8
     metric: Annotated[Literal["CIDEr", "BLEU-4"], "validation score that chooses best.pt and stops early"] = "CIDEr"
     val_beam_size: Annotated[int, "beam size of the validation captions (1: greedy)"] = 3
@@ -137,6 +137,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kw.setdefault("ema", 0.0)  # checkpoints from before --ema trained without the average
         kw["hard"] = HardAttentionConfig(**d.get("hard", {}))
         # Checkpoints from before --tune-after trained the encoder from the first step.
         kw["fine_tune"] = FineTuneConfig(**{"after": 0, **d["fine_tune"]}) if d.get("fine_tune") else None
