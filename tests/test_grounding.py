@@ -76,6 +76,16 @@ def test_pointing_hits_misses_and_chance(boxes):
     assert miss["pointing"] == 0.0 and miss["by_word"] == {"dog": [0, 1]}
 
 
+def test_misses_say_whether_the_map_was_on_another_object(boxes):
+    """A miss on the person's box is a word naming another object than the one looked at; a miss
+    on the empty middle of the image is a map on nothing."""
+    words = ["dog", "dog", "dog", "man"]
+    att = np.stack([peak_at(10, 12), peak_at(7, 2), peak_at(7, 7), peak_at(7, 2)])  # hit, on the man, on nothing, hit
+    out = pointing_accuracy({7: (words, att)}, boxes)
+    assert out["pointing"] == 0.5
+    assert out["missed_on_another_object"] == 0.25 and out["missed_on_no_object"] == 0.25
+
+
 def test_peak_is_the_drawn_maps_peak_not_one_stray_cell(boxes):
     # A 3×3 cluster on the dog (cells 9-11 × 11-13) and one single, slightly stronger cell on the person.
     att = np.full((14, 14), 0.001, np.float32)

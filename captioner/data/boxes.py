@@ -132,6 +132,10 @@ class GroundingBoxes:
     def names_object(self, word: str) -> bool:
         return word in self.colors or bool(self.category_of_word.get(word))
 
+    def all_boxes(self, image_id: int) -> list[list[float]]:
+        """Boxes [x, y, w, h] of every object in an image."""
+        return [a["bbox"] for a in self.coco.imgToAnns.get(image_id, [])]
+
     def boxes_for(self, image_id: int, word: str) -> list[list[float]]:
         """Boxes [x, y, w, h] of the objects in an image that `word` names."""
         cats = self.category_of_word.get(word, set())

@@ -54,7 +54,10 @@ def pointing_accuracy(
 
     Returns:
         {"pointing": hit rate, "chance": mean box share, "words": words scored,
-         "unmatched": object words with no such object in the image, "by_word": {word: [hits, n]},
+         "unmatched": object words with no such object in the image, "missed_on_another_object":
+         share of the scored words whose peak missed their object but lies on another boxed object
+         (the map is on an object, the word names a different one), "missed_on_no_object": share
+         whose peak lies on no boxed object, "by_word": {word: [hits, n]},
          "by_kind": {"colour" | "category": hit rate}, "lookahead": share of words whose peak
          lies on the object named by the next object word after them, "lookahead_words": how many
          words that was measured on, "two_objects": of the captions naming two objects whose boxes
@@ -62,7 +65,7 @@ def pointing_accuracy(
          many captions that was measured on}
     """
     preprocess = preprocess or Preprocess()
-    hits, chances, unmatched = [], [], 0
+    hits, chances, unmatched, on_another = [], [], 0, 0
     by_word: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     by_kind: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     ahead: list[bool] = []
@@ -96,6 +99,8 @@ def pointing_accuracy(
             objects.append(found)
             if hit:
                 reached.append(found)
+            elif on(k, boxes.all_boxes(image_id)):
+                on_another += 1
             hits.append(hit)
             chances.append(_covered_share(found, (l, t, r, b), size))
             by_word[word][0] += int(hit)
@@ -110,6 +115,8 @@ def pointing_accuracy(
         "chance": float(np.mean(chances)) if chances else None,
         "words": len(hits),
         "unmatched": unmatched,
+        "missed_on_another_object": on_another / len(hits) if hits else None,
+        "missed_on_no_object": (len(hits) - sum(hits) - on_another) / len(hits) if hits else None,
         "by_word": dict(by_word),
         "by_kind": {k: h / n for k, (h, n) in by_kind.items()},
         "lookahead": float(np.mean(ahead)) if ahead else None,
