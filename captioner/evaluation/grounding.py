@@ -75,10 +75,7 @@ def pointing_accuracy(
             continue
         size = boxes.size(image_id)
         l, t, r, b = preprocess.grid_box(*size)
-        points = []
-        for att in attention:
-            fx, fy = peak(att)
-            points.append((l + fx * (r - l), t + fy * (b - t)))
+        points = _peaks_in_pixels(attention, (l, t, r, b))
 
         def on(k: int, found) -> bool:
             px, py = points[k]
@@ -110,13 +107,25 @@ def pointing_accuracy(
             kind[1] += 1
         if _two_apart(objects):
             both.append(_two_apart(reached))
+    return _summary(hits, chances, unmatched, on_another, by_word, by_kind, ahead, both)
+
+
+def _peaks_in_pixels(attention: np.ndarray, grid_box) -> list[tuple[float, float]]:
+    """Each word's map peak, in image pixels."""
+    l, t, r, b = grid_box
+    return [(l + fx * (r - l), t + fy * (b - t)) for fx, fy in map(peak, attention)]
+
+
+def _summary(hits, chances, unmatched, on_another, by_word, by_kind, ahead, both) -> dict:
+    """The tallies as `pointing_accuracy` returns them."""
+    missed = len(hits) - sum(hits)
     return {
         "pointing": float(np.mean(hits)) if hits else None,
         "chance": float(np.mean(chances)) if chances else None,
         "words": len(hits),
         "unmatched": unmatched,
         "missed_on_another_object": on_another / len(hits) if hits else None,
-        "missed_on_no_object": (len(hits) - sum(hits) - on_another) / len(hits) if hits else None,
+        "missed_on_no_object": (missed - on_another) / len(hits) if hits else None,
         "by_word": dict(by_word),
         "by_kind": {k: h / n for k, (h, n) in by_kind.items()},
         "lookahead": float(np.mean(ahead)) if ahead else None,
