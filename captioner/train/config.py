@@ -41,7 +41,7 @@ class TrainConfig:
         "object boxes in COCO instances format (optionally a 'color' per annotation) for the training images: "
         "caption words that name a boxed object also teach attention where it is (attention correctness)",
     ] = None
-    boxes_weight: Annotated[float, "weight of the attention correctness term of --boxes"] = 3.0
+    boxes_weight: Annotated[float, "weight of the attention correctness term of --boxes"] = 10.0
     paper: Annotated[
         bool,
         "--paper-objective",
