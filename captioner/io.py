@@ -4,7 +4,8 @@ and failed writes described in words that name the place.
 Every file the package writes whole (checkpoints, JSON, the caption arrays, the feature cache's
 files, cached document frequencies) goes through `atomic_path`: written under a temporary name
 beside the target, fsync'ed, then renamed over it, so a reader sees the old file or the
-complete new one, never half of one, and a failed write leaves no temporary file behind.
+complete new one, never half of one, and a failed write leaves no temporary file behind (one
+killed outright leaves its temporary file until the next write in the same folder removes it).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 
@@ -53,6 +55,7 @@ def atomic_path(path: str) -> Iterator[str]:
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
+    _remove_orphans(folder)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}{os.path.splitext(path)[1]}")
     try:
         yield tmp
@@ -63,6 +66,29 @@ def atomic_path(path: str) -> Iterator[str]:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp(?P<pid>\d+)(?P<ext>\.[^./]*)?")
+
+
+def _remove_orphans(folder: str) -> None:
+    """Remove the temporary files `atomic_path` left in `folder` when its writer was killed
+    (SIGKILL, power loss) before it could clean up: those whose process no longer exists."""
+    for entry in os.listdir(folder):
+        m = _TEMPORARY.fullmatch(entry)
+        if m and (m["ext"] or "") == os.path.splitext(m["name"])[1] and not _alive(int(m["pid"])):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, entry))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def write_json_atomic(path: str, obj) -> None:

@@ -16,6 +16,7 @@ from conftest import REPO, run_cli
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from captioner.io import write_json_atomic
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.vocab import SPECIALS, Vocabulary, tokenize
 
@@ -98,6 +99,17 @@ def test_fit_killed_then_resumed_equals_uninterrupted(data_dir, tmp_path, uninte
     for name, value in uninterrupted["model"].items():
         assert torch.equal(resumed["model"][name], value), name
     assert not [f for f in os.listdir(out) if ".tmp" in f]  # no half-written files left
+
+
+def test_a_write_removes_what_a_killed_writer_left_and_nothing_else(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphans = [f".best.pt.tmp{dead.pid}.pt", f".metrics.json.tmp{dead.pid}.json"]
+    kept = [f".last.pt.tmp{os.getppid()}.pt", f"notes.tmp{dead.pid}.txt", f".data.tmp{dead.pid}.npy"]
+    for name in orphans + kept:
+        (tmp_path / name).write_bytes(b"half")
+    write_json_atomic(str(tmp_path / "test.json"), {"ok": 1})
+    assert sorted(os.listdir(tmp_path)) == sorted(kept + ["test.json"])
 
 
 def test_prepare_killed_then_rerun_completes_with_same_features(scenes, data_dir, tmp_path):
