@@ -151,10 +151,11 @@ def test_the_term_uses_the_passs_own_states_and_no_second_pass():
         h, c = dec.init_state(a)
         proj = dec.attention.project(a)
         for s in range(t):  # the plain step, to the picked step
-            alpha = dec.attend(proj, h)
-            h, c, _ = dec.advance(a, alpha, dec.embedding(captions[b : b + 1, s]), h, c)
-        on_image = dec.attend(proj, h)
-        on_view = dec.attend(dec.attention.project(dec.normalize(turned[b : b + 1])), h)
+            emb = dec.embedding(captions[b : b + 1, s])
+            h, c, _ = dec.advance(a, dec.attend(proj, h, emb), emb, h, c)
+        emb = dec.embedding(captions[b : b + 1, t])  # the word the picked step's map follows
+        on_image = dec.attend(proj, h, emb)
+        on_view = dec.attend(dec.attention.project(dec.normalize(turned[b : b + 1])), h, emb)
         want.append(disagreement(on_image, on_view, move.view(1, 2), 3))
     assert float(got.detach()) == pytest.approx(float(torch.cat(want).mean().detach()), rel=1e-6)
     got.backward()

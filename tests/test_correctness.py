@@ -12,6 +12,7 @@ import torch
 from captioner.data.boxes import BoxTargets, GroundingBoxes, grid_cells
 from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
+from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import DecoderConfig
 from captioner.objectives.correctness import attention_correctness
 from captioner.train.config import TrainConfig
@@ -63,6 +64,8 @@ def test_fit_learns_from_the_boxes_and_refuses_a_file_without_training_images(da
     log = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     terms = [r["boxes"] for r in log if r["event"] == "train"]
     assert terms and np.mean(terms[-5:]) < np.mean(terms[:5])  # attention moves onto the objects
+    # With boxes the query holds the word just written, unless told otherwise; the model records it.
+    assert load_checkpoint(str(tmp_path / "run" / "best.pt"))["decoder"]["word_query"] is True
     data = CaptionData(str(data_dir))
     held = {int(i) for s in ("val", "test") for i in data.split_images(s)[0]}
     instances = json.loads((scenes / "boxes.json").read_text())

@@ -230,26 +230,50 @@ def test_hard_modes_report_locations():
     assert [b[0].tokens for b in s1] == [b[0].tokens for b in s2]
 
 
-def test_attention_equals_the_paper_formula_with_gradients():
-    """The fast score (2v·σ(2z)) gives the α and the gradients of softmax(v·tanh(z))."""
+@pytest.mark.parametrize("embed_dim", [None, 3])
+def test_attention_equals_the_paper_formula_with_gradients(embed_dim):
+    """The fast score (2v·σ(2z)) gives the α and the gradients of softmax(v·tanh(z)), with z the
+    paper's W_a a_i + W_h h_{t-1}, plus W_y E y_{t-1} when the query holds the word."""
     from captioner.models.decoder import Attention
 
     torch.manual_seed(0)
-    att = Attention(6, 5, 4).double()
+    att = Attention(6, 5, 4, embed_dim).double()
     feats = torch.randn(2, 7, 6, dtype=torch.float64)
     h = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    emb = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, 7, dtype=torch.float64)
 
     def paper():
-        e = att.v(torch.tanh(att.W_a(feats) + att.W_h(h).unsqueeze(1))).squeeze(2)
+        q = att.W_h(h) + (0 if embed_dim is None else att.W_y(emb))
+        e = att.v(torch.tanh(att.W_a(feats) + q.unsqueeze(1))).squeeze(2)
         return e.softmax(dim=1)
 
-    params = [h, *att.parameters()]
-    ours = att(att.project(feats), h)
+    params = [h, *att.parameters()] + ([emb] if embed_dim else [])
+    ours = att(att.project(feats), h, emb)
     ref = paper()
     torch.testing.assert_close(ours, ref)
     for g1, g2 in zip(torch.autograd.grad((ours * w).sum(), params), torch.autograd.grad((ref * w).sum(), params)):
         torch.testing.assert_close(g1, g2)
+
+
+def test_the_map_knows_the_word_just_written_only_with_the_word_query():
+    """α_t changes with y_{t-1} when the query holds the word; without it (the paper's), α_t
+    depends on h_{t-1} alone, which has not seen y_{t-1}; a checkpoint without the field loads as
+    the paper's."""
+    from captioner.models.decoder import DecoderConfig
+
+    for word_query in (True, False):
+        torch.manual_seed(0)
+        dec = tiny(dropout=0.0, word_query=word_query).eval()
+        feats, caps, _ = batch()
+        a = dec.teacher_forced(feats, caps).alphas
+        other = caps.clone()
+        other[:, 1] = (other[:, 1] % (dec.config.vocab_size - 4)) + 4  # another first word
+        b = dec.teacher_forced(feats, other).alphas
+        torch.testing.assert_close(a[:, 0], b[:, 0])  # the map before the word
+        assert torch.allclose(a[:, 1], b[:, 1]) != word_query  # the map of the word after it
+    old = {k: v for k, v in dec.config.to_dict().items() if k != "word_query"}
+    assert DecoderConfig.from_dict(old).word_query is False
 
 
 def test_training_loss_skips_padding_but_equals_the_full_one():
@@ -266,12 +290,13 @@ def test_training_loss_skips_padding_but_equals_the_full_one():
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("fixed_locations", [False, True])
-def test_fused_pass_equals_the_plain_one(fixed_locations):
+@pytest.mark.parametrize("fixed_locations, word_query", [(False, False), (True, False), (False, True)])
+def test_fused_pass_equals_the_plain_one(fixed_locations, word_query):
     """The fused soft pass (models.fused: h's three maps in one product, the hand-written score
     backward, W and p gradients summed once per pass) gives the values and gradients of the plain
-    step-by-step pass (`attend`, `advance` at each step), in float64, on a padded, unsorted batch."""
-    dec = tiny().double()
+    step-by-step pass (`attend`, `advance` at each step), in float64, on a padded, unsorted batch,
+    with the paper's query and with the word in it."""
+    dec = tiny(word_query=word_query).double()
     feats, caps, lengths = batch(B=3, T=7)
     feats = feats.double()
     weights = torch.rand(3, 6, L, dtype=torch.float64)

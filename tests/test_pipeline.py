@@ -108,6 +108,7 @@ def test_checkpoint_round_trip_gives_identical_outputs(small_run, scenes, tmp_pa
     image = sorted((scenes / "images").iterdir())[0]
     a = Captioner.load(str(small_run / "best.pt"))
     ck = load_checkpoint(str(small_run / "best.pt"))
+    assert ck["decoder"]["word_query"] is False  # without boxes, the paper's query
     save_checkpoint({k: v for k, v in ck.items() if k != "format"}, str(tmp_path / "copy.pt"))
     b = Captioner.load(str(tmp_path / "copy.pt"))
     oa, ob = a.caption(image, beam_size=3), b.caption(image, beam_size=3)

@@ -43,6 +43,11 @@ class DecoderConfig:
         "soft: deterministic attention; hard: sampled locations "
         "trained with REINFORCE (both decode with the expected context by default)",
     ] = "soft"
+    word_query: Annotated[
+        bool | None,
+        "attend from h_{t-1} and the word just written, not h_{t-1} alone as the paper does, so that a "
+        "map knows which object the caption has begun to name (default: with --boxes; docs/attention.md)",
+    ] = None
 
     def __post_init__(self):
         if self.attention not in ("soft", "hard"):
@@ -52,6 +57,11 @@ class DecoderConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DecoderConfig:
+        """The config a checkpoint records; those from before `word_query` attended from h_{t-1} alone."""
+        return cls(**{"word_query": False, **d})
 
 
 class Unrolled(NamedTuple):
@@ -74,24 +84,35 @@ class Joined(NamedTuple):
 class Attention(nn.Module):
     """f_att, the MLP of eq. (4): e_ti = v·tanh(W_a a_i + W_h h_{t-1}); α_t = softmax(e_t), eq. (5).
 
+    With `embed_dim`, the query also holds the word just written: e_ti = v·tanh(W_a a_i + W_h h_{t-1}
+    + W_y E y_{t-1}). h_{t-1} has not seen y_{t-1} (it enters the LSTM at step t), so without it the
+    map for "triangle" in "a yellow triangle" cannot know that the caption chose the yellow object.
+
     Computed as e_ti = 2v·σ(2 W_a a_i + 2 W_h h_{t-1}): tanh(x) = 2σ(2x) − 1, so the two differ by
     −Σv for every location, which softmax ignores: α is exactly the paper's, and on a CPU σ is
     about ten times cheaper than tanh. W_a a_i is computed once per image (`project`), doubled.
     """
 
-    def __init__(self, encoder_dim: int, hidden_dim: int, attention_dim: int):
+    def __init__(self, encoder_dim: int, hidden_dim: int, attention_dim: int, embed_dim: int | None = None):
         super().__init__()
         self.W_a = nn.Linear(encoder_dim, attention_dim)  # annotation → attention space
         self.W_h = nn.Linear(hidden_dim, attention_dim, bias=False)  # previous state → attention space
         self.v = nn.Linear(attention_dim, 1, bias=False)  # score per location
+        # previous word → attention space
+        self.W_y = None if embed_dim is None else nn.Linear(embed_dim, attention_dim, bias=False)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """2 W_a a_i for all locations: once per image, not once per step."""
         return F.linear(features, 2 * self.W_a.weight, 2 * self.W_a.bias)  # (B, L, A)
 
-    def forward(self, projected: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """α_t (B, L) from `project`'s output (B, L, A) and h_{t-1} (B, H)."""
-        s = torch.sigmoid(projected + 2 * self.W_h(h).unsqueeze(1))  # (B, L, A)
+    def query(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """W_h h_{t-1} (+ W_y E y_{t-1}) (B, A) from h_{t-1} (B, H) and the word's embedding (B, E)."""
+        q = self.W_h(h)
+        return q if self.W_y is None else q + self.W_y(emb)
+
+    def forward(self, projected: torch.Tensor, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """α_t (B, L) from `project`'s output (B, L, A), h_{t-1} (B, H) and E y_{t-1} (B, E)."""
+        s = torch.sigmoid(projected + 2 * self.query(h, emb).unsqueeze(1))  # (B, L, A)
         e = s @ (2 * self.v.weight.view(-1))  # (B, L)
         return e.softmax(dim=1)  # (B, L), sums to 1
 
@@ -107,6 +128,7 @@ class AttentionDecoder(nn.Module):
         attention_dim: A, hidden size of the attention MLP.
         dropout: dropout before the output layer L_o (None: 0.2 for soft, 0.5 for hard).
         attention: "soft" or "hard" (how it is trained; both decode with the expected context).
+        word_query: attend from h_{t-1} and the word just written (False, None: h_{t-1} alone, the paper).
     """
 
     def __init__(
@@ -119,12 +141,15 @@ class AttentionDecoder(nn.Module):
         attention_dim: int = 512,
         dropout: float | None = None,
         attention: str = "soft",
+        word_query: bool | None = False,
     ):
         super().__init__()
-        self.config = DecoderConfig(vocab_size, encoder_dim, embed_dim, hidden_dim, attention_dim, dropout, attention)
+        self.config = DecoderConfig(
+            vocab_size, encoder_dim, embed_dim, hidden_dim, attention_dim, dropout, attention, bool(word_query)
+        )
         E, D, H = embed_dim, encoder_dim, hidden_dim
         self.embedding = nn.Embedding(vocab_size, E)  # E, the word embedding matrix
-        self.attention = Attention(D, H, attention_dim)  # f_att
+        self.attention = Attention(D, H, attention_dim, E if word_query else None)  # f_att
         self.f_beta = nn.Linear(H, 1)  # gating scalar β_t = σ(f_β(h_{t-1})), §4.2.1
         self.init_h = nn.Linear(D, H)  # f_init,h on the mean annotation
         self.init_c = nn.Linear(D, H)  # f_init,c on the mean annotation
@@ -165,9 +190,9 @@ class AttentionDecoder(nn.Module):
         mean = features.mean(dim=1)  # (B, D)
         return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))  # (B, H) each
 
-    def attend(self, projected: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """α_t (B, L), eqs. (4)-(5), from h_{t-1}."""
-        return self.attention(projected, h)
+    def attend(self, projected: torch.Tensor, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """α_t (B, L), eqs. (4)-(5), from h_{t-1} (and E y_{t-1}, with `word_query`)."""
+        return self.attention(projected, h, emb)
 
     def advance(
         self,
@@ -239,9 +264,9 @@ class AttentionDecoder(nn.Module):
         Returns:
             logits (B, V), h (B, H), c (B, H), α (B, L), chosen locations (B,) or None.
         """
-        alpha = self.attend(projected, h)  # (B, L)
-        loc = choose_locations(alpha, mode, generator)  # (B,) or None
         emb = self.embedding(words)  # (B, E)
+        alpha = self.attend(projected, h, emb)  # (B, L)
+        loc = choose_locations(alpha, mode, generator)  # (B,) or None
         h, c, z = self.advance(features, alpha, emb, h, c, loc, joined)
         return self.output(emb, h, z, joined), h, c, alpha, loc
 
@@ -277,7 +302,7 @@ class AttentionDecoder(nn.Module):
         emb = self.embedding(captions[:, :-1])  # (B, T-1, E)
         hs, zs, alphas, locs = [], [], [], []
         for t in range(T - 1):
-            alpha = self.attend(projected, h)  # (B, L)
+            alpha = self.attend(projected, h, emb[:, t])  # (B, L)
             loc = None if locations is None else locations[:, t]
             if loc is None and sampled is not None:
                 draw = torch.multinomial(alpha.detach().float(), 1, generator=generator).squeeze(1)  # (B,)

@@ -168,7 +168,7 @@ def fused_unroll(decoder: AttentionDecoder, features: torch.Tensor, captions: to
     # All steps at once, for the running captions only (time-major, step t's n rows after
     # step t-1's), then one (n, 4H) view per step: split's backward is a single cat, where
     # indexing at every step would zero-fill a (B, T-1, 4H) gradient each time.
-    gates_y = decoder.lstm_y(emb[order].transpose(0, 1)[running]).split(active)  # T-1 × (n, 4H)
+    words = _word_maps(decoder, emb[order].transpose(0, 1)[running]).split(active)  # T-1 × (n, [A +] 4H)
     z, alpha = features[:, 0], projected.new_zeros(B, L)  # only read when no caption runs
     W_hh, W_z = _h_weights(decoder), decoder.lstm_z.weight  # once per pass, not per step
     shared = None
@@ -181,7 +181,7 @@ def fused_unroll(decoder: AttentionDecoder, features: torch.Tensor, captions: to
     hs, zs, alphas = [], [], []
     for t, n in enumerate(active):
         if n:
-            h, c, z, alpha = _step(decoder, features[:n], projected, gates_y[t], h[:n], c[:n], W_hh, W_z, shared)
+            h, c, z, alpha = _step(decoder, features[:n], projected, words[t], h[:n], c[:n], W_hh, W_z, shared)
         rest = (0, 0, 0, B - n)  # pad the finished rows back in
         hs.append(F.pad(h[:n], rest)), zs.append(F.pad(z[:n], rest))
         alphas.append(F.pad(alpha[:n], rest, value=1.0 / L))
@@ -191,11 +191,20 @@ def fused_unroll(decoder: AttentionDecoder, features: torch.Tensor, captions: to
     return Unrolled(emb, h_all, z_all, a_all, locs)
 
 
+def _word_maps(decoder: AttentionDecoder, emb: torch.Tensor) -> torch.Tensor:
+    """[2 W_y E y_{t-1};] the LSTM's map of E y_{t-1} (N, [A +] 4H), for every step's running rows at once."""
+    W_y = decoder.attention.W_y
+    if W_y is None:
+        return decoder.lstm_y(emb)
+    weight = torch.cat([2 * W_y.weight, decoder.lstm_y.weight])  # (A + 4H, E)
+    return F.linear(emb, weight, F.pad(decoder.lstm_y.bias, (W_y.out_features, 0)))
+
+
 def _step(
     decoder: AttentionDecoder,
     features: torch.Tensor,
     projected: torch.Tensor,
-    gates_y: torch.Tensor,
+    words: torch.Tensor,
     h: torch.Tensor,
     c: torch.Tensor,
     W_hh: torch.Tensor,
@@ -203,7 +212,8 @@ def _step(
     shared: tuple | None = None,
 ):
     """One teacher-forced soft step for the n = len(h) captions still running: attend with
-    h_{t-1}, then the LSTM. `features` and `gates_y` hold those n rows; `projected` may hold
+    h_{t-1} (and the word's share of the query, with `word_query`), then the LSTM. `features`
+    and `words` (`_word_maps`) hold those n rows; `projected` may hold
     the whole batch (its first n rows are used); W_hh is `_h_weights`, W_z the LSTM's map
     of ẑ. The same math as `AttentionDecoder.attend` and `advance`, with their three maps of
     h_{t-1} in one product. With `shared` (a training pass), W_hh and W_z come from
@@ -214,7 +224,12 @@ def _step(
     """
     pairs_h, pairs_z, total = shared or (None, None, None)
     hh = F.linear(h, W_hh) if shared is None else _StepProduct.apply(h, W_hh, pairs_h)  # (n, A + 4H + 1)
-    q, gates_h, f = hh.split([decoder.config.attention_dim, gates_y.size(1), 1], dim=1)
+    q, gates_h, f = hh.split([decoder.config.attention_dim, decoder.lstm_h.out_features, 1], dim=1)
+    if decoder.attention.W_y is None:
+        gates_y = words
+    else:
+        q_y, gates_y = words.split([q.size(1), gates_h.size(1)], dim=1)
+        q = q + q_y
     alpha = _attention_weights(decoder, projected, q, total)  # (n, L)
     beta = torch.sigmoid(f + decoder.f_beta.bias)  # (n, 1)
     z = beta * torch.bmm(alpha.unsqueeze(1), features).squeeze(1)  # (n, D), expected context

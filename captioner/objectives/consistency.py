@@ -94,8 +94,9 @@ def consistency(
     h0, _ = decoder.init_state(images)  # (N, H)
     h_before = unrolled.h[rows, (steps - 1).clamp_min(0)]  # (N, H) h_{t-1}
     h_before = torch.where((steps == 0).unsqueeze(1), h0, h_before).detach()
-    maps = decoder.attend(decoder.attention.project(images), h_before)  # (N, L) α
-    maps_in_view = decoder.attend(decoder.attention.project(decoder.normalize(views)), h_before)  # (N, L) α'
+    word_before = unrolled.emb[rows, steps].detach()  # (N, E) E y_{t-1}
+    maps = decoder.attend(decoder.attention.project(images), h_before, word_before)  # (N, L) α
+    maps_in_view = decoder.attend(decoder.attention.project(decoder.normalize(views)), h_before, word_before)  # α'
     grid = math.isqrt(maps.size(-1))
     per_step = disagreement(maps, maps_in_view, moves, grid)  # (N,)
     return per_step.mean() * mask.sum() / words

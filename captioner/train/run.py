@@ -160,13 +160,15 @@ def start_run(
         model_cfg, cfg = _resume_config(ck, data, cfg, last_path)
     elif cfg.init:
         init = _init_checkpoint(cfg.init, data, dev)
-        model_cfg = DecoderConfig(**init["decoder"])
+        model_cfg = DecoderConfig.from_dict(init["decoder"])
     elif cfg.objective == "scst":
         raise CaptionerError(
             "--objective scst starts from a trained model: pass --init RUN/best.pt "
             "(or --resume to continue a self-critical run)"
         )
     model_cfg = DecoderConfig(**{**(model_cfg or DecoderConfig(0)).to_dict(), "vocab_size": len(data.vocab)})
+    if model_cfg.word_query is None:  # with boxes, every object word's map is taught where to be
+        model_cfg.word_query = bool(cfg.boxes) and not cfg.paper
     _choose_objective_data(data, cfg, d)
     if cfg.boxes:
         data.box_targets = box_targets(data, cfg.boxes, d)
@@ -337,7 +339,7 @@ def _resume_config(ck: dict, data: CaptionData, cfg: TrainConfig, path: str) -> 
     fine_tune = saved.to_dict()["fine_tune"]
     if fine_tune and cfg.fine_tune is not None:
         fine_tune["workers"] = cfg.fine_tune.workers
-    return DecoderConfig(**ck["decoder"]), TrainConfig.from_dict(
+    return DecoderConfig.from_dict(ck["decoder"]), TrainConfig.from_dict(
         {
             **saved.to_dict(),
             "epochs": cfg.epochs,
