@@ -130,3 +130,10 @@ def test_a_model_whose_maps_were_flagged_says_so_wherever_it_shows_them(small_ru
     ck["attention"] = {"meaningful": True, "problems": [], "health": HEALTHY}
     save_checkpoint(ck, str(tmp_path / "ok.pt"))
     assert Captioner.load(str(tmp_path / "ok.pt")).attention_warning is None
+
+
+def test_the_advice_suggests_boxes_only_to_runs_without_them():
+    from captioner.evaluation.health import advice
+
+    assert "`fit --boxes`" in advice(boxes=False)
+    assert "`fit --boxes`" not in advice(boxes=True) and "--alpha-c" in advice(boxes=True)

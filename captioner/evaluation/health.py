@@ -92,12 +92,14 @@ def problems(health: dict) -> list[str]:
     return out
 
 
-ADVICE = (
-    "the heatmaps may not show what the model names. Check that `prepare` stored the images' views "
-    "(its default: the attention consistency needs them) and that --consistency is on; with "
-    "object boxes, `fit --boxes` teaches attention where the objects are; maps spread evenly: lower "
-    "--alpha-c; see docs/attention.md"
-)
+def advice(*, boxes: bool) -> str:
+    """What to try when the health check flags a run's maps; `boxes`: the run had `fit --boxes`."""
+    return (
+        "the heatmaps may not show what the model names. Check that `prepare` stored the images' views "
+        "(its default: the attention consistency needs them) and that --consistency is on; "
+        + ("" if boxes else "with object boxes, `fit --boxes` teaches attention where the objects are; ")
+        + "maps spread evenly: lower --alpha-c; see docs/attention.md"
+    )
 
 
 def summary(health: dict) -> str:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from captioner.errors import CaptionerError
 from captioner.evaluation.captioning import caption_split, score_validation
-from captioner.evaluation.health import ADVICE, attention_health, problems
+from captioner.evaluation.health import advice, attention_health, problems
 from captioner.evaluation.health import summary as health_summary
 from captioner.models.decoder import DecoderConfig
 from captioner.train import distributed, resilience
@@ -264,7 +264,7 @@ def _select(run: Run, metrics: dict) -> bool:
             f"e.g. {metrics['example']!r}; {health_summary(metrics['attention_health'])}"
         )
         if found:
-            log.warning(f"step {progress.step}: {'; '.join(found)}: {ADVICE}")
+            log.warning(f"step {progress.step}: {'; '.join(found)}: {advice(boxes=bool(cfg.boxes))}")
     return improved
 
 
@@ -337,5 +337,5 @@ def _chosen(run: Run) -> str:
     return (
         f"best.pt: step {p.best_step}, {metric} {p.best:.3f}: the attention health check flagged every "
         "validation, so its heatmaps are NOT MEANINGFUL (the checkpoint records it, and the demo, "
-        f"`captioner caption --figures` and the notebooks say so): {ADVICE}"
+        f"`captioner caption --figures` and the notebooks say so): {advice(boxes=bool(run.cfg.boxes))}"
     )
