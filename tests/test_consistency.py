@@ -140,7 +140,7 @@ def test_the_term_uses_the_passs_own_states_and_no_second_pass():
     feats, turned = torch.randn(2, 4, 9, 6, dtype=torch.float64)
     captions = torch.tensor([[1, 4, 5, 2], [1, 6, 2, 0], [1, 7, 8, 2], [1, 3, 2, 0]])
     lengths = torch.tensor([4, 3, 4, 3])
-    _, _, u, mask = sequence_terms(dec, feats, captions, lengths)
+    _, _, u, mask, _ = sequence_terms(dec, feats, captions, lengths)
     rows = torch.tensor([0, 1, 3])
     moves = torch.tensor([[1, 0], [-1, 1], [0, -1]])
     got = consistency(dec, feats, turned[rows], rows, moves, u, mask, mask.sum(), torch.Generator().manual_seed(3))

@@ -57,13 +57,56 @@ def test_targets_are_the_object_words_of_training_images(data_dir, scenes):
     assert batch.box_rows is not None and batch.box_masks.shape == (len(batch.box_rows), 196)
 
 
+def test_every_object_word_of_a_training_image_has_its_cells_and_held_out_images_none(data_dir, scenes):
+    data = CaptionData(str(data_dir))
+    boxes = GroundingBoxes(str(scenes / "boxes.json"))
+    targets = BoxTargets(data, boxes, data.encoder.preprocess, data.encoder.grid)
+    ids, rows = data.split_images("train")
+    checked = 0
+    for image_id, row in zip(ids[:10], rows[:10]):
+        size = boxes.size(int(image_id))
+        for word_id, word in enumerate(data.vocab.words):
+            found = boxes.boxes_for(int(image_id), word) if boxes.names_object(word) else []
+            mask = targets.mask_of(int(row), word_id)
+            if not found:
+                assert mask is None, word
+                continue
+            checked += 1
+            want = grid_cells(found, size, data.encoder.preprocess.grid_box(*size), 14)
+            assert np.array_equal(mask, want), word
+    assert checked > 10
+    held = data.split_images("test")[1]
+    assert all(targets.mask_of(int(r), w) is None for r in held for w in range(len(data.vocab)))
+
+
+def test_the_targets_of_predicted_words_are_those_of_the_same_words_in_a_caption(data_dir, scenes):
+    data = CaptionData(str(data_dir))
+    targets = BoxTargets(data, GroundingBoxes(str(scenes / "boxes.json")), data.encoder.preprocess, 14)
+    data.box_targets = targets
+    batch = next(iter(data.batches(8, seed=0, epoch=0)))
+    real = np.arange(batch.captions.size(1) - 1)[None, :] < (batch.lengths.numpy() - 1)[:, None]  # (B, T-1)
+    # A model that predicts every caption's own next word is taught exactly the caption's targets.
+    predicted = batch.captions[:, 1:].numpy()
+    rows, steps, masks = targets.for_predictions(batch.box_images.numpy(), predicted, real)
+    got = sorted(zip(rows.tolist(), steps.tolist(), map(bytes, masks)))
+    want = sorted(zip(batch.box_rows.tolist(), batch.box_steps.tolist(), map(bytes, batch.box_masks.numpy())))
+    assert got == want and len(got) > 0
+    # Words naming nothing in the image, and padding, are no targets.
+    assert targets.for_predictions(batch.box_images.numpy(), np.zeros_like(predicted), real) is None
+    assert targets.for_predictions(batch.box_images.numpy(), predicted, np.zeros_like(real)) is None
+
+
 def test_fit_learns_from_the_boxes_and_refuses_a_file_without_training_images(data_dir, scenes, tmp_path):
     small = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0)
-    cfg = TrainConfig(epochs=2, batch_size=8, val_images=4, log_every=1, boxes=str(scenes / "boxes.json"))
+    cfg = TrainConfig(
+        epochs=2, batch_size=8, val_images=4, log_every=1, boxes=str(scenes / "boxes.json"), boxes_choice_weight=10
+    )
     fit(str(data_dir), str(tmp_path / "run"), small, cfg, device="cpu", progress_bar=False)
     log = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     terms = [r["boxes"] for r in log if r["event"] == "train"]
     assert terms and np.mean(terms[-5:]) < np.mean(terms[:5])  # attention moves onto the objects
+    chosen = [r["boxes_choice"] for r in log if r["event"] == "train"]
+    assert len(chosen) == len(terms) and all(math.isfinite(c) for c in chosen) and max(chosen) > 0
     # With boxes the query holds the word just written, unless told otherwise; the model records it.
     assert load_checkpoint(str(tmp_path / "run" / "best.pt"))["decoder"]["word_query"] is True
     data = CaptionData(str(data_dir))

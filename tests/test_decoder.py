@@ -303,7 +303,7 @@ def test_fused_pass_equals_the_plain_one(fixed_locations, word_query):
 
     def run(unroll):
         u = unroll()
-        nll, mask = word_nll(dec, u, caps, lengths)
+        nll, mask, _ = word_nll(dec, u, caps, lengths)
         loss = nll.sum() + (u.alphas * weights * mask.unsqueeze(2)).sum()
         return nll, torch.autograd.grad(loss, list(dec.parameters()), allow_unused=True)
 

@@ -169,11 +169,13 @@ def grid_cells(boxes: list[list[float]], size: tuple[int, int], grid_box, grid: 
 
 
 class BoxTargets:
-    """Where each training caption's object words should look: the grid cells of the objects they
-    name (through `GroundingBoxes`' categories, synonyms and colours), for `fit --boxes`.
+    """Where the object words of the training images' captions should look: the grid cells of the
+    objects they name (through `GroundingBoxes`' categories, synonyms and colours), for `fit --boxes`.
 
-    Only training images' boxes are read. Stored compactly: one mask per (image, word) and, per
-    caption, the (step, mask) pairs of its object words, so that a batch's targets are a lookup.
+    Only training images' boxes are read. Each training image with boxes has a mask per vocabulary
+    word that names one of its objects (`mask_of`), so the words of any caption of it, the
+    dataset's or one the model wrote, find their cells by lookup; per dataset caption, the
+    (step, mask) pairs of its object words are listed, so that a batch's targets are a slice.
 
     Args:
         data: the prepared data directory (`CaptionData`).
@@ -183,26 +185,56 @@ class BoxTargets:
 
     def __init__(self, data, boxes: GroundingBoxes, preprocess, grid: int):
         ids = data.meta["image_ids"]
-        train = {int(i) for i in data.split_images("train")[0]}
-        masks, index, caption, steps, which = [], {}, [], [], []
-        for c, (row, tokens, length) in enumerate(zip(data.rows, data.tokens, data.lengths)):
+        train_rows = {int(r) for r in data.split_images("train")[1]}
+        naming = _words_naming(boxes, data.vocab.words)
+        masks: list[np.ndarray] = []
+        self.index: dict[tuple[int, int], int] = {}  # (feature row, word id) → row of `masks`
+        for row in sorted(train_rows):
             image_id = int(ids[row])
-            if image_id not in train or image_id not in boxes:
+            if image_id not in boxes:
                 continue
-            for p in range(1, int(length) - 1):  # the words; α at step p-1 produced word p
-                word = data.vocab.words[int(tokens[p])]
-                if (image_id, word) not in index:
-                    found = boxes.boxes_for(image_id, word) if boxes.names_object(word) else []
-                    index[image_id, word] = None
-                    if found:
-                        size = boxes.size(image_id)
-                        index[image_id, word] = len(masks)
-                        masks.append(grid_cells(found, size, preprocess.grid_box(*size), grid))
-                if index[image_id, word] is not None:
-                    caption.append(c), steps.append(p - 1), which.append(index[image_id, word])
+            anns = boxes.coco.imgToAnns.get(image_id, [])
+            found: dict[int, list[int]] = defaultdict(list)  # word → the annotations it names
+            for k, ann in enumerate(anns):
+                named = naming.get(("category", ann["category_id"]), ()) + naming.get(("color", ann.get("color")), ())
+                for word in named:
+                    found[word].append(k)
+            size, made = boxes.size(image_id), {}
+            for word, named in found.items():  # words naming the same objects (synonyms) share one mask
+                if tuple(named) not in made:
+                    made[tuple(named)] = len(masks)
+                    masks.append(grid_cells([anns[k]["bbox"] for k in named], size, preprocess.grid_box(*size), grid))
+                self.index[row, word] = made[tuple(named)]
         self.masks = np.stack(masks) if masks else np.zeros((0, grid * grid), dtype=bool)  # (M, L)
+        caption, steps, which = [], [], []
+        for c, (row, tokens, length) in enumerate(zip(data.rows, data.tokens, data.lengths)):
+            for p in range(1, int(length) - 1):  # the words; α at step p-1 produced word p
+                m = self.index.get((int(row), int(tokens[p])))
+                if m is not None:
+                    caption.append(c), steps.append(p - 1), which.append(m)
         self.caption, self.steps, self.which = (np.asarray(x, dtype=np.int64) for x in (caption, steps, which))
         self.words = len(self.caption)
+        self.rows = data.rows  # (C,) each dataset caption's feature row
+        self.names_object = np.zeros(len(data.vocab), dtype=bool)  # (V,) words that name some category or colour
+        self.names_object[[w for words in naming.values() for w in words]] = True
+
+    def mask_of(self, row: int, word: int) -> np.ndarray | None:
+        """The cells (L,) bool of the objects word id `word` names in the image of feature row
+        `row`; None when it names none there (or the image is not a training image with boxes)."""
+        m = self.index.get((row, word))
+        return None if m is None else self.masks[m]
+
+    def for_predictions(self, images: np.ndarray, predicted: np.ndarray, real: np.ndarray):
+        """The targets of the words a model predicts at each step (B, T-1) of captions of the
+        images of feature rows `images` (B,), at the real steps `real` (B, T-1): their places (E,),
+        steps (E,) and masks (E, L) where the word names an object of the image; None otherwise."""
+        places, steps = np.nonzero(real & self.names_object[predicted])
+        found = [(b, t, self.index.get((int(images[b]), int(predicted[b, t])))) for b, t in zip(places, steps)]
+        found = [f for f in found if f[2] is not None]
+        if not found:
+            return None
+        b, t, m = (np.asarray(x, dtype=np.int64) for x in zip(*found))
+        return b, t, self.masks[m]
 
     def for_captions(self, idx: np.ndarray):
         """The targets of captions `idx` (a batch, in order): their places in the batch (E,), the
@@ -214,3 +246,14 @@ class BoxTargets:
             return None
         entries = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)])
         return np.repeat(np.arange(len(idx)), counts), self.steps[entries], self.masks[self.which[entries]]
+
+
+def _words_naming(boxes: GroundingBoxes, vocabulary: list[str]) -> dict[tuple[str, object], tuple[int, ...]]:
+    """("category", id) and ("color", name) → the ids of the vocabulary's words that name them."""
+    naming: dict[tuple[str, object], list[int]] = defaultdict(list)
+    for word_id, word in enumerate(vocabulary):
+        for cat in boxes.category_of_word.get(word, ()):
+            naming["category", cat].append(word_id)
+        if word in boxes.colors:
+            naming["color", word].append(word_id)
+    return {k: tuple(v) for k, v in naming.items()}

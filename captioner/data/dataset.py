@@ -53,6 +53,7 @@ class Batch:
     box_rows: torch.Tensor | None = None
     box_steps: torch.Tensor | None = None
     box_masks: torch.Tensor | None = None
+    box_images: torch.Tensor | None = None  # (B,) each caption's feature row, for the model's own captions
 
     def to(self, device, non_blocking: bool = False) -> Batch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -73,13 +74,17 @@ class Batch:
             self.box_rows,
             self.box_steps,
             self.box_masks,
+            self.box_images,
         )
         moved = [t if t is None else fn(t) for t in tensors]
         return Batch(*moved[:4], self.dropped, *moved[4:])
 
     def with_targets(self, targets, idx: np.ndarray) -> Batch:
         """The batch with the box targets of its captions `idx` (`data.boxes.BoxTargets`), if any."""
-        found = targets.for_captions(idx) if targets is not None else None
+        if targets is None:
+            return self
+        self.box_images = torch.from_numpy(targets.rows[idx].astype(np.int64))
+        found = targets.for_captions(idx)
         if found is not None:
             self.box_rows, self.box_steps, self.box_masks = (torch.from_numpy(x) for x in found)
         return self

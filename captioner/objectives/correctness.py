@@ -4,6 +4,13 @@ where a dataset has object boxes, a word that names a boxed object should look a
 For each such word, −log Σ_{i in the object's cells} α_ti: the attention the map gives the
 object's cells, as a likelihood. `fit --boxes INSTANCES_JSON` adds it to the objective, per word,
 for the training images' boxes only (`data.boxes.BoxTargets` says which words and cells).
+
+On the dataset's words alone the term cannot make a map commit where the next object is the
+caption's choice: captions name a scene's objects in either order, so under teacher forcing the
+map drawn before "yellow" in "a yellow triangle and a purple square" pays least split between
+the two objects, and the word is then read from a blend of both. The same term at the word the
+model itself would write at each step (its most likely word there, `BoxTargets.for_predictions`)
+asks that map to lie on the object of the model's own choice, so that the choice and the map agree.
 Symbols: E (caption, step) pairs with a target, L locations.
 """
 

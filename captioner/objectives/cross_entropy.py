@@ -19,14 +19,17 @@ def word_nll(decoder: AttentionDecoder, unrolled: Unrolled, captions: torch.Tens
     """−log p(y_t) at every real position; logits are computed there only, not on padding.
 
     Returns:
-        (B, T-1) negative log-likelihoods (0 on padding), and the (B, T-1) mask.
+        (B, T-1) negative log-likelihoods (0 on padding), the (B, T-1) mask, and the (B, T-1)
+        most likely word at each position (0 on padding).
     """
     T1 = unrolled.h.size(1)
     mask = step_mask(lengths, T1)  # (B, T-1)
     logits = decoder.output(unrolled.emb[mask], unrolled.h[mask], unrolled.z[mask])  # (N, V)
     nll = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
     nll[mask] = F.cross_entropy(logits.float(), captions[:, 1 : T1 + 1][mask], reduction="none")
-    return nll, mask
+    predicted = torch.zeros(mask.shape, dtype=torch.long, device=logits.device)
+    predicted[mask] = logits.detach().argmax(-1)
+    return nll, mask, predicted
 
 
 def attention_penalty(alphas: torch.Tensor, mask: torch.Tensor, alpha_c: float = 1.0) -> torch.Tensor:
@@ -51,12 +54,12 @@ def sequence_terms(
             DDP, the global count divided by the number of processes).
 
     Returns:
-        (nll per word, penalty per word, the `Unrolled` pass, the mask).
+        (nll per word, penalty per word, the `Unrolled` pass, the mask, the most likely words).
     """
     u = decoder.teacher_forced(features, captions)
-    nll, mask = word_nll(decoder, u, captions, lengths)
+    nll, mask, predicted = word_nll(decoder, u, captions, lengths)
     words = mask.sum() if words is None else words
-    return nll.sum() / words, attention_penalty(u.alphas.float(), mask, alpha_c).sum() / words, u, mask
+    return nll.sum() / words, attention_penalty(u.alphas.float(), mask, alpha_c).sum() / words, u, mask, predicted
 
 
 def caption_loss(

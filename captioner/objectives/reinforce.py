@@ -91,7 +91,7 @@ def hard_attention_loss(
     sampled = torch.rand(B, generator=generator, device=features.device) >= cfg.semi_sampling  # (B,)
     u = model.unroll(features, captions, sampled=sampled, generator=generator)
     alphas, locs = u.alphas, u.locations
-    nll, mask = word_nll(model, u, captions, lengths)  # (B, T-1)
+    nll, mask, _ = word_nll(model, u, captions, lengths)  # (B, T-1)
     mask = mask.float()
     logp_y = -nll.sum(1)  # (B,)
     log_alpha = alphas.float().clamp_min(LOG_EPS).log()  # (B, T-1, L)

@@ -42,6 +42,12 @@ class TrainConfig:
         "caption words that name a boxed object also teach attention where it is (attention correctness)",
     ] = None
     boxes_weight: Annotated[float, "weight of the attention correctness term of --boxes"] = 10.0
+    boxes_choice_weight: Annotated[
+        float,
+        "weight of the same term at the word the model itself would write at each step (its most likely word), "
+        "where that word names an object of the image: the map of the model's own choice lies on that object "
+        "(--boxes, soft attention; 0: off)",
+    ] = 0.0
     paper: Annotated[
         bool,
         "--paper-objective",
@@ -138,6 +144,7 @@ class TrainConfig:
     def from_dict(cls, d: dict) -> TrainConfig:
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         kw.setdefault("ema", 0.0)  # checkpoints from before --ema trained without the average
+        kw.setdefault("boxes_choice_weight", 0.0)  # nor at the model's own choice of words
         kw["hard"] = HardAttentionConfig(**d.get("hard", {}))
         # Checkpoints from before --tune-after trained the encoder from the first step.
         kw["fine_tune"] = FineTuneConfig(**{"after": 0, **d["fine_tune"]}) if d.get("fine_tune") else None

@@ -271,7 +271,7 @@ def set_objective(run: Run) -> None:
     cfg, model = run.cfg, run.model
     tuned = run.tuning is not None and run.progress.epoch >= cfg.fine_tune.after
     run.objective, run.source = (
-        Objective(model, cfg, run.tuning.encoder if tuned else None),
+        Objective(model, cfg, run.tuning.encoder if tuned else None, run.data.box_targets),
         run.tuning if tuned else run.data,
     )
     if cfg.objective == "scst":

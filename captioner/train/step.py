@@ -32,10 +32,11 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Adam:
 class Objective(nn.Module):
     """The training loss as a module, so that DistributedDataParallel wraps one forward."""
 
-    def __init__(self, decoder: AttentionDecoder, cfg: TrainConfig, encoder: nn.Module | None = None):
+    def __init__(self, decoder: AttentionDecoder, cfg: TrainConfig, encoder: nn.Module | None = None, targets=None):
         super().__init__()
         self.decoder, self.cfg = decoder, cfg
         self.encoder = encoder  # fine-tuned encoder layers (finetune.TunedEncoder), None on cached features
+        self.targets = targets  # `fit --boxes`: data.boxes.BoxTargets
 
     def forward(self, batch, words, baseline: float, generator=None):
         features, captions, lengths, cfg = batch.features, batch.captions, batch.lengths, self.cfg
@@ -57,7 +58,9 @@ class Objective(nn.Module):
                 words=words,
             )
         else:
-            nll, penalty, u, mask = sequence_terms(self.decoder, features, captions, lengths, cfg.alpha_c, words)
+            nll, penalty, u, mask, predicted = sequence_terms(
+                self.decoder, features, captions, lengths, cfg.alpha_c, words
+            )
             loss, terms = nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
         words = mask.sum() if words is None else words
         if turned is not None and cfg.consistency > 0:  # `fit` reads the views' features only for the term
@@ -68,7 +71,19 @@ class Objective(nn.Module):
             b = attention_correctness(u.alphas, batch.box_rows, batch.box_steps, batch.box_masks, words)
             loss = loss + cfg.boxes_weight * b
             terms["boxes"] = b.detach()
+        if batch.box_images is not None and cfg.boxes_choice_weight > 0 and self.decoder.config.attention == "soft":
+            b = self.chosen_word_correctness(batch.box_images, predicted, mask, u.alphas, words)
+            loss = loss + cfg.boxes_choice_weight * b
+            terms["boxes_choice"] = b.detach()
         return loss, terms
+
+    def chosen_word_correctness(self, images, predicted, mask, alphas, words) -> torch.Tensor:
+        """Attention correctness at the word the model would write at each step (objectives.correctness)."""
+        found = self.targets.for_predictions(images.cpu().numpy(), predicted.cpu().numpy(), mask.cpu().numpy())
+        if found is None:
+            return alphas.sum() * 0.0
+        rows, steps, masks = (torch.from_numpy(x).to(alphas.device) for x in found)
+        return attention_correctness(alphas, rows, steps, masks, words)
 
     @torch.no_grad()
     def views(self, batch, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
