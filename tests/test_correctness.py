@@ -108,7 +108,8 @@ def test_fit_learns_from_the_boxes_and_refuses_a_file_without_training_images(da
     chosen = [r["boxes_choice"] for r in log if r["event"] == "train"]
     assert len(chosen) == len(terms) and all(math.isfinite(c) for c in chosen) and max(chosen) > 0
     # With boxes the query holds the word just written, unless told otherwise; the model records it.
-    assert load_checkpoint(str(tmp_path / "run" / "best.pt"))["decoder"]["word_query"] is True
+    decoder = load_checkpoint(str(tmp_path / "run" / "best.pt"))["decoder"]
+    assert decoder["word_query"] is True and decoder["decode_sharpness"] == 3.0  # and decodes with sharper maps
     data = CaptionData(str(data_dir))
     held = {int(i) for s in ("val", "test") for i in data.split_images(s)[0]}
     instances = json.loads((scenes / "boxes.json").read_text())

@@ -276,6 +276,26 @@ def test_the_map_knows_the_word_just_written_only_with_the_word_query():
     assert DecoderConfig.from_dict(old).word_query is False
 
 
+def test_decoding_draws_sharper_maps_than_training_and_old_models_decode_as_trained():
+    """With decode_sharpness k, each decoded map is softmax(k e_t) = α_t^k renormalised (the first
+    step, whose state is the same, shows it), the teacher-forced maps training sees are the same,
+    and a checkpoint without the field decodes with the maps as trained."""
+    from captioner.models.decoder import DecoderConfig
+
+    feats, caps, _ = batch()
+    plain, sharp = tiny(word_query=True).eval(), tiny(word_query=True, decode_sharpness=3.0).eval()
+    assert plain.config.decode_sharpness == 1.0
+    torch.testing.assert_close(plain.teacher_forced(feats, caps).alphas, sharp.teacher_forced(feats, caps).alphas)
+    first = [beam_search(m, feats, beam_size=1, max_len=4)[0][0].attention[0] for m in (plain, sharp)]
+    want = torch.from_numpy(first[0]).double() ** 3
+    torch.testing.assert_close(torch.from_numpy(first[1]).double(), want / want.sum(), rtol=1e-4, atol=1e-7)
+    assert first[1].max() > first[0].max()  # sharper
+    old = {k: v for k, v in sharp.config.to_dict().items() if k != "decode_sharpness"}
+    assert DecoderConfig.from_dict(old).decode_sharpness == 1.0
+    with pytest.raises(ValueError, match="decode-sharpness"):
+        DecoderConfig(V, decode_sharpness=0.0)
+
+
 def test_training_loss_skips_padding_but_equals_the_full_one():
     """`sequence_terms` computes logits on real words only; value and gradients match eq. (14) in full."""
     dec = tiny(dropout=0.0)

@@ -109,6 +109,7 @@ def test_checkpoint_round_trip_gives_identical_outputs(small_run, scenes, tmp_pa
     a = Captioner.load(str(small_run / "best.pt"))
     ck = load_checkpoint(str(small_run / "best.pt"))
     assert ck["decoder"]["word_query"] is False  # without boxes, the paper's query
+    assert ck["decoder"]["decode_sharpness"] == 1.0  # and the maps as trained
     save_checkpoint({k: v for k, v in ck.items() if k != "format"}, str(tmp_path / "copy.pt"))
     b = Captioner.load(str(tmp_path / "copy.pt"))
     oa, ob = a.caption(image, beam_size=3), b.caption(image, beam_size=3)

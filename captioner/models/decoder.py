@@ -48,20 +48,29 @@ class DecoderConfig:
         "attend from h_{t-1} and the word just written, not h_{t-1} alone as the paper does, so that a "
         "map knows which object the caption has begun to name (default: with --boxes; docs/attention.md)",
     ] = None
+    decode_sharpness: Annotated[
+        float | None,
+        "k: decoding and sampling draw each map as softmax(k e_t), training as softmax(e_t); k > 1 makes a "
+        "word's map commit to one object, and the word follow it (default: 3 for soft attention with --boxes, "
+        "else 1; docs/attention.md)",
+    ] = None
 
     def __post_init__(self):
         if self.attention not in ("soft", "hard"):
             raise ValueError(f"attention must be 'soft' or 'hard', got {self.attention!r}")
         if self.dropout is None:
             self.dropout = 0.5 if self.attention == "hard" else 0.2
+        if self.decode_sharpness is not None and not self.decode_sharpness > 0:
+            raise ValueError(f"--decode-sharpness must be positive, got {self.decode_sharpness}")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> DecoderConfig:
-        """The config a checkpoint records; those from before `word_query` attended from h_{t-1} alone."""
-        return cls(**{"word_query": False, **d})
+        """The config a checkpoint records; those from before `word_query` attended from h_{t-1} alone,
+        and those from before `decode_sharpness` decoded with the training's maps."""
+        return cls(**{"word_query": False, "decode_sharpness": 1.0, **d})
 
 
 class Unrolled(NamedTuple):
@@ -110,10 +119,11 @@ class Attention(nn.Module):
         q = self.W_h(h)
         return q if self.W_y is None else q + self.W_y(emb)
 
-    def forward(self, projected: torch.Tensor, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """α_t (B, L) from `project`'s output (B, L, A), h_{t-1} (B, H) and E y_{t-1} (B, E)."""
+    def forward(self, projected: torch.Tensor, h: torch.Tensor, emb: torch.Tensor, sharpness: float = 1.0):
+        """α_t (B, L) from `project`'s output (B, L, A), h_{t-1} (B, H) and E y_{t-1} (B, E);
+        softmax(k e_t) with `sharpness` k (decoding; 1 is the paper's map)."""
         s = torch.sigmoid(projected + 2 * self.query(h, emb).unsqueeze(1))  # (B, L, A)
-        e = s @ (2 * self.v.weight.view(-1))  # (B, L)
+        e = s @ (2 * sharpness * self.v.weight.view(-1))  # (B, L), k e_t
         return e.softmax(dim=1)  # (B, L), sums to 1
 
 
@@ -129,6 +139,7 @@ class AttentionDecoder(nn.Module):
         dropout: dropout before the output layer L_o (None: 0.2 for soft, 0.5 for hard).
         attention: "soft" or "hard" (how it is trained; both decode with the expected context).
         word_query: attend from h_{t-1} and the word just written (False, None: h_{t-1} alone, the paper).
+        decode_sharpness: k, decoding's maps are softmax(k e_t) (None: 1, the maps as trained).
     """
 
     def __init__(
@@ -142,10 +153,19 @@ class AttentionDecoder(nn.Module):
         dropout: float | None = None,
         attention: str = "soft",
         word_query: bool | None = False,
+        decode_sharpness: float | None = None,
     ):
         super().__init__()
         self.config = DecoderConfig(
-            vocab_size, encoder_dim, embed_dim, hidden_dim, attention_dim, dropout, attention, bool(word_query)
+            vocab_size,
+            encoder_dim,
+            embed_dim,
+            hidden_dim,
+            attention_dim,
+            dropout,
+            attention,
+            bool(word_query),
+            1.0 if decode_sharpness is None else float(decode_sharpness),
         )
         E, D, H = embed_dim, encoder_dim, hidden_dim
         self.embedding = nn.Embedding(vocab_size, E)  # E, the word embedding matrix
@@ -190,9 +210,10 @@ class AttentionDecoder(nn.Module):
         mean = features.mean(dim=1)  # (B, D)
         return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))  # (B, H) each
 
-    def attend(self, projected: torch.Tensor, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """α_t (B, L), eqs. (4)-(5), from h_{t-1} (and E y_{t-1}, with `word_query`)."""
-        return self.attention(projected, h, emb)
+    def attend(self, projected: torch.Tensor, h: torch.Tensor, emb: torch.Tensor, sharpness: float = 1.0):
+        """α_t (B, L), eqs. (4)-(5), from h_{t-1} (and E y_{t-1}, with `word_query`); softmax(k e_t)
+        with `sharpness` k."""
+        return self.attention(projected, h, emb, sharpness)
 
     def advance(
         self,
@@ -256,6 +277,7 @@ class AttentionDecoder(nn.Module):
         joined: Joined | None = None,
     ):
         """One generation step from the previous words (B,): attend, choose the context, advance, output.
+        The map is drawn at the model's `decode_sharpness`.
 
         Args:
             mode: "expected" (soft), "argmax" or "sample" (hard attention's location).
@@ -265,7 +287,7 @@ class AttentionDecoder(nn.Module):
             logits (B, V), h (B, H), c (B, H), α (B, L), chosen locations (B,) or None.
         """
         emb = self.embedding(words)  # (B, E)
-        alpha = self.attend(projected, h, emb)  # (B, L)
+        alpha = self.attend(projected, h, emb, self.config.decode_sharpness)  # (B, L)
         loc = choose_locations(alpha, mode, generator)  # (B,) or None
         h, c, z = self.advance(features, alpha, emb, h, c, loc, joined)
         return self.output(emb, h, z, joined), h, c, alpha, loc

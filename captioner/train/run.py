@@ -36,6 +36,9 @@ from captioner.train.step import Objective, make_optimizer
 
 log = logging.getLogger(__name__)
 
+# Decoding's map sharpness for soft models trained with --boxes (DecoderConfig.decode_sharpness).
+BOXES_SHARPNESS = 3.0
+
 
 @dataclass
 class Run:
@@ -169,6 +172,9 @@ def start_run(
     model_cfg = DecoderConfig(**{**(model_cfg or DecoderConfig(0)).to_dict(), "vocab_size": len(data.vocab)})
     if model_cfg.word_query is None:  # with boxes, every object word's map is taught where to be
         model_cfg.word_query = bool(cfg.boxes) and not cfg.paper
+    if model_cfg.decode_sharpness is None:  # measured with boxes, soft: docs/results.md
+        boxed_soft = cfg.boxes and not cfg.paper and model_cfg.attention == "soft"
+        model_cfg.decode_sharpness = BOXES_SHARPNESS if boxed_soft else 1.0
     _choose_objective_data(data, cfg, d)
     if cfg.boxes:
         data.box_targets = box_targets(data, cfg.boxes, d)
