@@ -52,6 +52,18 @@ def test_export_writes_weights_config_vocabulary_and_a_card(exported, small_run,
     same_captions(Captioner.load(str(small_run / "best.pt")), Captioner.load(str(exported)), images)
 
 
+def test_an_exported_model_decodes_with_its_own_sharpness_and_its_card_says_so(small_run, exported, tmp_path):
+    from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+
+    assert "sharper" not in (exported / "README.md").read_text()  # decodes with the maps as trained
+    ck = load_checkpoint(str(small_run / "best.pt"))
+    ck["decoder"]["decode_sharpness"] = 3.0
+    save_checkpoint({k: v for k, v in ck.items() if k != "format"}, str(tmp_path / "sharp.pt"))
+    out = export(str(tmp_path / "sharp.pt"), str(tmp_path / "sharp"))
+    assert "softmax(3 e)" in (tmp_path / "sharp" / "README.md").read_text()
+    assert Captioner.load(out).decoder.config.decode_sharpness == 3.0
+
+
 def hub_cache(root, exported) -> str:
     """A Hugging Face cache holding `exported` as HUB_ID, laid out as huggingface_hub lays it out."""
     repo = root / ("models--" + HUB_ID.replace("/", "--"))

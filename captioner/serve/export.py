@@ -52,7 +52,8 @@ def model_card(ck: dict) -> str:
         f"{enc['arch'].upper()} features ({weights} weights"
         + (", its last layers trained with the decoder" if ck.get("encoder_state") else "")
         + f"), {ck['step']} optimizer steps. It writes a caption and, for each word, the "
-        f"{enc.get('image_size', 224) // 16}×{enc.get('image_size', 224) // 16} map of where it looked.",
+        f"{enc.get('image_size', 224) // 16}×{enc.get('image_size', 224) // 16} map of where it looked"
+        + _sharpness(dec),
         "",
         "## Trained on",
         "",
@@ -126,6 +127,17 @@ def _scores(ck: dict) -> list[str]:
             "",
         ]
     return lines
+
+
+def _sharpness(dec: dict) -> str:
+    """How its maps are drawn when it decodes, where that differs from training."""
+    k = dec.get("decode_sharpness", 1.0)
+    if k == 1.0:
+        return "."
+    return (
+        f": it decodes with maps sharper than those it trained with, softmax({k:g} e) instead of softmax(e), so "
+        "that each word's map commits to one place, and each map shown is the one its word was read from."
+    )
 
 
 def _command(ck: dict) -> str:
