@@ -16,7 +16,7 @@ import captioner.train.resilience as faults
 from captioner.cli.train import main as train_main
 from captioner.data.dataset import CaptionData, TrainingImages
 from captioner.models.checkpoint import load_checkpoint
-from captioner.models.decoder import AttentionDecoder
+from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
 from captioner.objectives.cider import DocumentFrequency, NgramScorer, References, cached_document_frequency
 from captioner.objectives.scst import ScstConfig, SelfCritical, sample_captions
@@ -288,6 +288,10 @@ def test_init_starts_from_the_checkpoint_weights(data_dir, small_run, tmp_path):
     for name, value in start["model"].items():  # a vanishing lr: still the same weights
         assert torch.allclose(end["model"][name], value, atol=1e-6), name
     assert end["step"] == end["progress"]["step"] > 0 and end["train"]["lr"] == 1e-12
+    # How to decode is the command line's when it says (--decode-sharpness), the weights' otherwise.
+    sharp = DecoderConfig(0, decode_sharpness=2.0)
+    fit(str(data_dir), str(tmp_path / "sharp"), sharp, cfg, device="cpu", progress_bar=False)
+    assert load_checkpoint(str(tmp_path / "sharp" / "last.pt"))["decoder"]["decode_sharpness"] == 2.0
 
 
 def test_bad_flags(data_dir, small_run, tmp_path, capsys):

@@ -163,7 +163,9 @@ def start_run(
         model_cfg, cfg = _resume_config(ck, data, cfg, last_path)
     elif cfg.init:
         init = _init_checkpoint(cfg.init, data, dev)
+        given = model_cfg.decode_sharpness if model_cfg else None  # how to decode is not the weights' to say
         model_cfg = DecoderConfig.from_dict(init["decoder"])
+        model_cfg.decode_sharpness = given or model_cfg.decode_sharpness
     elif cfg.objective == "scst":
         raise CaptionerError(
             "--objective scst starts from a trained model: pass --init RUN/best.pt "
