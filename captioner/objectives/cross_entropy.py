@@ -15,18 +15,22 @@ import torch.nn.functional as F
 from captioner.models.decoder import AttentionDecoder, Unrolled, step_mask
 
 
-def word_nll(decoder: AttentionDecoder, unrolled: Unrolled, captions: torch.Tensor, lengths: torch.Tensor):
+def word_nll(
+    decoder: AttentionDecoder, unrolled: Unrolled, captions: torch.Tensor, lengths: torch.Tensor, predict: bool = False
+):
     """−log p(y_t) at every real position; logits are computed there only, not on padding.
 
     Returns:
-        (B, T-1) negative log-likelihoods (0 on padding), the (B, T-1) mask, and the (B, T-1)
-        most likely word at each position (0 on padding).
+        (B, T-1) negative log-likelihoods (0 on padding), the (B, T-1) mask, and with `predict` the
+        (B, T-1) most likely word at each position (0 on padding), else None.
     """
     T1 = unrolled.h.size(1)
     mask = step_mask(lengths, T1)  # (B, T-1)
     logits = decoder.output(unrolled.emb[mask], unrolled.h[mask], unrolled.z[mask])  # (N, V)
     nll = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
     nll[mask] = F.cross_entropy(logits.float(), captions[:, 1 : T1 + 1][mask], reduction="none")
+    if not predict:
+        return nll, mask, None
     predicted = torch.zeros(mask.shape, dtype=torch.long, device=logits.device)
     predicted[mask] = logits.detach().argmax(-1)
     return nll, mask, predicted
@@ -45,6 +49,7 @@ def sequence_terms(
     lengths: torch.Tensor,
     alpha_c: float = 1.0,
     words: torch.Tensor | float | None = None,
+    predict: bool = False,
 ):
     """Eq. (14)'s two terms per predicted word, with logits only where there are words, and the
     teacher-forced pass and its (B, T-1) mask of real steps (for terms computed on the same maps).
@@ -52,12 +57,13 @@ def sequence_terms(
     Args:
         words: what to divide the batch totals by; default the batch's predicted words (under
             DDP, the global count divided by the number of processes).
+        predict: also return the most likely word at each step (`word_nll`).
 
     Returns:
-        (nll per word, penalty per word, the `Unrolled` pass, the mask, the most likely words).
+        (nll per word, penalty per word, the `Unrolled` pass, the mask, the most likely words or None).
     """
     u = decoder.teacher_forced(features, captions)
-    nll, mask, predicted = word_nll(decoder, u, captions, lengths)
+    nll, mask, predicted = word_nll(decoder, u, captions, lengths, predict)
     words = mask.sum() if words is None else words
     return nll.sum() / words, attention_penalty(u.alphas.float(), mask, alpha_c).sum() / words, u, mask, predicted
 

@@ -57,9 +57,11 @@ class Objective(nn.Module):
                 generator=generator,
                 words=words,
             )
+            predicted = None
         else:
+            choice = batch.box_images is not None and cfg.boxes_choice_weight > 0
             nll, penalty, u, mask, predicted = sequence_terms(
-                self.decoder, features, captions, lengths, cfg.alpha_c, words
+                self.decoder, features, captions, lengths, cfg.alpha_c, words, predict=choice
             )
             loss, terms = nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
         words = mask.sum() if words is None else words
@@ -71,7 +73,7 @@ class Objective(nn.Module):
             b = attention_correctness(u.alphas, batch.box_rows, batch.box_steps, batch.box_masks, words)
             loss = loss + cfg.boxes_weight * b
             terms["boxes"] = b.detach()
-        if batch.box_images is not None and cfg.boxes_choice_weight > 0 and self.decoder.config.attention == "soft":
+        if predicted is not None:  # soft attention, --boxes-choice-weight
             b = self.chosen_word_correctness(batch.box_images, predicted, mask, u.alphas, words)
             loss = loss + cfg.boxes_choice_weight * b
             terms["boxes_choice"] = b.detach()
