@@ -129,8 +129,21 @@ class GroundingBoxes:
         img = self.coco.imgs[image_id]
         return int(img["width"]), int(img["height"])
 
+    def names(self, word: str) -> set[tuple[str, object]]:
+        """What `word` names: ("category", id) for each category it names (through the synonyms) and
+        ("color", word) if it is an annotated colour; an annotation is named by a word when one of
+        its `described_by` keys is among these."""
+        named = {("category", c) for c in self.category_of_word.get(word, ())}
+        return named | {("color", word)} if word in self.colors else named
+
+    @staticmethod
+    def described_by(ann: dict) -> tuple[tuple[str, object], ...]:
+        """The keys of `names` that fit an annotation: its category and, where it has one, its colour."""
+        color = ann.get("color")
+        return (("category", ann["category_id"]),) + ((("color", color),) if isinstance(color, str) else ())
+
     def names_object(self, word: str) -> bool:
-        return word in self.colors or bool(self.category_of_word.get(word))
+        return bool(self.names(word))
 
     def all_boxes(self, image_id: int) -> list[list[float]]:
         """Boxes [x, y, w, h] of every object in an image."""
@@ -138,12 +151,8 @@ class GroundingBoxes:
 
     def boxes_for(self, image_id: int, word: str) -> list[list[float]]:
         """Boxes [x, y, w, h] of the objects in an image that `word` names."""
-        cats = self.category_of_word.get(word, set())
-        return [
-            a["bbox"]
-            for a in self.coco.imgToAnns.get(image_id, [])
-            if a["category_id"] in cats or a.get("color") == word
-        ]
+        named = self.names(word)
+        return [a["bbox"] for a in self.coco.imgToAnns.get(image_id, []) if named.intersection(self.described_by(a))]
 
 
 def grid_cells(boxes: list[list[float]], size: tuple[int, int], grid_box, grid: int) -> np.ndarray:
@@ -196,8 +205,7 @@ class BoxTargets:
             anns = boxes.coco.imgToAnns.get(image_id, [])
             found: dict[int, list[int]] = defaultdict(list)  # word → the annotations it names
             for k, ann in enumerate(anns):
-                named = naming.get(("category", ann["category_id"]), ()) + naming.get(("color", ann.get("color")), ())
-                for word in named:
+                for word in (w for key in boxes.described_by(ann) for w in naming.get(key, ())):
                     found[word].append(k)
             size, made = boxes.size(image_id), {}
             for word, named in found.items():  # words naming the same objects (synonyms) share one mask
@@ -249,11 +257,9 @@ class BoxTargets:
 
 
 def _words_naming(boxes: GroundingBoxes, vocabulary: list[str]) -> dict[tuple[str, object], tuple[int, ...]]:
-    """("category", id) and ("color", name) → the ids of the vocabulary's words that name them."""
+    """Each key of `GroundingBoxes.names` → the ids of the vocabulary's words that name it."""
     naming: dict[tuple[str, object], list[int]] = defaultdict(list)
     for word_id, word in enumerate(vocabulary):
-        for cat in boxes.category_of_word.get(word, ()):
-            naming["category", cat].append(word_id)
-        if word in boxes.colors:
-            naming["color", word].append(word_id)
+        for key in boxes.names(word):
+            naming[key].append(word_id)
     return {k: tuple(v) for k, v in naming.items()}
