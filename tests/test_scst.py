@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -292,6 +293,9 @@ def test_init_starts_from_the_checkpoint_weights(data_dir, small_run, tmp_path):
     sharp = DecoderConfig(0, decode_sharpness=2.0)
     fit(str(data_dir), str(tmp_path / "sharp"), sharp, cfg, device="cpu", progress_bar=False)
     assert load_checkpoint(str(tmp_path / "sharp" / "last.pt"))["decoder"]["decode_sharpness"] == 2.0
+    again = replace(cfg, init=str(tmp_path / "sharp" / "last.pt"))
+    fit(str(data_dir), str(tmp_path / "again"), cfg=again, device="cpu", progress_bar=False)
+    assert load_checkpoint(str(tmp_path / "again" / "last.pt"))["decoder"]["decode_sharpness"] == 2.0
 
 
 def test_bad_flags(data_dir, small_run, tmp_path, capsys):
