@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 
 def max_shift(grid: int) -> int:
@@ -47,17 +46,19 @@ def random_shifts(n: int, most: int, generator: torch.Generator | None = None, d
 
 def view(x: torch.Tensor, moves: torch.Tensor | np.ndarray, grid: int) -> torch.Tensor:
     """Images or maps (N, C, S, S) → their views: turned 180°, then moved by `moves` (N, 2) cells
-    of S / grid pixels each, the uncovered rows and columns repeating the edge next to them."""
+    of S / grid pixels each, the uncovered rows and columns repeating the edge next to them.
+
+    Pixel (y, x) of a view is pixel (y − dy·c, x − dx·c) of the turned image, clamped to its
+    edge (c = S / grid): two gathers on x's device, for any moves, with no copy to the host.
+    """
     x = x.flip(-2, -1)
-    moves = torch.as_tensor(np.asarray(moves), dtype=torch.int64).view(-1, 2)
-    if not moves.any():
-        return x
-    S = x.size(-1)
-    out = torch.empty_like(x)
-    for i, (dy, dx) in enumerate((moves * (S // grid)).tolist()):
-        padded = F.pad(x[i : i + 1], (max(dx, 0), max(-dx, 0), max(dy, 0), max(-dy, 0)), mode="replicate")
-        out[i] = padded[0, :, max(-dy, 0) : max(-dy, 0) + S, max(-dx, 0) : max(-dx, 0) + S]
-    return out
+    N, C, S, _ = x.shape
+    moves = torch.as_tensor(moves, dtype=torch.int64, device=x.device).view(-1, 2) * (S // grid)  # (N, 2) pixels
+    r = torch.arange(S, device=x.device)
+    rows = (r - moves[:, :1]).clamp(0, S - 1)  # (N, S): the turned image's row of each view row
+    cols = (r - moves[:, 1:]).clamp(0, S - 1)  # (N, S)
+    x = x.gather(2, rows.view(N, 1, S, 1).expand(N, C, S, S))  # (N, C, S, S), rows moved
+    return x.gather(3, cols.view(N, 1, 1, S).expand(N, C, S, S))  # (N, C, S, S), columns moved
 
 
 def back_from_view(maps: torch.Tensor, moves: torch.Tensor, grid: int) -> torch.Tensor:
