@@ -45,14 +45,17 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sgrvinod_decoder import TutorialDecoder, load_tutorial_models, tutorial_loss, tutorial_train_step  # noqa: E402
 
-from captioner.data.dataset import Batch  # noqa: E402
-from captioner.models.decoder import AttentionDecoder  # noqa: E402
+from captioner.data.batches import Batch, FixedShapes  # noqa: E402
+from captioner.models.decoder import AttentionDecoder, DecoderConfig  # noqa: E402
 from captioner.models.encoder import EncoderSpec, build_encoder  # noqa: E402
 from captioner.models.fast_encoder import optimize_encoder  # noqa: E402
 from captioner.models.views import max_shift, shifts  # noqa: E402
-from captioner.train.config import Progress, TrainConfig  # noqa: E402
+from captioner.objectives.objective import Objective, objective_terms  # noqa: E402
+from captioner.train.averaging import WeightAverage  # noqa: E402
+from captioner.train.config import TrainConfig  # noqa: E402
 from captioner.train.distributed import Dist  # noqa: E402
-from captioner.train.step import Objective, make_optimizer, train_step  # noqa: E402
+from captioner.train.settle import settle  # noqa: E402
+from captioner.train.step import WARMUP, TrainStep, make_optimizer  # noqa: E402
 
 B, L, D, V = 32, 196, 512, 10_000
 # COCO with Karpathy's splits: 113,287 training images with 5 captions each; 5,000 test images.
@@ -168,85 +171,109 @@ def bench_encoder(device: torch.device, repeats: int, rate: float, compile_too: 
     return {"eager": base, "ours": med(t["ours: optimize_encoder"])}
 
 
-def caption_batch(device: torch.device, seed: int = 0):
+def caption_batch(device: torch.device, seed: int = 0, batch_size: int = B):
+    """COCO-like captions of 10-23 tokens (<start> and <end> included) over random features."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(10, 24, (B,), generator=g)
+    lengths = torch.randint(10, 24, (batch_size,), generator=g)
     T = int(lengths.max())
-    caps = torch.randint(4, V, (B, T), generator=g)
+    caps = torch.randint(4, V, (batch_size, T), generator=g)
     caps[:, 0] = 1
     for b, n in enumerate(lengths):
         caps[b, n - 1] = 2
         caps[b, n:] = 0
-    return torch.rand(B, L, D, generator=g).to(device), caps.to(device), lengths.to(device)
+    return torch.rand(batch_size, L, D, generator=g).to(device), caps.to(device), lengths.to(device)
 
 
-def our_train_step(
+def fit_batch(device: torch.device, batch_size: int, shapes: str, views: bool, seed: int = 0) -> Batch:
+    """A batch as `fit`'s loader makes it for these shapes: fixed ones padded to the length bucket
+    (FixedShapes over captions of up to 24 tokens); with the views of a quarter of the captions."""
+    feats, caps, lengths = (t.cpu() for t in caption_batch(torch.device("cpu"), seed, batch_size))
+    if shapes == "fixed":
+        caps = torch.nn.functional.pad(
+            caps, (0, FixedShapes.for_data(batch_size, 24).length(caps.size(1)) - caps.size(1))
+        )
+    batch = Batch(feats, caps, lengths)
+    if views:
+        k = math.ceil(0.25 * batch_size)
+        g = torch.Generator().manual_seed(seed + 1)
+        rows = torch.randperm(batch_size, generator=g)[:k].sort().values
+        moves = torch.from_numpy(shifts(rows.numpy(), max_shift(14)))
+        batch = batch.with_views(torch.rand(k, L, D, generator=g), rows, moves)
+    return batch.to(device)
+
+
+def fit_step(
     device: torch.device,
-    feats,
-    caps,
-    lengths,
-    amp: str,
-    compiled: bool,
-    cfg: TrainConfig | None = None,
-    batch: Batch | None = None,
+    batch_size: int = B,
+    *,
+    amp: str = "none",
+    compile: bool = False,
+    objective: str = "paper",
     attention: str = "soft",
+    shapes: str = "auto",
+    graphs: bool = True,
 ):
-    """`fit`'s own step (`captioner.train.step.train_step`) on one batch; by default on the paper's
-    objective (no views in the batch)."""
+    """`fit`'s own step (`train.step.TrainStep`), settled as `fit` settles it on `device`, on one batch.
+
+    objective: "paper" (eq. 14 with λ = 1: what the tutorial trains) or "default" (`fit`'s defaults:
+    λ = 0.3 and the view consistency, with the weights' average).
+
+    Returns:
+        (one step as a callable, the decoder, the TrainStep)
+    """
     torch.manual_seed(0)
-    decoder = AttentionDecoder(
-        vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512, dropout=0.5, attention=attention
-    ).to(device)
-    if compiled:
+    cfg = TrainConfig.of(
+        amp=amp,
+        compile=compile,
+        batch_size=batch_size,
+        shapes=shapes,
+        paper=objective == "paper",
+        ema=0.999 if objective == "default" else 0.0,
+    )
+    model_cfg = DecoderConfig(V, encoder_dim=D, dropout=0.5, attention=attention)
+    model_cfg, cfg = settle(model_cfg, cfg, vocab_size=V, device=device)
+    decoder = AttentionDecoder.from_config(model_cfg).to(device)
+    if compile:
         decoder.compile_step()
-    cfg = cfg or TrainConfig(amp=amp)
-    objective = Objective(decoder, cfg)
-    optimizer = make_optimizer(decoder, cfg.lr)
-    scaler = torch.amp.GradScaler(device.type, enabled=False)
-    batch = batch or Batch(feats, caps, lengths)
-    gen, progress = torch.Generator(device=device).manual_seed(0), Progress()
-    return lambda: train_step(objective, batch, optimizer, scaler, cfg, progress, gen, Dist(), device), decoder
+    views = objective == "default"
+    terms = objective_terms(
+        cfg.terms, attention=attention, hard=cfg.hard, views=views, baseline=torch.zeros((), device=device)
+    )
+    semi = cfg.hard.semi_sampling if attention == "hard" else None
+    step = TrainStep(
+        Objective(decoder, terms, shapes=cfg.optim.shapes, semi_sampling=semi),
+        make_optimizer([{"params": list(decoder.parameters())}], cfg.optim.lr, device),
+        cfg.optim,
+        average=WeightAverage(decoder, cfg.optim.ema) if cfg.optim.ema else None,
+        generator=torch.Generator(device=device).manual_seed(1),
+        d=Dist(),
+        device=device,
+        graphs=graphs,
+    )
+    batch = fit_batch(device, batch_size, cfg.optim.shapes, views)
+    return (lambda: step(batch)), decoder, step
 
 
 def bench_objective(device: torch.device, steps: int) -> None:
     """A training step on the default objective (the view consistency on a quarter of the
-    captions) against the paper's (eq. 14, λ = 1), soft and hard, as `fit` runs them."""
-    feats, caps, lengths = caption_batch(device)
-    default, paper = TrainConfig(), TrainConfig(paper=True)
-    k = math.ceil(default.consistency_share * B)
-    g = torch.Generator().manual_seed(1)
-    rows = torch.randperm(B, generator=g)[:k].sort().values
-    moves = torch.from_numpy(shifts(rows.numpy(), max_shift(14)))
-    views = torch.rand(k, L, D, generator=g)
-    with_views = Batch(feats, caps, lengths, turned=views, turned_rows=rows, turned_moves=moves).to(device)
+    captions, the weights' average) against the paper's (eq. 14, λ = 1), soft and hard, as `fit` runs them."""
     fns = {}
     for attention in ("soft", "hard"):
-        for name, cfg, batch in (("default", default, with_views), ("paper", paper, None)):
-            fns[f"{attention}, {name}"] = our_train_step(
-                device, feats, caps, lengths, "none", False, cfg=cfg, batch=batch, attention=attention
-            )[0]
-    t = interleaved(fns, steps, device)
-    print(f"training step, default objective against the paper's (B={B}, sizes 512, V={V}, T={caps.shape[1]})")
+        for name in ("default", "paper"):
+            fns[f"{attention}, {name}"] = fit_step(device, objective=name, attention=attention)[0]
+    t = interleaved(fns, steps, device, warmup=5)
+    print(f"training step, default objective against the paper's (B={B}, sizes 512, V={V}, captions 10-23 tokens)")
     for name, ts in t.items():
         attention = name.split(",")[0]
         print(f"  {name:16s} {fmt(ts)}  {med(ts) / med(t[f'{attention}, paper']):5.2f}x the paper's")
 
 
-def bench_decoder(
-    device: torch.device, steps: int, rate: float, variants: list[str], tutorial_models: str | None
-) -> dict:
-    feats, caps, lengths = caption_batch(device)
-    fns, decoder = {}, None
-    for v in variants:
-        fn, dec = our_train_step(
-            device, feats, caps, lengths, amp="bf16" if v == "bf16" else "none", compiled=v == "compile"
-        )
-        fns[f"captioner, {v}"] = fn
-        decoder = decoder or dec
+def tutorial_steps(device: torch.device, batch_size: int, tutorial_models: str | None) -> dict:
+    """The tutorial's decoder restated, and its own models.py as its train.py runs it (when given)."""
+    feats, caps, lengths = caption_batch(device, batch_size=batch_size)
     torch.manual_seed(0)
-    restated = TutorialDecoder(attention_dim=512, embed_dim=512, decoder_dim=512, vocab_size=V, encoder_dim=D).to(
-        device
-    )
+    restated = TutorialDecoder(attention_dim=512, embed_dim=512, decoder_dim=512, vocab_size=V, encoder_dim=D)
+    restated = restated.to(device)
     opt = torch.optim.Adam(restated.parameters(), 4e-4)
 
     def restated_step():
@@ -254,32 +281,88 @@ def bench_decoder(
         tutorial_loss(restated, feats, caps, lengths).backward()
         opt.step()
 
-    fns["sgrvinod restated (sgrvinod_decoder.py)"] = restated_step
+    fns = {"sgrvinod restated (sgrvinod_decoder.py)": restated_step}
     if tutorial_models:
         fns["sgrvinod's own models.py, as its train.py"] = tutorial_train_step(
             load_tutorial_models(tutorial_models), feats, caps, lengths, V, device
         )
-    if "compile" in variants:
+    return fns
+
+
+def bench_decoder(
+    device: torch.device, steps: int, rate: float, variants: list[str], tutorial_models: str | None, sizes: list[int]
+) -> dict:
+    """`fit`'s training step at each batch size and precision, beside the tutorial's, and the FLOP floor."""
+    out = {}
+    for batch_size in sizes:
+        fns = {}
+        for v in variants:
+            amp = {"fp32": "none", "tf32": "tf32", "bf16": "bf16"}.get(v, "none")
+            fn = fit_step(device, batch_size, amp=amp, compile=v == "compile")[0]
+            fns[f"captioner, {v}"] = with_tf32(fn) if v == "tf32" else fn
+        if "default" in variants or device.type == "cuda":
+            fns["captioner, default objective"] = fit_step(device, batch_size, objective="default")[0]
+        fns |= tutorial_steps(device, batch_size, tutorial_models)
         t0 = time.perf_counter()
-        fns["captioner, compile"]()
-        sync(device)
-        print(f"  (compiling the decoder step: {time.perf_counter() - t0:.0f} s)")
-    flops = flops_of(lambda: our_train_step(device, feats, caps, lengths, "none", False)[0]())
-    t = interleaved(fns, steps, device)
-    ours = med(t[f"captioner, {variants[0]}"])
-    floor = flops / rate
+        t = interleaved(fns, steps, device, warmup=WARMUP + 2)  # fit's graphs are captured by then
+        print(f"  (warm-up, compiling and capturing: {time.perf_counter() - t0 - sum(map(sum, t.values())):.0f} s)")
+        flops = flops_of(fit_step(device, batch_size, graphs=False)[0])
+        ours = med(t[f"captioner, {variants[0]}"])
+        floor = flops / rate
+        print(
+            f"decoder training step (B={batch_size}, sizes 512, V={V}, captions 10-23 tokens): forward, backward, "
+            "update, each as its training code runs it"
+        )
+        for name, ts in t.items():
+            tutorial = [n for n in t if n.startswith("sgrvinod")][-1]
+            rel = (
+                f"{med(t[tutorial]) / med(ts):5.2f}x faster than the tutorial's" if name.startswith("captioner") else ""
+            )
+            print(f"  {name:44s} {fmt(ts)}  {med(ts) / floor:5.2f}x floor  {rel}")
+        print(
+            f"  floor: {flops / 1e9:.1f} GFLOP at the measured matmul rate {rate / 1e9:.0f} GFLOP/s = "
+            f"{floor * 1e3:.1f} ms"
+        )
+        out[batch_size] = {name: med(ts) for name, ts in t.items()} | {"ours": ours}
+    return out
+
+
+def with_tf32(fn):
+    """fn with TF32 matmuls and convolutions (what `fit --amp tf32` sets), off again after it."""
+
+    def run():
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        try:
+            fn()
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+    return run
+
+
+def bench_kernels(device: torch.device, batch_size: int = B) -> None:
+    """Kernels per training step and the share of the step the GPU is busy (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn, _, step = fit_step(device, batch_size)
+    for _ in range(WARMUP + 3):
+        fn()
+    torch.cuda.synchronize(device)
+    n = 5
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize(device)
+        wall = (time.perf_counter() - t0) / n
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = sum(e.device_time for e in kernels) / 1e6 / n  # kernel time per step, seconds
+    launches = [e for e in prof.events() if e.name in ("cudaLaunchKernel", "cudaGraphLaunch", "cuLaunchKernel")]
     print(
-        f"decoder training step (B={B}, sizes 512, V={V}, captions 10-23 tokens, T={caps.shape[1]}): "
-        "forward, backward, update, each as its training code runs it"
+        f"one training step, B={batch_size}: {len(kernels) / n:.0f} GPU kernels, {len(launches) / n:.0f} launches from "
+        f"the host ({'a CUDA graph' if step.graphs else 'eager'}); the GPU busy {busy * 1e3:.1f} ms of "
+        f"{wall * 1e3:.1f} ms ({busy / wall:.0%})"
     )
-    for name, ts in t.items():
-        rel = f"{med(ts) / ours:5.2f}x ours ({variants[0]})" if not name.startswith("captioner") else ""
-        print(f"  {name:44s} {fmt(ts)}  {med(ts) / floor:5.2f}x floor  {rel}")
-    print(
-        f"  floor: {flops / 1e9:.1f} GFLOP (ours, fp32) at the measured matmul rate {rate / 1e9:.0f} GFLOP/s = "
-        f"{floor * 1e3:.1f} ms"
-    )
-    return {name: med(ts) for name, ts in t.items()} | {"ours": ours}
 
 
 def _photo_set(root: str, n: int) -> tuple[str, str]:
@@ -400,7 +483,40 @@ def bench_caption(device: torch.device, repeats: int) -> dict:
     return {"caption": med(t["Captioner.caption"]), "vgg": base}
 
 
+def bench_caption_batch(device: torch.device, repeats: int, batch: int = 64) -> dict:
+    """`Captioner.caption_batch` at beam 3 on `batch` photos (PIL images: preprocessing included),
+    images/s beside the encoder alone on the same batch, already preprocessed and on the device."""
+    from PIL import Image
+
+    from captioner import Captioner
+    from captioner.serve.sources import demo_model
+
+    cap = Captioner.load(demo_model(), device=str(device))
+    rs = np.random.RandomState(2)
+    images = [
+        Image.fromarray((rs.rand(60, 80, 3) * 255).astype(np.uint8)).resize((640, 480), Image.BICUBIC)
+        for _ in range(batch)
+    ]
+    x = torch.stack([cap.encoder_spec.preprocess(im) for im in images]).to(device)
+    with torch.inference_mode():
+        t = interleaved(
+            {
+                "caption_batch, beam 3": lambda: cap.caption_batch(images, beam_size=3, batch_size=batch),
+                "the encoder alone": lambda: cap.encoder(x),
+            },
+            repeats,
+            device,
+            warmup=2,
+        )
+    rates = {name: batch / med(ts) for name, ts in t.items()}
+    print(f"captioning {batch} photos of 640x480 in one batch, bundled model:")
+    for name, r in rates.items():
+        print(f"  {name:24s} {r:8.1f} images/s  {r / rates['the encoder alone']:5.2f}x the encoder's")
+    return rates
+
+
 def estimate_coco(decoder: dict | None, prepare: dict | None) -> None:
+    """COCO's times from the figures measured: prepare, an epoch of fit at each batch size, the test split."""
     print(
         "estimated COCO times on this machine (Karpathy splits; the benchmark's captions are 10-23 "
         "tokens, COCO's average about 13, so the epoch is an upper estimate):"
@@ -410,13 +526,13 @@ def estimate_coco(decoder: dict | None, prepare: dict | None) -> None:
             f"  prepare, {COCO_IMAGES:,} images at {prepare['prepare']:.2f} images/s: "
             f"{COCO_IMAGES / prepare['prepare'] / 3600:.1f} h"
         )
-    if decoder:
-        steps = math.ceil(COCO_TRAIN_CAPTIONS / B)
-        for name, s in decoder.items():
+    for batch_size, timings in (decoder or {}).items():
+        steps = math.ceil(COCO_TRAIN_CAPTIONS / batch_size)
+        for name, s in timings.items():
             if name.startswith("captioner"):
                 print(
-                    f"  one epoch of fit ({name.split(', ')[1]}), {steps:,} steps of {B} at {s * 1e3:.0f} ms: "
-                    f"{steps * s / 3600:.1f} h"
+                    f"  one epoch of fit ({name.split(', ')[1]}), {steps:,} steps of {batch_size} at {s * 1e3:.0f} "
+                    f"ms: {steps * s / 3600:.1f} h"
                 )
     if prepare:
         print(
@@ -429,8 +545,9 @@ def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
     """One `fit --objective scst` step at the default batch (32 images x 5 samples), sizes 512,
     V=10,000, 5 references of 10-23 tokens per image. An untrained model samples until max_len
     (20 words): the longest captions, so the most work for sampling and for the reward alike."""
+    from captioner.data.batches import ImageBatch
     from captioner.objectives.cider import DocumentFrequency, NgramScorer, References
-    from captioner.objectives.scst import ImageBatch, ScstConfig, SelfCritical
+    from captioner.objectives.scst import ScstConfig, SelfCritical
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(10, 24, (images * 5,), generator=g)  # 5 references per image
@@ -440,11 +557,12 @@ def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
     scorer = NgramScorer(refs, DocumentFrequency.from_references(refs))
     torch.manual_seed(0)
     dec = AttentionDecoder(vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512, dropout=0.2)
-    objective = SelfCritical(dec, ScstConfig(samples=samples), scorer, max_len=20)
-    opt = make_optimizer(dec, 5e-5)
+    term = SelfCritical(ScstConfig(samples=samples), scorer, max_len=20)
+    objective = Objective(dec, [term])
+    opt = make_optimizer([{"params": list(dec.parameters())}], 5e-5, torch.device("cpu"))
     batch = ImageBatch(torch.rand(images, L, D, generator=g), torch.arange(images))
     spent: list[float] = []
-    reward = objective.reward
+    reward = term.reward
 
     def timed_reward(*args):
         t0 = time.perf_counter()
@@ -452,7 +570,7 @@ def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
         spent.append(time.perf_counter() - t0)
         return out
 
-    objective.reward = timed_reward
+    term.reward = timed_reward
 
     def step():
         loss, _ = objective(batch, float(images), generator=g)
@@ -465,7 +583,7 @@ def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
     share = sum(t_reward) / sum(t_step)
     print(
         f"self-critical step ({images} images x {samples} samples = {images * samples} captions of "
-        f"{objective.max_len} words + <end>, sizes 512, V={V}): sampling with gradients, CIDEr-D, backward, Adam"
+        f"{term.max_len} words + <end>, sizes 512, V={V}): sampling with gradients, CIDEr-D, backward, Adam"
     )
     print(f"  whole step {fmt(t_step)}")
     print(f"  reward     {fmt(t_reward)}  ({share:.1%} of the step)")
@@ -474,10 +592,20 @@ def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--only", default="encoder,decoder,prepare,caption,scst,objective", help="comma-separated sections")
+    p.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated sections of encoder, decoder, kernels, prepare, caption, batch, scst, objective "
+        "(default: all; kernels on a GPU only)",
+    )
     p.add_argument("--steps", type=int, default=10, help="timed repetitions per measurement")
     p.add_argument(
-        "--decoder-variants", default=None, help="of fp32, bf16, compile (default: all three on a GPU, fp32 on a CPU)"
+        "--decoder-variants",
+        default=None,
+        help="of fp32, tf32, bf16, compile (default: fp32, tf32, bf16 and compile on a GPU, fp32 on a CPU)",
+    )
+    p.add_argument(
+        "--batch-sizes", default=None, help="training steps' batch sizes (default: 32 on a CPU; 32,128,512 on a GPU)"
     )
     p.add_argument(
         "--tutorial-models",
@@ -507,25 +635,36 @@ def main(argv=None) -> None:
         f"machine: {cpu_name()}, {os.cpu_count()} cores{gpu}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-    sections = args.only.split(",")
-    variants = (args.decoder_variants or ("fp32,bf16,compile" if device.type == "cuda" else "fp32")).split(",")
+    cuda = device.type == "cuda"
+    every = (
+        "encoder,decoder,kernels,prepare,caption,batch,scst,objective"
+        if cuda
+        else "encoder,decoder,prepare,caption,scst,objective"
+    )
+    sections = (args.only or every).split(",")
+    variants = (args.decoder_variants or ("fp32,tf32,bf16,compile" if cuda else "fp32")).split(",")
+    sizes = [int(b) for b in (args.batch_sizes or ("32,128,512" if cuda else "32")).split(",")]
     rate = matmul_rate(device)
     decoder = prepare = None
     if "encoder" in sections:
         bench_encoder(device, args.steps, rate, args.compile_encoder)
     if "decoder" in sections:
-        decoder = bench_decoder(device, args.steps, rate, variants, args.tutorial_models)
+        decoder = bench_decoder(device, args.steps, rate, variants, args.tutorial_models, sizes)
+    if "kernels" in sections and cuda:
+        bench_kernels(device)
     if "prepare" in sections:
         large = args.prepare_images or (160 if device.type == "cpu" else 2000)
         prepare = bench_prepare(device, small=large // 5, large=large)
     if "caption" in sections:
         bench_caption(device, args.steps)
+    if "batch" in sections:
+        bench_caption_batch(device, args.steps)
     if "scst" in sections:
         bench_scst(args.steps)
     if "objective" in sections:
         bench_objective(device, args.steps)
     if decoder or prepare:
-        estimate_coco({k: v for k, v in (decoder or {}).items() if k.startswith("captioner")}, prepare)
+        estimate_coco(decoder, prepare)
 
 
 if __name__ == "__main__":

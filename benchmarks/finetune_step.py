@@ -35,7 +35,7 @@ def time_steps(
     decoder = AttentionDecoder.from_config(DecoderConfig(len(data.vocab)))
     decoder.set_feature_stats(*data.feature_stats())
     optimizer = make_optimizer(decoder, 1e-3)
-    cfg = TrainConfig(batch_size=batch_size)
+    cfg = TrainConfig.of(batch_size=batch_size)
     source, encoder = data, None
     if mode != "frozen":
         cfg.fine_tune = FineTuneConfig(mode, workers=workers)

@@ -20,11 +20,31 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from typing import Annotated, Any, Literal, Union
 
 NOT_GIVEN = None  # what argparse holds for an option left out; the dataclass default applies
+
+# Every command's --device: a field `device: Device = "auto"`, checked by `check_device`.
+Device = Annotated[str, "auto (a GPU if there is one), cpu, cuda or cuda:N"]
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device(name: str) -> None:
+    """Raises ValueError naming --device unless `name` is auto, cpu, cuda or cuda:N."""
+    if not DEVICE.fullmatch(name):
+        raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {name!r}")
+
+
+def check_positive(obj, *names: str) -> None:
+    """Raises ValueError naming the option of each field of `obj` in `names` that is set (not None)
+    and not positive."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
 def _parts(hint) -> tuple[Any, list[str], str]:

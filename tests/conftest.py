@@ -12,10 +12,14 @@ import torch
 
 from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
+from captioner.objectives.objective import Objective, objective_terms
 from captioner.scenes.synthetic import generate
 from captioner.train.config import TrainConfig
+from captioner.train.distributed import Dist
 from captioner.train.loop import fit
 from captioner.train.prepare import PrepareConfig, prepare
+from captioner.train.settle import settle
+from captioner.train.step import TrainStep, make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,6 +29,36 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def run_cli(*args: str, cwd: Path = REPO, **kw) -> subprocess.CompletedProcess:
     """Run `python <args>` as a user would, capturing output."""
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, **kw)
+
+
+def train_step(decoder, cfg: TrainConfig | None = None, *, encoder=None, extra=(), views=True, device="cpu"):
+    """The step `fit` would run on `decoder` (and a fine-tuned encoder's `extra` parameters) with cfg's
+    settled objective, optimizer and clipping, on one process."""
+    device = torch.device(device)
+    model_cfg = DecoderConfig(**decoder.config.to_dict())
+    _, cfg = settle(model_cfg, cfg or TrainConfig(), vocab_size=model_cfg.vocab_size, device=device)
+    terms = objective_terms(
+        cfg.terms, attention=model_cfg.attention, hard=cfg.hard, views=views, baseline=torch.tensor(0.0)
+    )
+    objective = Objective(
+        decoder,
+        terms,
+        shapes=cfg.optim.shapes if encoder is None else "packed",
+        semi_sampling=cfg.hard.semi_sampling if model_cfg.attention == "hard" else None,
+        encoder=encoder,
+        view_share=cfg.terms.consistency_share if encoder is not None and views else 0.0,
+    )
+    groups = [{"params": list(decoder.parameters())}] + [{"params": list(extra)}] * bool(extra)
+    optimizer = make_optimizer(groups, cfg.optim.lr, device)
+    return TrainStep(
+        objective,
+        optimizer,
+        cfg.optim,
+        average=None,
+        generator=torch.Generator(device).manual_seed(1),
+        d=Dist(),
+        device=device,
+    )
 
 
 def prepare_scenes(scenes: Path, out: Path, **config) -> dict:
@@ -68,7 +102,7 @@ def small_run(data_dir, tmp_path_factory) -> Path:
         str(data_dir),
         str(out),
         DecoderConfig(0, embed_dim=32, hidden_dim=48, attention_dim=24, dropout=0.1),
-        TrainConfig(epochs=2, batch_size=8, lr=3e-3, val_beam_size=2),
+        TrainConfig.of(epochs=2, batch_size=8, lr=3e-3, val_beam_size=2),
         device="cpu",
         progress_bar=False,
     )

@@ -229,7 +229,7 @@ def test_train_or_load_reuses_a_finished_run(small_run, data_dir, tmp_path):
 
 
 def test_synthetic_data_is_made_once(tmp_path):
-    rec = recipes.Recipe(6, 0, 32, 1, DecoderConfig(0), TrainConfig(), name="tiny")
+    rec = recipes.Recipe(6, 0, 32, 1, DecoderConfig(0), TrainConfig.of(), name="tiny")
     scenes, data = recipes.synthetic_data(str(tmp_path), rec)
     meta = os.path.join(data, "meta.json")
     stamp = os.stat(meta).st_mtime_ns

@@ -32,7 +32,14 @@ def heldout_112(tmp_path_factory):
 
 def test_defaults_point_at_objects_not_the_border(heldout_112, tmp_path):
     data, run = heldout_112 / "data", tmp_path / "run"
-    fit(str(data), str(run), DecoderConfig(0), TrainConfig(epochs=3, val_beam_size=1), device="cpu", progress_bar=False)
+    fit(
+        str(data),
+        str(run),
+        DecoderConfig(0),
+        TrainConfig.of(epochs=3, val_beam_size=1),
+        device="cpu",
+        progress_bar=False,
+    )
     log = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("consistency", 0) > 0 for r in log if r["event"] == "train"), "the term was not on"
     m = evaluate(

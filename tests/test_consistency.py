@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import prepare_scenes
 
+from captioner.data.batches import CaptionBatches
 from captioner.data.dataset import CaptionData
 from captioner.data.images import load_image
 from captioner.models.checkpoint import migrate
@@ -17,7 +18,7 @@ from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.models.views import back_from_view, max_shift, random_shifts, shifts, view
 from captioner.objectives.consistency import consistency, disagreement, real_steps
-from captioner.objectives.cross_entropy import sequence_terms
+from captioner.objectives.passes import teacher_forced
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
 
@@ -124,11 +125,10 @@ def test_it_is_estimated_on_real_steps_of_a_share_of_the_captions(data_dir):
     for _ in range(20):
         assert mask[rows, real_steps(mask, rows, g)].all()
     data = CaptionData(str(data_dir))
-    data.turned_share = 0.25
-    for batch in data.batches(16, seed=0, epoch=0):
-        assert len(batch.turned_rows) == len(batch.turned) == 4 and len(set(batch.turned_rows.tolist())) == 4
-        assert batch.turned.shape[1:] == batch.features.shape[1:]
-        assert batch.turned_moves.shape == (4, 2) and batch.turned_moves.abs().max() <= data.view_shift
+    for batch in CaptionBatches(data, 16, view_share=0.25).batches(seed=0, epoch=0):
+        assert len(batch.view_rows) == len(batch.view_features) == 4 and len(set(batch.view_rows.tolist())) == 4
+        assert batch.view_features.shape[1:] == batch.features.shape[1:]
+        assert batch.view_moves.shape == (4, 2) and batch.view_moves.abs().max() <= data.view_shift
 
 
 def test_the_term_uses_the_passs_own_states_and_no_second_pass():
@@ -140,7 +140,8 @@ def test_the_term_uses_the_passs_own_states_and_no_second_pass():
     feats, turned = torch.randn(2, 4, 9, 6, dtype=torch.float64)
     captions = torch.tensor([[1, 4, 5, 2], [1, 6, 2, 0], [1, 7, 8, 2], [1, 3, 2, 0]])
     lengths = torch.tensor([4, 3, 4, 3])
-    _, _, u, mask, _ = sequence_terms(dec, feats, captions, lengths)
+    p = teacher_forced(dec, feats, captions, lengths, shapes="packed")
+    u, mask = p.unrolled, p.mask
     rows = torch.tensor([0, 1, 3])
     moves = torch.tensor([[1, 0], [-1, 1], [0, -1]])
     got = consistency(dec, feats, turned[rows], rows, moves, u, mask, mask.sum(), torch.Generator().manual_seed(3))
@@ -166,10 +167,10 @@ def test_the_term_uses_the_passs_own_states_and_no_second_pass():
 
 
 def test_prepare_stores_the_features_of_the_views(data_dir, scenes):
-    """features_rot180 row r is the encoder's output on image r's file turned 180° by Pillow, then
+    """features_views row r is the encoder's output on image r's file turned 180° by Pillow, then
     moved by row r's move in whole cells of 16 pixels."""
     data = CaptionData(str(data_dir))
-    assert data.meta["rotated"] is True and data.turned is not None and data.view_shift == 2
+    assert data.meta["views"] is True and data.views is not None and data.view_shift == 2
     encoder, spec = build_encoder(EncoderSpec(weights="none"))
     rows = [0, 5]
     images = []
@@ -177,7 +178,7 @@ def test_prepare_stores_the_features_of_the_views(data_dir, scenes):
         images.append(moved(spec.preprocess(load_image(data.path_of(r)).rotate(180)), 16 * dy, 16 * dx))
     with torch.inference_mode():
         want = encoder(torch.stack(images)).numpy()  # (2, L, D)
-    got = data.turned[rows].astype(np.float32)
+    got = data.views[rows].astype(np.float32)
     plain = data.cache[rows].astype(np.float32)
     scale = np.abs(want).max()
     # fp16 storage and Pillow's resampling of a turned file against turning the resampled tensor
@@ -189,7 +190,7 @@ def test_prepare_stores_the_features_of_the_views(data_dir, scenes):
 def test_fit_adds_the_term_when_the_data_has_views(data_dir, tmp_path, attention):
     small = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0, attention=attention)
     for name, weight in (("on", 1.0), ("off", 0.0)):
-        cfg = TrainConfig(epochs=1, batch_size=8, val_images=4, log_every=1, consistency=weight)
+        cfg = TrainConfig.of(epochs=1, batch_size=8, val_images=4, log_every=1, consistency=weight)
         fit(str(data_dir), str(tmp_path / name), small, cfg, device="cpu", progress_bar=False)
     rows = {
         name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -204,13 +205,13 @@ def test_fit_adds_the_term_when_the_data_has_views(data_dir, tmp_path, attention
 
 def test_fit_says_when_the_data_has_no_views(scenes, tmp_path, caplog):
     out = tmp_path / "plain"
-    prepare_scenes(scenes, out, min_count=1, rotated=False)
-    assert CaptionData(str(out)).turned is None
+    prepare_scenes(scenes, out, min_count=1, views=False)
+    assert CaptionData(str(out)).views is None
     fit(
         str(out),
         str(tmp_path / "run"),
         DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12),
-        TrainConfig(epochs=1, batch_size=16, val_images=2),
+        TrainConfig.of(epochs=1, batch_size=16, val_images=2),
         device="cpu",
         progress_bar=False,
     )
@@ -230,4 +231,4 @@ def test_an_older_run_resumes_without_a_term_it_was_not_trained_with(saved):
         "train": dict(saved),
     }
     cfg = TrainConfig.from_dict(migrate(old, "old.pt")["train"])
-    assert cfg.consistency == 0.0 and not hasattr(cfg, "equivariance")
+    assert cfg.terms.consistency == 0.0 and "equivariance" not in str(cfg)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from captioner.data.batches import CaptionBatches
 from captioner.data.boxes import BoxTargets, GroundingBoxes, grid_cells
 from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
@@ -27,14 +28,13 @@ def test_grid_cells_of_boxes():
 
 
 def test_the_term_is_minus_the_log_of_the_attention_on_the_object():
-    masks = torch.zeros(2, 16, dtype=torch.bool)
-    masks[:, :4] = True
+    masks = torch.zeros(1, 3, 16, dtype=torch.bool)
+    masks[0, [0, 2], :4] = True  # steps 0 and 2 name an object on cells 0-3; step 1 names none
     even = torch.full((1, 3, 16), 1 / 16)
     on = torch.zeros(1, 3, 16)
     on[..., 2] = 1.0
-    rows, steps = torch.tensor([0, 0]), torch.tensor([0, 2])
-    assert float(attention_correctness(even, rows, steps, masks, 2)) == pytest.approx(-math.log(4 / 16))
-    assert float(attention_correctness(on, rows, steps, masks, 2)) == pytest.approx(0.0, abs=1e-9)
+    assert float(attention_correctness(even, masks, 2)) == pytest.approx(-math.log(4 / 16))
+    assert float(attention_correctness(on, masks, 2)) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_targets_are_the_object_words_of_training_images(data_dir, scenes):
@@ -50,11 +50,14 @@ def test_targets_are_the_object_words_of_training_images(data_dir, scenes):
         size = boxes.size(image_id)
         want = grid_cells(boxes.boxes_for(image_id, word), size, data.encoder.preprocess.grid_box(*size), 14)
         assert np.array_equal(targets.masks[m], want)
-    batch = next(iter(data.batches(8, seed=0, epoch=0)))
-    assert batch.box_rows is None  # only `fit --boxes` attaches them
-    data.box_targets = targets
-    batch = next(iter(data.batches(8, seed=0, epoch=0)))
-    assert batch.box_rows is not None and batch.box_masks.shape == (len(batch.box_rows), 196)
+    batch = next(iter(CaptionBatches(data, 8).batches(seed=0, epoch=0)))
+    assert batch.box_masks is None  # only `fit --boxes` attaches them
+    batch = next(iter(CaptionBatches(data, 8, targets=targets).batches(seed=0, epoch=0)))
+    B, T = batch.captions.shape
+    assert batch.box_masks.shape == (B, T - 1, 196) and batch.box_masks.any()
+    for b, t in zip(*np.nonzero(batch.box_masks.any(-1).numpy())):  # each target is its word's cells
+        mask = targets.mask_of(int(batch.box_images[b]), int(batch.captions[b, t + 1]))
+        assert np.array_equal(batch.box_masks[b, t].numpy(), mask)
 
 
 def test_every_object_word_of_a_training_image_has_its_cells_and_held_out_images_none(data_dir, scenes):
@@ -82,23 +85,20 @@ def test_every_object_word_of_a_training_image_has_its_cells_and_held_out_images
 def test_the_targets_of_predicted_words_are_those_of_the_same_words_in_a_caption(data_dir, scenes):
     data = CaptionData(str(data_dir))
     targets = BoxTargets(data, GroundingBoxes(str(scenes / "boxes.json")), data.encoder.preprocess, 14)
-    data.box_targets = targets
-    batch = next(iter(data.batches(8, seed=0, epoch=0)))
+    batch = next(iter(CaptionBatches(data, 8, targets=targets).batches(seed=0, epoch=0)))
     real = np.arange(batch.captions.size(1) - 1)[None, :] < (batch.lengths.numpy() - 1)[:, None]  # (B, T-1)
     # A model that predicts every caption's own next word is taught exactly the caption's targets.
     predicted = batch.captions[:, 1:].numpy()
-    rows, steps, masks = targets.for_predictions(batch.box_images.numpy(), predicted, real)
-    got = sorted(zip(rows.tolist(), steps.tolist(), map(bytes, masks)))
-    want = sorted(zip(batch.box_rows.tolist(), batch.box_steps.tolist(), map(bytes, batch.box_masks.numpy())))
-    assert got == want and len(got) > 0
+    got = targets.masks_for_predictions(batch.box_images.numpy(), predicted, real)
+    assert np.array_equal(got, batch.box_masks.numpy()) and got.any()
     # Words naming nothing in the image, and padding, are no targets.
-    assert targets.for_predictions(batch.box_images.numpy(), np.zeros_like(predicted), real) is None
-    assert targets.for_predictions(batch.box_images.numpy(), predicted, np.zeros_like(real)) is None
+    assert not targets.masks_for_predictions(batch.box_images.numpy(), np.zeros_like(predicted), real).any()
+    assert not targets.masks_for_predictions(batch.box_images.numpy(), predicted, np.zeros_like(real)).any()
 
 
 def test_fit_learns_from_the_boxes_and_refuses_a_file_without_training_images(data_dir, scenes, tmp_path):
     small = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0)
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         epochs=2, batch_size=8, val_images=4, log_every=1, boxes=str(scenes / "boxes.json"), boxes_choice_weight=10
     )
     fit(str(data_dir), str(tmp_path / "run"), small, cfg, device="cpu", progress_bar=False)
@@ -121,7 +121,7 @@ def test_fit_learns_from_the_boxes_and_refuses_a_file_without_training_images(da
             str(data_dir),
             str(tmp_path / "bad"),
             small,
-            TrainConfig(epochs=1, boxes=str(tmp_path / "held.json")),
+            TrainConfig.of(epochs=1, boxes=str(tmp_path / "held.json")),
             device="cpu",
             progress_bar=False,
         )

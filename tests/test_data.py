@@ -10,8 +10,9 @@ import pytest
 from conftest import prepare_scenes, run_cli
 from PIL import Image
 
+from captioner.data.batches import bucket_batches
 from captioner.data.coco import default_splits, load_dataset
-from captioner.data.dataset import CaptionData, bucket_batches
+from captioner.data.dataset import CaptionData
 from captioner.data.features import DONE, TODO
 from captioner.errors import CaptionerError
 from captioner.models.encoder import EncoderSpec

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from captioner.models.checkpoint import current_decoder
 from captioner.models.decode import beam_search
-from captioner.models.decoder import ARGMAX, EXPECTED, SAMPLE, AttentionDecoder
+from captioner.models.decoder import ARGMAX, EXPECTED, SAMPLE, AttentionDecoder, DecoderConfig
 from captioner.models.fused import fused_unroll
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
-from captioner.objectives.cross_entropy import caption_loss, sequence_terms, word_nll
+from captioner.objectives.cross_entropy import caption_loss
+from captioner.objectives.passes import teacher_forced
 from captioner.train.step import make_optimizer
 
 V, L, D = 30, 196, 64
@@ -67,19 +69,25 @@ def test_padding_is_masked():
     torch.testing.assert_close(pen1, pen2)
 
 
+def fused(dec, feats, caps, lengths):
+    """`AttentionDecoder.forward`'s outputs from the fused pass."""
+    u = fused_unroll(dec, feats, caps)
+    return dec.output(u.emb, u.h, u.z), u.alphas
+
+
 def test_batch_in_any_order_equals_each_caption_alone():
-    """The soft pass steps only unfinished captions, sorted by length: outputs and gradients
+    """The fused soft pass steps only unfinished captions, sorted by length: outputs and gradients
     must be those of every caption run on its own."""
     dec = tiny()
     feats, caps, lengths = batch(B=3, T=7)
     perm = torch.tensor([2, 0, 1])  # shortest first: the pass must sort
     feats, caps, lengths = feats[perm], caps[perm], lengths[perm]
-    logits, alphas = dec(feats, caps, lengths)
+    logits, alphas = fused(dec, feats, caps, lengths)
     nll, _ = caption_loss(logits, alphas, caps, lengths)
     grads = torch.autograd.grad(nll * lengths.sub(1).sum(), dec.lstm_h.weight)[0]
     alone = torch.zeros_like(grads)
     for b, n in enumerate(lengths.tolist()):
-        l1, a1 = dec(feats[b : b + 1, :], caps[b : b + 1, :n], lengths[b : b + 1])
+        l1, a1 = fused(dec, feats[b : b + 1, :], caps[b : b + 1, :n], lengths[b : b + 1])
         torch.testing.assert_close(l1[0], logits[b, : n - 1], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(a1[0], alphas[b, : n - 1], rtol=1e-5, atol=1e-6)
         nll1, _ = caption_loss(l1, a1, caps[b : b + 1, :n], lengths[b : b + 1])
@@ -198,7 +206,7 @@ def test_decoding_after_a_training_step_uses_the_new_weights():
     cache keyed on them kept the weights of the first validation."""
     dec = tiny().eval()
     feats, caps, lengths = batch()
-    optimizer = make_optimizer(dec, 0.05)
+    optimizer = make_optimizer([{"params": list(dec.parameters())}], 0.05, torch.device("cpu"))
     beam_search(dec, feats, beam_size=3, max_len=8)
     for _ in range(3):
         optimizer.zero_grad()
@@ -260,54 +268,55 @@ def test_the_map_knows_the_word_just_written_only_with_the_word_query():
     """α_t changes with y_{t-1} when the query holds the word; without it (the paper's), α_t
     depends on h_{t-1} alone, which has not seen y_{t-1}; a checkpoint without the field loads as
     the paper's."""
-    from captioner.models.decoder import DecoderConfig
-
     for word_query in (True, False):
         torch.manual_seed(0)
         dec = tiny(dropout=0.0, word_query=word_query).eval()
         feats, caps, _ = batch()
-        a = dec.teacher_forced(feats, caps).alphas
+        a = fused_unroll(dec, feats, caps).alphas
         other = caps.clone()
         other[:, 1] = (other[:, 1] % (dec.config.vocab_size - 4)) + 4  # another first word
-        b = dec.teacher_forced(feats, other).alphas
+        b = fused_unroll(dec, feats, other).alphas
         torch.testing.assert_close(a[:, 0], b[:, 0])  # the map before the word
         assert torch.allclose(a[:, 1], b[:, 1]) != word_query  # the map of the word after it
     old = {k: v for k, v in dec.config.to_dict().items() if k != "word_query"}
-    assert DecoderConfig.from_dict(old).word_query is False
+    assert DecoderConfig(**current_decoder(old)).word_query is False
 
 
 def test_decoding_draws_sharper_maps_than_training_and_old_models_decode_as_trained():
     """With decode_sharpness k, each decoded map is softmax(k e_t) = α_t^k renormalised (the first
     step, whose state is the same, shows it), the teacher-forced maps training sees are the same,
     and a checkpoint without the field decodes with the maps as trained."""
-    from captioner.models.decoder import DecoderConfig
-
     feats, caps, _ = batch()
     plain, sharp = tiny(word_query=True).eval(), tiny(word_query=True, decode_sharpness=3.0).eval()
     assert plain.config.decode_sharpness == 1.0
-    torch.testing.assert_close(plain.teacher_forced(feats, caps).alphas, sharp.teacher_forced(feats, caps).alphas)
+    torch.testing.assert_close(fused_unroll(plain, feats, caps).alphas, fused_unroll(sharp, feats, caps).alphas)
     first = [beam_search(m, feats, beam_size=1, max_len=4)[0][0].attention[0] for m in (plain, sharp)]
     want = torch.from_numpy(first[0]).double() ** 3
     torch.testing.assert_close(torch.from_numpy(first[1]).double(), want / want.sum(), rtol=1e-4, atol=1e-7)
     assert first[1].max() > first[0].max()  # sharper
     old = {k: v for k, v in sharp.config.to_dict().items() if k != "decode_sharpness"}
-    assert DecoderConfig.from_dict(old).decode_sharpness == 1.0
+    assert DecoderConfig(**current_decoder(old)).decode_sharpness == 1.0
     with pytest.raises(ValueError, match="decode-sharpness"):
         DecoderConfig(V, decode_sharpness=0.0)
 
 
-def test_training_loss_skips_padding_but_equals_the_full_one():
-    """`sequence_terms` computes logits on real words only; value and gradients match eq. (14) in full."""
+@pytest.mark.parametrize("shapes", ["packed", "fixed"])
+def test_training_pass_equals_the_full_loss(shapes):
+    """The packed pass computes logits on real words only, the fixed one everywhere with masks; both
+    give eq. (14)'s negative log-likelihood in full, with its gradients."""
     dec = tiny(dropout=0.0)
     feats, caps, lengths = batch()
     logits, alphas = dec(feats, caps, lengths)
-    full = sum(caption_loss(logits, alphas, caps, lengths))
-    g_full = torch.autograd.grad(full, list(dec.parameters()))
-    packed = sum(sequence_terms(dec, feats, caps, lengths)[:2])
-    g_packed = torch.autograd.grad(packed, list(dec.parameters()))
-    torch.testing.assert_close(packed, full)
-    for a, b in zip(g_packed, g_full):
-        torch.testing.assert_close(a, b)
+    full, _ = caption_loss(logits, alphas, caps, lengths)
+    g_full = torch.autograd.grad(full, list(dec.parameters()), allow_unused=True)
+    p = teacher_forced(dec, feats, caps, lengths, shapes=shapes)
+    ours = p.nll.sum() / (lengths - 1).sum()
+    g_ours = torch.autograd.grad(ours, list(dec.parameters()), allow_unused=True)
+    torch.testing.assert_close(ours, full)
+    for a, b in zip(g_ours, g_full):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("fixed_locations, word_query", [(False, False), (True, False), (False, True)])
@@ -323,7 +332,9 @@ def test_fused_pass_equals_the_plain_one(fixed_locations, word_query):
 
     def run(unroll):
         u = unroll()
-        nll, mask, _ = word_nll(dec, u, caps, lengths)
+        logits = dec.output(u.emb, u.h, u.z)  # (B, T-1, V)
+        mask = torch.arange(6).unsqueeze(0) < (lengths - 1).unsqueeze(1)
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), caps[:, 1:], reduction="none") * mask
         loss = nll.sum() + (u.alphas * weights * mask.unsqueeze(2)).sum()
         return nll, torch.autograd.grad(loss, list(dec.parameters()), allow_unused=True)
 

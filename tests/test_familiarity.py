@@ -13,16 +13,9 @@ import torch
 from captioner import Captioner
 from captioner.data.dataset import CaptionData
 from captioner.demo.handlers import caption_data
-from captioner.evaluation.familiarity import (
-    METHOD,
-    FamiliarityStats,
-    calibration_photos,
-    familiarity,
-    gaussian,
-    mahalanobis,
-    threshold,
-)
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.familiarity import METHOD, FamiliarityStats, familiarity, mahalanobis
+from captioner.train.familiarity import calibration_photos, gaussian, threshold
 
 # A real photograph the threshold was not set with (calibration uses matplotlib's).
 PHOTO = os.path.join(os.path.dirname(gradio.__file__), "media_assets", "images", "lion.jpg")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -14,22 +15,21 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import prepare_scenes
+from conftest import prepare_scenes, train_step
 from test_reliability import start, wait_for
 
 import captioner.data.features as features
 import captioner.models.checkpoint as checkpoint
+from captioner.data.batches import CaptionBatches
 from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec
 from captioner.train import resilience as faults
-from captioner.train.config import Progress, TrainConfig
-from captioner.train.distributed import Dist
+from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
 from captioner.train.prepare import PrepareConfig, prepare
-from captioner.train.step import Objective, make_optimizer, train_step
 
 # Saves only at the end of each epoch; a log line per step shows how far a run has got.
 FIT = [
@@ -295,7 +295,7 @@ def _failing_save(monkeypatch, fail) -> list[int]:
 def test_failed_periodic_save_is_retried_and_training_goes_on(data_dir, tmp_path, monkeypatch):
     calls = _failing_save(monkeypatch, lambda n: n == 2)
     out = tmp_path / "run"
-    cfg = TrainConfig(epochs=1, batch_size=8, val_beam_size=1, checkpoint_every=4, checkpoint_minutes=0)
+    cfg = TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, checkpoint_every=4, checkpoint_minutes=0)
     progress = fit(str(data_dir), str(out), TINY, cfg, device="cpu", progress_bar=False)
     failed = [r for r in log_of(out) if r["event"] == "save_failed"]
     assert len(failed) == 1 and failed[0]["step"] == calls[1] == 8
@@ -308,7 +308,7 @@ def test_failed_periodic_save_is_retried_and_training_goes_on(data_dir, tmp_path
 def test_failed_final_save_raises_naming_the_last_good_checkpoint(data_dir, tmp_path, monkeypatch):
     calls = _failing_save(monkeypatch, lambda n: n > 1)
     out = tmp_path / "run"
-    cfg = TrainConfig(epochs=1, batch_size=8, val_beam_size=1, checkpoint_every=4, checkpoint_minutes=0)
+    cfg = TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, checkpoint_every=4, checkpoint_minutes=0)
     with pytest.raises(CaptionerError) as e:
         fit(str(data_dir), str(out), TINY, cfg, device="cpu", progress_bar=False)
     message = str(e.value)
@@ -334,7 +334,7 @@ def test_damaged_feature_row_is_named_left_out_and_rechecked(scenes, data_dir, t
     cache.flush()
     del cache, d
     out = tmp_path / "run"
-    cfg = TrainConfig(epochs=2, batch_size=8, val_beam_size=1, checkpoint_minutes=0)
+    cfg = TrainConfig.of(epochs=2, batch_size=8, val_beam_size=1, checkpoint_minutes=0)
     caplog.set_level(logging.INFO, logger="captioner")
     progress = fit(str(data), str(out), TINY, cfg, device="cpu", progress_bar=False)
     named = [
@@ -369,23 +369,25 @@ def test_nonfinite_rows_finds_inf_and_nan_in_fp16_and_fp32():
 
 
 def test_a_step_with_a_nonfinite_loss_is_not_applied(data_dir):
+    """Skipped on the device: the weights, Adam's moments and its step count stay as they were."""
     data = CaptionData(str(data_dir))
     torch.manual_seed(0)
-    model = AttentionDecoder.from_config(DecoderConfig(len(data.vocab), embed_dim=16, hidden_dim=16, attention_dim=8))
+    model = AttentionDecoder(vocab_size=len(data.vocab), embed_dim=16, hidden_dim=16, attention_dim=8)
     model.set_feature_stats(*data.feature_stats())
-    cfg = TrainConfig(batch_size=4)
-    objective, optimizer = Objective(model, cfg), make_optimizer(model, 1e-2)
-    scaler, generator = torch.amp.GradScaler("cpu", enabled=False), torch.Generator().manual_seed(1)
-    batch = next(data.batches(4, seed=0, epoch=0))
+    step = train_step(model, TrainConfig.of(batch_size=4, lr=1e-2))
+    batch = next(CaptionBatches(data, 4, view_share=0.25).batches(seed=0, epoch=0))
     batch.features[2, 0, 0] = float("nan")  # as if a damaged row got through
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    terms = train_step(objective, batch, optimizer, scaler, cfg, Progress(), generator, Dist(), torch.device("cpu"))
-    assert not faults.all_finite(terms)
+    step(batch)
+    terms, skipped = step.read()
+    assert skipped == 1 and all(math.isnan(v) for v in terms.values())  # no step applied to average over
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert not optimizer.state  # Adam never stepped
+    assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in step.optimizer.state.values())
     batch.features[2, 0, 0] = 0.0
-    terms = train_step(objective, batch, optimizer, scaler, cfg, Progress(), generator, Dist(), torch.device("cpu"))
-    assert faults.all_finite(terms) and not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    step(batch)
+    terms, skipped = step.read()
+    assert skipped == 0 and all(math.isfinite(v) for v in terms.values())
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_a_checkpoint_with_nonfinite_weights_is_never_written(tmp_path):

@@ -5,38 +5,41 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import prepare_scenes, run_cli
+from conftest import prepare_scenes, run_cli, train_step
 
 from captioner import Captioner
+from captioner.data.batches import CaptionBatches
 from captioner.data.dataset import CaptionData
 from captioner.data.encoder_inputs import encoded_features
 from captioner.data.features import FeatureCache
 from captioner.data.images import load_image
 from captioner.demo.card import model_card
 from captioner.evaluation.captioning import checkpoint_features
-from captioner.evaluation.familiarity import FamiliarityStats, calibration_photos, pool
-from captioner.models.checkpoint import load_checkpoint
+from captioner.models.checkpoint import current_train, load_checkpoint
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import FEATURE_DIM, EncoderSpec, build_encoder
+from captioner.models.familiarity import FamiliarityStats, pool
 from captioner.models.fast_encoder import native_bf16
 from captioner.models.tuned import TunedEncoder, start_index
 from captioner.train import distributed
-from captioner.train.config import Progress, TrainConfig
+from captioner.train.config import TrainConfig
+from captioner.train.familiarity import calibration_photos
 from captioner.train.finetune import DECODER_FIRST, FineTuneConfig, FineTuning, image_batches
 from captioner.train.loop import fit
-from captioner.train.step import Objective, make_optimizer, train_step
+from captioner.train.settle import settle
 
 TINY = DecoderConfig(0, embed_dim=32, hidden_dim=48, attention_dim=24, dropout=0.0)
 TUNED = {f"{i}.{p}" for i in (24, 26, 28) for p in ("weight", "bias")}  # conv5_1..conv5_3 of VGG16
 
 
 def tune_cfg(epochs: int, start: str = "conv5_1", after: int = 0) -> TrainConfig:
-    return TrainConfig(
+    return TrainConfig.of(
         epochs=epochs,
         batch_size=8,
         lr=3e-3,
@@ -196,12 +199,11 @@ def test_resumed_fine_tuning_equals_uninterrupted(tuned_run, tuned_data, tmp_pat
 
 
 def test_decoder_trains_alone_first_then_with_the_encoder(tuned_data, tmp_path, caplog):
-    shared = FineTuneConfig()
-    assert TrainConfig(fine_tune=shared).fine_tune.after == DECODER_FIRST
-    assert TrainConfig(fine_tune=shared, init="run/best.pt").fine_tune.after == 0
-    assert shared.after is None  # each TrainConfig resolves its own default
+    cpu = torch.device("cpu")
+    fresh = settle(None, TrainConfig.of(fine_tune=FineTuneConfig()), vocab_size=9, device=cpu)[1]
+    assert fresh.fine_tune.after == DECODER_FIRST
     older = {"fine_tune": {"start": "conv5_1", "lr": 1e-4, "workers": 2}}  # saved before --tune-after
-    assert TrainConfig.from_dict(older).fine_tune.after == 0
+    assert TrainConfig.from_dict(current_train(older)).fine_tune.after == 0
     run = tmp_path / "run"
     fit(str(tuned_data), str(run), TINY, tune_cfg(1, after=1), device="cpu", progress_bar=False)
     assert "the encoder did not train" in caplog.text
@@ -209,7 +211,7 @@ def test_decoder_trains_alone_first_then_with_the_encoder(tuned_data, tmp_path, 
     seeded = build_encoder(CaptionData(str(tuned_data)).encoder)[0].features.state_dict()
     assert all(torch.equal(first["encoder_state"][k], seeded[k]) for k in TUNED)
     # The first epoch drew batches of captions from the cached features, not batches of whole images.
-    assert first["step"] == CaptionData(str(tuned_data)).num_batches(8)
+    assert first["step"] == CaptionBatches(CaptionData(str(tuned_data)), 8).num_batches()
     fit(str(tuned_data), str(run), TINY, tune_cfg(2, after=1), resume=True, device="cpu", progress_bar=False)
     second = load_checkpoint(str(run / "last.pt"))
     assert all(not torch.equal(second["encoder_state"][k], seeded[k]) for k in TUNED)
@@ -219,29 +221,17 @@ def test_decoder_trains_alone_first_then_with_the_encoder(tuned_data, tmp_path, 
 
 def test_amp_step_trains_the_encoder(tuned_data):
     data = CaptionData(str(tuned_data))
-    cfg = TrainConfig(batch_size=8, amp="bf16", fine_tune=FineTuneConfig(workers=0))
-    tuning = FineTuning(data, cfg.fine_tune, distributed.Dist(), torch.device("cpu"), progress=False)
-    decoder = AttentionDecoder.from_config(
-        DecoderConfig(len(data.vocab), embed_dim=32, hidden_dim=48, attention_dim=24)
-    )
+    cfg = TrainConfig.of(batch_size=8, amp="bf16", lr=1e-3, fine_tune=FineTuneConfig(workers=0))
+    tuning = FineTuning(data, cfg.fine_tune, distributed.Dist(), torch.device("cpu"), batch_size=8, progress=False)
+    decoder = AttentionDecoder(vocab_size=len(data.vocab), embed_dim=32, hidden_dim=48, attention_dim=24)
     decoder.set_feature_stats(*data.feature_stats())
-    optimizer = make_optimizer(decoder, 1e-3)
-    optimizer.add_param_group({"params": list(tuning.parameters()), "lr": 1e-3})
+    step = train_step(decoder, cfg, encoder=tuning.encoder, extra=tuning.parameters())
     before = {k: v.clone() for k, v in tuning.encoder.encoder_state().items()}
-    batch = next(tuning.batches(8, seed=0, epoch=0))
+    batch = next(tuning.batches(seed=0, epoch=0))
     assert batch.image_index is not None and len(batch.features) < len(batch.captions)  # one input per image
-    terms = train_step(
-        Objective(decoder, cfg, tuning.encoder),
-        batch,
-        optimizer,
-        torch.amp.GradScaler("cpu", enabled=False),
-        cfg,
-        Progress(),
-        torch.Generator(),
-        distributed.Dist(),
-        torch.device("cpu"),
-    )
-    assert np.isfinite(terms["loss"])
+    step(batch)
+    terms, skipped = step.read()
+    assert np.isfinite(terms["loss"]) and terms["consistency"] > 0 and not skipped
     after = tuning.encoder.encoder_state()
     assert all(not torch.equal(before[k], after[k]) for k in TUNED)
 
@@ -252,7 +242,7 @@ def test_conv4_1_from_images(scenes, tmp_path):
     prepare_scenes(scenes, data_dir, encoder=EncoderSpec(weights="none", image_size=64), min_count=1)
     run = tmp_path / "run"
     cfg = tune_cfg(1, start="conv4_1")
-    cfg.fine_tune.workers = 1  # images decoded by a DataLoader worker
+    cfg = replace(cfg, fine_tune=replace(cfg.fine_tune, workers=1))  # images decoded by a DataLoader worker
     fit(str(data_dir), str(run), TINY, cfg, device="cpu", progress_bar=False)
     ck = load_checkpoint(str(run / "last.pt"))
     assert set(ck["encoder_state"]) == {f"{i}.{p}" for i in (17, 19, 21, 24, 26, 28) for p in ("weight", "bias")}

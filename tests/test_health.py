@@ -69,17 +69,15 @@ def test_accepts_grids_and_flat_maps(shape):
     assert health["words"] == 4 and health["stay"] == 0.5
 
 
-class _Run:
-    """What `loop._select` reads of a run."""
+class _Parts:
+    """What `loop._select` reads of a run's parts."""
 
     def __init__(self):
-        from captioner.train.config import Progress, TrainConfig
-
-        self.progress, self.cfg, self.logged = Progress(), TrainConfig(), []
+        self.logged = []
         self.scheduler = type("S", (), {"step": lambda self, score: None})()
         self.optimizer = type("O", (), {"param_groups": [{"lr": 1e-3}]})()
         self.d = type("D", (), {"main": False})()
-        self.write_log = self.logged.append
+        self.log = type("L", (), {"write": lambda _, record: self.logged.append(record)})()
 
 
 HEALTHY = {"entropy": 0.5, "stay": 0.6, "border": 0.3, "top5": 0.1, "words": 100, "captions": 20}
@@ -87,16 +85,18 @@ PARKED = {**HEALTHY, "top5": 0.9}
 
 
 def test_best_is_the_best_scoring_validation_whose_health_is_ok():
+    from captioner.train.config import Progress, TrainConfig
     from captioner.train.loop import _select
 
-    run = _Run()
+    parts, progress = _Parts(), Progress()
     chosen = [
-        _select(run, {"CIDEr": c, "BLEU-4": 0.1, "example": "", "attention_health": h})
+        _select(parts, TrainConfig(), progress, {"CIDEr": c, "BLEU-4": 0.1, "example": "", "attention_health": h})
         for c, h in ((1.0, PARKED), (0.8, HEALTHY), (1.5, PARKED), (0.9, HEALTHY), (0.85, HEALTHY))
     ]
     # a healthy one replaces a flagged best.pt whatever its score; a flagged one never replaces a healthy one
     assert chosen == [True, True, False, True, False]
-    assert run.progress.best == 0.9 and run.progress.best_healthy and run.progress.stale == 1
+    assert progress.best == 0.9 and progress.best_healthy and progress.stale == 1
+    assert len(parts.logged) == 5
 
 
 def test_a_model_whose_maps_were_flagged_says_so_wherever_it_shows_them(small_run, scenes, tmp_path):

@@ -50,6 +50,18 @@ def test_modules_and_functions_are_small():
     assert not long, long
 
 
+def test_code_carries_no_measurements():
+    """Timings and speed-ups belong to docs/ (with the command and machine that made them), not to the
+    package's code, comments or help texts."""
+    timing = re.compile(r"\b\d+(\.\d+)?\s?(ms|µs|GFLOP(/s)?)\b|\d(\.\d+)?\s?[×x] (faster|slower|cheaper)")
+    found = []
+    for path in sorted([*PACKAGE.rglob("*.py"), REPO / "app.py", REPO / "train.py"]):
+        for k, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if timing.search(line):
+                found.append(f"{path.relative_to(REPO)}:{k}: {line.strip()}")
+    assert not found, found
+
+
 def test_code_carries_no_history():
     """Issue numbers and dates belong to git and docs/, not to the code."""
     found = []

@@ -30,8 +30,8 @@ def scenes_112(tmp_path_factory):
 def test_short_training_beats_untrained(scenes_112, tmp_path):
     scores = {}
     for name, cfg in (
-        ("trained", TrainConfig(epochs=10, lr=2e-3, val_beam_size=1, patience=10)),
-        ("untrained", TrainConfig(epochs=1, lr=1e-12, val_beam_size=1)),
+        ("trained", TrainConfig.of(epochs=10, lr=2e-3, val_beam_size=1, patience=10)),
+        ("untrained", TrainConfig.of(epochs=1, lr=1e-12, val_beam_size=1)),
     ):
         run = tmp_path / name
         fit(str(scenes_112), str(run), SMALL, cfg, device="cpu", progress_bar=False)

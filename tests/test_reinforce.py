@@ -7,8 +7,11 @@ import itertools
 import pytest
 import torch
 
+from captioner.data.batches import Batch
 from captioner.models.decoder import AttentionDecoder
-from captioner.objectives.reinforce import HardAttentionConfig, hard_attention_loss, update_baseline
+from captioner.objectives.objective import Objective, objective_terms
+from captioner.objectives.reinforce import HardAttentionConfig
+from captioner.objectives.terms import TermsConfig
 
 L, V = 3, 6  # 3 locations, 2 steps: 9 location sequences to enumerate
 CAPTION = torch.tensor([[1, 4, 2]])  # <start> w <end>
@@ -22,6 +25,21 @@ def problem():
     ).double()
     feats = torch.randn(1, L, 4, dtype=torch.float64) * 2
     return dec, feats
+
+
+def hard_loss(dec, n, feats, baseline, cfg, alpha_c, generator):
+    """The hard-attention objective's loss and terms on n copies of the caption, and its REINFORCE term."""
+    terms = objective_terms(
+        TermsConfig(alpha_c=alpha_c, consistency=0.0),
+        attention="hard",
+        hard=cfg,
+        views=False,
+        baseline=torch.tensor(baseline, dtype=torch.float64),
+    )
+    objective = Objective(dec, terms, semi_sampling=cfg.semi_sampling)
+    batch = Batch(feats.expand(n, -1, -1), CAPTION.expand(n, -1), LENGTHS.expand(n))
+    loss, values = objective(batch, batch.count, generator)
+    return loss, values, objective.term("reinforce")
 
 
 def exact_gradient(dec, feats):
@@ -48,16 +66,7 @@ def estimate(dec, feats, n, baseline, seed):
     """The training loss's gradient on n sampled copies of the caption, as ∇ of the objective."""
     cfg = HardAttentionConfig(entropy_weight=0.0, reward_scale=1.0, semi_sampling=0.0)
     gen = torch.Generator().manual_seed(seed)
-    loss, *_ = hard_attention_loss(
-        dec,
-        feats.expand(n, -1, -1),
-        CAPTION.expand(n, -1),
-        LENGTHS.expand(n),
-        baseline=baseline,
-        cfg=cfg,
-        alpha_c=0.0,
-        generator=gen,
-    )
+    loss, *_ = hard_loss(dec, n, feats, baseline, cfg, 0.0, gen)
     dec.zero_grad()
     loss.backward()
     # The loss is −(objective summed over copies) / words, with 2 predicted words per copy.
@@ -94,16 +103,7 @@ def test_hard_loss_is_finite_with_peaked_attention():
     dec, feats = problem()
     feats = feats * 1e4  # extreme features → near one-hot attention
     cfg = HardAttentionConfig(semi_sampling=0.0)
-    loss, terms, *_ = hard_attention_loss(
-        dec,
-        feats.expand(8, -1, -1),
-        CAPTION.expand(8, -1),
-        LENGTHS.expand(8),
-        baseline=0.0,
-        cfg=cfg,
-        alpha_c=1.0,
-        generator=torch.Generator().manual_seed(0),
-    )
+    loss, terms, _ = hard_loss(dec, 8, feats, 0.0, cfg, 1.0, torch.Generator().manual_seed(0))
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(v) for v in terms.values())
     assert all(torch.isfinite(p.grad).all() for p in dec.parameters() if p.grad is not None)
@@ -112,18 +112,15 @@ def test_hard_loss_is_finite_with_peaked_attention():
 def test_baseline_moves_towards_the_reward():
     dec, feats = problem()
     cfg = HardAttentionConfig(semi_sampling=0.0)
-    _, terms, *_ = hard_attention_loss(
-        dec,
-        feats.expand(4, -1, -1),
-        CAPTION.expand(4, -1),
-        LENGTHS.expand(4),
-        baseline=0.0,
-        cfg=cfg,
-        alpha_c=1.0,
-        generator=torch.Generator().manual_seed(0),
-    )
-    b = update_baseline(0.0, float(terms["reward_sum"]), float(terms["sampled"]), cfg.baseline_decay)
+    _, terms, reinforce = hard_loss(dec, 4, feats, 0.0, cfg, 1.0, torch.Generator().manual_seed(0))
+    assert float(reinforce.sums[1]) == 4  # captions that sampled locations
+    reinforce.after_step(torch.tensor(True))
+    b = float(reinforce.baseline)
     # b ← 0.9 b + 0.1 log p(y|s): from 0 it moves a tenth of the way to a negative log-likelihood.
-    assert float(terms["sampled"]) == 4
     assert b == pytest.approx(-0.1 * float(terms["nll"]) * 2, rel=1e-6)
-    assert update_baseline(b, 5.0, 0.0, 0.9) == b  # no sampled caption: no update
+    reinforce.sums = [torch.tensor(5.0), torch.tensor(0.0)]
+    reinforce.after_step(torch.tensor(True))
+    assert float(reinforce.baseline) == b  # no sampled caption: no update
+    reinforce.sums = [torch.tensor(-5.0), torch.tensor(1.0)]
+    reinforce.after_step(torch.tensor(False))
+    assert float(reinforce.baseline) == b  # a skipped step: no update

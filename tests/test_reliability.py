@@ -183,7 +183,7 @@ def test_last_checkpoint_is_also_written_on_a_clock(data_dir, tmp_path, monkeypa
     saved = []
     real = faults.save_checkpoint  # fit saves through faults.CheckpointSaver
     monkeypatch.setattr(faults, "save_checkpoint", lambda ck, path: (saved.append((ck["step"], path)), real(ck, path)))
-    cfg = training.TrainConfig(epochs=1, batch_size=8, val_beam_size=1, checkpoint_every=0, checkpoint_minutes=1e-6)
+    cfg = training.TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, checkpoint_every=0, checkpoint_minutes=1e-6)
     progress = training.fit(
         str(data_dir),
         str(tmp_path / "run"),
@@ -205,19 +205,20 @@ def test_learning_rate_cools_down_at_the_end_of_the_time_budget_and_a_resume_sta
     run starts again from the full rate, not from the cooled one its last.pt holds."""
     import captioner.train.loop as training
     from captioner.models.decoder import DecoderConfig
+    from captioner.train.step import TrainStep
 
     now = [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     rates = []
-    real_step = training.train_step
+    real_step = TrainStep.__call__
 
-    def step(objective, batch, optimizer, *args):
-        rates.append(optimizer.param_groups[0]["lr"])
+    def step(self, batch):
+        rates.append(float(self.optimizer.param_groups[0]["lr"]))
         now[0] += 1.0
-        return real_step(objective, batch, optimizer, *args)
+        return real_step(self, batch)
 
-    monkeypatch.setattr(training, "train_step", step)
-    cfg = training.TrainConfig(epochs=5, batch_size=8, val_beam_size=1, lr=1e-3, max_minutes=0.2, cooldown=0.5)
+    monkeypatch.setattr(TrainStep, "__call__", step)
+    cfg = training.TrainConfig.of(epochs=5, batch_size=8, val_beam_size=1, lr=1e-3, max_minutes=0.2, cooldown=0.5)
     small = DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8)
     training.fit(str(data_dir), str(tmp_path / "run"), small, cfg, device="cpu", progress_bar=False)
     assert len(rates) == 13  # the step that crosses 12 s is the last

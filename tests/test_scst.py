@@ -15,11 +15,13 @@ from pycocoevalcap.cider.cider import Cider
 
 import captioner.train.resilience as faults
 from captioner.cli.train import main as train_main
-from captioner.data.dataset import CaptionData, TrainingImages
+from captioner.data.batches import TrainingImages
+from captioner.data.dataset import CaptionData
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
 from captioner.objectives.cider import DocumentFrequency, NgramScorer, References, cached_document_frequency
+from captioner.objectives.objective import Objective
 from captioner.objectives.scst import ScstConfig, SelfCritical, sample_captions
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
@@ -128,7 +130,7 @@ def sample_logp(dec, feats, tokens, max_len=6):
 def test_one_step_raises_samples_that_beat_the_baseline(baseline):
     dec, scorer, feats = toy()
     cfg = ScstConfig(samples=8, baseline=baseline)
-    objective = SelfCritical(dec, cfg, scorer, max_len=6)
+    objective = Objective(dec, [SelfCritical(cfg, scorer, max_len=6)])
     gen = torch.Generator().manual_seed(1)
     s = sample_captions(dec, feats, 8, 6, generator=torch.Generator().manual_seed(1))  # the draws forward makes
     with torch.no_grad():
@@ -166,7 +168,7 @@ def test_samples_are_never_empty_as_decoding_never_is():
 
 
 def _batch(feats):
-    from captioner.objectives.scst import ImageBatch
+    from captioner.data.batches import ImageBatch
 
     return ImageBatch(feats, torch.zeros(len(feats), dtype=torch.long))
 
@@ -175,7 +177,7 @@ def test_greedy_baseline_is_the_greedy_captions_reward():
     from captioner.models.decode import beam_search
 
     dec, scorer, feats = toy()
-    objective = SelfCritical(dec, ScstConfig(samples=4, baseline="greedy"), scorer, max_len=6)
+    objective = Objective(dec, [SelfCritical(ScstConfig(samples=4, baseline="greedy"), scorer, max_len=6)])
     _, terms = objective(_batch(feats), 1.0, generator=torch.Generator().manual_seed(0))
     dec.eval()
     words = beam_search(dec, feats, beam_size=1, max_len=6)[0][0].tokens
@@ -185,7 +187,7 @@ def test_greedy_baseline_is_the_greedy_captions_reward():
 
 def test_training_raises_the_reward_and_works_under_autocast():
     dec, scorer, feats = toy()
-    objective = SelfCritical(dec, ScstConfig(samples=8), scorer, max_len=6)
+    objective = Objective(dec, [SelfCritical(ScstConfig(samples=8), scorer, max_len=6)])
     opt = torch.optim.Adam(dec.parameters(), lr=0.03)
     gen = torch.Generator().manual_seed(2)
     rewards = []
@@ -209,7 +211,7 @@ def test_hard_model_can_sample_locations_too():
     )
     _, scorer, feats = toy()
     for context in ("expected", "sample"):
-        objective = SelfCritical(dec, ScstConfig(samples=4, context=context), scorer, max_len=6)
+        objective = Objective(dec, [SelfCritical(ScstConfig(samples=4, context=context), scorer, max_len=6)])
         loss, _ = objective(_batch(feats), 1.0, generator=torch.Generator().manual_seed(0))
         dec.zero_grad()
         loss.backward()
@@ -221,22 +223,22 @@ def test_hard_model_can_sample_locations_too():
 
 def test_training_images_are_each_seen_once_per_epoch(data_dir):
     data = CaptionData(str(data_dir))
-    images = TrainingImages(data)
+    images = TrainingImages(data, 4)
     for world in (1, 2):
         seen = [
             r
             for rank in range(world)
-            for b in images.batches(4, seed=0, epoch=1, rank=rank, world=world)
+            for b in images.batches(seed=0, epoch=1, rank=rank, world=world)
             for r in b.rows.tolist()
         ]
         assert sorted(seen) == sorted(np.unique(data.rows).tolist())
-        assert images.num_batches(4, world) == len(list(images.batches(4, seed=0, epoch=1, world=world)))
-    rows = lambda e: [b.rows.tolist() for b in images.batches(4, seed=0, epoch=e)]
+        assert images.num_batches(world) == len(list(images.batches(seed=0, epoch=1, world=world)))
+    rows = lambda e: [b.rows.tolist() for b in images.batches(seed=0, epoch=e)]
     assert rows(1) == rows(1) != rows(2)
 
 
 def scst_config(init, **kw) -> TrainConfig:
-    return TrainConfig(
+    return TrainConfig.of(
         objective="scst",
         init=str(init),
         epochs=2,
@@ -266,7 +268,12 @@ def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkey
         fit(str(data_dir), str(tmp_path / "run"), cfg=scst_config(init), device="cpu", progress_bar=False)
     monkeypatch.setattr(faults, "save_checkpoint", real)
     resumed = fit(
-        str(data_dir), str(tmp_path / "run"), cfg=TrainConfig(epochs=2), resume=True, device="cpu", progress_bar=False
+        str(data_dir),
+        str(tmp_path / "run"),
+        cfg=TrainConfig.of(epochs=2),
+        resume=True,
+        device="cpu",
+        progress_bar=False,
     )
     assert resumed.step == whole.step > 3
     a, b = (load_checkpoint(str(tmp_path / r / "last.pt")) for r in ("whole", "run"))
@@ -280,7 +287,7 @@ def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkey
 
 
 def test_init_starts_from_the_checkpoint_weights(data_dir, small_run, tmp_path):
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         objective="scst", init=str(small_run / "best.pt"), epochs=1, batch_size=8, lr=1e-12, val_beam_size=1
     )
     fit(str(data_dir), str(tmp_path / "run"), cfg=cfg, device="cpu", progress_bar=False)
@@ -288,7 +295,7 @@ def test_init_starts_from_the_checkpoint_weights(data_dir, small_run, tmp_path):
     assert end["decoder"] == start["decoder"]  # sizes come from --init
     for name, value in start["model"].items():  # a vanishing lr: still the same weights
         assert torch.allclose(end["model"][name], value, atol=1e-6), name
-    assert end["step"] == end["progress"]["step"] > 0 and end["train"]["lr"] == 1e-12
+    assert end["step"] == end["progress"]["step"] > 0 and end["train"]["optim"]["lr"] == 1e-12
     # How to decode is the command line's when it says (--decode-sharpness), the weights' otherwise.
     sharp = DecoderConfig(0, decode_sharpness=2.0)
     fit(str(data_dir), str(tmp_path / "sharp"), sharp, cfg, device="cpu", progress_bar=False)

@@ -41,7 +41,7 @@ def same_captions(a: Captioner, b: Captioner, images: list[str]) -> None:
 def test_export_writes_weights_config_vocabulary_and_a_card(exported, small_run, scenes):
     assert {"model.safetensors", "config.json", "vocab.json", "README.md"} <= set(os.listdir(exported))
     config = json.loads((exported / "config.json").read_text())
-    assert config["format"] == "captioner-model" and config["version"] == 1
+    assert config["format"] == "captioner-model" and config["version"] == 2
     assert config["decoder"]["vocab_size"] == len(json.loads((exported / "vocab.json").read_text())["words"])
     assert config["preprocess"]["size"] == config["encoder"]["image_size"]
     card = (exported / "README.md").read_text()

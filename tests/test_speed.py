@@ -136,8 +136,10 @@ def test_the_benchmark_times_fits_own_step():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import benchmark as bm
 
-    feats, caps, lengths = bm.caption_batch(torch.device("cpu"))
-    step, decoder = bm.our_train_step(torch.device("cpu"), feats, caps, lengths, "none", False)
-    before = decoder.L_o.weight.detach().clone()
-    step()
-    assert not torch.equal(before, decoder.L_o.weight)
+    for objective in ("paper", "default"):
+        step, decoder, train_step = bm.fit_step(torch.device("cpu"), 8, objective=objective)
+        before = decoder.L_o.weight.detach().clone()
+        step()
+        terms, skipped = train_step.read()
+        assert not torch.equal(before, decoder.L_o.weight) and not skipped
+        assert ("consistency" in terms) == (objective == "default")

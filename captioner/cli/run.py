@@ -35,6 +35,18 @@ class _Lines(logging.Handler):
         tqdm.write(prefix + record.getMessage(), file=sys.stderr)
 
 
+def renamed(argv: list[str], names: dict[str, list[str]]) -> list[str]:
+    """The arguments with each renamed flag (a key of `names`) spelt as it is now, saying so on stderr."""
+    out = []
+    for arg in argv:
+        if arg in names:
+            print(f"note: {arg} is now {' '.join(names[arg])}", file=sys.stderr)
+            out += names[arg]
+        else:
+            out.append(arg)
+    return out
+
+
 def setup_logging() -> None:
     """Show the package's warnings and notes (INFO and up) on stderr; idempotent."""
     logger = logging.getLogger("captioner")

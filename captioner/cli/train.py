@@ -1,7 +1,8 @@
 """`python train.py` / `captioner-train`: prepare, fit, evaluate.
 
 Each subcommand's options are the fields of its dataclasses (`captioner.options`): prepare's
-`PrepareConfig`, fit's `DecoderConfig` and `TrainConfig`, evaluate's `EvaluateOptions`.
+`PrepareConfig`, fit's `FitOptions`, `DecoderConfig` and `TrainConfig` (its groups are sections
+of `fit --help`), evaluate's `EvaluateOptions`.
 SIGTERM and Ctrl-C make `fit` and `prepare` finish their step or batch, save, and exit with 0
 (SIGTERM, a clean preemption) or 130 (Ctrl-C); `fit --resume` and a second `prepare` go on.
 """
@@ -15,10 +16,10 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Annotated, Literal
 
-from captioner.cli.run import ArgumentParser, run
+from captioner.cli.run import ArgumentParser, renamed, run
 from captioner.evaluation.evaluate import evaluate, results_path
 from captioner.models.decoder import DecoderConfig
-from captioner.options import add_options, from_args
+from captioner.options import Device, add_options, check_device, from_args
 from captioner.train import distributed
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
@@ -33,7 +34,10 @@ class FitOptions:
     data: Annotated[str, "a data directory written by prepare"]
     out: Annotated[str, "the run directory: writes last.pt, best.pt, metrics.jsonl"]
     resume: Annotated[bool, "continue from RUN_DIR/last.pt"] = False
-    device: Annotated[str, "auto, cpu, cuda or cuda:N"] = "auto"
+    device: Device = "auto"
+
+    def __post_init__(self):
+        check_device(self.device)
 
 
 @dataclass
@@ -58,7 +62,14 @@ class EvaluateOptions:
         "COCO instances file of object boxes (instances_val2014.json or a scene "
         "set's boxes.json): also report attention pointing accuracy",
     ] = None
-    device: Annotated[str, "auto, cpu, cuda or cuda:N"] = "auto"
+    device: Device = "auto"
+
+    def __post_init__(self):
+        check_device(self.device)
+
+
+# Flags that were renamed: the old spelling still works, with a note.
+RENAMED = {"--no-rotated": ["--no-views"], "--no-fused": ["--shapes", "fixed"]}
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -117,7 +128,7 @@ def _fit(args: argparse.Namespace) -> int:
         return stop.exit_status
     if main:
         print(
-            f"done: {p.step} steps, {p.epoch} epochs; best {cfg.metric} {p.best:.4f} at step {p.best_step}; "
+            f"done: {p.step} steps, {p.epoch} epochs; best {cfg.schedule.metric} {p.best:.4f} at step {p.best_step}; "
             f"checkpoints in {where.out}"
         )
     return 0
@@ -137,5 +148,10 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python train.py` and `captioner-train`."""
-    args = get_parser().parse_args(argv)
-    return run({"prepare": _prepare, "fit": _fit, "evaluate": _evaluate}[args.command], args)
+    args = get_parser().parse_args(renamed(sys.argv[1:] if argv is None else argv, RENAMED))
+    handlers = {"prepare": _prepare, "fit": _fit, "evaluate": _evaluate}
+    return run(handlers[args.command], args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

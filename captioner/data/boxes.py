@@ -232,28 +232,27 @@ class BoxTargets:
         m = self.index.get((row, word))
         return None if m is None else self.masks[m]
 
-    def for_predictions(self, images: np.ndarray, predicted: np.ndarray, real: np.ndarray):
-        """The targets of the words a model predicts at each step (B, T-1) of captions of the
-        images of feature rows `images` (B,), at the real steps `real` (B, T-1): their places (E,),
-        steps (E,) and masks (E, L) where the word names an object of the image; None otherwise."""
+    def masks_for_predictions(self, images: np.ndarray, predicted: np.ndarray, real: np.ndarray) -> np.ndarray:
+        """The cells (B, T-1, L) bool that the words a model predicts at each step (B, T-1) should
+        look at, for captions of the images of feature rows `images` (B,), at the real steps
+        `real` (B, T-1); empty where the word names no object of the image."""
+        masks = np.zeros((*predicted.shape, self.masks.shape[1]), dtype=bool)
         places, steps = np.nonzero(real & self.names_object[predicted])
-        found = [(b, t, self.index.get((int(images[b]), int(predicted[b, t])))) for b, t in zip(places, steps)]
-        found = [f for f in found if f[2] is not None]
-        if not found:
-            return None
-        b, t, m = (np.asarray(x, dtype=np.int64) for x in zip(*found))
-        return b, t, self.masks[m]
+        for b, t in zip(places, steps):
+            m = self.index.get((int(images[b]), int(predicted[b, t])))
+            if m is not None:
+                masks[b, t] = self.masks[m]
+        return masks
 
-    def for_captions(self, idx: np.ndarray):
-        """The targets of captions `idx` (a batch, in order): their places in the batch (E,), the
-        steps (E,) and the masks (E, L); None when they have none."""
+    def masks_for_captions(self, idx: np.ndarray, steps: int) -> np.ndarray:
+        """The cells (len(idx), steps, L) bool that each step of captions `idx` (a batch, in
+        order) should look at; empty at steps whose word names no boxed object."""
+        masks = np.zeros((len(idx), steps, self.masks.shape[1]), dtype=bool)
         starts = np.searchsorted(self.caption, idx, side="left")  # the entries are in caption order
         ends = np.searchsorted(self.caption, idx, side="right")
-        counts = ends - starts
-        if not counts.any():
-            return None
-        entries = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)])
-        return np.repeat(np.arange(len(idx)), counts), self.steps[entries], self.masks[self.which[entries]]
+        for b, (a, e) in enumerate(zip(starts, ends)):
+            masks[b, self.steps[a:e]] = self.masks[self.which[a:e]]
+        return masks
 
 
 def _words_naming(boxes: GroundingBoxes, vocabulary: list[str]) -> dict[tuple[str, object], tuple[int, ...]]:

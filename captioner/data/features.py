@@ -46,8 +46,8 @@ def nonfinite_rows(features: np.ndarray) -> np.ndarray:
     """Which of n feature rows hold an inf or NaN anywhere; (n, ...) → (n,) bool.
 
     On fp16 a bit test: inf and NaN are exactly the values whose five exponent bits are all set,
-    so the largest magnitude bit pattern of a row finds one in one integer pass (2.5 ms for a
-    32 × 196 × 512 batch on one core, against 16 ms for np.isfinite).
+    so the largest magnitude bit pattern of a row finds one in one integer pass, several times
+    cheaper than np.isfinite.
     """
     n = len(features)
     if n == 0 or features.size == 0:
@@ -225,9 +225,13 @@ def extract_features(
 ) -> list[str]:
     """Fill the cache's unfinished rows (this rank's share) with encoder features.
 
+    DataLoader workers decode and preprocess the images into page-locked memory; on a GPU the
+    batch is copied without waiting, and a batch's features are copied back and written while
+    the GPU encodes the next one, so the encoder need not wait for the disk.
+
     Args:
-        transform: (images (b, 3, S, S), cache rows (b,)) → the images to encode instead (the
-            views of `models.views`).
+        transform: (images (b, 3, S, S) on the device, cache rows (b,)) → the images to encode
+            instead (the views of `models.views`).
         stop: once its `requested` is true (`train.resilience.GracefulStop`: SIGTERM, SIGINT),
             return after the current batch is on disk.
 
@@ -240,40 +244,70 @@ def extract_features(
     if len(rows) == 0:
         return []
     encoder = encoder.to(device)
+    cuda = device.startswith("cuda")
     loader = DataLoader(
         _ImageFiles(paths, rows, preprocess),
         batch_size=batch_size,
         num_workers=workers,
-        pin_memory=device.startswith("cuda"),
+        pin_memory=cuda,
         persistent_workers=False,
         worker_init_fn=_leave_signals_to_the_main_process,
     )
-    bad = []
+    bad: list[str] = []
     bar = tqdm(total=len(rows), desc="features", unit="img", disable=not progress, dynamic_ncols=True)
+    pending = None  # the previous batch, its features on their way to the host
     with torch.inference_mode():
         for batch_rows, images, errors in loader:
             errors = list(errors)
             ok = [i for i, e in enumerate(errors) if not e]
+            feats = None
             if ok:
-                x = images[ok] if transform is None else transform(images[ok], batch_rows[ok].numpy())
-                feats = encoder(x.to(device, non_blocking=True)).float().cpu().numpy()  # (b, L, D)
-                # NaN is never stored (inf is clipped to the fp16 range by write): a broken encoder.
-                nan = np.isnan(feats).reshape(len(ok), -1).any(axis=1)  # (b,)
-                for i in np.flatnonzero(nan):
-                    errors[ok[i]] = (
-                        f"{paths[int(batch_rows[ok[i]])]}: the encoder's features for this image "
-                        "are NaN (broken encoder weights?)"
-                    )
-                keep = [i for i, is_nan in zip(ok, nan) if not is_nan]
-                if keep:
-                    cache.write(batch_rows[keep].numpy(), feats[~nan])
-            failed = [(int(r), e) for r, e in zip(batch_rows, errors) if e]
-            if failed and not skip_bad:
-                raise CaptionerError(f"{failed[0][1]} (--skip-bad goes on without unreadable images)")
-            cache.mark_bad([r for r, _ in failed])
-            bad += [e for _, e in failed]
-            bar.update(len(batch_rows))
+                x = images[ok].to(device, non_blocking=True)
+                x = x if transform is None else transform(x, batch_rows[ok].numpy())
+                feats = _to_host(encoder(x).float(), cuda)  # (b, L, D), copied back without waiting
+            if pending is not None:
+                bad += _store(cache, paths, *pending, skip_bad)
+                bar.update(len(pending[0]))
+            pending = (batch_rows, errors, ok, feats)
             if stop is not None and stop.requested:
                 break
+        if pending is not None:
+            bad += _store(cache, paths, *pending, skip_bad)
+            bar.update(len(pending[0]))
     bar.close()
     return bad
+
+
+def _to_host(feats: torch.Tensor, cuda: bool):
+    """Features on their way to page-locked host memory (CUDA), with the event that says they are there."""
+    if not cuda:
+        return feats, None
+    host = torch.empty(feats.shape, dtype=feats.dtype, pin_memory=True)
+    host.copy_(feats, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _store(cache: FeatureCache, paths, batch_rows, errors: list[str], ok: list[int], feats, skip_bad: bool):
+    """Write a batch's features (waiting for them first); its unreadable images' messages."""
+    if ok:
+        host, done = feats
+        if done is not None:
+            done.synchronize()
+        feats = host.numpy()  # (b, L, D)
+        # NaN is never stored (inf is clipped to the fp16 range by write): a broken encoder.
+        nan = np.isnan(feats).reshape(len(ok), -1).any(axis=1)  # (b,)
+        for i in np.flatnonzero(nan):
+            errors[ok[i]] = (
+                f"{paths[int(batch_rows[ok[i]])]}: the encoder's features for this image are NaN (broken encoder "
+                "weights?)"
+            )
+        keep = [i for i, is_nan in zip(ok, nan) if not is_nan]
+        if keep:
+            cache.write(batch_rows[keep].numpy(), feats[~nan])
+    failed = [(int(r), e) for r, e in zip(batch_rows, errors) if e]
+    if failed and not skip_bad:
+        raise CaptionerError(f"{failed[0][1]} (--skip-bad goes on without unreadable images)")
+    cache.mark_bad([r for r, _ in failed])
+    return [e for _, e in failed]

@@ -29,6 +29,7 @@ from captioner.options import add_options, from_args
 from captioner.serve import heatmaps as viz
 from captioner.serve.api import Captioner
 from captioner.serve.sources import example_images, model_source
+from captioner.train.distributed import choose_device
 
 # System fonts: the default theme fetches Google Fonts, which an offline machine cannot reach.
 THEME = gr.themes.Soft(primary_hue="orange", font=["system-ui", "sans-serif"], font_mono=["monospace"])
@@ -209,7 +210,7 @@ def main(args: argparse.Namespace | DemoOptions) -> None:
         args = from_args(DemoOptions, args)
     set_max_pixels(args.max_pixels)
     try:
-        cap = Captioner.load(model_source(args.checkpoint), device=args.device)
+        cap = Captioner.load(model_source(args.checkpoint), device=str(choose_device(args.device)))
     except CaptionerError as e:
         sys.exit(f"error: {e}")
     examples = example_images() if args.examples is None else args.examples

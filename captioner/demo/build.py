@@ -177,7 +177,7 @@ def _train(work: str, data: str, seed: int, minutes: float, tune_minutes: float,
         data,
         os.path.join(work, "run"),
         decoder or DecoderConfig(0, dropout=0.5),
-        TrainConfig(epochs=1000, max_minutes=minutes, patience=1000, seed=seed),
+        TrainConfig.of(epochs=1000, max_minutes=minutes, patience=1000, seed=seed),
     )
     if not tune_minutes:
         return best
@@ -185,7 +185,7 @@ def _train(work: str, data: str, seed: int, minutes: float, tune_minutes: float,
         data,
         os.path.join(work, "tuned"),
         None,
-        TrainConfig(
+        TrainConfig.of(
             epochs=1000,
             max_minutes=tune_minutes,
             patience=1000,

@@ -88,9 +88,10 @@ def model_card(captioner: Captioner) -> str:
         f"- **Decoder:** embedding {cfg.embed_dim}, LSTM {cfg.hidden_dim}, attention {cfg.attention_dim}",
     ]
     if train:
+        optim, schedule = train.get("optim") or {}, train.get("schedule") or {}
         lines.append(
-            f"- **Training:** up to {train.get('epochs', '?')} epochs, batch {train.get('batch_size', '?')}, "
-            f"lr {train.get('lr', '?')}, best checkpoint by {train.get('metric', '?')}"
+            f"- **Training:** up to {schedule.get('epochs', '?')} epochs, batch {optim.get('batch_size', '?')}, "
+            f"lr {optim.get('lr', '?')}, best checkpoint by {schedule.get('metric', '?')}"
         )
     card = info.get("card") or {}
     shown = {k: v for k, v in card.items() if k not in CARD_SECTIONS and isinstance(v, (str, int, float))}

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from captioner.data.images import DEFAULT_MAX_PIXELS
+from captioner.options import Device, check_device
 
 
 @dataclass
@@ -24,4 +25,7 @@ class DemoOptions:
     max_pixels: Annotated[int, "largest image in pixels, against decompression bombs"] = DEFAULT_MAX_PIXELS
     max_batch_size: Annotated[int, "most concurrent images captioned in one forward pass"] = 8
     queue_size: Annotated[int, "requests waiting beyond this are told the server is busy"] = 64
-    device: Annotated[str, "torch device"] = "cpu"
+    device: Device = "auto"
+
+    def __post_init__(self):
+        check_device(self.device)

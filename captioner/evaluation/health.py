@@ -24,13 +24,12 @@ from collections.abc import Iterable
 
 import numpy as np
 
-# Where the figures say the maps are not meaningful, set from models scored against object
-# boxes (docs/attention.md): pointing fell as the border ratio rose, and as more peaks crowded
-# onto a few cells. "stay" is reported but never warned on: models that point well stay on one
-# object in one-object scenes.
-# A sharp map is not a failure: the view consistency trains maps onto a cell or two of the object
-# (test entropy 0.06-0.34), and parking on one place is what top5 and border catch. No model that
-# pointed at 0.5 or more had maps at entropy 0.88 or more; the paper objective's sat at 0.90-1.00.
+# Where the figures say the maps are not meaningful, set from models scored against object boxes
+# (docs/attention.md has the runs): pointing fell as the border ratio rose, as more peaks crowded
+# onto a few cells, and with maps spread almost evenly. "stay" is reported but never warned on:
+# models that point well stay on one object in one-object scenes. A sharp map is not a failure:
+# the view consistency trains maps onto a cell or two of the object, and parking on one place is
+# what top5 and border catch.
 LIMITS = {"top5": 0.25, "border": 1.2, "entropy_high": 0.88}
 
 

@@ -67,7 +67,7 @@ def recipe(attention: str = "soft", long: bool = False) -> Recipe:
             224,
             5,
             DecoderConfig(0, embed_dim=128, hidden_dim=256, attention_dim=128, dropout=0.3, attention=attention),
-            TrainConfig(
+            TrainConfig.of(
                 epochs=40,
                 batch_size=32,
                 lr=2e-3,
@@ -86,7 +86,7 @@ def recipe(attention: str = "soft", long: bool = False) -> Recipe:
         112,
         3,
         DecoderConfig(0, embed_dim=64, hidden_dim=128, attention_dim=64, dropout=0.1, attention=attention),
-        TrainConfig(
+        TrainConfig.of(
             epochs=15, batch_size=32, lr=4e-3, alpha_c=0.0, max_minutes=0.75, patience=100, val_beam_size=1, log_every=5
         ),
         name=f"{attention}-quick",
@@ -191,7 +191,7 @@ def synthetic_scst_run(root: str) -> SyntheticRun:
     base = synthetic_run(root, "soft")
     # lr 1e-3 rather than the 5e-5 default: a model this small and a run this short move
     # visibly only with a larger step.
-    scst = TrainConfig(
+    scst = TrainConfig.of(
         objective="scst",
         init=base.checkpoint,
         epochs=8,

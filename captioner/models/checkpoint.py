@@ -1,28 +1,14 @@
-"""The checkpoint format, in one place: its keys, one atomic save, one safe load, and migrations.
+"""The checkpoint format, in one place: its schema, one atomic save, one safe load, and migrations.
 
 A checkpoint is a plain dict of tensors and Python values (never a pickled object), so
-`torch.load(..., weights_only=True)` reads it and refuses anything that would run code.
+`torch.load(..., weights_only=True)` reads it and refuses anything that would run code. Its
+keys are the fields of `Checkpoint` (those left None are not written), plus "format":
+"captioner-checkpoint/<version>". `fit` fills a `Checkpoint`; `load_checkpoint` brings a file of
+any earlier version up to the current one (`migrate`), so every reader sees one layout.
 
-    key              in        what
-    format           every     "captioner-checkpoint/<version>"
-    model            every     the decoder's state dict (with `fit --ema`, the weights' moving average)
-    decoder          every     `DecoderConfig` as a dict
-    vocab            every     the vocabulary's words, in id order
-    encoder          every     `EncoderSpec` as a dict, with the fingerprint of its weights
-    max_len          every     most words per caption in training
-    step             every     optimizer steps so far (int)
-    encoder_state    some      the encoder layers `fit --fine-tune-encoder` trained (plain tensors)
-    familiarity      some      statistics of the training features (`evaluation.familiarity`)
-    metrics          some      the last validation's figures, attention health included
-    attention        some      whether its heatmaps are meaningful: {"meaningful", "problems", "health"}
-    card             some      what a model card says (data, limits, test scores)
-    command          fit's     the command line that made it
-    data             fit's     {"dir", "fingerprint"} of the prepared data it was trained on
-    train, progress  fit's     `TrainConfig` and `Progress` as dicts
-    optimizer, scheduler, rng  fit's: the state a resumed run continues from exactly
-    training_model   fit's     with `--ema`: the raw weights the optimizer steps (for `--resume`)
-
-Older versions are brought up to date by `migrate` as they are read.
+Versions: 1 and 2 trained attention with the half-turn equivariance term (2), later replaced by
+the view consistency; 3 added the consistency and kept `train` flat; 4 groups `train` by concern
+(optim, schedule, checkpoints, terms, hard, fine_tune, scst) and records every decoder setting.
 """
 
 from __future__ import annotations
@@ -40,8 +26,74 @@ from captioner.models.encoder import EncoderSpec
 from captioner.models.vocab import Vocabulary
 
 FORMAT = "captioner-checkpoint"
-VERSION = 3
+VERSION = 4
 REQUIRED = ("model", "decoder", "vocab", "encoder", "step")
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds (the first six: every checkpoint; the rest: as noted)."""
+
+    model: dict  # the decoder's state dict (with `fit --ema`, the weights' moving average)
+    decoder: dict  # `DecoderConfig` as a dict
+    vocab: list[str]  # the vocabulary's words, in id order
+    encoder: dict  # `EncoderSpec` as a dict, with the fingerprint of its weights
+    max_len: int  # most words per caption in training
+    step: int  # optimizer steps so far
+    encoder_state: dict | None = None  # the encoder layers `fit --fine-tune-encoder` trained
+    familiarity: dict | None = None  # statistics of the training features (`models.familiarity`)
+    metrics: dict | None = None  # the last validation's figures, attention health included
+    attention: dict | None = None  # whether its heatmaps are meaningful: {"meaningful", "problems", "health"}
+    card: dict | None = None  # what a model card says (data, limits, test scores)
+    command: str | None = None  # fit's: the command line that made it
+    data: dict | None = None  # fit's: {"dir", "fingerprint"} of the prepared data it was trained on
+    train: dict | None = None  # fit's: the training config (`train.config.TrainConfig`) as a dict
+    progress: dict | None = None  # fit's: `train.config.Progress` as a dict
+    optimizer: dict | None = None  # fit's: the state a resumed run continues from exactly ...
+    scheduler: dict | None = None
+    rng: dict | None = None  # {"torch", "generator", "cuda"} random states
+    training_model: dict | None = None  # with `--ema`: the raw weights the optimizer steps (for `--resume`)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in ((k, getattr(self, k)) for k in self.__dataclass_fields__) if v is not None}
+
+
+# The groups of the training config (version 4) and the fields of the flat one (up to 3) each took.
+TRAIN_GROUPS = {
+    "optim": ("batch_size", "lr", "grad_clip", "ema", "seed", "amp", "compile"),
+    "schedule": ("epochs", "max_minutes", "cooldown", "patience", "metric", "val_beam_size", "val_images"),
+    "checkpoints": ("checkpoint_every", "checkpoint_minutes", "log_every"),
+    "terms": ("alpha_c", "consistency", "consistency_share", "boxes", "boxes_weight", "boxes_choice_weight", "paper"),
+}
+
+
+def current_decoder(d: dict) -> dict:
+    """A decoder config of any version, with every setting: configs from before the word query
+    attended from h_{t-1} alone, and those from before `decode_sharpness` decoded with the maps
+    as trained."""
+    return {"word_query": False, "decode_sharpness": 1.0, **d}
+
+
+def current_train(d: dict | None) -> dict | None:
+    """A training config of any version, grouped as version 4 groups it (a grouped one is returned as is).
+
+    Flat configs without "consistency" trained with the half-turn equivariance term or without
+    any attention term: a resumed run goes on with neither (`consistency` 0). Those without "ema"
+    trained without the weights' average, those without "boxes_choice_weight" without that
+    term, and fine-tuning without "after" trained the encoder from the first step.
+    """
+    if not isinstance(d, dict) or "optim" in d:
+        return d
+    flat = {k: v for k, v in d.items() if k != "equivariance"}
+    flat.setdefault("consistency", 0.0)
+    flat.setdefault("ema", 0.0)
+    flat.setdefault("boxes_choice_weight", 0.0)
+    fused = flat.pop("fused", True)
+    grouped = {name: {k: flat.pop(k) for k in keys if k in flat} for name, keys in TRAIN_GROUPS.items()}
+    grouped["optim"]["shapes"] = "auto" if fused else "fixed"
+    if flat.get("fine_tune"):
+        flat["fine_tune"] = {"after": 0, **flat["fine_tune"]}
+    return {**flat, **grouped}
 
 
 class _Writer:
@@ -62,12 +114,13 @@ class _Writer:
         self.f.flush()
 
 
-def save_checkpoint(ck: dict, path: str) -> None:
+def save_checkpoint(ck: Checkpoint | dict, path: str) -> None:
     """Write a checkpoint atomically (`captioner.io.atomic_path`): never a half-written file.
 
     Raises:
         OSError: the write failed (e.g. ENOSPC, a full disk); `path` is untouched.
     """
+    ck = ck.to_dict() if isinstance(ck, Checkpoint) else ck
     missing = [k for k in REQUIRED if k not in ck]
     if missing:
         raise ValueError(f"a checkpoint needs {missing}")
@@ -108,13 +161,13 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
 def migrate(ck, path: str) -> dict:
     """A checkpoint of any version, as the current version describes it.
 
-    Before version 3, attention was trained with the half-turn equivariance term (`equivariance`
-    in the training config), which the view consistency replaced: a resumed older run goes on
-    with neither (`consistency` 0), as close as this version comes to how it was trained.
+    Raises:
+        CaptionerError: not a captioner checkpoint, one of a newer version, or one without the
+            keys every checkpoint has.
     """
     name, _, version = str(ck.get("format", "")).partition("/") if isinstance(ck, dict) else ("", "", "")
     if name != FORMAT or not version.isdigit():
-        raise CaptionerError(f"{path}: not a captioner checkpoint (expected format {FORMAT}/<version>)")
+        raise CaptionerError(f"{path}: not a captioner checkpoint (expected format {FORMAT!r}/<version>)")
     if int(version) > VERSION:
         raise CaptionerError(
             f"{path}: checkpoint version {version} was written by a newer captioner; "
@@ -123,9 +176,9 @@ def migrate(ck, path: str) -> dict:
     missing = [k for k in REQUIRED if k not in ck]
     if missing:
         raise CaptionerError(f"{path}: checkpoint lacks {missing}")
-    if int(version) < 3 and isinstance(ck.get("train"), dict):
-        ck["train"].pop("equivariance", None)
-        ck["train"].setdefault("consistency", 0.0)
+    ck["decoder"] = current_decoder(ck["decoder"]) if isinstance(ck["decoder"], dict) else ck["decoder"]
+    if "train" in ck:
+        ck["train"] = current_train(ck["train"])
     ck["format"] = f"{FORMAT}/{VERSION}"
     return ck
 
@@ -152,7 +205,7 @@ def read_trained(ck: dict, source: str) -> Trained:
             is malformed (the message names `source`).
     """
     try:
-        decoder = AttentionDecoder.from_config(DecoderConfig.from_dict(ck["decoder"]))
+        decoder = AttentionDecoder.from_config(DecoderConfig(**current_decoder(ck["decoder"])))
         decoder.load_state_dict(ck["model"])
         vocab = Vocabulary(ck["vocab"])
         spec = EncoderSpec.from_dict(ck["encoder"])
@@ -162,7 +215,8 @@ def read_trained(ck: dict, source: str) -> Trained:
         raise CaptionerError(
             f"{source}: the vocabulary has {len(vocab)} words but the weights {decoder.config.vocab_size}"
         )
-    info = {k: ck.get(k) or {} for k in ("metrics", "train", "data", "card", "attention")}
+    info = {k: ck.get(k) or {} for k in ("metrics", "data", "card", "attention")}
+    info["train"] = current_train(ck.get("train")) or {}
     return Trained(
         decoder,
         vocab,

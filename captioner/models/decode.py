@@ -6,12 +6,17 @@ beams advance in lock-step as tensors; at `max_len` words every unfinished beam 
 paying <end>'s own log-probability, so the search always terminates and a cut caption does not
 outrank finished ones; <end> is not allowed as the first word, so every caption has at least one
 (a barely trained model otherwise ranks the empty caption first, and the page, the API and the
-metrics get nothing to show).
+metrics get nothing to show). The history is kept as back-pointers in buffers allocated once,
+and the captions are traced back at the end, so nothing grows or is copied per step.
 
-Cost per step: the decoder runs only on the beams still writing (not on finished beams, nor on
-the K−1 empty beams of the first step); its LSTM inputs are one matrix product
-(`AttentionDecoder.step`); the history is kept as back-pointers in buffers allocated once, and
-the captions are traced back at the end, so nothing grows or is copied per step.
+One search, two shapes (the same captions and maps: tests):
+- packed (CPUs): the decoder runs only on the beams still writing (not on finished beams, nor on
+  the K−1 empty beams of the first step), and the search stops as soon as none writes;
+- fixed (GPUs): every beam steps every time, a finished beam's step thrown away, and the host
+  looks at the device only every `CHECK_EVERY` steps to see whether all beams have ended. On
+  CUDA each step runs as a captured CUDA graph, replayed (`models.graphed_search`).
+
+Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import torch
 
 from captioner.models.decoder import EXPECTED, AttentionDecoder, Joined
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
+
+CHECK_EVERY = 4  # fixed shapes: steps between looks at whether any beam still writes
 
 
 @dataclass
@@ -51,6 +58,7 @@ def beam_search(
     ban_unk: bool = True,
     mode: str = EXPECTED,
     generator: torch.Generator | None = None,
+    shapes: str | None = None,
 ) -> list[list[Hypothesis]]:
     """Decode a batch of images.
 
@@ -63,15 +71,29 @@ def beam_search(
         ban_unk: never emit <unk>.
         mode: context from α: "expected" (soft), "argmax" or "sample" (hard models).
         generator: random source for mode="sample".
+        shapes: "packed" or "fixed" (see the module doc); default: fixed on a GPU, packed elsewhere.
 
     Returns:
         For each image, its K hypotheses, best first.
     """
     if beam_size < 1 or max_len < 1:
         raise ValueError(f"beam_size and max_len must be positive, got {beam_size} and {max_len}")
-    B, K, V = features.size(0), beam_size, decoder.config.vocab_size
-    s = _Search.start(decoder, features, K, max_len + 1)
-    offsets = (torch.arange(B, device=features.device) * K).unsqueeze(1)  # (B, 1)
+    B, K = features.size(0), beam_size
+    s = _Search.start(decoder, features, K, max_len + 1, ban_unk)
+    if (shapes or ("fixed" if features.is_cuda else "packed")) == "packed":
+        steps = _packed(decoder, s, max_len, mode, generator, ban_unk)
+    else:
+        from captioner.models.graphed_search import fixed_steps
+
+        steps = fixed_steps(decoder, s, max_len, mode, generator)
+    return _collect(*_trace(s.word, s.parent, s.alpha, s.loc, steps), s.scores, B, K, length_norm, max_len)
+
+
+def _packed(decoder: AttentionDecoder, s: _Search, max_len: int, mode: str, generator, ban_unk: bool) -> int:
+    """The search stepping only the beams still writing; returns the steps taken."""
+    B, K = s.scores.shape
+    V = decoder.config.vocab_size
+    offsets = (torch.arange(B, device=s.words.device) * K).unsqueeze(1)  # (B, 1)
     for t in range(max_len + 1):
         rows = s.writing.nonzero().squeeze(1)  # (n,) only the beams still writing take a step
         logits, alpha, loc = _step(decoder, s, rows, mode, generator)
@@ -94,7 +116,7 @@ def beam_search(
         s.writing = ~s.finished & s.scores.view(-1).isfinite()
         if not bool(s.writing.any()):
             break
-    return _collect(*_trace(s.word, s.parent, s.alpha, s.loc, t + 1), s.scores, B, K, length_norm, max_len)
+    return t + 1
 
 
 def _step(decoder: AttentionDecoder, s: _Search, rows: torch.Tensor, mode: str, generator):
@@ -107,6 +129,35 @@ def _step(decoder: AttentionDecoder, s: _Search, rows: torch.Tensor, mode: str, 
     )
     s.h, s.c = s.h.index_copy(0, rows, h), s.c.index_copy(0, rows, c)
     return logits, alpha, loc
+
+
+def fixed_step(decoder: AttentionDecoder, s: _Search, t: torch.Tensor, max_len: int, mode: str, generator) -> None:
+    """One step of every beam, its state updated in place: the same shapes at every step, no host read.
+
+    Args:
+        t: () long, the step (a tensor, so that a captured graph can count it).
+    """
+    B, K = s.scores.shape
+    V = decoder.config.vocab_size
+    logits, h, c, alpha, loc = decoder.step(s.feats, s.projected, s.words, s.h, s.c, mode, generator, s.joined)
+    s.alpha.index_copy_(0, t.view(1), alpha.to(s.alpha.dtype).unsqueeze(0))
+    if loc is not None:
+        s.loc.index_copy_(0, t.view(1), loc.unsqueeze(0))
+    ban = s.ban + torch.where(t == 0, s.ban_first, 0.0) + torch.where(t == max_len, s.only_end, 0.0)  # (V,)
+    logp = logits.float().log_softmax(dim=-1) + ban  # (N, V)
+    logp = torch.where(s.finished.unsqueeze(1), s.pad_only, logp)  # frozen beams go on through <pad>, free
+    scores, flat = (s.scores.view(-1, 1) + logp).view(B, K * V).topk(K, dim=1)  # (B, K)
+    source = (s.offsets + flat // V).view(-1)  # (N,) the beam each extends
+    words = (flat % V).view(-1)  # (N,)
+    s.scores.copy_(scores)
+    s.words.copy_(words)
+    s.word.index_copy_(0, t.view(1), words.unsqueeze(0))
+    s.parent.index_copy_(0, t.view(1), source.unsqueeze(0))
+    s.h.copy_(h.index_select(0, source))
+    s.c.copy_(c.index_select(0, source))
+    s.finished.copy_(s.finished.index_select(0, source) | (words == END_ID))
+    s.writing.copy_(~s.finished & s.scores.view(-1).isfinite())
+    t.add_(1)
 
 
 def banned(*, first: bool, ban_unk: bool = True) -> list[int]:
@@ -143,15 +194,28 @@ class _Search:
     alpha: torch.Tensor  # (T, N, L)
     loc: torch.Tensor  # (T, N)
     joined: Joined  # the decoder's weights for this search
+    # What a fixed-shape step adds to each step's log-probabilities (V,): the banned words (-inf),
+    # <end> at the first step, all but <end> at the last; and a frozen beam's row (V,): only <pad>, free.
+    ban: torch.Tensor
+    ban_first: torch.Tensor
+    only_end: torch.Tensor
+    pad_only: torch.Tensor
+    offsets: torch.Tensor  # (B, 1) each image's first beam
 
     @classmethod
-    def start(cls, decoder: AttentionDecoder, features: torch.Tensor, K: int, T: int) -> _Search:
+    def start(cls, decoder: AttentionDecoder, features: torch.Tensor, K: int, T: int, ban_unk: bool) -> _Search:
         (B, L, _), device = features.shape, features.device
-        N = B * K
+        N, V = B * K, decoder.config.vocab_size
         features = decoder.normalize(features)  # (B, L, D)
         h, c = (x.repeat_interleave(K, dim=0) for x in decoder.init_state(features))  # (N, H)
         scores = torch.full((B, K), float("-inf"), device=device)
         scores[:, 0] = 0.0  # one live beam at first: no duplicates
+        masks = torch.zeros(4, V, device=device)  # ban, ban_first, only_end, pad_only
+        masks[0, banned(first=False, ban_unk=ban_unk)] = float("-inf")
+        masks[1, END_ID] = float("-inf")
+        masks[2, :END_ID] = masks[2, END_ID + 1 :] = float("-inf")
+        masks[3] = float("-inf")
+        masks[3, PAD_ID] = 0.0
         return cls(
             features.repeat_interleave(K, dim=0),
             decoder.attention.project(features).repeat_interleave(K, dim=0),
@@ -166,6 +230,8 @@ class _Search:
             features.new_zeros(T, N, L),
             torch.full((T, N), -1, dtype=torch.long, device=device),
             decoder.joined(),
+            *masks,
+            (torch.arange(B, device=device) * K).unsqueeze(1),
         )
 
 

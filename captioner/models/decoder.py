@@ -7,8 +7,8 @@ Symbols used in shape comments:
 Soft attention (§4.2) feeds the expected context ẑ_t = β_t Σ_i α_ti a_i; hard attention
 (§4.1) feeds one sampled annotation a_{s_t}, s_t ~ Multinoulli(α_t). One step, written once
 (`attend`, then `advance`), serves decoding, sampling and the plain teacher-forced pass
-(`unroll`); the fast soft training pass (`models.fused`) is its own module beside it, chosen
-by `fused`, and tested equal to it.
+(`unroll`); the fast soft training pass (`models.fused`) is its own module beside it, tested
+equal to it, and `objectives.passes` chooses between them.
 """
 
 from __future__ import annotations
@@ -20,21 +20,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from captioner.options import check_positive
+
 # How a step turns α into the context vector.
 EXPECTED, SAMPLE, ARGMAX = "expected", "sample", "argmax"
 CONTEXT_MODES = (EXPECTED, SAMPLE, ARGMAX)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecoderConfig:
-    """Sizes of the decoder; travels in the checkpoint and rebuilds the model."""
+    """The decoder's sizes and settings; travels in the checkpoint and rebuilds the model. A field that
+    is None is settled by `fit` (`train.settle`) from the other options before a model is built."""
 
     vocab_size: int  # V, set from the data
     encoder_dim: int = 512  # D, set by the encoder
     embed_dim: Annotated[int, "E, the word embedding size (also the deep output layer's width)"] = 512
     hidden_dim: Annotated[int, "H, the LSTM state size"] = 512
     attention_dim: Annotated[int, "A, the hidden size of the attention MLP"] = 512
-    # Soft attention points better at 0.2, hard attention writes better at 0.5 (docs/results.md).
     dropout: Annotated[
         float | None, "dropout before the output layer (default: 0.2 soft, 0.5 hard; 0.5 is usual on COCO)"
     ] = None
@@ -46,31 +48,22 @@ class DecoderConfig:
     word_query: Annotated[
         bool | None,
         "attend from h_{t-1} and the word just written, not h_{t-1} alone as the paper does, so that a "
-        "map knows which object the caption has begun to name (default: with --boxes; docs/attention.md)",
+        "map knows which object the caption has begun to name (default: with --boxes)",
     ] = None
     decode_sharpness: Annotated[
         float | None,
         "k: decoding and sampling draw each map as softmax(k e_t), training as softmax(e_t); k > 1 makes a "
         "word's map commit to one object, and the word follow it (default: 3 for soft attention with --boxes, "
-        "else 1; docs/attention.md)",
+        "else 1)",
     ] = None
 
     def __post_init__(self):
         if self.attention not in ("soft", "hard"):
-            raise ValueError(f"attention must be 'soft' or 'hard', got {self.attention!r}")
-        if self.dropout is None:
-            self.dropout = 0.5 if self.attention == "hard" else 0.2
-        if self.decode_sharpness is not None and not self.decode_sharpness > 0:
-            raise ValueError(f"--decode-sharpness must be positive, got {self.decode_sharpness}")
+            raise ValueError(f"--attention must be 'soft' or 'hard', got {self.attention!r}")
+        check_positive(self, "decode_sharpness")
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DecoderConfig:
-        """The config a checkpoint records; those from before `word_query` attended from h_{t-1} alone,
-        and those from before `decode_sharpness` decoded with the training's maps."""
-        return cls(**{"word_query": False, "decode_sharpness": 1.0, **d})
 
 
 class Unrolled(NamedTuple):
@@ -98,8 +91,8 @@ class Attention(nn.Module):
     map for "triangle" in "a yellow triangle" cannot know that the caption chose the yellow object.
 
     Computed as e_ti = 2v·σ(2 W_a a_i + 2 W_h h_{t-1}): tanh(x) = 2σ(2x) − 1, so the two differ by
-    −Σv for every location, which softmax ignores: α is exactly the paper's, and on a CPU σ is
-    about ten times cheaper than tanh. W_a a_i is computed once per image (`project`), doubled.
+    −Σv for every location, which softmax ignores: α is exactly the paper's, and σ is the cheaper
+    of the two on CPUs. W_a a_i is computed once per image (`project`), doubled.
     """
 
     def __init__(self, encoder_dim: int, hidden_dim: int, attention_dim: int, embed_dim: int | None = None):
@@ -136,10 +129,10 @@ class AttentionDecoder(nn.Module):
         embed_dim: E, word embedding size (also the deep output layer's width).
         hidden_dim: H, LSTM size.
         attention_dim: A, hidden size of the attention MLP.
-        dropout: dropout before the output layer L_o (None: 0.2 for soft, 0.5 for hard).
+        dropout: dropout before the output layer L_o.
         attention: "soft" or "hard" (how it is trained; both decode with the expected context).
-        word_query: attend from h_{t-1} and the word just written (False, None: h_{t-1} alone, the paper).
-        decode_sharpness: k, decoding's maps are softmax(k e_t) (None: 1, the maps as trained).
+        word_query: attend from h_{t-1} and the word just written (False: h_{t-1} alone, the paper).
+        decode_sharpness: k, decoding's maps are softmax(k e_t) (1: the maps as trained).
     """
 
     def __init__(
@@ -150,10 +143,10 @@ class AttentionDecoder(nn.Module):
         embed_dim: int = 512,
         hidden_dim: int = 512,
         attention_dim: int = 512,
-        dropout: float | None = None,
+        dropout: float = 0.5,
         attention: str = "soft",
-        word_query: bool | None = False,
-        decode_sharpness: float | None = None,
+        word_query: bool = False,
+        decode_sharpness: float = 1.0,
     ):
         super().__init__()
         self.config = DecoderConfig(
@@ -162,10 +155,10 @@ class AttentionDecoder(nn.Module):
             embed_dim,
             hidden_dim,
             attention_dim,
-            dropout,
+            float(dropout),
             attention,
             bool(word_query),
-            1.0 if decode_sharpness is None else float(decode_sharpness),
+            float(decode_sharpness),
         )
         E, D, H = embed_dim, encoder_dim, hidden_dim
         self.embedding = nn.Embedding(vocab_size, E)  # E, the word embedding matrix
@@ -183,8 +176,6 @@ class AttentionDecoder(nn.Module):
         self.L_z = nn.Linear(D, E, bias=False)
         self.L_o = nn.Linear(E, vocab_size)
         self.dropout = nn.Dropout(self.config.dropout)
-        # Teacher forcing through the fused pass (models.fused): same values and gradients as `unroll`.
-        self.fused = True
         # Fixed per-channel standardisation of the annotation vectors, set from the training
         # features by `fit` (VGG channels differ in scale by orders of magnitude; standardised
         # inputs train much faster). Saved with the weights.
@@ -193,6 +184,10 @@ class AttentionDecoder(nn.Module):
 
     @classmethod
     def from_config(cls, config: DecoderConfig) -> AttentionDecoder:
+        """The model of a settled config (`fit` settles the fields left None: `train.settle`)."""
+        unsettled = [k for k, v in asdict(config).items() if v is None]
+        if unsettled:
+            raise ValueError(f"DecoderConfig.{', '.join(unsettled)} not settled: `train.settle` settles them")
         return cls(**asdict(config))
 
     # the step: attend, then advance
@@ -293,10 +288,9 @@ class AttentionDecoder(nn.Module):
         return self.output(emb, h, z, joined), h, c, alpha, loc
 
     def compile_step(self) -> None:
-        """torch.compile the step (for GPUs); teacher forcing then takes the plain pass, `unroll`."""
-        self.attend = torch.compile(self.attend, dynamic=True)  # the batch shrinks as captions end
-        self.advance = torch.compile(self.advance, dynamic=True)
-        self.fused = False
+        """torch.compile the step's two halves (for fixed shapes: the plain pass and decoding)."""
+        self.attend = torch.compile(self.attend)
+        self.advance = torch.compile(self.advance)
 
     # teacher forcing
 
@@ -327,25 +321,16 @@ class AttentionDecoder(nn.Module):
             alpha = self.attend(projected, h, emb[:, t])  # (B, L)
             loc = None if locations is None else locations[:, t]
             if loc is None and sampled is not None:
-                draw = torch.multinomial(alpha.detach().float(), 1, generator=generator).squeeze(1)  # (B,)
-                loc = torch.where(sampled, draw, -1)
+                loc = torch.where(sampled, sample_from(alpha.detach(), generator), -1)  # (B,)
             h, c, z = self.advance(features, alpha, emb[:, t], h, c, loc)
             hs.append(h), zs.append(z), alphas.append(alpha)
             locs.append(torch.full((B,), -1, device=features.device) if loc is None else loc)
         return Unrolled(emb, torch.stack(hs, 1), torch.stack(zs, 1), torch.stack(alphas, 1), torch.stack(locs, 1))
 
-    def teacher_forced(self, features: torch.Tensor, captions: torch.Tensor) -> Unrolled:
-        """The soft teacher-forced pass, through `models.fused` when `self.fused`, else `unroll`."""
-        if self.fused:
-            from captioner.models.fused import fused_unroll
-
-            return fused_unroll(self, features, captions)
-        return self.unroll(features, captions)
-
     def forward(
         self, features: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher-forced soft pass.
+        """The plain teacher-forced soft pass (training takes the faster equal one: `objectives.passes`).
 
         Args:
             features: (B, L, D) annotation vectors.
@@ -355,7 +340,7 @@ class AttentionDecoder(nn.Module):
         Returns:
             logits (B, T-1, V), where position t predicts captions[:, t+1]; α (B, T-1, L).
         """
-        u = self.teacher_forced(features, captions)
+        u = self.unroll(features, captions)
         return self.output(u.emb, u.h, u.z), u.alphas
 
 
@@ -364,10 +349,18 @@ def choose_locations(alpha: torch.Tensor, mode: str, generator: torch.Generator 
     if mode == EXPECTED:
         return None
     if mode == SAMPLE:
-        return torch.multinomial(alpha.float(), 1, generator=generator).squeeze(1)  # (B,)
+        return sample_from(alpha, generator)  # (B,)
     if mode == ARGMAX:
         return alpha.argmax(dim=1)  # (B,)
     raise ValueError(f"context mode must be one of {CONTEXT_MODES}, got {mode!r}")
+
+
+def sample_from(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index (B,) drawn from each row of probabilities p (B, N): argmax p / q with q ~ Exp(1), the
+    draw `torch.multinomial(p, 1)` makes (the same indices from the same generator state), without the
+    validity check that reads the probabilities back to the host."""
+    q = torch.empty_like(p, dtype=torch.float32).exponential_(generator=generator)  # (B, N)
+    return (p.float() / q).argmax(dim=1)
 
 
 def lstm_cell(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from captioner.errors import CaptionerError
 from captioner.io import atomic_path, read_json, write_json_atomic
 from captioner.models.checkpoint import Trained, read_trained
 
-FORMAT, VERSION = "captioner-model", 1
+FORMAT, VERSION = "captioner-model", 2
 FILES = ("model.safetensors", "config.json", "vocab.json")
 RECORD = ("metrics", "attention", "card", "train", "data")  # what config.json keeps of a checkpoint's record
 

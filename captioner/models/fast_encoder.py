@@ -8,7 +8,7 @@ On CPU with oneDNN (the usual PyTorch build) the VGG trunk becomes a list of one
 convolutions with their ReLU fused in, weights reordered once into oneDNN's blocked layout, and
 activations kept channels-last, so nothing is re-laid-out between layers. Eager torchvision
 re-lays-out the weights of every layer on every call. torch.compile with freezing makes the
-same oneDNN calls as this module, which needs no compiling (docs/benchmarks.md compares them).
+same oneDNN calls as this module, which needs no compiling.
 
 bf16: only on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX), where oneDNN runs it
 much faster than fp32; elsewhere it is emulated and slower, so fp32 is kept.

@@ -10,8 +10,8 @@
   backward pass (`_SharedWeight`, `_StepProduct`), not one thin product per step;
 - it steps only the captions still being written, and maps the LSTM's word inputs for those
   rows only.
-`AttentionDecoder.teacher_forced` uses it when `decoder.fused` is True (the default); training
-with `--no-fused` or `--compile` uses the plain pass.
+`objectives.passes` trains with it on packed batches (CPUs); fixed-shape batches (GPUs, `--compile`)
+take the plain pass. It reads the captions' lengths back to the host once per pass (`active`).
 
 Symbols: B batch, L locations, D annotation size, E embedding size, H LSTM size, A attention
 size, T steps, n captions still running at a step.
@@ -29,7 +29,7 @@ class _Score(torch.autograd.Function):
     """e_ti = v·tanh(p_ti + q_t) up to a per-row constant, computed as 2v·σ(2p + 2q).
 
     tanh(x) = 2σ(2x) − 1, so the two differ by −Σv for every location, which softmax ignores:
-    α is exactly the paper's. On CPU σ is about 10× cheaper than tanh, and the hand-written
+    α is exactly the paper's. On CPUs σ is the cheaper of the two, and the hand-written
     backward saves two passes over the (B, L, A) tensor; this is the decoder's hot loop. It
     takes 2p and 2q (`Attention.project` doubles p once per image), which saves a third pass
     over (B, L, A) at every step.

@@ -30,9 +30,9 @@ state the captions alone shape. With the state in its gradient the term also rew
 state carries, and captions named their objects right less often.
 
 The term is estimated on a share of each batch's captions (the loader reads the views' features
-of those only: `CaptionData.turned_share`), at one random real step each, and scaled to the
-batch's words, so its cost stays small: two attention maps per picked caption, on the image and
-on its view (no second LSTM pass), and the projection of those captions' images and views.
+of those only: `TermsConfig.consistency_share`), at one random real step each, and scaled to
+the batch's words, so its cost stays small: two attention maps per picked caption, on the image
+and on its view (no second LSTM pass), and the projection of those captions' images and views.
 
 Symbols: B captions, T steps, L locations, D feature size, A attention size, H LSTM size, N
 picked (caption, step) pairs.
@@ -46,6 +46,7 @@ import torch
 
 from captioner.models.decoder import AttentionDecoder, Unrolled
 from captioner.models.views import back_from_view
+from captioner.objectives.terms import Context, Term, wide
 
 AGREEMENT_FLOOR = 1e-6  # under the agreement before the log: maps that share no cell cost log 1e6, not inf
 
@@ -57,8 +58,8 @@ def disagreement(maps: torch.Tensor, maps_in_view: torch.Tensor, moves: torch.Te
     Mass on cells only one of the two shows (the image's cells the move takes out of the view,
     the view's uncovered cells) can agree with nothing, so it pays like mass on the wrong cell.
     """
-    back = back_from_view(maps_in_view.float(), moves, grid)
-    return -((maps.float() * back).sum(-1) + AGREEMENT_FLOOR).log()
+    back = back_from_view(wide(maps_in_view), moves, grid)
+    return -((wide(maps) * back).sum(-1) + AGREEMENT_FLOOR).log()
 
 
 def real_steps(mask: torch.Tensor, rows: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -99,4 +100,29 @@ def consistency(
     maps_in_view = decoder.attend(decoder.attention.project(decoder.normalize(views)), h_before, word_before)  # α'
     grid = math.isqrt(maps.size(-1))
     per_step = disagreement(maps, maps_in_view, moves, grid)  # (N,)
-    return per_step.mean() * mask.sum() / words
+    real = mask[rows].any(1)  # (N,) False for a padding row of a fixed-shape batch
+    return (per_step * real).sum() / real.sum().clamp_min(1) * mask.sum() / words
+
+
+class ViewConsistency(Term):
+    """The consistency of the maps between each image and its view (`consistency`), per word; its
+    weight is `--consistency`. A batch without views (every picked image damaged) adds nothing."""
+
+    name = "consistency"
+    fields = ("view_features", "view_rows", "view_moves")
+
+    def __call__(self, ctx: Context) -> torch.Tensor:
+        b, p = ctx.batch, ctx.passed
+        if b.view_features is None:
+            return ctx.features.new_zeros(())
+        return consistency(
+            ctx.decoder,
+            ctx.features,
+            b.view_features,
+            b.view_rows,
+            b.view_moves,
+            p.unrolled,
+            p.mask,
+            ctx.words,
+            ctx.generator,
+        )

@@ -3,34 +3,71 @@ where a dataset has object boxes, a word that names a boxed object should look a
 
 For each such word, −log Σ_{i in the object's cells} α_ti: the attention the map gives the
 object's cells, as a likelihood. `fit --boxes INSTANCES_JSON` adds it to the objective, per word,
-for the training images' boxes only (`data.boxes.BoxTargets` says which words and cells).
+for the training images' boxes only (`data.boxes.BoxTargets` says which words and cells; each
+batch carries them as a (B, T-1, L) mask, empty where a step's word names no boxed object).
 
 On the dataset's words alone the term cannot make a map commit where the next object is the
 caption's choice: captions name a scene's objects in either order, so under teacher forcing the
 map drawn before "yellow" in "a yellow triangle and a purple square" pays least split between
 the two objects, and the word is then read from a blend of both. The same term at the word the
-model itself would write at each step (its most likely word there, `BoxTargets.for_predictions`)
+model itself would write at each step (its most likely word there, `BoxTargets.masks_for_predictions`)
 asks that map to lie on the object of the model's own choice, so that the choice and the map agree.
-Symbols: E (caption, step) pairs with a target, L locations.
+Symbols: B captions, T steps, L locations.
 """
 
 from __future__ import annotations
 
 import torch
 
+from captioner.objectives.terms import Context, Term, wide
+
 LOG_EPS = 1e-12
 
 
-def attention_correctness(
-    alphas: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, masks: torch.Tensor, words
-) -> torch.Tensor:
-    """λ's multiplicand per word: Σ over the targets of −log (attention on the object's cells).
+def attention_correctness(alphas: torch.Tensor, masks: torch.Tensor, words) -> torch.Tensor:
+    """λ's multiplicand per word: Σ over the steps with a target of −log (attention on the object's cells).
 
     Args:
         alphas: (B, T-1, L) the pass's maps.
-        rows, steps: (E,) the captions and steps whose word names a boxed object.
-        masks: (E, L) bool, the cells of those objects.
+        masks: (B, T-1, L) bool, the cells of the objects each step's word names (none: no target).
         words: what to divide the batch total by.
     """
-    on_object = (alphas[rows, steps].float() * masks).sum(-1)  # (E,)
-    return -on_object.clamp_min(LOG_EPS).log().sum() / words
+    on_object = (wide(alphas) * masks).sum(-1)  # (B, T-1)
+    return -(on_object.clamp_min(LOG_EPS).log() * masks.any(-1)).sum() / words
+
+
+class AttentionCorrectness(Term):
+    """`attention_correctness` on the dataset's words (`--boxes`); its weight is `--boxes-weight`."""
+
+    name = "boxes"
+    fields = ("box_masks",)
+
+    def __call__(self, ctx: Context) -> torch.Tensor:
+        return attention_correctness(ctx.passed.unrolled.alphas, ctx.batch.box_masks, ctx.words)
+
+
+class ChosenWordCorrectness(Term):
+    """`attention_correctness` at the word the model would write at each step, where it names an object of
+    the image (`--boxes-choice-weight`). The words are looked up on the host, so no graph captures it.
+
+    Args:
+        targets: `data.boxes.BoxTargets` of the training images.
+    """
+
+    name = "boxes_choice"
+    fields = ("box_images",)
+    capturable = False
+    predicts = True
+
+    def __init__(self, weight: float, targets):
+        super().__init__(weight)
+        self.targets = targets
+
+    def __call__(self, ctx: Context) -> torch.Tensor:
+        p = ctx.passed
+        alphas = p.unrolled.alphas
+        # The lookup needs the words on the host: an explicit copy, and a host synchronisation.
+        masks = self.targets.masks_for_predictions(
+            ctx.batch.box_images.cpu().numpy(), p.predicted.cpu().numpy(), p.mask.cpu().numpy()
+        )
+        return attention_correctness(alphas, torch.from_numpy(masks).to(alphas.device), ctx.words)

@@ -1,10 +1,10 @@
 """The soft attention model's loss, eq. (14): the caption's negative log-likelihood plus the
-doubly stochastic regularisation λ Σ_i (1 − Σ_t α_ti)².
+doubly stochastic regularisation λ Σ_i (1 − Σ_t α_ti)², as two terms.
 
-Both terms are per caption, as in the paper (the likelihood summed over the caption's words,
-not averaged), so their balance is the paper's; dividing a batch's total by its predicted words
+Both are per caption, as in the paper (the likelihood summed over the caption's words, not
+averaged), so their balance is the paper's; dividing a batch's total by its predicted words
 only sets the scale. Padding is masked out of both.
-Symbols: B captions, T steps, L locations, V vocabulary size, N real (non-padding) positions.
+Symbols: B captions, T steps, L locations, V vocabulary size.
 """
 
 from __future__ import annotations
@@ -12,60 +12,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from captioner.models.decoder import AttentionDecoder, Unrolled, step_mask
-
-
-def word_nll(
-    decoder: AttentionDecoder, unrolled: Unrolled, captions: torch.Tensor, lengths: torch.Tensor, predict: bool = False
-):
-    """−log p(y_t) at every real position; logits are computed there only, not on padding.
-
-    Returns:
-        (B, T-1) negative log-likelihoods (0 on padding), the (B, T-1) mask, and with `predict` the
-        (B, T-1) most likely word at each position (0 on padding), else None.
-    """
-    T1 = unrolled.h.size(1)
-    mask = step_mask(lengths, T1)  # (B, T-1)
-    logits = decoder.output(unrolled.emb[mask], unrolled.h[mask], unrolled.z[mask])  # (N, V)
-    nll = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
-    nll[mask] = F.cross_entropy(logits.float(), captions[:, 1 : T1 + 1][mask], reduction="none")
-    if not predict:
-        return nll, mask, None
-    predicted = torch.zeros(mask.shape, dtype=torch.long, device=logits.device)
-    predicted[mask] = logits.detach().argmax(-1)
-    return nll, mask, predicted
+from captioner.models.decoder import step_mask
+from captioner.objectives.terms import Context, Term, wide
 
 
 def attention_penalty(alphas: torch.Tensor, mask: torch.Tensor, alpha_c: float = 1.0) -> torch.Tensor:
-    """Doubly stochastic regularisation of eq. (14) per image: λ Σ_i (1 − Σ_t α_ti)², (B,)."""
+    """Doubly stochastic regularisation of eq. (14) per image: λ Σ_i (1 − Σ_t α_ti)², (B,);
+    0 for a row without a real step (a padding row of a fixed-shape batch)."""
     attended = (alphas * mask.unsqueeze(2)).sum(dim=1)  # (B, L), Σ_t α_ti over real steps
-    return alpha_c * ((1.0 - attended) ** 2).sum(dim=1)  # (B,)
+    return alpha_c * ((1.0 - attended) ** 2).sum(dim=1) * mask.any(dim=1)  # (B,)
 
 
-def sequence_terms(
-    decoder: AttentionDecoder,
-    features: torch.Tensor,
-    captions: torch.Tensor,
-    lengths: torch.Tensor,
-    alpha_c: float = 1.0,
-    words: torch.Tensor | float | None = None,
-    predict: bool = False,
-):
-    """Eq. (14)'s two terms per predicted word, with logits only where there are words, and the
-    teacher-forced pass and its (B, T-1) mask of real steps (for terms computed on the same maps).
+class CrossEntropy(Term):
+    """Eq. (14)'s first term: −log p(y|a), summed over each caption's words, per word of the batch."""
 
-    Args:
-        words: what to divide the batch totals by; default the batch's predicted words (under
-            DDP, the global count divided by the number of processes).
-        predict: also return the most likely word at each step (`word_nll`).
+    name = "nll"
 
-    Returns:
-        (nll per word, penalty per word, the `Unrolled` pass, the mask, the most likely words or None).
-    """
-    u = decoder.teacher_forced(features, captions)
-    nll, mask, predicted = word_nll(decoder, u, captions, lengths, predict)
-    words = mask.sum() if words is None else words
-    return nll.sum() / words, attention_penalty(u.alphas.float(), mask, alpha_c).sum() / words, u, mask, predicted
+    def __call__(self, ctx: Context) -> torch.Tensor:
+        return ctx.passed.nll.sum() / ctx.words
+
+
+class DoublyStochastic(Term):
+    """Eq. (14)'s second term, Σ_i (1 − Σ_t α_ti)² per image, per word of the batch; its weight is λ."""
+
+    name = "penalty"
+
+    def __call__(self, ctx: Context) -> torch.Tensor:
+        p = ctx.passed
+        return attention_penalty(wide(p.unrolled.alphas), p.mask).sum() / ctx.words
 
 
 def caption_loss(

@@ -26,20 +26,20 @@ from typing import Annotated, Literal, NamedTuple
 
 import numpy as np
 import torch
-from torch import nn
 
-from captioner.data.dataset import CaptionData, ImageBatch
-from captioner.models.decode import banned, beam_search
-from captioner.models.decoder import EXPECTED, SAMPLE, AttentionDecoder
+from captioner.data.dataset import CaptionData
+from captioner.models.decode import CHECK_EVERY, banned, beam_search
+from captioner.models.decoder import EXPECTED, SAMPLE, AttentionDecoder, sample_from
 from captioner.models.vocab import END_ID, PAD_ID, START_ID
 from captioner.objectives.cider import NgramScorer, References, cached_document_frequency
 from captioner.objectives.reinforce import LOG_EPS
+from captioner.objectives.terms import Context, Term
 
 BASELINES = ("mean", "greedy")
-LR = 5e-5  # SCST's default learning rate, ruotianluo/self-critical.pytorch's (docs/training.md)
+LR = 5e-5  # SCST's default learning rate, ruotianluo/self-critical.pytorch's
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScstConfig:
     """Self-critical training (`--objective scst`); part of TrainConfig, so saved in every checkpoint."""
 
@@ -128,6 +128,7 @@ def sample_captions(
     logp = feats.new_zeros(N, dtype=torch.float32)
     entropy = feats.new_zeros(N, dtype=torch.float32)
     tokens = []
+    check = CHECK_EVERY if feats.is_cuda else 1
     for t in range(max_len + 1):
         logits, h, c, alpha, loc = decoder.step(feats, projected, words, h, c, mode, generator)
         if t == max_len:  # out of room: end now (no choice, no gradient)
@@ -135,7 +136,7 @@ def sample_captions(
             break
         step_logp = (logits.float() + masks[t > 0]).log_softmax(dim=-1)  # (N, V)
         p = step_logp.detach().exp()  # (N, V)
-        drawn = torch.multinomial(p, 1, generator=generator).squeeze(1)  # (N,)
+        drawn = sample_from(p, generator)  # (N,)
         chosen = step_logp.gather(1, drawn.unsqueeze(1)).squeeze(1)  # (N,)
         if loc is not None:  # the sampled location is a choice too
             chosen = chosen + alpha.float().gather(1, loc.unsqueeze(1)).squeeze(1).clamp_min(LOG_EPS).log()
@@ -144,7 +145,7 @@ def sample_captions(
         words = torch.where(alive, drawn, PAD_ID)
         tokens.append(words)
         alive = alive & (words != END_ID)
-        if not bool(alive.any()):
+        if (t + 1) % check == 0 and not bool(alive.any()):  # on a GPU the host looks every few words
             break
     tokens = torch.stack(tokens, 1)  # (N, T)
     return Samples(tokens, ((tokens != PAD_ID) & (tokens != END_ID)).sum(1), logp, entropy)
@@ -166,57 +167,57 @@ def greedy_tokens(decoder: AttentionDecoder, features: torch.Tensor, max_len: in
     return tokens, torch.tensor([len(h) for h in hyps])
 
 
-# the objective
+# the term
 
 
-class SelfCritical(nn.Module):
-    """The SCST loss as a module, so that DistributedDataParallel wraps one forward.
+class SelfCritical(Term):
+    """The SCST loss as a term: it samples its own captions from the batch's images (no teacher-forced
+    pass) and scores them on the host, so no graph captures it.
 
     Args:
-        decoder: the model being trained.
         cfg: samples, baseline, reward weights.
         scorer: rewards against the training references (`training_scorer`).
         max_len: most words per sampled caption.
     """
 
-    def __init__(self, decoder: AttentionDecoder, cfg: ScstConfig, scorer: NgramScorer, max_len: int):
-        super().__init__()
-        self.decoder, self.cfg, self.scorer, self.max_len = decoder, cfg, scorer, max_len
+    name = "scst"
+    fields = ("rows",)
+    capturable = False
+    teacher_forced = False
+
+    def __init__(self, cfg: ScstConfig, scorer: NgramScorer, max_len: int):
+        super().__init__(1.0)
+        self.cfg, self.scorer, self.max_len = cfg, scorer, max_len
+        self._report: dict[str, torch.Tensor] = {}
 
     def reward(self, tokens: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """r(w) (N,) float64 on the CPU: CIDEr-D (+ bleu_weight · BLEU-4)."""
         cider, bleu = self.scorer.score(tokens, words + int(self.cfg.end_token), rows, bleu=self.cfg.bleu_weight > 0)
         return cider if bleu is None else cider + self.cfg.bleu_weight * bleu
 
-    def forward(self, batch: ImageBatch, images: float, baseline: float = 0.0, generator=None):
-        """Loss for one batch.
-
-        Args:
-            images: what to divide by: this batch's images (under DDP, the global count over
-                processes), so that the loss is a mean over images of the mean over samples.
-            baseline: unused (the REINFORCE moving average of hard-attention XE training).
-
-        Returns:
-            (loss to minimise, dict of detached terms for logging: reward, baseline, entropy, ...)
-        """
-        n = self.cfg.samples
-        mode = SAMPLE if self.decoder.config.attention == "hard" and self.cfg.context == SAMPLE else EXPECTED
-        s = sample_captions(self.decoder, batch.features, n, self.max_len, mode=mode, generator=generator)
-        rows = batch.rows.cpu()
+    def __call__(self, ctx: Context) -> torch.Tensor:
+        """The loss per image of the mean over its samples; `ctx.words` counts the images (under DDP,
+        the global count over processes)."""
+        decoder, n = ctx.decoder, self.cfg.samples
+        mode = SAMPLE if decoder.config.attention == "hard" and self.cfg.context == SAMPLE else EXPECTED
+        s = sample_captions(decoder, ctx.features, n, self.max_len, mode=mode, generator=ctx.generator)
+        rows = ctx.batch.rows.cpu()  # the rewards are computed on the host
         reward = self.reward(s.tokens, s.words, rows.repeat_interleave(n)).view(-1, n)  # (B, n)
         if self.cfg.baseline == "greedy":
-            tokens, words = greedy_tokens(self.decoder, batch.features, self.max_len)
+            tokens, words = greedy_tokens(decoder, ctx.features, self.max_len)
             base = self.reward(tokens, words, rows).unsqueeze(1).expand(-1, n)  # (B, n)
         else:
             base = (reward.sum(1, keepdim=True) - reward) / (n - 1)  # (B, n), the others' mean
         advantage = (reward - base).float().to(s.logp.device).view(-1)  # (N,)
-        loss = -(advantage * s.logp).sum() / (images * n)
         steps = (s.words + 1).sum().clamp_min(1)
-        terms = {
+        self._report = {
             "reward": reward.mean(),
             "baseline": base.mean(),
             "entropy": s.entropy.sum() / steps,
             "sample_words": s.words.float().mean(),
             "advantage_abs": advantage.abs().mean(),
         }
-        return loss, {k: v.detach().float() for k, v in terms.items()}
+        return -(advantage * s.logp).sum() / (ctx.words * n)
+
+    def report(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().float() for k, v in self._report.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,10 +13,10 @@ from PIL import Image
 
 from captioner.data.images import load_image
 from captioner.errors import CaptionerError
-from captioner.evaluation.familiarity import FamiliarityStats, familiarity
 from captioner.models.decode import beam_search
 from captioner.models.decoder import ARGMAX, CONTEXT_MODES, EXPECTED, SAMPLE, AttentionDecoder
 from captioner.models.encoder import EncoderSpec, rebuild_encoder
+from captioner.models.familiarity import FamiliarityStats, familiarity
 from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.hub import load_trained
 from captioner.models.vocab import Vocabulary
@@ -126,14 +127,23 @@ class Captioner:
             familiarity=FamiliarityStats.from_dict(trained.familiarity),
         )
 
+    def _inputs(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Images (paths, bytes, PIL or HxWxC arrays) → the encoder's inputs (B, 3, S, S) on the host
+        (page-locked for a GPU) and the upright images' sizes."""
+        pils = [load_image(Image.fromarray(im) if isinstance(im, np.ndarray) else im) for im in images]
+        x = torch.stack([self.encoder_spec.preprocess(p) for p in pils])  # (B, 3, S, S)
+        return (x.pin_memory() if self.device.type == "cuda" else x), [p.size for p in pils]
+
     @torch.inference_mode()
     def encode(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Images (paths, bytes, PIL or HxWxC arrays) → features (B, L, D) and their sizes."""
+        x, sizes = self._inputs(images)
+        return self._features(x), sizes
+
+    def _features(self, x: torch.Tensor) -> torch.Tensor:
         if self.encoder is None:
             self.encoder = self._ready(rebuild_encoder(self.encoder_spec, self.encoder_state, "this checkpoint")[0])
-        pils = [load_image(Image.fromarray(im) if isinstance(im, np.ndarray) else im) for im in images]
-        x = torch.stack([self.encoder_spec.preprocess(p) for p in pils]).to(self.device)  # (B, 3, S, S)
-        return self.encoder(x), [p.size for p in pils]
+        return self.encoder(x.to(self.device, non_blocking=True))  # (B, L, D)
 
     def caption(self, image, beam_size: int = 3, **kwargs) -> Caption:
         """Caption one image; see `caption_batch` for the options."""
@@ -174,39 +184,44 @@ class Captioner:
         generator = None
         if mode == SAMPLE:
             generator = torch.Generator(device=self.device).manual_seed(0 if seed is None else int(seed))
+        search = dict(
+            beam_size=int(beam_size), max_len=max_len, length_norm=length_norm, mode=mode, generator=generator
+        )
+        chunks = [images[i : i + batch_size] for i in range(0, len(images), batch_size)]
+        if len(chunks) == 1:
+            return self._captions(*self._inputs(chunks[0]), search)
         out = []
-        grid = self.encoder_spec.grid
-        for i in range(0, len(images), batch_size):
-            feats, sizes = self.encode(images[i : i + batch_size])  # (b, L, D)
-            verdicts = familiarity(feats, self.familiarity)  # is each image like the training ones?
-            for beams, size, verdict in zip(
-                beam_search(
-                    self.decoder,
-                    feats,
-                    beam_size=int(beam_size),
-                    max_len=max_len,
-                    length_norm=length_norm,
-                    mode=mode,
-                    generator=generator,
-                ),
-                sizes,
-                verdicts,
-            ):
-                best = beams[0]
-                words = self.vocab.decode(best.tokens)
-                locs = None
-                if mode in (ARGMAX, SAMPLE):
-                    locs = [(int(l) // grid, int(l) % grid) for l in best.locations]
-                out.append(
-                    Caption(
-                        text=" ".join(words),
-                        words=words,
-                        score=best.score,
-                        attention=best.attention.reshape(len(words), grid, grid),
-                        locations=locs,
-                        alternatives=[(" ".join(self.vocab.decode(h.tokens)), h.score) for h in beams],
-                        size=size,
-                        familiarity=verdict,
-                    )
+        # A thread decodes and preprocesses the next chunk while the model works on this one.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            ahead = pool.submit(self._inputs, chunks[0])
+            for k in range(len(chunks)):
+                x, sizes = ahead.result()
+                if k + 1 < len(chunks):
+                    ahead = pool.submit(self._inputs, chunks[k + 1])
+                out += self._captions(x, sizes, search)
+        return out
+
+    def _captions(self, x: torch.Tensor, sizes: list, search: dict) -> list[Caption]:
+        """The captions of one chunk's encoder inputs (b, 3, S, S), with `beam_search`'s arguments."""
+        feats = self._features(x)  # (b, L, D)
+        verdicts = familiarity(feats, self.familiarity)  # is each image like the training ones?
+        out, grid = [], self.encoder_spec.grid
+        for beams, size, verdict in zip(beam_search(self.decoder, feats, **search), sizes, verdicts):
+            best = beams[0]
+            words = self.vocab.decode(best.tokens)
+            locs = None
+            if search["mode"] in (ARGMAX, SAMPLE):
+                locs = [(int(l) // grid, int(l) % grid) for l in best.locations]
+            out.append(
+                Caption(
+                    text=" ".join(words),
+                    words=words,
+                    score=best.score,
+                    attention=best.attention.reshape(len(words), grid, grid),
+                    locations=locs,
+                    alternatives=[(" ".join(self.vocab.decode(h.tokens)), h.score) for h in beams],
+                    size=size,
+                    familiarity=verdict,
                 )
+            )
         return out

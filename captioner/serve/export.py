@@ -3,8 +3,8 @@
 Writes `models.exported`'s folder (weights in safetensors, config and vocabulary as JSON) and a
 README.md model card: what the model is, the data it learnt from, its test scores, pointing and
 attention health when known, the command that made it, its limits, and how to load it. Publish
-the folder with `huggingface-cli upload ORG/NAME DIR .`; load it with
-`Captioner.load("hf://ORG/NAME")` (docs/sharing.md).
+the folder with `hf upload ORG/NAME DIR .`; load it with
+`Captioner.load("hf://ORG/NAME")`.
 """
 
 from __future__ import annotations

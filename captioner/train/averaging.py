@@ -34,13 +34,17 @@ class WeightAverage:
             raise ValueError(f"--ema is a decay between 0 and 1 (exclusive), got {decay}")
         self.decay = decay
         self.model = copy.deepcopy(model).requires_grad_(False)
+        self.device = next(model.parameters()).device
 
     @torch.no_grad()
-    def update(self, model: nn.Module, step: int) -> None:
-        """Move the average towards `model`'s weights after optimizer step `step` (counted from 1)."""
-        keep = min(self.decay, (1 + step) / (10 + step))
-        for average, weight in zip(self.model.parameters(), model.parameters()):
-            average.lerp_(weight.detach(), 1.0 - keep)
+    def update(self, model: nn.Module, step: torch.Tensor | int, applied: torch.Tensor | bool = True) -> None:
+        """Move the average towards `model`'s weights after optimizer step `step` (counted from 1); not
+        at all where `applied` is False (a skipped step). On the device, with no read back to the host."""
+        step = torch.as_tensor(step, dtype=torch.float32, device=self.device)
+        keep = ((1 + step) / (10 + step)).clamp(max=self.decay)
+        weight = (1.0 - keep) * torch.as_tensor(applied, device=self.device)  # (), 0 when not applied
+        for average, w in zip(self.model.parameters(), model.parameters()):
+            average.lerp_(w.detach(), weight.to(average.dtype))
 
     def state_dict(self) -> dict:
         return self.model.state_dict()

@@ -26,29 +26,30 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Literal
 
 import numpy as np
 import torch
 
-from captioner.data.dataset import Batch, CaptionData
+from captioner.data.batches import Batch
+from captioner.data.dataset import CaptionData
 from captioner.data.encoder_inputs import INPUT_CACHE, encoded_features, image_groups, input_cache_info
 from captioner.data.features import BAD, TODO, FeatureCache, extract_features
 from captioner.errors import CaptionerError
 from captioner.evaluation.captioning import checkpoint_features
-from captioner.evaluation.familiarity import fit_stats
 from captioner.io import write_json_atomic
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.encoder import FEATURE_DIM, VGGEncoder, apply_encoder_state, build_encoder
 from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.tuned import TunedEncoder, start_index
 from captioner.train import distributed
+from captioner.train.familiarity import fit_stats
 
 DECODER_FIRST = 2  # epochs of a run from scratch before the encoder trains (FineTuneConfig.after)
 
 
-@dataclass
+@dataclass(frozen=True)
 class FineTuneConfig:
     """Encoder fine-tuning (`--fine-tune-encoder`); saved in the checkpoint's training config."""
 
@@ -60,17 +61,20 @@ class FineTuneConfig:
     lr: Annotated[
         float,
         "--encoder-lr",
-        "Adam learning rate of the encoder's layers (1e-4, the tutorial's, made the random encoder's "
-        "captions and maps worse after the first epoch when training from scratch: docs/results.md)",
+        "Adam learning rate of the encoder's layers",
     ] = 1e-5
     workers: Annotated[int, "DataLoader workers decoding images (the pool4 cache, conv4_1 batches)"] = 2
     after: Annotated[
         int | None,
         "--tune-after",
         f"epochs the decoder trains alone on the cached features, with the prepared views' consistency, "
-        f"before the encoder's layers train with it (default: {DECODER_FIRST} from scratch, 0 with --init: "
-        "the encoder's gradients from an untrained decoder spoilt its maps, docs/results.md)",
+        f"before the encoder's layers train with it (default: {DECODER_FIRST} from scratch, so that the encoder "
+        "learns from a trained decoder's gradients; 0 with --init)",
     ] = None
+
+    def __post_init__(self):
+        if self.after is not None and self.after < 0:
+            raise ValueError(f"--tune-after is a number of epochs, got {self.after}")
 
 
 # helpers
@@ -104,6 +108,8 @@ class FineTuning:
         data: the prepared data directory.
         cfg: which layers train, their learning rate, workers.
         d, device: this process's place and device.
+        batch_size: about how many captions a batch holds (`image_batches`).
+        targets: `data.boxes.BoxTargets` (`fit --boxes`): each batch then carries its box masks.
         progress: show the pool4 cache's progress bar.
     """
 
@@ -114,9 +120,12 @@ class FineTuning:
         d: distributed.Dist,
         device: torch.device,
         *,
+        batch_size: int,
+        targets=None,
         progress: bool = True,
     ):
         self.data, self.cfg, self.device = data, cfg, device
+        self.batch_size, self.targets = batch_size, targets
         base, _ = build_encoder(data.encoder)
         start = start_index(base.features, cfg.start)
         self.cache = (
@@ -129,22 +138,15 @@ class FineTuning:
     def parameters(self):
         return self.encoder.tuned.parameters()
 
-    def num_batches(self, batch_size: int, world: int = 1) -> int:
-        return len(image_batches(self.data.rows, batch_size, seed=0, epoch=0, world=world))
+    def num_batches(self, world: int = 1) -> int:
+        return len(image_batches(self.data.rows, self.batch_size, seed=0, epoch=0, world=world))
 
     def batches(
-        self,
-        batch_size: int,
-        *,
-        seed: int,
-        epoch: int,
-        start: int = 0,
-        rank: int = 0,
-        world: int = 1,
-        pin: bool = False,
+        self, *, seed: int, epoch: int, start: int = 0, rank: int = 0, world: int = 1, pin: bool = False
     ) -> Iterator[Batch]:
         """Batches of whole images: `features` holds the encoder's inputs, one per image."""
-        groups = image_batches(self.data.rows, batch_size, seed=seed, epoch=epoch, rank=rank, world=world)[start:]
+        groups = image_batches(self.data.rows, self.batch_size, seed=seed, epoch=epoch, rank=rank, world=world)
+        groups = groups[start:]
         rows = [np.unique(self.data.rows[idx]) for idx in groups]  # each batch's distinct images
         if self.cache is not None:
             inputs = (torch.from_numpy(self.cache[r].astype(np.float32)) for r in rows)  # (n, L, D) pool4
@@ -156,9 +158,14 @@ class FineTuning:
                 x,
                 torch.from_numpy(self.data.tokens[idx, :T].astype(np.int64)),
                 torch.from_numpy(self.data.lengths[idx].astype(np.int64)),
-                torch.from_numpy(np.searchsorted(r, self.data.rows[idx])),
-            )  # (B,) caption → image
-            batch.with_targets(self.data.box_targets, idx)
+                image_index=torch.from_numpy(np.searchsorted(r, self.data.rows[idx])),  # (B,) caption → image
+            )
+            if self.targets is not None:
+                batch = replace(
+                    batch,
+                    box_masks=torch.from_numpy(self.targets.masks_for_captions(idx, T - 1)),
+                    box_images=torch.from_numpy(self.targets.rows[idx].astype(np.int64)),
+                )
             yield batch.pin_memory() if pin else batch
 
     def features(self, rows: np.ndarray) -> torch.Tensor:

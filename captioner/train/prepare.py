@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 import numpy as np
+import torch
 
 from captioner.data.coco import SPLITS, load_dataset
-from captioner.data.dataset import FORMAT, ROTATED
+from captioner.data.dataset import FORMAT, VIEWS
 from captioner.data.features import BAD, DONE, TODO, FeatureCache, extract_features, nonfinite_rows
 from captioner.data.karpathy import load_karpathy
 from captioner.errors import CaptionerError
@@ -27,6 +28,7 @@ from captioner.models.encoder import FEATURE_DIM, EncoderSpec, build_encoder
 from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.views import max_shift, shifts, view
 from captioner.models.vocab import Vocabulary, tokenize
+from captioner.options import Device, check_device, check_positive
 from captioner.train.distributed import Dist, barrier, choose_device
 from captioner.train.resilience import GracefulStop, stop_requested
 
@@ -42,10 +44,10 @@ def _check_resumable(out_dir: str, meta: dict) -> None:
                 f"{out_dir} already holds features made for different {key.replace('_', ' ')}; "
                 "pass a new --out (or delete that directory) to prepare this data"
             )
-    if old.get("rotated") and meta["rotated"] and old.get("view_shift", 0) != meta["view_shift"]:
+    if old.get("rotated") and meta.get("rotated") and old.get("view_shift", 0) != meta["view_shift"]:
         raise CaptionerError(
             f"{out_dir} holds views of the images made by an older version (turned, not moved); "
-            "pass a new --out to prepare this data, or --no-rotated to leave them"
+            "pass a new --out to prepare this data, or --no-views to leave them"
         )
 
 
@@ -81,15 +83,17 @@ class PrepareConfig:
     skip_missing: Annotated[bool, "go on without images whose file is missing"] = False
     skip_bad: Annotated[bool, "go on without malformed annotations and unreadable images"] = False
     batch_size: Annotated[int | None, "images per encoder batch (default: 8 on CPU, 64 on GPU)"] = None
-    workers: Annotated[int, "DataLoader workers decoding images"] = 2
-    device: Annotated[str, "auto, cpu, cuda or cuda:N"] = "auto"
+    workers: Annotated[
+        int | None, "DataLoader workers decoding images (default: 2 on a CPU; on a GPU, the cores, at most 8)"
+    ] = None
+    device: Device = "auto"
     recheck: Annotated[
         bool,
         "read every finished feature row first and extract again those holding inf or NaN (a damaged disk or copy)",
     ] = False
-    rotated: Annotated[
+    views: Annotated[
         bool,
-        "--no-rotated",
+        "--no-views",
         "skip the features of the images' views, turned 180° and moved by a cell or two (the attention "
         "consistency's; without them the encoder runs half as long and attention trains without it)",
     ] = True
@@ -101,10 +105,8 @@ class PrepareConfig:
             )
         if not (self.karpathy or self.captions):
             raise CaptionerError("one of --captions or --karpathy is required")
-        for name in ("min_count", "max_len", "batch_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise CaptionerError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+        check_positive(self, "min_count", "max_len", "batch_size")
+        check_device(self.device)
 
 
 def prepare(
@@ -133,13 +135,15 @@ def prepare(
         "image_ids": [r.image_id for r in records],
         "paths": [r.path for r in records],
         "sources": sources,
-        "rotated": cfg.rotated,
-        "view_shift": max_shift(grid) if cfg.rotated else 0,
+        _views_key(cfg.out): cfg.views,
+        "view_shift": max_shift(grid) if cfg.views else 0,
     }
     caches = _open_caches(cfg, meta, dist, progress)
     fast = optimize_encoder(enc, device, image_size=spec.image_size)  # same features as enc, faster
-    views = [None, lambda images, rows: view(images, shifts(rows, meta["view_shift"]), grid)][: len(caches)]
+    views = [None, lambda images, rows: view(images, _moves(rows, meta["view_shift"], images.device), grid)]
     batch_size = cfg.batch_size or (64 if device.type == "cuda" else 8)
+    workers = cfg.workers if cfg.workers is not None else (min(8, os.cpu_count() or 1) if device.type == "cuda" else 2)
+    views = views[: len(caches)]
     for target, transform in zip(caches, views):
         extract_features(
             target,
@@ -148,7 +152,7 @@ def prepare(
             spec.preprocess,
             transform=transform,
             batch_size=batch_size,
-            workers=cfg.workers,
+            workers=workers,
             device=str(device),
             skip_bad=cfg.skip_bad,
             rank=dist.rank,
@@ -162,7 +166,7 @@ def prepare(
                 "rank": dist.rank,
                 "features_done": int((target.done == DONE).sum()),
                 "features_to_do": int((target.done == TODO).sum()),
-                **({"cache": ROTATED} if target is not caches[0] else {}),
+                **({"cache": os.path.basename(target.path)} if target is not caches[0] else {}),
             }
     barrier(dist)  # every rank's rows are on disk before the dataset files are written
     if not dist.main:
@@ -174,6 +178,18 @@ def prepare(
             f"cannot write the dataset files in {cfg.out}: {describe_os_error(e, cfg.out)}; "
             "the features are kept: free some space and run prepare again"
         ) from None
+
+
+def _moves(rows: np.ndarray, most: int, device: torch.device) -> torch.Tensor:
+    """The views' moves of cache rows (`models.views.shifts`), on the images' device without waiting for it."""
+    moves = torch.from_numpy(shifts(rows, most))  # (n, 2)
+    return moves.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else moves
+
+
+def _views_key(out_dir: str) -> str:
+    """meta.json's key for the views' features: "views", or "rotated" in a directory an earlier version began."""
+    path = os.path.join(out_dir, "meta.json")
+    return "rotated" if os.path.exists(path) and "rotated" in read_json(path, "data directory metadata") else "views"
 
 
 def _read_records(cfg: PrepareConfig):
@@ -195,9 +211,9 @@ def _read_records(cfg: PrepareConfig):
 
 
 def _open_caches(cfg: PrepareConfig, meta: dict, dist: Dist, progress: bool) -> list[FeatureCache]:
-    """The feature caches to fill (the turned images' too, with cfg.rotated), created once by rank 0."""
+    """The feature caches to fill (the views' too, with cfg.views), created once by rank 0."""
     n, shape = len(meta["image_ids"]), (meta["locations"], FEATURE_DIM)
-    names = ["features", ROTATED][: 1 + cfg.rotated]
+    names = ["features", VIEWS[_views_key(cfg.out)]][: 1 + cfg.views]
     os.makedirs(cfg.out, exist_ok=True)
     if dist.main:
         _check_resumable(cfg.out, meta)

@@ -190,21 +190,24 @@ class FaultLog:
             log.warning(message)
         self.write_log({"event": event, **fields, "message": message})
 
-    def skipped_step(self, step: int, terms: dict, scaled: bool = False) -> None:
-        """Report a step that was not applied because a loss term or the gradient was not finite.
+    def skipped_steps(self, step: int, count: int, terms: dict, scaled: bool = False) -> None:
+        """Report steps that were not applied because a loss term or the gradient was not finite.
 
         Args:
+            step: the step at which they were found (the steps since the last log line).
+            terms: the means of the terms over the applied steps since the last log line.
             scaled: fp16 training with a gradient scaler, which finds its scale by overflowing now
-                and then: such a step (finite loss, infinite gradient) is logged but not printed.
+                and then: such steps are logged but not printed.
         """
         shown = ", ".join(f"{k} {v:.4g}" for k, v in terms.items())
-        overflow = scaled and np.isfinite(terms["loss"])
         self.warn(
             "skipped_step",
-            f"step {step}: not finite ({shown}); the step was skipped, the weights are unchanged",
-            show=not overflow,
+            f"step {step}: {count} step{'s' * (count > 1)} since the last log line had a loss term or gradient that "
+            f"was not finite and {'were' if count > 1 else 'was'} skipped, the weights unchanged (means of the "
+            f"steps applied: {shown or 'none'})",
+            show=not scaled,
             step=step,
-            **{k: str(v) for k, v in terms.items()},
+            skipped=count,
         )
 
     def damaged_rows(self, rows: Sequence[int], data, step: int) -> None:

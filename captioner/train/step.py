@@ -1,147 +1,221 @@
-"""One optimisation step: the objective as a module, and the step that applies it.
+"""One optimisation step, the same on every device; on a GPU with fixed shapes, replayed as a CUDA graph.
 
-Shapes: B captions (images for SCST), L locations, D feature size, T steps.
+`TrainStep` takes a batch to an applied (or skipped) update: the objective's loss and terms,
+backward, clipping, Adam, the weights' moving average and the terms' own state (hard
+attention's baseline), with nothing read back to the host. A step whose loss, a term or the
+gradient norm is not finite is skipped on the device (fused Adam's `found_inf`: the weights,
+the moments and the step count stay as they were). The terms are summed on the device and
+read back when the loop asks (`read`, at each log line). Under DDP the batch's word count is
+summed over processes on the device, and so is the skip flag, so that all processes agree.
+
+With fixed shapes on CUDA (`objectives.passes`), when every term is capturable and the run is
+one process, each length bucket's step is captured once as a CUDA graph after a few eager
+steps (PyTorch's "whole-network capture": forward, backward, clipping, Adam, the average) and
+then replayed: one launch per step, the batch first copied into the graph's static inputs. The
+random draws (dropout, hard attention's locations, the consistency's picks) come from
+generators registered with the graph, so each replay draws anew.
+
+Shapes: B captions (images for SCST), T tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+import logging
+from dataclasses import fields
 
 import torch
-from torch import nn
+import torch.distributed as torch_dist
 
-from captioner.models.decoder import AttentionDecoder
-from captioner.models.views import max_shift, random_shifts
-from captioner.objectives.consistency import consistency
-from captioner.objectives.correctness import attention_correctness
-from captioner.objectives.cross_entropy import sequence_terms
-from captioner.objectives.reinforce import hard_attention_loss, update_baseline
-from captioner.train import distributed, resilience
-from captioner.train.config import Progress, TrainConfig
+from captioner.train import distributed
+from captioner.train.averaging import WeightAverage
+from captioner.train.config import OptimConfig
 
-AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+AMP_DTYPES = {"none": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+WARMUP = 3  # eager steps of a length bucket before its graph is captured
+
+log = logging.getLogger(__name__)
 
 
-def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Adam:
-    """Adam, fused into one kernel per step (CPU and CUDA): on CPU the unfused update of the
-    decoder's 15M parameters took 100 ms of a 500 ms step, the fused one 6 ms."""
-    return torch.optim.Adam(model.parameters(), lr=lr, fused=True)
+def make_optimizer(groups: list[dict], lr: float, device: torch.device) -> torch.optim.Adam:
+    """Adam, fused into one kernel per step (CPU and CUDA). On CUDA its learning rates are tensors and
+    its state capturable, so that a CUDA graph can replay its step and the schedule can still change the
+    rate (in place)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        groups = [{**g, "lr": torch.tensor(g.get("lr", lr), device=device)} for g in groups]
+    rate = torch.tensor(lr, device=device) if cuda else lr
+    return torch.optim.Adam(groups, lr=rate, fused=True, capturable=cuda)
 
 
-class Objective(nn.Module):
-    """The training loss as a module, so that DistributedDataParallel wraps one forward."""
-
-    def __init__(self, decoder: AttentionDecoder, cfg: TrainConfig, encoder: nn.Module | None = None, targets=None):
-        super().__init__()
-        self.decoder, self.cfg = decoder, cfg
-        self.encoder = encoder  # fine-tuned encoder layers (finetune.TunedEncoder), None on cached features
-        self.targets = targets  # `fit --boxes`: data.boxes.BoxTargets
-
-    def forward(self, batch, words, baseline: float, generator=None):
-        features, captions, lengths, cfg = batch.features, batch.captions, batch.lengths, self.cfg
-        turned, rows, moves = batch.turned, batch.turned_rows, batch.turned_moves
-        if self.encoder is not None:  # encoder inputs, one per image → (B, L, D)
-            if cfg.consistency > 0:
-                turned, rows, moves = self.views(batch, generator)
-            features = self.encoder(features, batch.image_index)
-        if self.decoder.config.attention == "hard":
-            loss, terms, u, mask = hard_attention_loss(
-                self.decoder,
-                features,
-                captions,
-                lengths,
-                baseline=baseline,
-                cfg=cfg.hard,
-                alpha_c=cfg.alpha_c,
-                generator=generator,
-                words=words,
-            )
-            predicted = None
-        else:
-            choice = batch.box_images is not None and cfg.boxes_choice_weight > 0
-            nll, penalty, u, mask, predicted = sequence_terms(
-                self.decoder, features, captions, lengths, cfg.alpha_c, words, predict=choice
-            )
-            loss, terms = nll + penalty, {"nll": nll.detach(), "penalty": penalty.detach()}
-        words = mask.sum() if words is None else words
-        if turned is not None and cfg.consistency > 0:  # `fit` reads the views' features only for the term
-            c = consistency(self.decoder, features, turned, rows, moves, u, mask, words, generator)
-            loss = loss + cfg.consistency * c
-            terms["consistency"] = c.detach()
-        if batch.box_rows is not None and cfg.boxes_weight > 0:
-            b = attention_correctness(u.alphas, batch.box_rows, batch.box_steps, batch.box_masks, words)
-            loss = loss + cfg.boxes_weight * b
-            terms["boxes"] = b.detach()
-        if predicted is not None:  # soft attention, --boxes-choice-weight
-            b = self.chosen_word_correctness(batch.box_images, predicted, mask, u.alphas, words)
-            loss = loss + cfg.boxes_choice_weight * b
-            terms["boxes_choice"] = b.detach()
-        return loss, terms
-
-    def chosen_word_correctness(self, images, predicted, mask, alphas, words) -> torch.Tensor:
-        """Attention correctness at the word the model would write at each step (objectives.correctness)."""
-        found = self.targets.for_predictions(images.cpu().numpy(), predicted.cpu().numpy(), mask.cpu().numpy())
-        if found is None:
-            return alphas.sum() * 0.0
-        rows, steps, masks = (torch.from_numpy(x).to(alphas.device) for x in found)
-        return attention_correctness(alphas, rows, steps, masks, words)
-
-    @torch.no_grad()
-    def views(self, batch, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A fine-tuned encoder's features of the views of a share of the captions' images, those
-        captions' places, and the views' moves; without gradients: the views teach the attention."""
-        B = len(batch.captions)
-        rows = torch.randperm(B, generator=generator, device=batch.captions.device)
-        rows = rows[: max(1, math.ceil(self.cfg.consistency_share * B))].sort().values
-        images, index = batch.image_index[rows].unique(return_inverse=True)
-        grid = self.encoder.grid(batch.features)
-        moves = random_shifts(len(images), max_shift(grid), generator, batch.captions.device)
-        return self.encoder(batch.features[images], moves=moves)[index], rows, moves[index]
+def set_lr(group: dict, value: float) -> None:
+    """A parameter group's learning rate, set in place where it is a tensor (a graph reads it there)."""
+    if torch.is_tensor(group["lr"]):
+        group["lr"].fill_(value)
+    else:
+        group["lr"] = value
 
 
-def train_step(
-    objective,
-    batch,
-    optimizer,
-    scaler,
-    cfg: TrainConfig,
-    progress: Progress,
-    generator: torch.Generator,
-    d: distributed.Dist,
-    device: torch.device,
-) -> dict:
-    """One optimisation step on this process's share of a global batch; returns the loss terms.
+class TrainStep:
+    """Steps an objective's loss with an optimizer; see the module doc.
 
-    A step whose loss terms or gradient norm are not finite (on any process) is not applied:
-    the weights stay as they were, and the returned terms show the non-finite value.
+    Args:
+        objective: `objectives.objective.Objective` (DDP-wrapped under torchrun).
+        optimizer: from `make_optimizer`.
+        cfg: clipping, precision.
+        average: the weights' moving average (`--ema`), or None.
+        generator: the terms' random draws (one stream per process).
+        d, device: this process's place and device.
+        steps: optimizer steps taken so far (a resumed run's), for the average's ramp.
+        graphs: capture CUDA graphs where the module doc says they can be.
     """
-    objective.train()
-    # Normalise by the global count (XE: predicted words; SCST: images) so N processes give the
-    # gradient of one big batch.
-    units = float(len(batch.rows)) if cfg.objective == "scst" else float((batch.lengths - 1).sum())
-    words = distributed.all_sum(d, [units], device)[0] / d.world
-    amp = AMP_DTYPES[cfg.amp]
-    autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
-    with autocast:
-        loss, terms = objective(batch, words, progress.baseline, generator)
-    optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(objective.parameters(), cfg.grad_clip)
-    terms = {"loss": float(loss.detach()), **{k: float(v) for k, v in terms.items()}, "grad_norm": float(grad_norm)}
-    counts = {k: terms.pop(k) for k in ("reward_sum", "sampled") if k in terms}
-    # Each process's terms are its share of the global batch's: their mean is the batch's.
-    names = list(terms) + list(counts)
-    totals = distributed.all_sum(d, [terms[k] for k in terms] + list(counts.values()), device)
-    terms = {k: v / d.world for k, v in zip(names[: len(terms)], totals)}
-    # faults: the sums carry a NaN or inf from any process, so all agree to skip the update.
-    applied = resilience.all_finite(terms)
-    if applied:
-        scaler.step(optimizer)
-    scaler.update()
-    if counts and applied:
-        reward_sum, sampled = totals[len(terms) :]
-        progress.baseline = update_baseline(progress.baseline, reward_sum, sampled, cfg.hard.baseline_decay)
-        terms["baseline"] = progress.baseline
-    return terms
+
+    def __init__(
+        self,
+        objective,
+        optimizer: torch.optim.Optimizer,
+        cfg: OptimConfig,
+        *,
+        average: WeightAverage | None,
+        generator: torch.Generator,
+        d: distributed.Dist,
+        device: torch.device,
+        steps: int = 0,
+        graphs: bool = True,
+    ):
+        self.objective, self.optimizer, self.cfg, self.average = objective, optimizer, cfg, average
+        self.generator, self.d, self.device = generator, d, device
+        self.module = getattr(objective, "module", objective)  # the Objective itself, under DDP too
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
+        self.steps = torch.tensor(float(steps), device=device)  # optimizer steps so far, for the average
+        self.skip = torch.zeros((), device=device)  # 1.0: this step is not applied (Adam's found_inf)
+        self.optimizer.found_inf = self.skip
+        self.sums: dict[str, torch.Tensor] = {}  # each term's sum over the applied steps since `read`
+        self.applied = torch.zeros((), device=device)
+        self.skipped = torch.zeros((), device=device)
+        self.graphs = {} if graphs and self._capturable() else None
+        self.seen: dict[tuple, int] = {}
+
+    def _capturable(self) -> bool:
+        return (
+            self.device.type == "cuda"
+            and not self.d.active
+            and self.module.capturable
+            and not self.scaler.is_enabled()
+            and hasattr(torch.cuda.CUDAGraph, "register_generator_state")
+        )
+
+    def __call__(self, batch) -> None:
+        """One step on this process's share of a global batch (already on the device)."""
+        self.objective.train()
+        if self.graphs is None:
+            self._iteration(batch, eager=True)
+            return
+        key = _shape_key(batch)
+        graph = self.graphs.get(key)
+        if graph is None:
+            self.seen[key] = self.seen.get(key, 0) + 1
+            if self.seen[key] <= WARMUP:
+                self._iteration(batch, eager=True)
+                return
+            graph = self.graphs[key] = self._capture(batch)
+        graph.replay(batch)
+
+    def _iteration(self, batch, eager: bool) -> None:
+        """Forward, backward, clip, Adam, average, the terms' state, and the sums: all on the device."""
+        count = batch.count
+        if self.d.active:  # the global batch's words over processes: N processes give one big batch's gradient
+            count = count.clone()
+            torch_dist.all_reduce(count)
+            count = count / self.d.world
+        amp = AMP_DTYPES[self.cfg.amp]
+        autocast = torch.autocast(self.device.type, dtype=amp) if amp else contextlib.nullcontext()
+        with autocast:
+            loss, values = self.objective(batch, count, self.generator)
+        if eager:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        values = {"loss": loss.detach(), **values, "grad_norm": norm}
+        bad = (~torch.isfinite(torch.stack([v.float() for v in values.values()]))).any().float()
+        if self.d.active:  # a NaN on any process skips the step on all
+            torch_dist.all_reduce(bad, op=torch_dist.ReduceOp.MAX)
+        self.skip.copy_(bad)
+        self.optimizer.step()
+        self.scaler.update()
+        applied = self.skip == 0
+        self.steps.add_(1)
+        if self.average is not None:
+            self.average.update(self.module.decoder, self.steps, applied)
+        for term in self.module.terms:
+            if getattr(term, "sums", None) and self.d.active:
+                for t in term.sums:
+                    torch_dist.all_reduce(t)
+            term.after_step(applied)
+        self._accumulate(values, applied)
+
+    def _accumulate(self, values: dict[str, torch.Tensor], applied: torch.Tensor) -> None:
+        for name, value in values.items():
+            if name not in self.sums:
+                self.sums[name] = torch.zeros((), device=self.device)
+            self.sums[name].add_(torch.where(applied, value.float(), 0.0))
+        self.applied.add_(applied.float())
+        self.skipped.add_(self.skip)
+
+    def read(self) -> tuple[dict[str, float], int]:
+        """The mean of each term over the applied steps since the last read (over processes under DDP),
+        and how many steps were skipped; one read back to the host."""
+        names = list(self.sums)
+        stacked = torch.stack([self.sums[k] for k in names] + [self.applied, self.skipped])
+        if self.d.active:
+            torch_dist.all_reduce(stacked)
+        values = stacked.tolist()
+        for t in [*self.sums.values(), self.applied, self.skipped]:
+            t.zero_()
+        applied, skipped = values[-2], values[-1]
+        if self.d.active:  # every process takes every step
+            applied, skipped = applied / self.d.world, skipped / self.d.world
+        means = {k: (v / self.d.world) / applied if applied else float("nan") for k, v in zip(names, values)}
+        return means, int(round(skipped))
+
+    def _capture(self, batch) -> _Graph:
+        """The iteration on `batch`'s shapes as a CUDA graph (its static inputs a copy of `batch`)."""
+        static = batch.to(self.device)  # the graph's own input tensors
+        static = type(batch)(**{f.name: _clone(getattr(static, f.name)) for f in fields(static)})
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(self.generator)
+        self.optimizer.zero_grad(set_to_none=True)  # the captured backward allocates the graph's own gradients
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.graph(graph, stream=stream):
+            self._iteration(static, eager=False)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        log.info(f"captured the training step of batches of shape {tuple(batch.captions.shape)} as a CUDA graph")
+        return _Graph(graph, static)
+
+
+class _Graph:
+    """A captured iteration and its static batch."""
+
+    def __init__(self, graph, static):
+        self.graph, self.static = graph, static
+
+    def replay(self, batch) -> None:
+        for f in fields(self.static):
+            target = getattr(self.static, f.name)
+            if torch.is_tensor(target):
+                target.copy_(getattr(batch, f.name), non_blocking=True)
+        self.graph.replay()
+
+
+def _clone(value):
+    return value.clone() if torch.is_tensor(value) else value
+
+
+def _shape_key(batch) -> tuple:
+    """What a graph is specialised to: the shapes of the batch's tensors (None where a field is absent)."""
+    return tuple(
+        tuple(v.shape) if torch.is_tensor(v) else None for v in (getattr(batch, f.name) for f in fields(batch))
+    )

@@ -1,0 +1,271 @@
+"""Training batches from a prepared data directory, in packed or fixed shapes.
+
+A batch source gets all its options when it is made (the batch size, the share of captions that
+also get their image's view, the box targets, the shapes) and reads the data directory, which
+it never changes. The same (seed, epoch) gives the same batches, so a resumed run replays the
+rest of its epoch exactly; under torchrun each rank takes its share of every global batch.
+
+Shapes: packed batches are as long as their longest caption and hold only real captions (CPUs:
+no work on padding). Fixed batches (`FixedShapes`) always hold `size` captions, rows of length 0
+filling the last batch and standing in for captions whose features are damaged, and are padded
+to the shortest of a few lengths that holds their longest caption, so that every step of a
+length bucket has the same shapes (GPUs: one CUDA graph per bucket).
+
+Symbols: B captions, k of them with views, T tokens, L locations, D feature size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+import torch
+
+from captioner.data.dataset import CaptionData
+from captioner.data.features import nonfinite_rows
+from captioner.errors import CaptionerError
+from captioner.models.views import shifts
+
+
+@dataclass(frozen=True)
+class FixedShapes:
+    """Batches of `size` captions, padded to the first of `lengths` (tokens) that holds the longest."""
+
+    size: int
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def for_data(cls, size: int, longest: int, step: int = 4) -> FixedShapes:
+        """Lengths every `step` tokens up to `longest` (the data's longest caption with <start> and <end>)."""
+        return cls(size, tuple(sorted({*range(2 * step, longest, step), longest})))
+
+    def length(self, longest: int) -> int:
+        return next((n for n in self.lengths if n >= longest), longest)
+
+
+@dataclass
+class Batch:
+    """Training captions with their image features (all tensors; `words` and `dropped` known on the host)."""
+
+    features: torch.Tensor  # (B, L, D) float32; when fine-tuning, the encoder's inputs, one per image
+    captions: torch.Tensor  # (B, T) long, <start> ... <end> <pad>...
+    lengths: torch.Tensor  # (B,) long, counting <start> and <end>; 0 for a padding row
+    words: int = 0  # the predicted positions (words and <end>) of the batch: what its loss is divided by
+    image_index: torch.Tensor | None = None  # (B,) long: each caption's row in `features` when fine-tuning
+    dropped: tuple[int, ...] = ()  # feature rows of captions left out: their features are not finite
+    # The images' views (models.views, for the consistency) for k of the captions: their places in
+    # the batch (k,), the views' features (k, L, D) and the cells (k, 2) each view was moved by.
+    view_features: torch.Tensor | None = None
+    view_rows: torch.Tensor | None = None
+    view_moves: torch.Tensor | None = None
+    box_masks: torch.Tensor | None = None  # (B, T-1, L) bool: where each step's word should look (`--boxes`)
+    box_images: torch.Tensor | None = None  # (B,) each caption's feature row, for the model's own words
+    count: torch.Tensor | None = None  # () float32, `words` as a tensor, which travels with the batch
+
+    def __post_init__(self):
+        if not self.words:
+            self.words = int((self.lengths - 1).clamp_min(0).sum())
+        if self.count is None:
+            self.count = torch.tensor(float(self.words))
+
+    def to(self, device, non_blocking: bool = False) -> Batch:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        return self._map(torch.Tensor.pin_memory)
+
+    def with_views(self, features: torch.Tensor, rows: torch.Tensor, moves: torch.Tensor) -> Batch:
+        return replace(self, view_features=features, view_rows=rows, view_moves=moves)
+
+    def _map(self, fn) -> Batch:
+        """The batch with fn applied to each of its tensors."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Batch(**{k: fn(v) if torch.is_tensor(v) else v for k, v in values.items()})
+
+
+@dataclass
+class ImageBatch:
+    """Training images: features and the feature row (image) of each, for its references."""
+
+    features: torch.Tensor  # (B, L, D) float32
+    rows: torch.Tensor  # (B,) long
+    dropped: tuple[int, ...] = ()  # rows left out for non-finite features (none here: see `fit`)
+    count: torch.Tensor | None = None  # () float32: the images, what self-critical training divides by
+
+    def __post_init__(self):
+        if self.count is None:
+            self.count = torch.tensor(float(len(self.rows)))
+
+    @property
+    def words(self) -> int:
+        return len(self.rows)
+
+    def to(self, device, non_blocking: bool = False) -> ImageBatch:
+        return ImageBatch(
+            *(t.to(device, non_blocking=non_blocking) for t in (self.features, self.rows)),
+            self.dropped,
+            self.count.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> ImageBatch:
+        return ImageBatch(self.features.pin_memory(), self.rows, self.dropped, self.count.pin_memory())
+
+
+def bucket_batches(
+    lengths: np.ndarray, batch_size: int, *, seed: int, epoch: int, rank: int = 0, world: int = 1
+) -> list[np.ndarray]:
+    """Caption indices grouped into batches of similar length, in a shuffled order.
+
+    The same (seed, epoch) gives the same batches, so a resumed run replays an epoch exactly.
+    With world > 1, each global batch of batch_size * world captions is split across ranks.
+    """
+    rs = np.random.RandomState([seed, epoch])
+    # Shuffle, then stable-sort by length: equal lengths end up in random order.
+    order = rs.permutation(len(lengths))
+    order = order[np.argsort(lengths[order], kind="stable")]
+    size = batch_size * world
+    chunks = [order[i : i + size] for i in range(0, len(order), size)]
+    chunks = [chunks[i] for i in rs.permutation(len(chunks))]
+    # Every process must take the same number of steps: drop a last chunk too small to share.
+    return [c[rank::world] for c in chunks if len(c) >= world]
+
+
+class CaptionBatches:
+    """The training captions of a data directory, bucketed by length, with their images' features.
+
+    Captions whose image's features hold inf or NaN (a damaged cache row) never reach the model:
+    packed batches leave them out, fixed ones make them padding rows; both name them in
+    `Batch.dropped`.
+
+    Args:
+        data: the prepared data directory.
+        batch_size: captions per batch and process.
+        view_share: share of each batch's captions that also get their image's view (the
+            consistency's; 0: none are read); needs a data directory with the views' features.
+        targets: `data.boxes.BoxTargets` (`fit --boxes`): each batch then carries its box masks.
+        fixed: fixed shapes (None: packed).
+    """
+
+    def __init__(
+        self,
+        data: CaptionData,
+        batch_size: int,
+        *,
+        view_share: float = 0.0,
+        targets=None,
+        fixed: FixedShapes | None = None,
+    ):
+        self.data, self.batch_size, self.targets, self.fixed = data, batch_size, targets, fixed
+        self.view_share = view_share if data.views is not None else 0.0
+
+    def num_batches(self, world: int = 1) -> int:
+        return len(bucket_batches(self.data.lengths, self.batch_size, seed=0, epoch=0, world=world))
+
+    def batches(
+        self, *, seed: int, epoch: int, start: int = 0, rank: int = 0, world: int = 1, pin: bool = False
+    ) -> Iterator[Batch]:
+        """The batches of one epoch from the `start`-th on.
+
+        Raises:
+            CaptionerError: every caption of a batch has damaged features.
+        """
+        batches = bucket_batches(self.data.lengths, self.batch_size, seed=seed, epoch=epoch, rank=rank, world=world)
+        for k, idx in enumerate(batches[start:], start):
+            batch = self._batch(idx, np.random.RandomState([seed, epoch, k, rank]))
+            yield batch.pin_memory() if pin else batch
+
+    def _batch(self, idx: np.ndarray, rs: np.random.RandomState) -> Batch:
+        data = self.data
+        raw = data.cache[data.rows[idx]]  # (B, L, D) fp16
+        bad = nonfinite_rows(raw)  # (B,)
+        picked = views = None
+        if self.view_share > 0:
+            picked = np.sort(rs.permutation(len(idx))[: max(1, math.ceil(self.view_share * len(idx)))])
+            views = data.views[data.rows[idx[picked]]]  # (k, L, D) fp16
+            bad[picked[nonfinite_rows(views)]] = True
+        dropped = tuple(int(r) for r in data.rows[idx][bad])
+        if bad.all():
+            raise CaptionerError(
+                f"{data.cache.path}: the features of every image in a batch hold inf or NaN (rows "
+                f"{sorted(set(dropped))[:10]}); the cache is damaged: run `train.py prepare ... --recheck` "
+                "to re-extract bad rows"
+            )
+        if self.fixed is not None:
+            return self._fixed(idx, raw, bad, picked, views, dropped)
+        keep = idx[~bad]
+        batch = Batch(
+            torch.from_numpy(raw[~bad].astype(np.float32)),
+            torch.from_numpy(data.tokens[keep, : int(data.lengths[keep].max())].astype(np.int64)),
+            torch.from_numpy(data.lengths[keep].astype(np.int64)),
+            dropped=dropped,
+        )
+        if picked is not None and (~bad[picked]).any():  # the views of the captions kept, at their places
+            good = picked[~bad[picked]]
+            batch = batch.with_views(
+                torch.from_numpy(views[~bad[picked]].astype(np.float32)),
+                torch.from_numpy((np.cumsum(~bad) - 1)[good].astype(np.int64)),
+                torch.from_numpy(shifts(data.rows[idx[good]], data.view_shift)),
+            )
+        return self._with_targets(batch, keep)
+
+    def _fixed(self, idx, raw, bad, picked, views, dropped) -> Batch:
+        """`size` rows padded to a bucket's length; damaged and missing rows have length 0 and zero features."""
+        data, B = self.data, self.fixed.size
+        T = self.fixed.length(int(data.lengths[idx].max()))
+        features = np.zeros((B, *raw.shape[1:]), dtype=np.float32)
+        tokens, lengths = np.zeros((B, T), dtype=np.int64), np.zeros(B, dtype=np.int64)
+        n, width = len(idx), data.tokens.shape[1]
+        features[:n][~bad] = raw[~bad]
+        tokens[:n, : min(T, width)][~bad] = data.tokens[idx[~bad], : min(T, width)]
+        lengths[:n][~bad] = data.lengths[idx[~bad]]
+        batch = Batch(torch.from_numpy(features), torch.from_numpy(tokens), torch.from_numpy(lengths), dropped=dropped)
+        if picked is not None:  # always k views, on real rows (repeated when fewer are left)
+            good = np.flatnonzero(~bad[picked])
+            take = good[np.arange(len(picked)) % len(good)] if len(good) else np.zeros(len(picked), dtype=np.int64)
+            view = views[take].astype(np.float32)
+            view[~np.isfinite(view).all(axis=(1, 2))] = 0.0
+            batch = batch.with_views(
+                torch.from_numpy(view),
+                torch.from_numpy(picked[take].astype(np.int64)),
+                torch.from_numpy(shifts(data.rows[idx[picked[take]]], data.view_shift)),
+            )
+        padded = np.concatenate([idx, np.full(B - n, -1)])  # (B,) caption or -1
+        return self._with_targets(batch, padded, real=padded >= 0)
+
+    def _with_targets(self, batch: Batch, idx: np.ndarray, real: np.ndarray | None = None) -> Batch:
+        """The batch with the box masks of its captions `idx` (`fit --boxes`), empty on padding rows."""
+        if self.targets is None:
+            return batch
+        T1 = batch.captions.size(1) - 1
+        rows, masks = self.targets.rows[idx], self.targets.masks_for_captions(idx, T1)
+        if real is not None:
+            rows, masks = rows * real, masks * real[:, None, None]
+        return replace(batch, box_masks=torch.from_numpy(masks), box_images=torch.from_numpy(rows.astype(np.int64)))
+
+
+class TrainingImages:
+    """The training images of a data directory, batched like `CaptionBatches`: the same (seed, epoch)
+    gives the same batches, `start` skips finished ones, ranks share each batch."""
+
+    def __init__(self, data: CaptionData, batch_size: int):
+        self.data, self.batch_size = data, batch_size
+        self.rows = np.unique(data.rows)  # images with at least one training caption
+
+    def _chunks(self, seed: int, epoch: int, world: int) -> list[np.ndarray]:
+        order = self.rows[np.random.RandomState([seed, epoch, 1]).permutation(len(self.rows))]
+        size = self.batch_size * world
+        # Every process must take the same number of steps: drop a last chunk too small to share.
+        return [c for c in (order[i : i + size] for i in range(0, len(order), size)) if len(c) >= world]
+
+    def num_batches(self, world: int = 1) -> int:
+        return len(self._chunks(0, 0, world))
+
+    def batches(
+        self, *, seed: int, epoch: int, start: int = 0, rank: int = 0, world: int = 1, pin: bool = False
+    ) -> Iterator[ImageBatch]:
+        for chunk in self._chunks(seed, epoch, world)[start:]:
+            rows = chunk[rank::world]
+            batch = ImageBatch(self.data.features(rows), torch.from_numpy(rows.astype(np.int64)))
+            yield batch.pin_memory() if pin else batch

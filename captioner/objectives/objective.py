@@ -1,0 +1,137 @@
+"""The training objective: a sum of loss terms over one teacher-forced pass.
+
+`objective_terms` builds the list from the settled configs (the one place a term is added);
+`Objective` makes the pass the terms read (`objectives.passes`, in the batch's shapes), asks each
+term for its value, and returns Σ weight × value with every value by name. It is an `nn.Module`,
+so that DistributedDataParallel wraps one forward. With a fine-tuned encoder (`fit
+--fine-tune-encoder`) the batch holds the encoder's inputs, one per image; the objective encodes
+them, and the views of the captions the consistency picks, first.
+
+Symbols: B captions, n images, L locations, D feature size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from captioner.models.decoder import AttentionDecoder
+from captioner.models.views import max_shift, random_shifts
+from captioner.objectives.consistency import ViewConsistency
+from captioner.objectives.correctness import AttentionCorrectness, ChosenWordCorrectness
+from captioner.objectives.cross_entropy import CrossEntropy, DoublyStochastic
+from captioner.objectives.passes import Shapes, teacher_forced
+from captioner.objectives.reinforce import EntropyBonus, HardAttentionConfig, Reinforce
+from captioner.objectives.terms import Context, Term, TermsConfig
+
+
+def objective_terms(
+    cfg: TermsConfig,
+    *,
+    attention: str,
+    hard: HardAttentionConfig,
+    views: bool,
+    baseline: torch.Tensor,
+    targets=None,
+) -> list[Term]:
+    """The cross-entropy objective's terms, in the order they run (the order of their random draws).
+
+    Args:
+        cfg: settled attention terms (no None left).
+        attention: "soft" or "hard".
+        views: the batches carry the views' features (or a fine-tuned encoder makes them).
+        baseline: hard attention's REINFORCE baseline so far, a 0-dim tensor on the device.
+        targets: `data.boxes.BoxTargets` of `--boxes`.
+    """
+    terms: list[Term] = [CrossEntropy()]
+    if cfg.alpha_c > 0:
+        terms.append(DoublyStochastic(cfg.alpha_c))
+    if attention == "hard":
+        terms += [Reinforce(hard, baseline), EntropyBonus(hard.entropy_weight)]
+    if views and cfg.consistency > 0:
+        terms.append(ViewConsistency(cfg.consistency))
+    if cfg.boxes and cfg.boxes_weight > 0:
+        terms.append(AttentionCorrectness(cfg.boxes_weight))
+    if cfg.boxes and cfg.boxes_choice_weight > 0 and attention == "soft":
+        terms.append(ChosenWordCorrectness(cfg.boxes_choice_weight, targets))
+    return terms
+
+
+class Objective(nn.Module):
+    """Σ weight × value over `terms`, on one pass over a batch.
+
+    Args:
+        decoder: the model being trained.
+        terms: the loss terms (`objective_terms`, or `[SelfCritical(...)]`).
+        shapes: the batches' shapes, "packed" or "fixed" (`objectives.passes`).
+        semi_sampling: hard attention's share of images on the expected context; None for soft.
+        encoder: fine-tuned encoder layers (`models.tuned.TunedEncoder`), None on cached features.
+        view_share: with an encoder, the share of captions whose image's view it encodes for the consistency.
+    """
+
+    def __init__(
+        self,
+        decoder: AttentionDecoder,
+        terms: list[Term],
+        *,
+        shapes: Shapes = "packed",
+        semi_sampling: float | None = None,
+        encoder: nn.Module | None = None,
+        view_share: float = 0.0,
+    ):
+        super().__init__()
+        self.decoder, self.encoder, self.terms = decoder, encoder, terms
+        self.shapes, self.semi_sampling, self.view_share = shapes, semi_sampling, view_share
+
+    @property
+    def capturable(self) -> bool:
+        """A CUDA graph can replay the whole objective: fixed shapes, cached features, capturable terms."""
+        return self.shapes == "fixed" and self.encoder is None and all(t.capturable for t in self.terms)
+
+    def term(self, name: str) -> Term | None:
+        return next((t for t in self.terms if t.name == name), None)
+
+    def forward(self, batch, words, generator: torch.Generator | None = None):
+        """(loss, {term name: detached value, and what terms report}) for one batch.
+
+        Args:
+            words: what each term divides its batch total by (predicted words; images for SCST).
+        """
+        features = batch.features
+        if self.encoder is not None:
+            batch, features = self.encoded(batch, generator)
+        passed = None
+        if any(t.teacher_forced for t in self.terms):
+            passed = teacher_forced(
+                self.decoder,
+                features,
+                batch.captions,
+                batch.lengths,
+                shapes=self.shapes,
+                semi_sampling=self.semi_sampling,
+                generator=generator,
+                predict=any(t.predicts for t in self.terms),
+            )
+        ctx = Context(self.decoder, batch, features, passed, words, generator)
+        values = {t.name: t(ctx) for t in self.terms}
+        loss = sum(t.weight * values[t.name] for t in self.terms)
+        reported = {k: v.detach() for k, v in values.items()}
+        for t in self.terms:
+            reported.update(t.report())
+        return loss, reported
+
+    def encoded(self, batch, generator):
+        """A fine-tuning batch with the encoder's features per caption (B, L, D) and, for the consistency,
+        the views of all its images (no gradients: the views teach the attention) for a share of its captions."""
+        if self.view_share > 0:
+            with torch.no_grad():
+                B, n = len(batch.captions), len(batch.features)
+                rows = torch.randperm(B, generator=generator, device=batch.captions.device)
+                rows = rows[: max(1, math.ceil(self.view_share * B))].sort().values  # (k,)
+                moves = random_shifts(n, max_shift(self.encoder.grid(batch.features)), generator, rows.device)
+                views = self.encoder(batch.features, moves=moves)  # (n, L, D)
+                index = batch.image_index[rows]  # (k,) their images
+                batch = batch.with_views(views[index], rows, moves[index])
+        return batch, self.encoder(batch.features, batch.image_index)  # (B, L, D)

@@ -1,0 +1,110 @@
+"""Loss terms as parts: what a term is, what it reads, and the attention terms' settings.
+
+A term is an object with a `name`, a `weight` and a call that returns its value per word from a
+`Context`: the batch, the features the decoder saw, and the teacher-forced pass when the
+objective made one (`objectives.passes`). `objectives.objective.Objective` sums weight × value
+over the terms it was given and reports each value by name. A term also says which batch fields
+it reads (`fields`), whether a CUDA graph can capture it (`capturable`: no host synchronisation,
+no shapes that depend on values) and whether it needs the pass's most likely words (`predicts`).
+A new term is a new module with its class, and one line in `objective.objective_terms`.
+
+Symbols: B captions, T steps, L locations, D feature size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, NamedTuple
+
+import torch
+
+from captioner.options import check_positive
+
+
+@dataclass(frozen=True)
+class TermsConfig:
+    """Attention terms: the doubly stochastic regularisation, the view consistency and attention correctness."""
+
+    alpha_c: Annotated[
+        float | None,
+        "λ of the doubly stochastic regularisation, eq. (14) (default: 0.3; 1, the paper's, with --paper-objective)",
+    ] = None
+    consistency: Annotated[
+        float | None,
+        "weight of the attention maps' consistency between each image and its view, turned 180° and moved "
+        "(sharp maps that follow the content); needs the views' features prepare writes by default "
+        "(default: 1; 0, off, with --paper-objective)",
+    ] = None
+    consistency_share: Annotated[float, "share of each batch's captions the consistency is estimated on"] = 0.25
+    boxes: Annotated[
+        str | None,
+        "object boxes in COCO instances format (optionally a 'color' per annotation) for the training images: "
+        "caption words that name a boxed object also teach attention where it is (attention correctness)",
+    ] = None
+    boxes_weight: Annotated[float, "weight of the attention correctness term of --boxes"] = 10.0
+    boxes_choice_weight: Annotated[
+        float,
+        "weight of the same term at the word the model itself would write at each step (its most likely word), "
+        "where that word names an object of the image (--boxes, soft attention; 0: off)",
+    ] = 0.0
+    paper: Annotated[
+        bool,
+        "--paper-objective",
+        "train on the paper's objective exactly: eq. (14) with λ = 1 and no attention term of ours "
+        "(--alpha-c 1, --consistency 0; refused beside other values of those)",
+    ] = False
+
+    def __post_init__(self):
+        check_positive(self, "consistency_share")
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """t in float32 at least: losses are summed in float32 under autocast, in float64 where the model is."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+class Context(NamedTuple):
+    """What a term reads for one batch."""
+
+    decoder: Any  # models.decoder.AttentionDecoder
+    batch: Any  # data.batches.Batch (or ImageBatch for self-critical training)
+    features: torch.Tensor  # (B, L, D) the raw features the decoder saw, one row per caption
+    passed: Any  # objectives.passes.TeacherForced, or None when the objective makes no pass
+    words: torch.Tensor | float  # what a batch total is divided by (its real steps; under DDP the global mean)
+    generator: torch.Generator | None  # the terms' random draws
+
+
+class Term:
+    """A loss term: `weight` × `self(ctx)` is its share of the loss.
+
+    Attributes:
+        name: the name its value is reported under.
+        weight: its weight in the sum (negative for a bonus, a value the objective maximises).
+        fields: the batch fields it reads.
+        capturable: a CUDA graph can replay it (no host synchronisation, fixed shapes).
+        predicts: it reads the pass's most likely word at each step.
+        teacher_forced: it reads the teacher-forced pass.
+    """
+
+    name = ""
+    fields: tuple[str, ...] = ()
+    capturable = True
+    predicts = False
+    teacher_forced = True
+
+    def __init__(self, weight: float = 1.0):
+        self.weight = weight
+
+    def __call__(self, ctx: Context) -> torch.Tensor:
+        raise NotImplementedError
+
+    def after_step(self, applied: torch.Tensor) -> None:
+        """Update the term's own state once the step is done; `applied` (a bool tensor) says whether the
+        optimizer applied it (a non-finite step is not)."""
+
+    def report(self) -> dict[str, torch.Tensor]:
+        """Other figures of the last call, logged beside the value (detached)."""
+        return {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(weight={self.weight:g})"

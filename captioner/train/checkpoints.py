@@ -1,0 +1,121 @@
+"""A run's record on disk: last.pt and best.pt (`models.checkpoint`'s schema) and metrics.jsonl.
+
+`Checkpoints` is given once what a checkpoint captures of the run (the live decoder, its
+average, the optimizer, the schedule, the random streams, a fine-tuned encoder, and the run's
+record: configs, vocabulary, encoder, data, command), and at each save the moment (progress and
+the last validation's metrics). Rank 0 alone writes. A save that fails (a full disk) is reported
+and retried at the next one; `fit` raises if its final save fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+
+import torch
+
+from captioner.evaluation.health import verdict
+from captioner.models.checkpoint import Checkpoint
+from captioner.train import resilience
+from captioner.train.config import Progress
+
+
+class RunLog:
+    """metrics.jsonl (rank 0): one JSON line per record, with the seconds since `started`; a full disk
+    loses log lines, not the run."""
+
+    def __init__(self, out_dir: str, *, main: bool, started: float):
+        self.started, self.file = started, None
+        if main:
+            os.makedirs(out_dir, exist_ok=True)
+            self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps({**record, "time": round(time.monotonic() - self.started, 2)}) + "\n")
+            self.file.flush()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class Checkpoints:
+    """Writes a run's last.pt and best.pt.
+
+    Args:
+        out_dir: the run directory.
+        main: this process writes (rank 0).
+        parts: the live objects a checkpoint holds: "decoder", "average" (or None), "optimizer",
+            "scheduler", "generator", "tuning" (or None).
+        record: what every checkpoint of the run says of it: "decoder", "train", "vocab",
+            "encoder", "max_len", "data", "familiarity", "command".
+        notes: where a failed save is reported.
+        resumed: the progress of a resumed run (its last.pt and best.pt are known to be whole).
+    """
+
+    def __init__(
+        self,
+        out_dir: str,
+        *,
+        main: bool,
+        parts: dict,
+        record: dict,
+        notes: resilience.FaultLog,
+        resumed: Progress | None = None,
+    ):
+        self.main, self.parts, self.record, self.notes = main, parts, record, notes
+        self.last_path, self.best_path = os.path.join(out_dir, "last.pt"), os.path.join(out_dir, "best.pt")
+        self.saver = resilience.CheckpointSaver()
+        self.last_save = time.monotonic()
+        if resumed is not None:
+            self.saver.good[self.last_path] = resumed.step
+            if os.path.exists(self.best_path):
+                self.saver.good[self.best_path] = resumed.best_step
+
+    def checkpoint(self, progress: Progress, metrics: dict) -> Checkpoint:
+        """This moment of the run in the checkpoint schema."""
+        p, r = self.parts, self.record
+        average, tuning = p["average"], p["tuning"]
+        return Checkpoint(
+            model=(average or p["decoder"]).state_dict(),
+            decoder=r["decoder"],
+            vocab=r["vocab"],
+            encoder=r["encoder"],
+            max_len=r["max_len"],
+            step=progress.step,
+            encoder_state=tuning.encoder.encoder_state() if tuning else None,  # the trained layers, trunk names
+            familiarity=r["familiarity"],
+            metrics=metrics,
+            attention=verdict(metrics.get("attention_health")),
+            command=r["command"],
+            data=r["data"],
+            train=r["train"],
+            progress=asdict(progress),
+            optimizer=p["optimizer"].state_dict(),
+            scheduler=p["scheduler"].state_dict(),
+            rng={
+                "torch": torch.get_rng_state(),
+                "generator": p["generator"].get_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            },
+            training_model=p["decoder"].state_dict() if average else None,  # the raw weights, for --resume
+        )
+
+    def save(self, path: str, progress: Progress, metrics: dict, *, final: bool = False) -> None:
+        """Save a checkpoint (rank 0); a failed save is reported, and is `fit`'s error if it was the final one."""
+        if self.main and not self.saver.save(self.checkpoint(progress, metrics).to_dict(), path):
+            then = "fit ends with this error" if final else "training goes on and retries at the next save"
+            self.notes.warn("save_failed", f"{self.saver.failed[path]}; {then}", step=progress.step, show=not final)
+        if path == self.last_path:
+            self.last_save = time.monotonic()
+
+    def saved(self, path: str) -> int | None:
+        """The step of `path`'s last good save by this run (or the resumed one), None if none."""
+        return self.saver.good.get(path)

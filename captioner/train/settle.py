@@ -1,0 +1,128 @@
+"""Every setting `fit` derives from others, settled in one place before anything is built.
+
+`settle` takes the configs as given (fields left None where their default depends on other
+settings), the run's situation (a fresh start, `--init` weights, or a resumed `last.pt`) and the
+device, and returns frozen configs with nothing left to decide:
+
+    derived default          settled as
+    lr                       1e-3 for cross-entropy, 5e-5 for self-critical training
+    dropout                  0.2 for soft attention, 0.5 for hard
+    alpha_c, consistency     0.3 and 1; the paper's 1 and 0 with --paper-objective
+    word_query               with --boxes (not with --paper-objective)
+    decode_sharpness         3 for soft attention with --boxes (not with --paper-objective), else 1;
+                             with --init, the checkpoint's unless given
+    fine_tune.after          0 with --init, else 2 epochs
+    shapes                   packed on a CPU, fixed on a GPU; fixed with --compile
+
+A resumed run keeps its saved configs; the command may change only how long it goes on, how
+often it saves and logs, and the fine-tuning workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from captioner.errors import CaptionerError
+from captioner.models.decoder import DecoderConfig
+from captioner.objectives.scst import LR as SCST_LR
+from captioner.objectives.terms import TermsConfig
+from captioner.train.config import XE_LR, OptimConfig, TrainConfig
+from captioner.train.finetune import DECODER_FIRST
+
+BOXES_SHARPNESS = 3.0  # decoding's map sharpness for soft models trained with --boxes
+PAPER = {"alpha_c": 1.0, "consistency": 0.0}  # --paper-objective: eq. (14) with λ = 1, no term of ours
+OURS = {"alpha_c": 0.3, "consistency": 1.0}
+
+
+def settle(
+    model: DecoderConfig | None,
+    cfg: TrainConfig,
+    *,
+    vocab_size: int,
+    device: torch.device,
+    init: dict | None = None,
+    saved: dict | None = None,
+) -> tuple[DecoderConfig, TrainConfig]:
+    """The settled (decoder, training) configs of a run.
+
+    Args:
+        model: the decoder options given (None: the defaults); ignored on resume and with --init,
+            whose checkpoint sets the sizes.
+        cfg: the training options given.
+        vocab_size: the data's vocabulary size.
+        device: where the run trains (the shapes' default).
+        init: the checkpoint of `cfg.init`, migrated (`models.checkpoint.load_checkpoint`).
+        saved: the checkpoint a resumed run continues from.
+
+    Raises:
+        CaptionerError: --paper-objective beside other values of the options it sets.
+    """
+    if saved is not None:
+        return _resumed(saved, cfg, device)
+    terms = _terms(cfg.terms)
+    soft_boxes = bool(terms.boxes) and not terms.paper
+    given = model or DecoderConfig(vocab_size)
+    if init is not None:  # the checkpoint's sizes; how to decode is not the weights' to say
+        model = replace(DecoderConfig(**init["decoder"]), decode_sharpness=given.decode_sharpness)
+    model = replace(model or given, vocab_size=vocab_size)
+    hard = model.attention == "hard"
+    model = replace(
+        model,
+        dropout=_given(model.dropout, 0.5 if hard else 0.2),
+        word_query=_given(model.word_query, soft_boxes),
+        decode_sharpness=_given(
+            model.decode_sharpness,
+            DecoderConfig(**init["decoder"]).decode_sharpness
+            if init is not None
+            else BOXES_SHARPNESS
+            if soft_boxes and not hard
+            else 1.0,
+        ),
+    )
+    fine_tune = cfg.fine_tune
+    if fine_tune is not None:
+        fine_tune = replace(fine_tune, after=_given(fine_tune.after, 0 if cfg.init else DECODER_FIRST))
+    return model, replace(cfg, optim=_optim(cfg.optim, cfg.objective, device), terms=terms, fine_tune=fine_tune)
+
+
+def _given(value, default):
+    return default if value is None else value
+
+
+def _terms(t: TermsConfig) -> TermsConfig:
+    if t.paper:
+        contradicted = [
+            f"--{k.replace('_', '-')} {getattr(t, k):g}" for k, v in PAPER.items() if getattr(t, k) not in (None, v)
+        ]
+        if contradicted:
+            raise CaptionerError(
+                f"--paper-objective trains with --alpha-c 1 and --consistency 0: leave out {', '.join(contradicted)} "
+                "or --paper-objective"
+            )
+    values = PAPER if t.paper else OURS
+    return replace(t, **{k: _given(getattr(t, k), values[k]) for k in values})
+
+
+def _optim(o: OptimConfig, objective: str, device: torch.device) -> OptimConfig:
+    shapes = o.shapes
+    if shapes == "auto":
+        shapes = "fixed" if device.type == "cuda" or o.compile else "packed"
+    elif o.compile and shapes == "packed":
+        raise CaptionerError("--compile trains with fixed shapes: leave out --shapes packed")
+    return replace(o, lr=_given(o.lr, SCST_LR if objective == "scst" else XE_LR), shapes=shapes)
+
+
+def _resumed(saved: dict, cfg: TrainConfig, device: torch.device) -> tuple[DecoderConfig, TrainConfig]:
+    """A resumed run's configs: the saved ones, with the command's length of run, saving and logging
+    (and the shapes settled for this device where the saved run left them to it)."""
+    kept = TrainConfig.from_dict(saved["train"])
+    fine_tune = kept.fine_tune
+    if fine_tune is not None and cfg.fine_tune is not None:
+        fine_tune = replace(fine_tune, workers=cfg.fine_tune.workers)
+    schedule = replace(kept.schedule, epochs=cfg.schedule.epochs, max_minutes=cfg.schedule.max_minutes)
+    optim = _optim(kept.optim, kept.objective, device)
+    return DecoderConfig(**saved["decoder"]), replace(
+        kept, optim=optim, schedule=schedule, checkpoints=cfg.checkpoints, fine_tune=fine_tune
+    )

@@ -1,0 +1,121 @@
+"""Settings settled once: every default that depends on other settings is decided by `train.settle`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from captioner.cli.train import get_parser
+from captioner.errors import CaptionerError
+from captioner.models.decoder import DecoderConfig
+from captioner.options import from_args
+from captioner.train.config import GROUPS, TrainConfig
+from captioner.train.finetune import DECODER_FIRST, FineTuneConfig
+from captioner.train.settle import settle
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+# Every field whose default is decided from other settings, and the fields that are optional on purpose.
+DERIVED = {"lr", "dropout", "alpha_c", "consistency", "word_query", "decode_sharpness", "after", "shapes"}
+OPTIONAL = {"boxes", "max_minutes", "init", "fine_tune"}
+
+
+def settled(model=None, device=CPU, init=None, **train):
+    return settle(model, TrainConfig.of(**train), vocab_size=9, device=device, init=init)
+
+
+def undecided(config) -> set[str]:
+    """Fields left None (or "auto"), in a config and its groups."""
+    out = set()
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out |= undecided(value)
+        elif value is None or value == "auto":
+            out.add(f.name)
+    return out
+
+
+def test_the_derived_defaults_are_these_and_settle_leaves_none_undecided():
+    given = TrainConfig(fine_tune=FineTuneConfig())
+    assert undecided(given) | undecided(DecoderConfig(9)) == DERIVED | OPTIONAL - {"fine_tune"}
+    model, cfg = settle(None, given, vocab_size=9, device=CPU)
+    assert not (undecided(model) | undecided(cfg)) - OPTIONAL
+    assert set(GROUPS) == {"optim", "schedule", "checkpoints", "terms", "hard", "scst"}
+
+
+def test_each_derived_default():
+    model, cfg = settled()
+    assert (cfg.optim.lr, model.dropout, cfg.terms.alpha_c, cfg.terms.consistency) == (1e-3, 0.2, 0.3, 1.0)
+    assert (model.word_query, model.decode_sharpness, cfg.optim.shapes) == (False, 1.0, "packed")
+    assert settled(objective="scst")[1].optim.lr == 5e-5
+    assert settled(DecoderConfig(0, attention="hard"))[0].dropout == 0.5
+    boxed, _ = settled(boxes="b.json")
+    assert boxed.word_query and boxed.decode_sharpness == 3.0
+    hard_boxed, _ = settled(DecoderConfig(0, attention="hard"), boxes="b.json")
+    assert hard_boxed.word_query and hard_boxed.decode_sharpness == 1.0
+    paper, paper_cfg = settled(boxes="b.json", paper=True)
+    assert (paper.word_query, paper.decode_sharpness) == (False, 1.0)
+    assert (paper_cfg.terms.alpha_c, paper_cfg.terms.consistency) == (1.0, 0.0)
+    assert settled(device=CUDA)[1].optim.shapes == "fixed"
+    assert settled(compile=True)[1].optim.shapes == "fixed"
+    assert settled(fine_tune=FineTuneConfig())[1].fine_tune.after == DECODER_FIRST
+
+
+def test_given_values_win_and_configs_are_frozen():
+    model, cfg = settled(DecoderConfig(0, dropout=0.4, word_query=True), lr=0.5, alpha_c=0.0, shapes="fixed")
+    assert (model.dropout, model.word_query, cfg.optim.lr, cfg.terms.alpha_c, cfg.optim.shapes) == (
+        0.4,
+        True,
+        0.5,
+        0.0,
+        "fixed",
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.optim.lr = 1.0
+    with pytest.raises(CaptionerError, match="--compile trains with fixed shapes"):
+        settled(compile=True, shapes="packed")
+
+
+def test_init_takes_the_checkpoints_decoder_and_its_sharpness_unless_given():
+    init = {"decoder": DecoderConfig(9, embed_dim=8, dropout=0.1, word_query=True, decode_sharpness=2.0).to_dict()}
+    model, cfg = settle(
+        DecoderConfig(0, embed_dim=64),
+        TrainConfig.of(init="run/best.pt", fine_tune=FineTuneConfig()),
+        vocab_size=9,
+        device=CPU,
+        init=init,
+    )
+    assert (model.embed_dim, model.dropout, model.decode_sharpness) == (8, 0.1, 2.0)
+    assert cfg.fine_tune.after == 0  # the decoder is trained already
+    model, _ = settle(DecoderConfig(0, decode_sharpness=4.0), TrainConfig(), vocab_size=9, device=CPU, init=init)
+    assert model.decode_sharpness == 4.0
+
+
+def test_the_paper_objective_refuses_options_that_contradict_it():
+    with pytest.raises(CaptionerError, match="--paper-objective trains with --alpha-c 1 and --consistency 0"):
+        settled(paper=True, alpha_c=0.3)
+    with pytest.raises(CaptionerError, match="--consistency 0.5"):
+        settled(paper=True, consistency=0.5)
+    assert settled(paper=True, alpha_c=1.0, consistency=0.0)[1].terms.alpha_c == 1.0  # the same values: fine
+    args = get_parser().parse_args(["fit", "--data", "d", "--out", "o", "--paper-objective", "--alpha-c", "0.3"])
+    with pytest.raises(CaptionerError):
+        settle(None, from_args(TrainConfig, args), vocab_size=9, device=CPU)
+
+
+def test_a_resumed_run_keeps_its_settings_but_how_long_and_how_often():
+    model, cfg = settled(lr=0.01, epochs=3, boxes="b.json")
+    saved = {"decoder": model.to_dict(), "train": cfg.to_dict()}
+    command = TrainConfig.of(epochs=9, lr=0.5, log_every=3, checkpoint_every=7, boxes=None)
+    model2, cfg2 = settle(None, command, vocab_size=9, device=CPU, saved=saved)
+    assert model2 == model
+    assert (cfg2.optim.lr, cfg2.terms.boxes, cfg2.schedule.epochs) == (0.01, "b.json", 9)
+    assert (cfg2.checkpoints.log_every, cfg2.checkpoints.checkpoint_every) == (3, 7)
+
+
+def test_fit_help_is_grouped_by_concern():
+    text = get_parser()._subparsers._group_actions[0].choices["fit"].format_help()
+    for title in ("Optimisation", "Schedule", "Checkpoints and logs", "Attention terms", "Hard attention"):
+        assert f"\n{title}" in text, title
+    assert "ms" not in text.split() and "docs/" not in text
