@@ -1,4 +1,5 @@
-"""`captioner`: caption images (`caption`), serve the web demo (`demo`), share a model (`export`)."""
+"""`captioner`: caption images (`caption`), serve the web demo (`demo`), share a model (`export`), check a
+device (`selfcheck`)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,14 @@ from typing import Annotated, Literal
 from tqdm import tqdm
 
 from captioner.cli.run import ArgumentParser, run
+from captioner.cli.selfcheck import SelfCheckOptions, selfcheck
 from captioner.demo.options import DemoOptions
 from captioner.errors import CaptionerError
 from captioner.io import write_json_atomic
-from captioner.options import add_options, from_args
+from captioner.options import Device, add_options, check_device, from_args
 from captioner.serve import bulk
 from captioner.serve.api import Captioner
 from captioner.serve.sources import model_source
-
-DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass
@@ -56,7 +56,7 @@ class CaptionOptions:
     figures: Annotated[str | None, "write one attention figure (PNG) per image into this directory"] = None
     batch_size: Annotated[int, "images per batch through the model"] = 8
     workers: Annotated[int, "threads decoding images while the model runs (0: none)"] = 2
-    device: Annotated[str, "auto (a GPU if there is one), cpu, cuda or cuda:N"] = "auto"
+    device: Device = "auto"
     progress: Annotated[bool | None, "progress bar on stderr (default: when stderr is a terminal)"] = None
 
     def __post_init__(self):
@@ -65,8 +65,7 @@ class CaptionOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
         if self.workers < 0:
             raise ValueError(f"--workers must be 0 or more, got {self.workers}")
-        if not DEVICE.fullmatch(self.device):
-            raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
+        check_device(self.device)
         if self.resume and not self.log_path:
             raise ValueError("--resume needs the log to resume from: give --jsonl LOG (or --json OUT)")
 
@@ -105,7 +104,14 @@ def get_parser() -> argparse.ArgumentParser:
         "config.json, vocab.json and a README.md model card",
     )
     ep.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint written by `train.py fit` (or a pinned URL)")
-    ep.add_argument("out", metavar="DIR", help="the folder to write (publish it with huggingface-cli upload)")
+    ep.add_argument("out", metavar="DIR", help="the folder to write (publish it with `hf upload ORG/NAME DIR .`)")
+    add_options(
+        sub.add_parser(
+            "selfcheck",
+            help="train every mode briefly on a device (a GPU: --device cuda) and say which run, and how fast",
+        ),
+        SelfCheckOptions,
+    )
     return p
 
 
@@ -224,7 +230,12 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _selfcheck(args: argparse.Namespace) -> int:
+    return 0 if selfcheck(from_args(SelfCheckOptions, args)) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `captioner` (and `python -m captioner`)."""
     args = get_parser().parse_args(argv)
-    return run({"caption": _caption, "demo": _demo, "export": _export}[args.command], args)
+    handlers = {"caption": _caption, "demo": _demo, "export": _export, "selfcheck": _selfcheck}
+    return run(handlers[args.command], args)

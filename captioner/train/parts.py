@@ -127,10 +127,17 @@ def build(
     if cfg.optim.compile:
         decoder.compile_step()
     groups = [{"params": list(decoder.parameters())}]
+    targets = box_targets(data, cfg.terms.boxes, d) if cfg.terms.boxes else None
     tuning = None
     if cfg.fine_tune is not None:
         tuning = FineTuning(
-            data, cfg.fine_tune, d, device, batch_size=cfg.optim.batch_size, progress=progress_bar and d.main
+            data,
+            cfg.fine_tune,
+            d,
+            device,
+            batch_size=cfg.optim.batch_size,
+            targets=targets,
+            progress=progress_bar and d.main,
         )
         groups.append({"params": list(tuning.parameters()), "lr": cfg.fine_tune.lr})
     optimizer = make_optimizer(groups, cfg.optim.lr, device)
@@ -147,7 +154,7 @@ def build(
         optimizer,
         torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=2),
         torch.Generator(device=device).manual_seed(cfg.optim.seed + 1 + d.rank),
-        box_targets(data, cfg.terms.boxes, d) if cfg.terms.boxes else None,
+        targets,
         run_log,
         notes,
         None,
