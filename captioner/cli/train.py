@@ -1,8 +1,8 @@
-"""`python train.py` / `captioner-train`: prepare, fit, evaluate.
+"""`python train.py` / `captioner-train`: prepare, fit, evaluate, and the COCO recipe.
 
 Each subcommand's options are the fields of its dataclasses (`captioner.options`): prepare's
 `PrepareConfig`, fit's `FitOptions`, `DecoderConfig` and `TrainConfig` (its groups are sections
-of `fit --help`), evaluate's `EvaluateOptions`.
+of `fit --help`), evaluate's `EvaluateOptions`, coco's `CocoOptions`.
 SIGTERM and Ctrl-C make `fit` and `prepare` finish their step or batch, save, and exit with 0
 (SIGTERM, a clean preemption) or 130 (Ctrl-C); `fit --resume` and a second `prepare` go on.
 """
@@ -16,6 +16,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Annotated, Literal
 
+from captioner.cli import coco
 from captioner.cli.run import ArgumentParser, renamed, run
 from captioner.evaluation.evaluate import evaluate, results_path
 from captioner.models.decoder import DecoderConfig
@@ -86,6 +87,7 @@ def get_parser() -> argparse.ArgumentParser:
     add_options(fp, DecoderConfig, group="model")
     add_options(fp, TrainConfig, group="training")
     add_options(sub.add_parser("evaluate", help="caption a split and score it with coco-caption"), EvaluateOptions)
+    coco.add_parser(sub)
     return p
 
 
@@ -149,7 +151,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python train.py` and `captioner-train`."""
     args = get_parser().parse_args(renamed(sys.argv[1:] if argv is None else argv, RENAMED))
-    handlers = {"prepare": _prepare, "fit": _fit, "evaluate": _evaluate}
+    handlers = {"prepare": _prepare, "fit": _fit, "evaluate": _evaluate, "coco": coco.run}
     return run(handlers[args.command], args)
 
 
