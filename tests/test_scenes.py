@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
-from captioner.demo.build import finished, pick_examples
+from captioner.demo.build import pick_examples
 from captioner.models.vocab import tokenize
 from captioner.scenes.judge import accuracy, judge, read_objects
+from captioner.train.recipe import finished
 
 
 def test_wrong_shape_and_colour_are_caught_where_bleu_would_not():
@@ -43,12 +44,14 @@ def test_the_generators_own_captions_are_judged_right(scenes):
     assert 0.5 < accuracy(first, objects) <= 1.0
 
 
-def test_examples_are_drawn_at_random_from_the_split():
+def test_examples_are_drawn_at_random_from_the_split_as_many_of_each_object_count():
     ids = list(range(100, 300, 2))
-    picked = pick_examples(ids, 6, seed=0)
-    assert picked == pick_examples(ids, 6, seed=0) and picked != pick_examples(ids, 6, seed=1)
+    objects = {i: [("red", "circle")] * (1 + i % 3) for i in ids}
+    picked = pick_examples(ids, objects, 6, seed=0)
+    assert picked == pick_examples(ids, objects, 6, seed=0) and picked != pick_examples(ids, objects, 6, seed=1)
     assert len(set(picked)) == 6 and set(picked) <= set(ids) and picked != ids[:6]
-    assert sorted(pick_examples(ids[:4], 6, seed=0)) == ids[:4]  # a small split gives all it has
+    assert sorted(len(objects[i]) for i in picked) == [1, 1, 2, 2, 3, 3]
+    assert sorted(pick_examples(ids[:4], objects, 6, seed=0)) == ids[:4]  # a small split gives all it has
 
 
 def test_build_reuses_only_stages_that_ran_to_their_end(tmp_path):

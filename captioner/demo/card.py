@@ -15,7 +15,16 @@ from captioner.serve.api import Captioner
 METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "pointing", "two_objects")
 CARD_DATA_KEYS = ("trained_on", "data", "dataset", "description")  # card fields that say what it learnt from
 # Card fields shown by their own sections, not as plain "key: value" lines.
-CARD_SECTIONS = (*CARD_DATA_KEYS, "test_images", "test_metrics", "attention_health", "examples", "scene_accuracy")
+CARD_SECTIONS = (
+    *CARD_DATA_KEYS,
+    "test_images",
+    "test_metrics",
+    "attention_health",
+    "examples",
+    "scene_accuracy",
+    "scene_accuracy_by_objects",
+)
+COUNTS = {"1": "one object", "2": "two", "3": "three"}
 
 
 def trained_on(captioner: Captioner) -> str:
@@ -100,9 +109,13 @@ def model_card(captioner: Captioner) -> str:
         for k, v in shown.items()
     ]
     if isinstance(card.get("scene_accuracy"), (int, float)):
+        by = card.get("scene_accuracy_by_objects") or {}
+        counts = ", ".join(f"{COUNTS.get(k, k)} {v:.0%}" for k, v in by.items() if isinstance(v, (int, float)))
         lines.append(
             f"- **Scenes described exactly right:** {card['scene_accuracy']:.0%} of "
-            f"{card.get('test_images', 'the')} test scenes (every object's colour and shape, none missing)"
+            f"{card.get('test_images', 'the')} test scenes (every object's colour and shape, none missing"
+            + (f"; {counts}" if counts else "")
+            + ")"
         )
     health = attention_health(captioner)
     if health:

@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
-import torch
 from PIL import Image
 
 from captioner.data.dataset import CaptionData
@@ -25,8 +24,8 @@ from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
 from captioner.scenes.synthetic import generate
 from captioner.serve.api import Caption, Captioner
-from captioner.train.loop import TrainConfig, fit
-from captioner.train.prepare import PrepareConfig, prepare
+from captioner.train.config import TrainConfig
+from captioner.train.recipe import prepared, scene_set, trained
 
 WORK_ENV = "CAPTIONER_NOTEBOOK_DIR"  # where notebooks write scenes, features and runs
 
@@ -103,11 +102,7 @@ def work_dir() -> str:
 
 def synthetic_scenes(root: str, n: int, seed: int) -> str:
     """Generate n synthetic scenes under root (reused if already there); returns their directory."""
-    out = os.path.join(root, f"scenes-n{n}-s{seed}")
-    # boxes.json is written last, so its presence means the set is complete.
-    if not os.path.isfile(os.path.join(out, "boxes.json")):
-        generate(out, n, seed=seed)
-    return out
+    return scene_set(os.path.join(root, f"scenes-n{n}-s{seed}"), n, seed, generate)
 
 
 def scene_images(root: str, n: int = 6, seed: int = 1234) -> list[str]:
@@ -127,45 +122,14 @@ def synthetic_data(root: str, rec: Recipe) -> tuple[str, str]:
     """
     scenes = synthetic_scenes(root, rec.scenes, rec.seed)
     data = os.path.join(root, f"data-n{rec.scenes}-s{rec.seed}-{rec.image_size}")
-    meta = os.path.join(data, "meta.json")
-    if not (os.path.isfile(meta) and read_json(meta, "data directory metadata").get("complete")):
-        prepare(
-            PrepareConfig(
-                captions=[os.path.join(scenes, "captions.json")],
-                images=[os.path.join(scenes, "images")],
-                out=data,
-                splits=os.path.join(scenes, "splits.json"),
-                encoder=EncoderSpec(weights="none", image_size=rec.image_size),
-                min_count=rec.min_count,
-                workers=0,
-            ),
-            progress=False,
-        )
-    return scenes, data
+    encoder = EncoderSpec(weights="none", image_size=rec.image_size)
+    return scenes, prepared(scenes, data, encoder=encoder, min_count=rec.min_count, workers=0)
 
 
 def train_or_load(data_dir: str, run_dir: str, rec: Recipe) -> str:
-    """Train a recipe's model into run_dir unless run_dir already holds best.pt; returns its path."""
-    best = os.path.join(run_dir, "best.pt")
-    if os.path.isfile(best):
-        return best
-    threads = torch.get_num_threads()
-    try:
-        if rec.threads:
-            torch.set_num_threads(rec.threads)
-        # An interrupted run goes on from its last checkpoint rather than starting a second log.
-        fit(
-            data_dir,
-            run_dir,
-            rec.decoder,
-            rec.train,
-            resume=os.path.isfile(os.path.join(run_dir, "last.pt")),
-            device="cpu",
-            progress_bar=False,
-        )
-    finally:
-        torch.set_num_threads(threads)
-    return best
+    """Train a recipe's model into run_dir unless it finished there already; returns its best.pt.
+    An interrupted run goes on from its last checkpoint rather than starting a second log."""
+    return trained(data_dir, run_dir, rec.decoder, rec.train, threads=rec.threads)
 
 
 class SyntheticRun(NamedTuple):

@@ -142,7 +142,8 @@ def _sharpness(dec: dict) -> str:
 
 def _command(ck: dict) -> str:
     card = ck.get("card") or {}
-    return str(card.get("rebuild") or ck.get("command") or "# not recorded in the checkpoint")
+    command = str(card.get("rebuild") or ck.get("command") or "# not recorded in the checkpoint")
+    return f"# at commit {card['commit']}\n{command}" if card.get("commit") else command
 
 
 def _limits(ck: dict) -> str:
