@@ -50,10 +50,11 @@ from captioner.models.decoder import AttentionDecoder, DecoderConfig  # noqa: E4
 from captioner.models.encoder import EncoderSpec, build_encoder  # noqa: E402
 from captioner.models.fast_encoder import optimize_encoder  # noqa: E402
 from captioner.models.views import max_shift, shifts  # noqa: E402
-from captioner.objectives.objective import Objective, objective_terms  # noqa: E402
+from captioner.objectives.objective import Objective  # noqa: E402
 from captioner.train.averaging import WeightAverage  # noqa: E402
 from captioner.train.config import TrainConfig  # noqa: E402
 from captioner.train.distributed import Dist  # noqa: E402
+from captioner.train.parts import cross_entropy_objective  # noqa: E402
 from captioner.train.settle import settle  # noqa: E402
 from captioner.train.step import WARMUP, TrainStep, make_optimizer  # noqa: E402
 
@@ -236,12 +237,8 @@ def fit_step(
     if compile:
         decoder.compile_step()
     views = objective == "default"
-    terms = objective_terms(
-        cfg.terms, attention=attention, hard=cfg.hard, views=views, baseline=torch.zeros((), device=device)
-    )
-    semi = cfg.hard.semi_sampling if attention == "hard" else None
     step = TrainStep(
-        Objective(decoder, terms, shapes=cfg.optim.shapes, semi_sampling=semi),
+        cross_entropy_objective(decoder, cfg, views=views, baseline=torch.zeros((), device=device)),
         make_optimizer([{"params": list(decoder.parameters())}], cfg.optim.lr, device),
         cfg.optim,
         average=WeightAverage(decoder, cfg.optim.ema) if cfg.optim.ema else None,

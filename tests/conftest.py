@@ -12,11 +12,11 @@ import torch
 
 from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
-from captioner.objectives.objective import Objective, objective_terms
 from captioner.scenes.synthetic import generate
 from captioner.train.config import TrainConfig
 from captioner.train.distributed import Dist
 from captioner.train.loop import fit
+from captioner.train.parts import cross_entropy_objective
 from captioner.train.prepare import PrepareConfig, prepare
 from captioner.train.settle import settle
 from captioner.train.step import TrainStep, make_optimizer
@@ -37,17 +37,8 @@ def train_step(decoder, cfg: TrainConfig | None = None, *, encoder=None, extra=(
     device = torch.device(device)
     model_cfg = DecoderConfig(**decoder.config.to_dict())
     _, cfg = settle(model_cfg, cfg or TrainConfig(), vocab_size=model_cfg.vocab_size, device=device)
-    terms = objective_terms(
-        cfg.terms, attention=model_cfg.attention, hard=cfg.hard, views=views, baseline=torch.tensor(0.0)
-    )
-    objective = Objective(
-        decoder,
-        terms,
-        shapes=cfg.optim.shapes if encoder is None else "packed",
-        semi_sampling=cfg.hard.semi_sampling if model_cfg.attention == "hard" else None,
-        encoder=encoder,
-        view_share=cfg.terms.consistency_share if encoder is not None and views else 0.0,
-    )
+    baseline = torch.zeros((), device=device)
+    objective = cross_entropy_objective(decoder, cfg, views=views, baseline=baseline, encoder=encoder)
     groups = [{"params": list(decoder.parameters())}] + [{"params": list(extra)}] * bool(extra)
     optimizer = make_optimizer(groups, cfg.optim.lr, device)
     return TrainStep(

@@ -183,24 +183,15 @@ def for_epoch(parts: Parts, model_cfg: DecoderConfig, cfg: TrainConfig, progress
         objective, source = Objective(parts.decoder, terms), TrainingImages(data, cfg.optim.batch_size)
     else:
         views = _views(data, cfg, d, tuned)
-        baseline = torch.tensor(progress.baseline, device=device)
-        terms = objective_terms(
-            cfg.terms,
-            attention=model_cfg.attention,
-            hard=cfg.hard,
+        objective = cross_entropy_objective(
+            parts.decoder,
+            cfg,
             views=views,
-            baseline=baseline,
+            baseline=torch.tensor(progress.baseline, device=device),
             targets=parts.targets,
+            encoder=parts.tuning.encoder if tuned else None,
         )
         share = cfg.terms.consistency_share if views and cfg.terms.consistency > 0 else 0.0
-        objective = Objective(
-            parts.decoder,
-            terms,
-            shapes="packed" if tuned else cfg.optim.shapes,
-            semi_sampling=cfg.hard.semi_sampling if model_cfg.attention == "hard" else None,
-            encoder=parts.tuning.encoder if tuned else None,
-            view_share=share if tuned else 0.0,
-        )
         source = parts.tuning if tuned else _caption_batches(data, cfg, parts.targets, share)
     if d.active:
         objective = DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None)
@@ -215,6 +206,37 @@ def for_epoch(parts: Parts, model_cfg: DecoderConfig, cfg: TrainConfig, progress
         steps=progress.step,
     )
     return Epoch(step, source, tuned)
+
+
+def cross_entropy_objective(
+    decoder: AttentionDecoder,
+    cfg: TrainConfig,
+    *,
+    views: bool,
+    baseline: torch.Tensor,
+    targets: BoxTargets | None = None,
+    encoder=None,
+) -> Objective:
+    """The cross-entropy objective of settled configs: its terms, in the run's shapes (a fine-tuned
+    `encoder`'s batches are packed, and it makes the views of the consistency's share of captions).
+
+    Args:
+        views: the consistency has views (prepared, or the encoder's own).
+        baseline: hard attention's REINFORCE baseline so far, a 0-dim tensor on the device.
+    """
+    attention = decoder.config.attention
+    terms = objective_terms(
+        cfg.terms, attention=attention, hard=cfg.hard, views=views, baseline=baseline, targets=targets
+    )
+    share = cfg.terms.consistency_share if views and cfg.terms.consistency > 0 else 0.0
+    return Objective(
+        decoder,
+        terms,
+        shapes="packed" if encoder is not None else cfg.optim.shapes,
+        semi_sampling=cfg.hard.semi_sampling if attention == "hard" else None,
+        encoder=encoder,
+        view_share=share if encoder is not None else 0.0,
+    )
 
 
 def _caption_batches(data: CaptionData, cfg: TrainConfig, targets, share: float) -> CaptionBatches:
