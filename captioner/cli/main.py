@@ -17,7 +17,7 @@ from captioner.cli.selfcheck import SelfCheckOptions, selfcheck
 from captioner.demo.options import DemoOptions
 from captioner.errors import CaptionerError
 from captioner.io import write_json_atomic
-from captioner.options import Device, add_options, check_device, from_args
+from captioner.options import Device, add_options, check_device, check_positive, from_args
 from captioner.serve import bulk
 from captioner.serve.api import Captioner
 from captioner.serve.sources import model_source
@@ -60,9 +60,7 @@ class CaptionOptions:
     progress: Annotated[bool | None, "progress bar on stderr (default: when stderr is a terminal)"] = None
 
     def __post_init__(self):
-        for name in ("beam_size", "max_len", "batch_size"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        check_positive(self, "beam_size", "max_len", "batch_size")
         if self.workers < 0:
             raise ValueError(f"--workers must be 0 or more, got {self.workers}")
         check_device(self.device)
