@@ -223,9 +223,12 @@ def test_caption_split_images_match_evaluation(small_run, data_dir):
 def test_train_or_load_reuses_a_finished_run(small_run, data_dir, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    shutil.copy(small_run / "best.pt", run / "best.pt")
+    for name in ("best.pt", "metrics.jsonl"):
+        shutil.copy(small_run / name, run / name)
+    log = (run / "metrics.jsonl").read_text()
     assert recipes.train_or_load(str(data_dir), str(run), recipes.recipe("soft")) == str(run / "best.pt")
-    assert not (run / "metrics.jsonl").exists()  # nothing was trained
+    assert (run / "metrics.jsonl").read_text() == log  # nothing was trained
+    assert not (run / "last.pt").exists()
 
 
 def test_synthetic_data_is_made_once(tmp_path):

@@ -404,6 +404,7 @@ def test_pinned_url_is_downloaded_once_and_a_mismatch_refused(checkpoint, tmp_pa
 # the server, through gradio_client
 
 
+@pytest.mark.slow
 def test_api_takes_image_and_beam_size(server):
     api = Client(server, verbose=False).view_api(return_format="dict", print_info=False)
     endpoint = api["named_endpoints"]["/caption"]
@@ -411,6 +412,7 @@ def test_api_takes_image_and_beam_size(server):
     assert [r["component"] for r in endpoint["returns"]] == ["Textbox", "Json"]
 
 
+@pytest.mark.slow
 def test_api_captions_every_kind_of_image(server, images):
     client = Client(server, verbose=False)
     for name in VALID:
@@ -419,6 +421,7 @@ def test_api_captions_every_kind_of_image(server, images):
         assert np.asarray(data["attention"]).shape == (len(data["words"]), 14, 14), name
 
 
+@pytest.mark.slow
 def test_api_bad_files_get_their_message_and_the_server_goes_on(server, images):
     client = Client(server, verbose=False)
     for name, words in BAD.items():
@@ -430,12 +433,14 @@ def test_api_bad_files_get_their_message_and_the_server_goes_on(server, images):
     assert client.predict(handle_file(str(images["rgb.jpg"])), 1, api_name="/caption")[0]
 
 
+@pytest.mark.slow
 def test_api_refuses_images_over_the_pixel_limit(server, images):
     client = Client(server, verbose=False)
     with pytest.raises(Exception, match=f"large.png: 2100000 pixels is over the limit of {MAX_PIXELS}"):
         client.predict(handle_file(str(images["large.png"])), 2, api_name="/caption")
 
 
+@pytest.mark.slow
 def test_api_concurrent_requests_all_succeed(server, images):
     """20 valid images at once, with 4 bad ones mixed in that fail on their own.
 
@@ -468,6 +473,7 @@ def test_app_refuses_a_checkpoint_url_with_the_wrong_digest(checkpoint, tmp_path
     assert "refused" in str(exit_.value.code) and "sha256" in str(exit_.value.code)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads memory from /proc")
 def test_load_50_requests_from_10_clients_memory_flat(server, images):
     """Two waves of 50 requests from 10 clients: every one answered (a caption, or busy), memory flat.

@@ -37,10 +37,13 @@ ARGS = [
 ]
 WAIT_MS = 600_000  # readiness waits only: how long to wait for the page, never a speed limit
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM),
-    reason=f"{CHROMIUM} is absent (install Debian's chromium: apt-get install -y chromium)",
-)
+pytestmark = [
+    pytest.mark.slow,  # a served page in a browser
+    pytest.mark.skipif(
+        not os.path.exists(CHROMIUM),
+        reason=f"{CHROMIUM} is absent (install Debian's chromium: apt-get install -y chromium)",
+    ),
+]
 
 
 @pytest.fixture(scope="module")

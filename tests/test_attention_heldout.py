@@ -30,6 +30,7 @@ def heldout_112(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_defaults_point_at_objects_not_the_border(heldout_112, tmp_path):
     data, run = heldout_112 / "data", tmp_path / "run"
     fit(

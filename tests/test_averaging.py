@@ -43,6 +43,7 @@ def test_decays_outside_zero_to_one_are_refused(decay):
             TrainConfig.of(ema=decay)
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_the_average_and_the_raw_weights_for_resume(data_dir, tmp_path):
     """best.pt and last.pt carry the average as their model (what validation scored and inference
     loads) and the optimizer's raw weights beside it; a resume goes on from both."""
@@ -69,6 +70,7 @@ def test_checkpoints_hold_the_average_and_the_raw_weights_for_resume(data_dir, t
     assert len([r for r in log if r["event"] == "val"]) == 3
 
 
+@pytest.mark.slow
 def test_without_the_average_checkpoints_hold_only_the_trained_weights(data_dir, tmp_path):
     cfg = TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, ema=0.0)
     fit(str(data_dir), str(tmp_path / "run"), SMALL, cfg, device="cpu", progress_bar=False)

@@ -96,6 +96,7 @@ def test_folder_in_batches_with_attention_resume_and_one_id_type(small_run, fold
     assert "--resume" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_default_model_unfamiliar_note_and_guarded_cuda(folder, tmp_path, capsys, monkeypatch):
     from captioner.serve.api import Captioner
 

@@ -65,6 +65,7 @@ def test_each_older_layout_loads_as_the_current_one(small_run, scenes, tmp_path,
     assert Captioner.load(str(path)).caption(image, beam_size=2).words
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 3])
 def test_a_run_saved_by_an_older_version_resumes(small_run, data_dir, tmp_path, version):
     run = tmp_path / "run"

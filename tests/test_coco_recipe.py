@@ -232,6 +232,7 @@ def test_files_the_user_has_are_not_fetched(tmp_path, mirror, capsys):
     assert {r["path"] for r in mirror.gets()} == {"SHA256SUMS", "caption_datasets.zip"}
 
 
+@pytest.mark.slow
 def test_a_killed_download_goes_on_from_where_it_stopped(tmp_path, mirror, capsys):
     name, size = "zips/train2014.zip", len(mirror.files["zips/train2014.zip"])
     mirror.faults[name] = {"step": 4096, "delay": 0.05}  # about 80 kB/s: time to kill it
@@ -405,6 +406,7 @@ def test_space_for_coco_counts_each_zip_beside_its_contents():
     assert archives.space_needed(sizes, keep=True) == 2 * total
 
 
+@pytest.mark.slow
 def test_train_py_has_the_coco_command():
     from captioner.cli import train
 

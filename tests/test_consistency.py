@@ -186,6 +186,7 @@ def test_prepare_stores_the_features_of_the_views(data_dir, scenes):
     assert np.abs(plain - want).max() > 0.2 * scale  # the views' features are not the plain ones
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_fit_adds_the_term_when_the_data_has_views(data_dir, tmp_path, attention):
     small = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0, attention=attention)
@@ -203,6 +204,7 @@ def test_fit_adds_the_term_when_the_data_has_views(data_dir, tmp_path, attention
     assert all("consistency" not in r for r in rows["off"] if r["event"] == "train")
 
 
+@pytest.mark.slow
 def test_fit_says_when_the_data_has_no_views(scenes, tmp_path, caplog):
     out = tmp_path / "plain"
     prepare_scenes(scenes, out, min_count=1, views=False)

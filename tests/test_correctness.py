@@ -96,6 +96,7 @@ def test_the_targets_of_predicted_words_are_those_of_the_same_words_in_a_caption
     assert not targets.masks_for_predictions(batch.box_images.numpy(), predicted, np.zeros_like(real)).any()
 
 
+@pytest.mark.slow
 def test_fit_learns_from_the_boxes_and_refuses_a_file_without_training_images(data_dir, scenes, tmp_path):
     small = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0)
     cfg = TrainConfig.of(

@@ -159,6 +159,7 @@ def test_bucketed_batches_cover_every_caption_once():
     assert any((a != b).any() for a, b in zip(batches, bucket_batches(lengths, 8, seed=1, epoch=3)))
 
 
+@pytest.mark.slow
 def test_prepare_unreadable_image_named_then_skipped(tmp_path):
     images, coco = mini_coco(tmp_path)
     (images / "im2.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
@@ -193,6 +194,7 @@ def test_prepare_unreadable_image_named_then_skipped(tmp_path):
     assert 114 not in np.concatenate([data.split_images(s)[0] for s in ("train",)]).tolist()
 
 
+@pytest.mark.slow
 def test_prepare_resumes_without_redoing_work(tmp_path, scenes, data_dir):
     out = tmp_path / "data"
     shutil.copytree(data_dir, out)
@@ -215,6 +217,7 @@ def test_prepare_resumes_without_redoing_work(tmp_path, scenes, data_dir):
     CaptionData(str(out))
 
 
+@pytest.mark.slow
 def test_prepare_refuses_to_mix_caches(tmp_path, scenes, data_dir):
     out = tmp_path / "data"
     shutil.copytree(data_dir, out)
@@ -222,6 +225,7 @@ def test_prepare_refuses_to_mix_caches(tmp_path, scenes, data_dir):
         prepare_scenes(scenes, out, encoder=EncoderSpec(weights="none", seed=5))
 
 
+@pytest.mark.slow
 def test_prepare_cli_errors_are_one_line(tmp_path, scenes):
     bad = write(tmp_path / "trunc.json", (scenes / "captions.json").read_text()[:500])
     p = run_cli(

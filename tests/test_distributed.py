@@ -10,6 +10,8 @@ from conftest import run_cli
 
 from captioner import Captioner
 
+pytestmark = pytest.mark.slow  # end to end: trains, serves or runs notebooks
+
 TINY = [
     "--epochs",
     "1",

@@ -84,6 +84,7 @@ def whole(data_dir, tmp_path_factory):
 # preemption
 
 
+@pytest.mark.slow
 def test_sigterm_stops_fit_after_the_step_and_resume_equals_uninterrupted(data_dir, tmp_path, whole):
     out = tmp_path / "run"
     p = start("fit", "--data", str(data_dir), "--out", str(out), *FIT)
@@ -123,6 +124,7 @@ def test_graceful_stop_catches_sigint_and_sigterm_then_restores_the_handlers():
         assert stop.signal_name == "SIGTERM" and stop.exit_status == 0
 
 
+@pytest.mark.slow
 def test_sigterm_stops_prepare_after_a_batch_then_a_full_disk_then_it_completes(
     scenes, data_dir, tmp_path, monkeypatch
 ):
@@ -226,6 +228,7 @@ def small_tmpfs(tmp_path, whole):
     subprocess.run(["umount", str(where)], check=True)
 
 
+@pytest.mark.slow
 def test_full_disk_on_a_real_tmpfs_names_it_and_keeps_the_last_good_checkpoint(data_dir, small_tmpfs):
     out = small_tmpfs / "run"
     p = start("fit", "--data", str(data_dir), "--out", str(out), *FIT)
@@ -292,6 +295,7 @@ def _failing_save(monkeypatch, fail) -> list[int]:
     return calls
 
 
+@pytest.mark.slow
 def test_failed_periodic_save_is_retried_and_training_goes_on(data_dir, tmp_path, monkeypatch):
     calls = _failing_save(monkeypatch, lambda n: n == 2)
     out = tmp_path / "run"
@@ -305,6 +309,7 @@ def test_failed_periodic_save_is_retried_and_training_goes_on(data_dir, tmp_path
     assert not temp_files(out)
 
 
+@pytest.mark.slow
 def test_failed_final_save_raises_naming_the_last_good_checkpoint(data_dir, tmp_path, monkeypatch):
     calls = _failing_save(monkeypatch, lambda n: n > 1)
     out = tmp_path / "run"
@@ -321,6 +326,7 @@ def test_failed_final_save_raises_naming_the_last_good_checkpoint(data_dir, tmp_
 # damaged features, non-finite steps
 
 
+@pytest.mark.slow
 def test_damaged_feature_row_is_named_left_out_and_rechecked(scenes, data_dir, tmp_path, caplog):
     data = tmp_path / "data"
     shutil.copytree(data_dir, data)

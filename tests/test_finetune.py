@@ -84,6 +84,7 @@ def test_image_batches_hold_whole_images_once():
     assert all((a == b).all() for a, b in zip(batches, image_batches(rows, 12, seed=3, epoch=1)))
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_the_trained_layers(tuned_run, tuned_data):
     ck = torch.load(tuned_run / "best.pt", weights_only=True)
     assert set(ck["encoder_state"]) == TUNED
@@ -96,6 +97,7 @@ def test_checkpoint_holds_the_trained_layers(tuned_run, tuned_data):
     assert torch.equal(ck["model"]["feature_std"], std.clamp_min(1e-3))
 
 
+@pytest.mark.slow
 def test_round_trip_gives_the_features_training_saw(tuned_run, tuned_data, scenes):
     data = CaptionData(str(tuned_data))
     ids, rows = data.split_images("train")
@@ -126,6 +128,7 @@ def test_round_trip_gives_the_features_training_saw(tuned_run, tuned_data, scene
     assert rel(data.features(rows[:1]), seen) > 20 * rel(ours, seen)
 
 
+@pytest.mark.slow
 def test_evaluate_re_encodes_and_falls_back_to_images(tuned_run, tuned_data, tmp_path):
     out = tmp_path / "m.json"
     p = run_cli(
@@ -154,6 +157,7 @@ def test_evaluate_re_encodes_and_falls_back_to_images(tuned_run, tuned_data, tmp
     assert float((a - b).norm() / a.norm()) < 2e-3
 
 
+@pytest.mark.slow
 def test_familiarity_describes_the_tuned_encoder(tuned_run, tuned_data):
     """Each fine-tuned checkpoint's "unlike the training images" statistics are of its own features."""
     data = CaptionData(str(tuned_data))
@@ -174,6 +178,7 @@ def test_familiarity_describes_the_tuned_encoder(tuned_run, tuned_data):
         assert score == pytest.approx(stats.photo_scores[f"{os.path.basename(photo)}:whole"], rel=2e-3)
 
 
+@pytest.mark.slow
 def test_resumed_fine_tuning_equals_uninterrupted(tuned_run, tuned_data, tmp_path):
     whole = tmp_path / "whole"
     fit(str(tuned_data), str(whole), TINY, tune_cfg(2), device="cpu", progress_bar=False)
@@ -198,6 +203,7 @@ def test_resumed_fine_tuning_equals_uninterrupted(tuned_run, tuned_data, tmp_pat
         )
 
 
+@pytest.mark.slow
 def test_decoder_trains_alone_first_then_with_the_encoder(tuned_data, tmp_path, caplog):
     cpu = torch.device("cpu")
     fresh = settle(None, TrainConfig.of(fine_tune=FineTuneConfig()), vocab_size=9, device=cpu)[1]
@@ -219,6 +225,7 @@ def test_decoder_trains_alone_first_then_with_the_encoder(tuned_data, tmp_path, 
     assert [(e["epoch"], e["step"]) for e in events if e["event"] == "encoder_trains"] == [(1, first["step"])]
 
 
+@pytest.mark.slow
 def test_the_encoder_trains_with_boxes_too(tuned_data, scenes, tmp_path):
     """`--fine-tune-encoder --boxes`: whole-image batches carry their box masks to the term."""
     cfg = replace(tune_cfg(1), terms=replace(tune_cfg(1).terms, boxes=str(scenes / "boxes.json")))
@@ -245,6 +252,7 @@ def test_amp_step_trains_the_encoder(tuned_data):
     assert all(not torch.equal(before[k], after[k]) for k in TUNED)
 
 
+@pytest.mark.slow
 def test_conv4_1_from_images(scenes, tmp_path):
     # Small images (64 px, a 4×4 grid) keep the conv4 block cheap; the path is the same at 224.
     data_dir = tmp_path / "data"
@@ -273,6 +281,7 @@ def test_conv4_1_from_images(scenes, tmp_path):
     assert float((data.features(rows) - seen).norm() / seen.norm()) > 1e-2
 
 
+@pytest.mark.slow
 def test_fine_tune_flags_need_fine_tune_encoder(data_dir, tmp_path):
     p = run_cli("train.py", "fit", "--data", str(data_dir), "--out", str(tmp_path / "r"), "--encoder-lr", "1e-3")
     assert p.returncode == 2 and p.stderr.strip() == "error: --encoder-lr needs --fine-tune-encoder"

@@ -99,6 +99,7 @@ def test_best_is_the_best_scoring_validation_whose_health_is_ok():
     assert len(parts.logged) == 5
 
 
+@pytest.mark.slow
 def test_a_model_whose_maps_were_flagged_says_so_wherever_it_shows_them(small_run, scenes, tmp_path):
     from conftest import run_cli
 

@@ -126,6 +126,7 @@ def test_missing_image_is_named_or_skipped(tmp_path):
     assert len(records) == 5 and "1 missing images skipped" in skipped.report()
 
 
+@pytest.mark.slow
 def test_prepare_karpathy_vocabulary_from_training_captions_only(tmp_path):
     root, data = flickr_layout(tmp_path)
     # Words only val/test captions use must not enter the vocabulary, however frequent.
@@ -152,6 +153,7 @@ def test_prepare_karpathy_vocabulary_from_training_captions_only(tmp_path):
     assert sorted(d.references["test"]) == [3] and len(d.references["test"][3]) == 3
 
 
+@pytest.mark.slow
 def test_prepare_cli_karpathy_and_its_errors(tmp_path):
     root, data = coco_layout(tmp_path)
     path = write(tmp_path / "dataset_coco.json", data)
@@ -211,6 +213,7 @@ def test_prepare_cli_karpathy_and_its_errors(tmp_path):
     assert p.returncode == 2 and "do not pass --captions or --splits" in p.stderr
 
 
+@pytest.mark.slow
 def test_held_out_scenes_rewritten_in_flickr_layout(tmp_path):
     # The acceptance check's input: benchmarks/karpathy_flickr.py on captioner.heldout's splits.json.
     from captioner.scenes.heldout import generate

@@ -27,6 +27,7 @@ def scenes_112(tmp_path_factory):
     return root / "data"
 
 
+@pytest.mark.slow
 def test_short_training_beats_untrained(scenes_112, tmp_path):
     scores = {}
     for name, cfg in (

@@ -11,6 +11,8 @@ from nbclient import NotebookClient
 
 from captioner.lab.recipes import WORK_ENV
 
+pytestmark = pytest.mark.slow  # end to end: trains, serves or runs notebooks
+
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 

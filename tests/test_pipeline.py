@@ -34,6 +34,7 @@ def test_fit_writes_plain_checkpoints_and_a_log(small_run):
     assert all(np.isfinite(r["loss"]) for r in log if r["event"] == "train")
 
 
+@pytest.mark.slow
 def test_evaluate_cli_writes_metrics_and_results(small_run, data_dir, scenes, tmp_path):
     out = tmp_path / "eval" / "metrics.json"
     p = run_cli(
@@ -60,6 +61,7 @@ def test_evaluate_cli_writes_metrics_and_results(small_run, data_dir, scenes, tm
     assert all(isinstance(r["caption"], str) and "<" not in r["caption"] for r in results)
 
 
+@pytest.mark.slow
 def test_evaluate_without_java_says_so_and_marks_the_figures(small_run, data_dir, tmp_path):
     """No `java` on the PATH: evaluate still scores, but warns naming Java and writes official: false."""
     out = tmp_path / "m.json"
@@ -86,6 +88,7 @@ def test_evaluate_without_java_says_so_and_marks_the_figures(small_run, data_dir
         assert json.loads(out.read_text())["official"] is True
 
 
+@pytest.mark.slow
 def test_evaluate_counts_the_split_images_it_could_not_score(small_run, scenes, tmp_path, caplog):
     """A test image that was unreadable at prepare time is named in the count, not silently dropped."""
     copy = tmp_path / "scenes"
@@ -159,6 +162,7 @@ def test_broken_checkpoints_are_explained(tmp_path, small_run):
         Captioner.load(str(tmp_path / "other.pt"))
 
 
+@pytest.mark.slow
 def test_caption_cli_json_and_figures(small_run, scenes, tmp_path):
     paths = [str(p) for p in sorted((scenes / "images").iterdir())[:2]]
     bad = tmp_path / "bad.jpg"

@@ -80,6 +80,7 @@ def uninterrupted(data_dir, tmp_path_factory):
     return load_checkpoint(str(out / "last.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_after_step", [3, 9])
 def test_fit_killed_then_resumed_equals_uninterrupted(data_dir, tmp_path, uninterrupted, kill_after_step):
     out = tmp_path / "run"
@@ -101,6 +102,7 @@ def test_fit_killed_then_resumed_equals_uninterrupted(data_dir, tmp_path, uninte
     assert not [f for f in os.listdir(out) if ".tmp" in f]  # no half-written files left
 
 
+@pytest.mark.slow
 def test_a_write_removes_what_a_killed_writer_left_and_nothing_else(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -112,6 +114,7 @@ def test_a_write_removes_what_a_killed_writer_left_and_nothing_else(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(kept + ["test.json"])
 
 
+@pytest.mark.slow
 def test_prepare_killed_then_rerun_completes_with_same_features(scenes, data_dir, tmp_path):
     out = tmp_path / "data"
     args = [
@@ -174,6 +177,7 @@ def test_vocabulary_round_trip(sentences, min_count):
         assert all(d == w if w in vocab.index else d == "<unk>" for d, w in zip(decoded, sentence))
 
 
+@pytest.mark.slow
 def test_last_checkpoint_is_also_written_on_a_clock(data_dir, tmp_path, monkeypatch):
     """A run whose epochs outlast a kill still leaves last.pt: it is saved every checkpoint_minutes."""
     import captioner.train.loop as training
@@ -197,6 +201,7 @@ def test_last_checkpoint_is_also_written_on_a_clock(data_dir, tmp_path, monkeypa
     assert load_checkpoint(str(tmp_path / "run" / "last.pt"))["step"] == progress.step
 
 
+@pytest.mark.slow
 def test_learning_rate_cools_down_at_the_end_of_the_time_budget_and_a_resume_starts_it_again(
     data_dir, tmp_path, monkeypatch
 ):

@@ -253,6 +253,7 @@ def scst_config(init, **kw) -> TrainConfig:
     )
 
 
+@pytest.mark.slow
 def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkeypatch):
     init = small_run / "best.pt"
     whole = fit(str(data_dir), str(tmp_path / "whole"), cfg=scst_config(init), device="cpu", progress_bar=False)
@@ -286,6 +287,7 @@ def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkey
     assert os.path.exists(data_dir / "cider_df_end.npz")  # df cached in the data directory
 
 
+@pytest.mark.slow
 def test_init_starts_from_the_checkpoint_weights(data_dir, small_run, tmp_path):
     cfg = TrainConfig.of(
         objective="scst", init=str(small_run / "best.pt"), epochs=1, batch_size=8, lr=1e-12, val_beam_size=1

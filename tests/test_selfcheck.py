@@ -20,6 +20,7 @@ def test_every_mode_passes_on_the_cpu(tmp_path):
     assert "steps/s" in lines["soft"]
 
 
+@pytest.mark.slow
 def test_a_failing_mode_is_named_and_its_log_kept(tmp_path):
     p = run_cli(
         "-m", "captioner", "selfcheck", "--device", "cpu", "--scenes", "30", "--work", str(tmp_path), "--only", "scst"

@@ -80,6 +80,7 @@ def hub_cache(root, exported) -> str:
     return str(root)
 
 
+@pytest.mark.slow
 def test_hf_id_loads_from_the_hub_cache_offline(exported, small_run, tmp_path, monkeypatch, scenes, image):
     from huggingface_hub import constants
 
@@ -108,6 +109,7 @@ def test_a_pinned_url_of_a_zipped_folder_loads(exported, small_run, tmp_path, mo
     assert cap.caption(image).words == Captioner.load(str(small_run / "best.pt")).caption(image).words
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "damage, message",
     [
