@@ -75,9 +75,9 @@ def model_card(ck: dict) -> str:
         "```python",
         "from captioner import Captioner",
         "",
-        'cap = Captioner.load("hf://ORG/NAME")      # or the path of this folder',
+        'cap = Captioner.load("hf://ORG/NAME")  # or the path of this folder',
         'out = cap.caption("photo.jpg", beam_size=3)',
-        "out.text, out.words, out.attention   # (words, grid, grid)",
+        "out.text, out.words, out.attention  # (words, grid, grid)",
         "```",
         "",
     ]
