@@ -1,10 +1,16 @@
-"""Judging captions of synthetic scenes object by object, and how the demo's examples are drawn."""
+"""Judging captions of synthetic scenes object by object, and how the demo's examples and decoding are chosen."""
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
+import pytest
+
+from captioner.demo import build
 from captioner.demo.build import pick_examples
+from captioner.models.checkpoint import load_checkpoint
 from captioner.models.vocab import tokenize
 from captioner.scenes.judge import accuracy, judge, read_objects
 from captioner.train.recipe import finished
@@ -69,3 +75,25 @@ def test_build_reuses_only_stages_that_ran_to_their_end(tmp_path):
     assert not finished(run("crashed", ["start", "val"]))
     assert not finished(run("no_best", ["start", "val", "end"], best=False))
     assert not finished(str(tmp_path / "absent"))
+
+
+@pytest.mark.slow  # evaluates a trained model once per sharpness
+def test_build_picks_decoding_sharpness_on_the_validation_scenes(small_run, data_dir, scenes, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(small_run / "best.pt", run / "best.pt")
+    boxes = str(scenes / "boxes.json")
+    objects = read_objects(boxes)
+    before = load_checkpoint(str(run / "best.pt"))["decoder"]["decode_sharpness"]
+    monkeypatch.setattr(build, "MIN_POINTING", 0.0)  # every k qualifies: the most scenes right wins
+    path, how = build.choose_sharpness(str(run / "best.pt"), str(data_dir), boxes, objects, "cpu")
+    chosen = load_checkpoint(path)["decoder"]["decode_sharpness"]
+    right = {}
+    for k in build.SHARPNESS:
+        assert f"k = {k:g}: " in how
+        right[k] = float(re.search(rf"k = {k:g}: ([\d.]+)% right", how).group(1))
+    assert right[chosen] == max(right.values())
+    assert load_checkpoint(str(run / "best.pt"))["decoder"]["decode_sharpness"] == before  # the run's file as it was
+    monkeypatch.setattr(build, "MIN_POINTING", 2.0)  # none qualifies: the most scenes right of all
+    path, _ = build.choose_sharpness(str(run / "best.pt"), str(data_dir), boxes, objects, "cpu")
+    assert load_checkpoint(path)["decoder"]["decode_sharpness"] == chosen

@@ -4,7 +4,10 @@ Generates synthetic scenes, prepares them with the seeded random VGG16 (no downl
 trains a soft-attention decoder on the frozen features at `fit`'s defaults with the scenes' object
 boxes (`fit --boxes`); with `--tune-minutes M` a second stage continues from its best weights,
 training the decoder together with the encoder's conv5 layers (`fit --init ... --fine-tune-encoder`)
-at lower learning rates. The build scores the result on the held-out test scenes (the
+at lower learning rates. It then picks how sharp the maps are when the model decodes, softmax(k e)
+for k in `SHARPNESS` (fit decodes at 3 with `--boxes`; 1 is the maps as trained): the k that names
+the most validation scenes right among those whose maps still point at `MIN_POINTING` or more.
+The build scores the result on the held-out test scenes (the
 coco-caption metrics, pointing against the boxes, whether a caption's maps reach both of two
 objects it names, and scene accuracy: the share of scenes whose caption names exactly their
 objects, by `captioner.scenes.judge`) and writes `captioner/assets/demo/` (an exported folder:
@@ -45,11 +48,13 @@ from captioner.serve.sources import DEMO_MODEL, EXAMPLES_DIR
 from captioner.train.config import TrainConfig
 from captioner.train.distributed import choose_device
 from captioner.train.finetune import FineTuneConfig
-from captioner.train.recipe import prepared, scene_set, trained
+from captioner.train.recipe import finished, prepared, scene_set, trained
 
 EXAMPLE_BEAM = 3  # the page's default beam size: the card shows what a visitor will see
 TUNE_LR, TUNE_ENCODER_LR = 2e-4, 1e-5  # the second stage's: the decoder at a fifth of its rate
 SCORES = ("BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "pointing", "two_objects")
+SHARPNESS = (1.0, 1.5, 2.0, 3.0)  # decoding's softmax(k e) tried on the validation scenes
+MIN_POINTING = 0.9  # the least pointing accuracy a chosen sharpness may give on them
 
 
 @dataclass
@@ -81,12 +86,12 @@ def build(opts: BuildOptions, work: str, *, model_dir: str = DEMO_MODEL, example
     src = scene_set(os.path.join(work, "scenes"), opts.n, opts.seed, generate)
     data = prepared(src, os.path.join(work, "data"), device=device, progress=True)
     boxes = os.path.join(src, "boxes.json")
-    best = _train(opts, work, data, boxes, device)
+    reused = finished(os.path.join(work, "run"))
+    objects = scenes.read_objects(boxes)
+    best, decoding = choose_sharpness(_train(opts, work, data, boxes, device), data, boxes, objects, device)
     metrics_path = os.path.join(os.path.dirname(best), "test_metrics.json")
     metrics = evaluate(best, data, "test", metrics_path, grounding=boxes, device=device)
-    objects = scenes.read_objects(boxes)
-    with open(results_path(metrics_path), encoding="utf-8") as f:
-        test_words = {r["image_id"]: r["caption"].split() for r in json.load(f)}
+    test_words = _words(metrics_path)
     ck = _packed(load_checkpoint(best))
     ck["card"] = {
         "trained_on": f"{opts.n} synthetic scenes of coloured shapes (python -m captioner.scenes.synthetic OUT "
@@ -97,7 +102,9 @@ def build(opts: BuildOptions, work: str, *, model_dir: str = DEMO_MODEL, example
         "need a model trained on photos, such as COCO (python train.py coco ROOT)",
         "rebuild": opts.command,
         "commit": _commit(),
-        "built_on": f"{device}: {_machine(device)}, torch {torch.__version__}, {time.monotonic() - t0:.0f} s",
+        "built_on": f"{device}: {_machine(device)}, torch {torch.__version__}, {time.monotonic() - t0:.0f} s"
+        + (" (the scenes, features and training reused from an earlier run's --work directory)" if reused else ""),
+        "decoding": decoding,
         "stages": _stage_steps(work, opts.tune_minutes),
         "test_metrics": {k: metrics[k] for k in SCORES if k in metrics},
         "test_images": metrics["images"],
@@ -133,6 +140,35 @@ def _train(opts: BuildOptions, work: str, data: str, boxes: str, device: str) ->
         fine_tune=FineTuneConfig(lr=TUNE_ENCODER_LR),
     )
     return trained(data, os.path.join(work, "tuned"), None, second, resume=False, device=device, progress_bar=True)
+
+
+def choose_sharpness(best: str, data: str, boxes: str, objects: dict, device: str) -> tuple[str, str]:
+    """The checkpoint at the decoding sharpness chosen on the validation scenes, and a sentence
+    saying how it was chosen (for the card)."""
+    trials = []
+    for k in SHARPNESS:
+        ck = load_checkpoint(best)
+        ck["decoder"]["decode_sharpness"] = k
+        path = os.path.join(os.path.dirname(best), f"decode-{k:g}.pt")
+        save_checkpoint(ck, path)
+        out = os.path.join(os.path.dirname(best), f"val-decode-{k:g}.json")
+        val = evaluate(path, data, "val", out, grounding=boxes, device=device)
+        ck["metrics"] = {**ck["metrics"], **{m: val[m] for m in SCORES if m in val}}  # as it decodes now
+        save_checkpoint(ck, path)
+        trials.append((scenes.accuracy(_words(out), objects), val["pointing"], k, path))
+    pointing_ok = [t for t in trials if t[1] >= MIN_POINTING] or trials
+    right, pointing, k, path = max(pointing_ok)
+    tried = "; ".join(f"k = {t[2]:g}: {t[0]:.1%} right, pointing {t[1]:.3f}" for t in trials)
+    return path, (
+        f"maps softmax({k:g} e) when it decodes: of the k tried on the {len(_words(out))} validation scenes "
+        f"({tried}), the one naming the most scenes right with pointing at least {MIN_POINTING:g}"
+    )
+
+
+def _words(metrics_path: str) -> dict[int, list[str]]:
+    """Image id → caption words, from the results beside an evaluation's metrics."""
+    with open(results_path(metrics_path), encoding="utf-8") as f:
+        return {r["image_id"]: r["caption"].split() for r in json.load(f)}
 
 
 def judge_examples(checkpoint: str, paths: dict[int, str], objects: dict[int, list]) -> list[dict]:

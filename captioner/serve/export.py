@@ -34,7 +34,7 @@ def export(checkpoint: str, out_dir: str) -> str:
 
 def model_card(ck: dict) -> str:
     """The README.md of an exported model, from what its checkpoint records."""
-    enc, dec = ck["encoder"], ck["decoder"]
+    enc, dec, card = ck["encoder"], ck["decoder"], ck.get("card") or {}
     weights = {"none": f"random, seeded ({enc.get('seed', 0)})", "imagenet": "ImageNet"}.get(
         enc["weights"], enc["weights"]
     )
@@ -66,6 +66,7 @@ def model_card(ck: dict) -> str:
         _command(ck),
         "```",
         "",
+        *([str(card["decoding"]).capitalize() + ".", ""] if card.get("decoding") else []),
         "## Limits",
         "",
         _limits(ck),
