@@ -159,9 +159,10 @@ def choose_sharpness(best: str, data: str, boxes: str, objects: dict, device: st
     pointing_ok = [t for t in trials if t[1] >= MIN_POINTING] or trials
     right, pointing, k, path = max(pointing_ok)
     tried = "; ".join(f"k = {t[2]:g}: {t[0]:.1%} right, pointing {t[1]:.3f}" for t in trials)
+    maps = "the maps as trained, softmax(e)" if k == 1 else f"maps softmax({k:g} e)"
     return path, (
-        f"maps softmax({k:g} e) when it decodes: of the k tried on the {len(_words(out))} validation scenes "
-        f"({tried}), the one naming the most scenes right with pointing at least {MIN_POINTING:g}"
+        f"it decodes with {maps}: of the sharpness k of softmax(k e) tried on the {len(_words(out))} validation "
+        f"scenes ({tried}), the k naming the most scenes right with pointing at least {MIN_POINTING:g}"
     )
 
 
