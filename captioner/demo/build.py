@@ -145,10 +145,9 @@ def _train(opts: BuildOptions, work: str, data: str, boxes: str, device: str) ->
 def choose_sharpness(best: str, data: str, boxes: str, objects: dict, device: str) -> tuple[str, str]:
     """The checkpoint at the decoding sharpness chosen on the validation scenes, and a sentence
     saying how it was chosen (for the card)."""
-    trials = []
+    trials, trained_ck = [], load_checkpoint(best)
     for k in SHARPNESS:
-        ck = load_checkpoint(best)
-        ck["decoder"]["decode_sharpness"] = k
+        ck = {**trained_ck, "decoder": {**trained_ck["decoder"], "decode_sharpness": k}}
         path = os.path.join(os.path.dirname(best), f"decode-{k:g}.pt")
         save_checkpoint(ck, path)
         out = os.path.join(os.path.dirname(best), f"val-decode-{k:g}.json")
@@ -161,7 +160,7 @@ def choose_sharpness(best: str, data: str, boxes: str, objects: dict, device: st
     tried = "; ".join(f"k = {t[2]:g}: {t[0]:.1%} right, pointing {t[1]:.3f}" for t in trials)
     maps = "the maps as trained, softmax(e)" if k == 1 else f"maps softmax({k:g} e)"
     return path, (
-        f"it decodes with {maps}: of the sharpness k of softmax(k e) tried on the {len(_words(out))} validation "
+        f"it decodes with {maps}: of the sharpness k of softmax(k e) tried on the {val['images']} validation "
         f"scenes ({tried}), the k naming the most scenes right with pointing at least {MIN_POINTING:g}"
     )
 

@@ -191,8 +191,7 @@ def for_epoch(parts: Parts, model_cfg: DecoderConfig, cfg: TrainConfig, progress
             targets=parts.targets,
             encoder=parts.tuning.encoder if tuned else None,
         )
-        share = cfg.terms.consistency_share if views and cfg.terms.consistency > 0 else 0.0
-        source = parts.tuning if tuned else _caption_batches(data, cfg, parts.targets, share)
+        source = parts.tuning if tuned else _caption_batches(data, cfg, parts.targets, view_share(cfg, views))
     if d.active:
         objective = DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None)
     step = TrainStep(
@@ -228,15 +227,19 @@ def cross_entropy_objective(
     terms = objective_terms(
         cfg.terms, attention=attention, hard=cfg.hard, views=views, baseline=baseline, targets=targets
     )
-    share = cfg.terms.consistency_share if views and cfg.terms.consistency > 0 else 0.0
     return Objective(
         decoder,
         terms,
         shapes="packed" if encoder is not None else cfg.optim.shapes,
         semi_sampling=cfg.hard.semi_sampling if attention == "hard" else None,
         encoder=encoder,
-        view_share=share if encoder is not None else 0.0,
+        view_share=view_share(cfg, views) if encoder is not None else 0.0,
     )
+
+
+def view_share(cfg: TrainConfig, views: bool) -> float:
+    """The share of each batch's captions the consistency is estimated on (0: no consistency)."""
+    return cfg.terms.consistency_share if views and cfg.terms.consistency > 0 else 0.0
 
 
 def _caption_batches(data: CaptionData, cfg: TrainConfig, targets, share: float) -> CaptionBatches:
