@@ -57,6 +57,7 @@ class CaptionOptions:
     batch_size: Annotated[int, "images per batch through the model"] = 8
     workers: Annotated[int, "threads decoding images while the model runs (0: none)"] = 2
     device: Device = "auto"
+    graphs: Annotated[bool, "on a GPU, replay the search's step as a CUDA graph (--no-graphs: plain steps)"] = True
     progress: Annotated[bool | None, "progress bar on stderr (default: when stderr is a terminal)"] = None
 
     def __post_init__(self):
@@ -123,7 +124,7 @@ def _caption(args: argparse.Namespace) -> int:
             "using the bundled demo model (synthetic coloured shapes only); --checkpoint chooses another",
             file=sys.stderr,
         )
-    cap = Captioner.load(model_source(opts.checkpoint), device=str(choose_device(opts.device)))
+    cap = Captioner.load(model_source(opts.checkpoint), device=str(choose_device(opts.device)), graphs=opts.graphs)
     log = bulk.ResultLog(opts.log_path, resume=opts.resume) if opts.log_path else None
     done = log.done if log else {}
     ids = bulk.image_ids(list(dict.fromkeys([*done, *paths])))  # one id type over old and new

@@ -210,7 +210,7 @@ def main(args: argparse.Namespace | DemoOptions) -> None:
         args = from_args(DemoOptions, args)
     set_max_pixels(args.max_pixels)
     try:
-        cap = Captioner.load(model_source(args.checkpoint), device=str(choose_device(args.device)))
+        cap = Captioner.load(model_source(args.checkpoint), device=str(choose_device(args.device)), graphs=args.graphs)
     except CaptionerError as e:
         sys.exit(f"error: {e}")
     examples = example_images() if args.examples is None else args.examples

@@ -1,49 +1,95 @@
-"""Beam search with fixed shapes (`models.decode`), its step replayed as a CUDA graph on a GPU.
+"""Beam search with fixed shapes (`models.search_state`), its step replayed as a CUDA graph on a GPU.
 
 A search of B images × K beams over at most T steps has the same shapes at every step, so on
-CUDA its step is captured once per (decoder, B, K, T, context mode, dtype) and replayed: one
-launch per word instead of some fifty, and no Python in between. The graph works on its own
+CUDA its step is captured once per (decoder, B, K, T, context mode, dtype, device) and replayed:
+one launch per word instead of some fifty, and no Python in between. The graph works on its own
 static copy of the search's state; each search copies its start into it, replays the step,
-looks at the device every `CHECK_EVERY` steps to see whether a beam still writes, and leaves
-its results in the copy for `decode` to trace back. Searches that sample locations (hard
-attention's mode="sample") and CPU searches run the same step without a graph.
+looks at the device every `CHECK_EVERY` steps to see whether a beam still writes, and copies its
+results back for `decode` to trace. Searches that sample locations (hard attention's
+mode="sample"), CPU searches and searches with `graphs=False` run the same step without a graph.
+
+Each decoder keeps its graphs in a small least-recently-used cache (`MAX_GRAPHS`), so a demo whose
+visitors move the beam and length sliders holds a bounded number. A graph is captured and
+replayed outside any autocast region, in the model's own precision (`models.cuda_graphs`). A
+capture or replay that fails is logged once with its error; that search, and every later one of
+its shape, runs without a graph.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import fields, replace
 
 import torch
 
-from captioner.models.decode import CHECK_EVERY, _Search, fixed_step
+from captioner.models.cuda_graphs import GraphCapture, no_autocast
 from captioner.models.decoder import SAMPLE, AttentionDecoder, Joined
+from captioner.models.search_state import CHECK_EVERY, Search, fixed_step
 
-_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder → {shape key: _Graphed}
-_LOCK = threading.Lock()  # one search at a time replays a graph: they share its static state
+MAX_GRAPHS = 8  # graphs a decoder keeps, the least recently used dropped first
 WARMUP = 2  # eager steps on a side stream before a capture
 
+log = logging.getLogger(__name__)
+_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder → OrderedDict {shape key: _Graphed}
+_FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder → {shape keys whose graph failed}
+_LOCK = threading.Lock()  # one search at a time replays a graph: they share its static state
 
-def fixed_steps(decoder: AttentionDecoder, s: _Search, max_len: int, mode: str, generator) -> int:
+
+def fixed_steps(
+    decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator, *, graphs: bool = True
+) -> int:
     """Run the fixed-shape search on `s` (its fields then hold the results); returns the steps taken."""
-    if not (s.words.is_cuda and mode != SAMPLE and torch.cuda.is_available()):
-        t = torch.zeros((), dtype=torch.long, device=s.words.device)
-        return _run(lambda: fixed_step(decoder, s, t, max_len, mode, generator), s, max_len)
-    key = (tuple(s.scores.shape), s.word.size(0), mode, s.feats.dtype, s.feats.device)
+    device = s.words.device
+    if not (graphs and mode != SAMPLE and GraphCapture.supported(device)):
+        return _eager(decoder, s, max_len, mode, generator)
+    key = (tuple(s.scores.shape), s.word.size(0), mode, s.feats.dtype, device)
     with _LOCK:
-        graphs = _GRAPHS.setdefault(decoder, {})
-        if key not in graphs:
-            graphs[key] = _Graphed(decoder, s, max_len, mode)
-        graphed = graphs[key]
-        graphed.load(s)
-        steps = _run(graphed.graph.replay, graphed.state, max_len)
+        if key in _FAILED.setdefault(decoder, set()):
+            return _eager(decoder, s, max_len, mode, generator)
+        try:
+            with no_autocast(device):
+                graphed = _cached(decoder, s, key, max_len, mode)
+                graphed.load(s)
+                steps = _run(graphed.graph.replay, graphed.state, max_len)
+        except Exception as e:  # noqa: BLE001 - the search goes on without a graph
+            _GRAPHS.get(decoder, {}).pop(key, None)
+            _FAILED[decoder].add(key)
+            log.warning(
+                f"the search's CUDA graph failed for {key[0][0]} images x {key[0][1]} beams on {device} "
+                f"({type(e).__name__}: {e}); searches of that shape run without a graph from here"
+            )
+            return _eager(decoder, s, max_len, mode, generator)
         for f in fields(s):  # the results, for `decode` to trace back (before the next search overwrites them)
             setattr(s, f.name, _copy(getattr(graphed.state, f.name)))
     return steps
 
 
-def _run(step, s: _Search, max_len: int) -> int:
+def _eager(decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator) -> int:
+    t = torch.zeros((), dtype=torch.long, device=s.words.device)
+    return _run(lambda: fixed_step(decoder, s, t, max_len, mode, generator), s, max_len)
+
+
+def _cached(decoder: AttentionDecoder, s: Search, key: tuple, max_len: int, mode: str) -> _Graphed:
+    """The decoder's graph for `key`, captured now if it has none (dropping the least recently used)."""
+    graphs = _GRAPHS.setdefault(decoder, OrderedDict())
+    if key in graphs:
+        graphs.move_to_end(key)
+        return graphs[key]
+    while len(graphs) >= MAX_GRAPHS:
+        graphs.popitem(last=False)
+    graphs[key] = _Graphed(decoder, s, max_len, mode)
+    return graphs[key]
+
+
+def held(decoder: AttentionDecoder) -> int:
+    """How many search graphs `decoder` holds."""
+    return len(_GRAPHS.get(decoder, ()))
+
+
+def _run(step, s: Search, max_len: int) -> int:
     for k in range(max_len + 1):
         step()
         if (k + 1) % CHECK_EVERY == 0 and not bool(s.writing.any()):  # the host looks every few steps
@@ -60,20 +106,16 @@ def _copy(value):
 class _Graphed:
     """A captured fixed-shape step on a static copy of a search's state."""
 
-    def __init__(self, decoder: AttentionDecoder, s: _Search, max_len: int, mode: str):
+    def __init__(self, decoder: AttentionDecoder, s: Search, max_len: int, mode: str):
         self.state = replace(s, **{f.name: _copy(getattr(s, f.name)) for f in fields(s)})
         self.t = torch.zeros((), dtype=torch.long, device=s.words.device)
-        stream = torch.cuda.Stream(s.words.device)
-        stream.wait_stream(torch.cuda.current_stream(s.words.device))
-        with torch.cuda.stream(stream):
+        capture = GraphCapture(s.words.device)
+        with capture.side():
             for _ in range(WARMUP):
                 fixed_step(decoder, self.state, self.t, max_len, mode, None)
-        torch.cuda.current_stream(s.words.device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            fixed_step(decoder, self.state, self.t, max_len, mode, None)
+        self.graph = capture.capture(lambda: fixed_step(decoder, self.state, self.t, max_len, mode, None))
 
-    def load(self, s: _Search) -> None:
+    def load(self, s: Search) -> None:
         """Copy a new search's start into the graph's state."""
         for f in fields(s):
             target, value = getattr(self.state, f.name), getattr(s, f.name)

@@ -28,8 +28,10 @@ import numpy as np
 import torch
 
 from captioner.data.dataset import CaptionData
-from captioner.models.decode import CHECK_EVERY, banned, beam_search
+from captioner.models.cuda_graphs import no_autocast
+from captioner.models.decode import beam_search
 from captioner.models.decoder import EXPECTED, SAMPLE, AttentionDecoder, sample_from
+from captioner.models.search_state import CHECK_EVERY, banned
 from captioner.models.vocab import END_ID, PAD_ID, START_ID
 from captioner.objectives.cider import NgramScorer, References, cached_document_frequency
 from captioner.objectives.reinforce import LOG_EPS
@@ -159,7 +161,8 @@ def greedy_tokens(decoder: AttentionDecoder, features: torch.Tensor, max_len: in
     """
     was_training = decoder.training
     decoder.eval()
-    hyps = [beams[0].tokens for beams in beam_search(decoder, features, beam_size=1, max_len=max_len)]
+    with no_autocast(features.device):  # as at test time, in the model's precision (and capturable)
+        hyps = [beams[0].tokens for beams in beam_search(decoder, features, beam_size=1, max_len=max_len)]
     decoder.train(was_training)
     tokens = torch.zeros(len(hyps), max(len(h) for h in hyps) + 1, dtype=torch.long)
     for i, h in enumerate(hyps):
@@ -208,11 +211,12 @@ class SelfCritical(Term):
             base = self.reward(tokens, words, rows).unsqueeze(1).expand(-1, n)  # (B, n)
         else:
             base = (reward.sum(1, keepdim=True) - reward) / (n - 1)  # (B, n), the others' mean
-        advantage = (reward - base).float().to(s.logp.device).view(-1)  # (N,)
+        device = s.logp.device
+        advantage = (reward - base).float().to(device).view(-1)  # (N,)
         steps = (s.words + 1).sum().clamp_min(1)
-        self._report = {
-            "reward": reward.mean(),
-            "baseline": base.mean(),
+        self._report = {  # on the step's device, as every term's values
+            "reward": reward.mean().float().to(device),
+            "baseline": base.mean().float().to(device),
             "entropy": s.entropy.sum() / steps,
             "sample_words": s.words.float().mean(),
             "advantage_abs": advantage.abs().mean(),

@@ -53,6 +53,7 @@ class Captioner:
         info: dict | None = None,
         device: str | torch.device = "cpu",
         fast: bool = True,
+        graphs: bool = True,
         encoder_state: dict | None = None,
         familiarity: FamiliarityStats | None = None,
     ):
@@ -60,7 +61,7 @@ class Captioner:
         self.encoder_state = encoder_state  # fine-tuned encoder layers (checkpoint "encoder_state"), if any
         self.decoder = decoder.to(self.device).eval()
         self.vocab, self.encoder_spec, self.max_len, self.step = vocab, spec, max_len, step
-        self.fast = fast
+        self.fast, self.graphs = fast, graphs
         self.encoder = self._ready(encoder) if encoder is not None else None
         self.info = info or {}
         self.familiarity = familiarity
@@ -93,7 +94,9 @@ class Captioner:
         )
 
     @classmethod
-    def load(cls, source: str, *, device: str = "cpu", build_encoder: bool = True, fast: bool = True) -> Captioner:
+    def load(
+        cls, source: str, *, device: str = "cpu", build_encoder: bool = True, fast: bool = True, graphs: bool = True
+    ) -> Captioner:
         """Load a model: a checkpoint written by `fit`, an exported folder (`captioner export`), a
         pinned URL of either, or hf://ORG/NAME[@REVISION] (`models.hub`). Nothing is unpickled:
         checkpoints are read with weights_only, exported weights are safetensors.
@@ -104,6 +107,7 @@ class Captioner:
             build_encoder: also rebuild the image encoder (not needed on cached features).
             fast: run the encoder through `optimize_encoder` (same features, faster); False
                 keeps the plain PyTorch modules.
+            graphs: on a GPU, replay the search's step as a CUDA graph (False: plain steps).
         """
         trained = load_trained(source)
         encoder = rebuild_encoder(trained.encoder, trained.encoder_state, source)[0] if build_encoder else None
@@ -123,6 +127,7 @@ class Captioner:
             info=info,
             device=device,
             fast=fast,
+            graphs=graphs,
             encoder_state=trained.encoder_state,
             familiarity=FamiliarityStats.from_dict(trained.familiarity),
         )
@@ -185,7 +190,12 @@ class Captioner:
         if mode == SAMPLE:
             generator = torch.Generator(device=self.device).manual_seed(0 if seed is None else int(seed))
         search = dict(
-            beam_size=int(beam_size), max_len=max_len, length_norm=length_norm, mode=mode, generator=generator
+            beam_size=int(beam_size),
+            max_len=max_len,
+            length_norm=length_norm,
+            mode=mode,
+            generator=generator,
+            graphs=self.graphs,
         )
         chunks = [images[i : i + batch_size] for i in range(0, len(images), batch_size)]
         if len(chunks) == 1:

@@ -1,0 +1,98 @@
+"""Capturing CUDA graphs as PyTorch's CUDA notes document it, in one place: the training step
+(`train.step`) and the fixed-shape search (`models.graphed_search`) both capture through it.
+
+The rules it keeps, each of which the callers would otherwise have to remember:
+- warm-up and capture run on one side stream of the tensors' own device (not the current one);
+- the capture mode is thread-local, so another thread (a loader pinning memory) may use CUDA
+  while a graph is being captured;
+- no autocast cache is live during a capture: a captured region that enters autocast itself
+  must pass `cache_enabled=False` (`autocast`), and code captured from inside a caller's autocast
+  region turns it off (`no_autocast`);
+- every graph of one `GraphCapture` shares its memory pool. Replaying them in any order is safe
+  because each reads across replays only tensors allocated outside the pool (weights, optimizer
+  state, static inputs); what a graph allocates while captured is written before it is read;
+- random generators other than the default are registered with the graph where this torch needs
+  it (newer versions register them on first use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class GraphCapture:
+    """Captures CUDA graphs on one device, sharing one memory pool and one side stream.
+
+    Args:
+        device: where the captured work runs.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.pool = None
+        self._stream = None
+
+    @staticmethod
+    def supported(device: torch.device) -> bool:
+        """Whether graphs can be captured for work on `device`."""
+        return device.type == "cuda" and torch.cuda.is_available()
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    @contextlib.contextmanager
+    def side(self) -> Iterator[None]:
+        """Run the enclosed work (a warm-up before a capture) on the side stream, ordered after what the
+        current stream has queued and before what it queues next."""
+        with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream):
+                yield
+            current.wait_stream(self.stream)
+
+    def capture(self, fn: Callable[[], None], generators: tuple[torch.Generator, ...] = ()) -> torch.cuda.CUDAGraph:
+        """`fn`'s kernels as a graph to replay (nothing runs now).
+
+        Args:
+            generators: the random generators `fn` draws from besides the device's default.
+        """
+        with torch.cuda.device(self.device):
+            graph = torch.cuda.CUDAGraph()
+            register = getattr(graph, "register_generator_state", None)
+            with warnings.catch_warnings():  # deprecated where torch registers generators itself
+                warnings.simplefilter("ignore", FutureWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                for g in generators if register else ():
+                    register(g)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            current = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(current)
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                fn()
+            current.wait_stream(self.stream)
+        return graph
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None, *, graphed: bool):
+    """Autocast to `dtype` (None: none) for a region that may be captured: without the weight-cast cache
+    when it is (`graphed`), since the cache would be freed while the graph still reads it."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=not graphed)
+
+
+def no_autocast(device: torch.device):
+    """Leave a caller's autocast region: work captured from inside it runs in its own precision."""
+    return torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()
