@@ -46,11 +46,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sgrvinod_decoder import TutorialDecoder, load_tutorial_models, tutorial_loss, tutorial_train_step  # noqa: E402
 
 from captioner.data.batches import Batch, FixedShapes  # noqa: E402
+from captioner.models.cuda_graphs import GraphCapture  # noqa: E402
 from captioner.models.decoder import AttentionDecoder, DecoderConfig  # noqa: E402
 from captioner.models.encoder import EncoderSpec, build_encoder  # noqa: E402
 from captioner.models.fast_encoder import optimize_encoder  # noqa: E402
 from captioner.models.views import max_shift, shifts  # noqa: E402
 from captioner.objectives.objective import Objective  # noqa: E402
+from captioner.objectives.terms import TermState  # noqa: E402
 from captioner.train.averaging import WeightAverage  # noqa: E402
 from captioner.train.config import TrainConfig  # noqa: E402
 from captioner.train.distributed import Dist  # noqa: E402
@@ -238,14 +240,14 @@ def fit_step(
         decoder.compile_step()
     views = objective == "default"
     step = TrainStep(
-        cross_entropy_objective(decoder, cfg, views=views, baseline=torch.zeros((), device=device)),
+        cross_entropy_objective(decoder, cfg, views=views, state=TermState(device)),
         make_optimizer([{"params": list(decoder.parameters())}], cfg.optim.lr, device),
         cfg.optim,
         average=WeightAverage(decoder, cfg.optim.ema) if cfg.optim.ema else None,
         generator=torch.Generator(device=device).manual_seed(1),
         d=Dist(),
         device=device,
-        graphs=graphs,
+        graphs=GraphCapture(device) if graphs else None,
     )
     batch = fit_batch(device, batch_size, cfg.optim.shapes, views)
     return (lambda: step(batch)), decoder, step
@@ -325,14 +327,15 @@ def bench_decoder(
 
 
 def with_tf32(fn):
-    """fn with TF32 matmuls and convolutions (what `fit --amp tf32` sets), off again after it."""
+    """fn with TF32 matmuls and convolutions (what `fit --amp tf32` sets), both as they were after it."""
 
     def run():
+        before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         try:
             fn()
         finally:
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
     return run
 
@@ -342,9 +345,12 @@ def bench_kernels(device: torch.device, batch_size: int = B) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     fn, _, step = fit_step(device, batch_size)
+    torch.cuda.synchronize(device)
+    reserved = torch.cuda.memory_reserved(device)
     for _ in range(WARMUP + 3):
         fn()
     torch.cuda.synchronize(device)
+    graph_memory = torch.cuda.memory_reserved(device) - reserved  # warm-up and capture: mostly the graph's pool
     n = 5
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -358,7 +364,8 @@ def bench_kernels(device: torch.device, batch_size: int = B) -> None:
     print(
         f"one training step, B={batch_size}: {len(kernels) / n:.0f} GPU kernels, {len(launches) / n:.0f} launches from "
         f"the host ({'a CUDA graph' if step.graphs else 'eager'}); the GPU busy {busy * 1e3:.1f} ms of "
-        f"{wall * 1e3:.1f} ms ({busy / wall:.0%})"
+        f"{wall * 1e3:.1f} ms ({busy / wall:.0%}); {len(step.graphs)} graph(s), the memory reserved grew "
+        f"{graph_memory / 2**20:.0f} MiB over warm-up and capture"
     )
 
 

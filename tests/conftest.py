@@ -12,6 +12,7 @@ import torch
 
 from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
+from captioner.objectives.terms import TermState
 from captioner.scenes.synthetic import generate
 from captioner.train.config import TrainConfig
 from captioner.train.distributed import Dist
@@ -31,14 +32,15 @@ def run_cli(*args: str, cwd: Path = REPO, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, **kw)
 
 
-def train_step(decoder, cfg: TrainConfig | None = None, *, encoder=None, extra=(), views=True, device="cpu"):
+def train_step(
+    decoder, cfg: TrainConfig | None = None, *, encoder=None, extra=(), views=True, device="cpu", graphs=None
+):
     """The step `fit` would run on `decoder` (and a fine-tuned encoder's `extra` parameters) with cfg's
     settled objective, optimizer and clipping, on one process."""
     device = torch.device(device)
     model_cfg = DecoderConfig(**decoder.config.to_dict())
     _, cfg = settle(model_cfg, cfg or TrainConfig(), vocab_size=model_cfg.vocab_size, device=device)
-    baseline = torch.zeros((), device=device)
-    objective = cross_entropy_objective(decoder, cfg, views=views, baseline=baseline, encoder=encoder)
+    objective = cross_entropy_objective(decoder, cfg, views=views, state=TermState(device), encoder=encoder)
     groups = [{"params": list(decoder.parameters())}] + [{"params": list(extra)}] * bool(extra)
     optimizer = make_optimizer(groups, cfg.optim.lr, device)
     return TrainStep(
@@ -49,6 +51,7 @@ def train_step(decoder, cfg: TrainConfig | None = None, *, encoder=None, extra=(
         generator=torch.Generator(device).manual_seed(1),
         d=Dist(),
         device=device,
+        graphs=graphs,
     )
 
 

@@ -7,8 +7,10 @@ with a tensor made without its inputs' device (`torch.tensor(...)` on the CPU). 
 GPU would wait for the device at every step, or fail as `fit --fine-tune-encoder` once did
 (`np.asarray` on CUDA moves). It cannot see: which device a generator draws on (the draws here
 use the default one), CUDA-only kernels and their limits (fused Adam, graph capture), dtypes
-under autocast, or numbers. The selfcheck (`captioner selfcheck --device cuda`) runs the modes
-on a real GPU.
+under autocast (the meta device has no autocast), or numbers. SCST is not here: it samples and
+scores its captions on the host on purpose (its term is not capturable); that what it reports
+comes back to the device is tests/test_gpu_paths.py's. The selfcheck (`captioner selfcheck
+--device cuda`) runs every mode on a real GPU.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.models.tuned import TunedEncoder, start_index
 from captioner.objectives.objective import Objective, objective_terms
 from captioner.objectives.reinforce import HardAttentionConfig
-from captioner.objectives.terms import TermsConfig
+from captioner.objectives.terms import TermsConfig, TermState
 from captioner.train.averaging import WeightAverage
+from captioner.train.config import OptimConfig
+from captioner.train.distributed import Dist
+from captioner.train.step import TrainStep
 
 META = torch.device("meta")
 
@@ -48,59 +53,108 @@ def decoder_on_meta(data: CaptionData, attention: str, word_query: bool = False)
     return dec.to(META)
 
 
-@pytest.mark.parametrize("attention", ["soft", "hard"])
-@pytest.mark.parametrize("boxes", [False, True])
-def test_the_fixed_shape_step_never_reads_the_device(data_dir, scenes, attention, boxes):
-    """Forward, backward, clipping, the average and the terms' own state (hard attention's baseline),
-    with the default objective's terms (the consistency, and `--boxes`), touch no value on the host."""
+class StandInOptimizer(torch.optim.Optimizer):
+    """A gradient step in plain tensor ops (fused Adam has no meta kernel), not applied where the step
+    set `found_inf`, as fused Adam does."""
+
+    def __init__(self, params, lr: float = 0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        keep = 1 - self.found_inf  # () on the device
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * keep * p.grad)
+
+
+def meta_step(objective, decoder: AttentionDecoder, params, average: bool = True) -> TrainStep:
+    """`fit`'s step on the meta device, with a stand-in for fused Adam (which the meta device lacks)."""
+    return TrainStep(
+        objective,
+        StandInOptimizer(params),
+        OptimConfig(),
+        average=WeightAverage(decoder, 0.99) if average else None,
+        generator=None,  # the default generator: the meta device draws from no other
+        d=Dist(),
+        device=META,
+    )
+
+
+# attention, TermsConfig fields: the modes `captioner selfcheck` trains on cached features whose step a
+# graph captures (--boxes-choice-weight looks its words up on the host, on purpose, so no graph captures it)
+MODES = {
+    "soft": ("soft", {}),
+    "hard": ("hard", {}),
+    "paper": ("soft", {"alpha_c": 1.0, "consistency": 0.0}),
+    "boxes": ("soft", {"boxes": "b.json"}),
+    "hard-boxes": ("hard", {"boxes": "b.json"}),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_fixed_shape_step_never_reads_the_device(data_dir, scenes, mode):
+    """`TrainStep._iteration` itself, the code a CUDA graph captures (forward, backward, clipping, the
+    optimizer's step, the average, the terms' own state and the sums), touches no value on the host."""
+    attention, fields = MODES[mode]
     data = CaptionData(str(data_dir))
-    targets = None
-    if boxes:
-        targets = BoxTargets(data, GroundingBoxes(str(scenes / "boxes.json")), data.encoder.preprocess, 14)
+    boxes = "boxes" in fields
+    targets = (
+        BoxTargets(data, GroundingBoxes(str(scenes / "boxes.json")), data.encoder.preprocess, 14) if boxes else None
+    )
     fixed = FixedShapes.for_data(8, int(data.lengths.max()))
     source = CaptionBatches(data, 8, view_share=0.25, targets=targets, fixed=fixed)
     dec = decoder_on_meta(data, attention, word_query=boxes)
-    cfg = TermsConfig(alpha_c=0.3, consistency=1.0, boxes="b.json" if boxes else None)
+    cfg = TermsConfig(**{"alpha_c": 0.3, "consistency": 1.0, **fields})
     terms = objective_terms(
-        cfg, attention=attention, hard=HardAttentionConfig(), views=True, baseline=torch.zeros((), device=META)
+        cfg, attention=attention, hard=HardAttentionConfig(), views=True, state=TermState(META), targets=targets
     )
-    objective = Objective(dec, terms, shapes="fixed", semi_sampling=0.5 if attention == "hard" else None).train()
+    objective = Objective(dec, terms, shapes="fixed", semi_sampling=0.5 if attention == "hard" else None)
     assert objective.capturable
-    average = WeightAverage(dec, 0.99)
+    step = meta_step(objective, dec, dec.parameters())
     for batch in list(source.batches(seed=0, epoch=0))[:2]:
-        batch = on_meta(batch)
-        loss, values = objective(batch, batch.count)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(list(dec.parameters()), 5.0)
-        ok = torch.isfinite(torch.stack([loss, norm, *values.values()])).all()
-        average.update(dec, torch.ones((), device=META), ok)
-        for term in terms:
-            term.after_step(ok)
-        assert loss.device == META and {"nll", "consistency"} <= set(values)
+        step._iteration(on_meta(batch))
+    assert {t.device for t in step.sums.values()} == {META}
+    assert {"loss", "nll", "grad_norm"} <= set(step.sums)
 
 
-def test_a_fine_tuned_encoders_views_stay_on_the_device(data_dir):
-    """The views of the images a fine-tuned encoder makes for the consistency (conv5_1 on the pool4 cache)."""
+@pytest.mark.parametrize("start", ["conv5_1", "conv4_1"])
+def test_a_fine_tuned_encoders_step_stays_on_the_device(data_dir, start):
+    """The step of `fit --fine-tune-encoder` (its encoder's views for the consistency included)."""
     data = CaptionData(str(data_dir))
     base, _ = build_encoder(EncoderSpec(weights="none"))
-    start = start_index(base.features, "conv5_1")
-    encoder = TunedEncoder(base.features, start, from_cache=True).to(META)
+    from_cache = start == "conv5_1"
+    encoder = TunedEncoder(base.features, start_index(base.features, start), from_cache=from_cache).to(META)
     dec = decoder_on_meta(data, "soft")
     terms = objective_terms(
-        TermsConfig(alpha_c=0.3, consistency=1.0),
-        attention="soft",
-        hard=HardAttentionConfig(),
-        views=True,
-        baseline=torch.zeros((), device=META),
-    )
+        TermsConfig(alpha_c=0.3, consistency=1.0), attention="soft", hard=HardAttentionConfig(), views=True,
+        state=TermState(META),
+    )  # fmt: skip
     objective = Objective(dec, terms, shapes="fixed", encoder=encoder, view_share=0.5)
+    inputs = torch.randn(3, 196, 512) if from_cache else torch.randn(3, 3, 224, 224)  # pool4 rows, or images
     batch = Batch(
-        torch.randn(3, 196, 512),  # pool4 rows of 3 images
+        inputs,
         torch.tensor([[1, 5, 6, 2], [1, 7, 2, 0], [1, 8, 9, 2], [1, 5, 2, 0]]),
         torch.tensor([4, 3, 4, 3]),
         image_index=torch.tensor([0, 0, 1, 2]),
     )
-    loss, values = objective(on_meta(batch), batch.count.to(META))
-    loss.backward()
-    assert values["consistency"].device == META
-    assert all(p.grad is not None for p in encoder.tuned.parameters() if p.requires_grad)
+    params = [*dec.parameters(), *(p for p in encoder.parameters() if p.requires_grad)]
+    step = meta_step(objective, dec, params)
+    step._iteration(on_meta(batch))
+    assert step.sums["consistency"].device == META
+
+
+def test_a_read_of_the_device_inside_the_step_fails_the_guard(data_dir, monkeypatch):
+    """The guard sees a host read added to the step: an `.item()` inside `_iteration` fails it."""
+    data = CaptionData(str(data_dir))
+    fixed = FixedShapes.for_data(8, int(data.lengths.max()))
+    batch = on_meta(next(iter(CaptionBatches(data, 8, fixed=fixed).batches(seed=0, epoch=0))))
+    dec = decoder_on_meta(data, "soft")
+    terms = objective_terms(TermsConfig(alpha_c=0.3, consistency=0.0), attention="soft", hard=HardAttentionConfig(),
+                            views=False, state=TermState(META))  # fmt: skip
+    step = meta_step(Objective(dec, terms, shapes="fixed"), dec, dec.parameters())
+    real = step._accumulate
+    monkeypatch.setattr(step, "_accumulate", lambda values, applied: (values["loss"].item(), real(values, applied)))
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        step._iteration(batch)

@@ -10,6 +10,7 @@ from captioner.data.dataset import CaptionData
 from captioner.models.decoder import AttentionDecoder
 from captioner.objectives.cross_entropy import caption_loss
 from captioner.objectives.objective import Objective, objective_terms
+from captioner.objectives.terms import TermState
 from captioner.options import from_args
 from captioner.train.config import TrainConfig
 from captioner.train.settle import settle
@@ -27,7 +28,7 @@ def test_the_paper_switch_gives_eq_14_exactly(data_dir):
     torch.manual_seed(0)
     dec = AttentionDecoder(vocab_size=len(data.vocab), embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0)
     dec.set_feature_stats(*data.feature_stats())
-    terms = objective_terms(cfg.terms, attention="soft", hard=cfg.hard, views=True, baseline=torch.tensor(0.0))
+    terms = objective_terms(cfg.terms, attention="soft", hard=cfg.hard, views=True, state=TermState("cpu"))
     loss, terms = Objective(dec, terms)(batch, batch.count)
     logits, alphas = dec(batch.features, batch.captions, batch.lengths)
     nll, penalty = caption_loss(logits, alphas, batch.captions, batch.lengths, alpha_c=1.0)

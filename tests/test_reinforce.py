@@ -10,8 +10,8 @@ import torch
 from captioner.data.batches import Batch
 from captioner.models.decoder import AttentionDecoder
 from captioner.objectives.objective import Objective, objective_terms
-from captioner.objectives.reinforce import HardAttentionConfig
-from captioner.objectives.terms import TermsConfig
+from captioner.objectives.reinforce import HardAttentionConfig, Reinforce
+from captioner.objectives.terms import TermsConfig, TermState
 
 L, V = 3, 6  # 3 locations, 2 steps: 9 location sequences to enumerate
 CAPTION = torch.tensor([[1, 4, 2]])  # <start> w <end>
@@ -34,12 +34,12 @@ def hard_loss(dec, n, feats, baseline, cfg, alpha_c, generator):
         attention="hard",
         hard=cfg,
         views=False,
-        baseline=torch.tensor(baseline, dtype=torch.float64),
+        state=TermState("cpu", {"reinforce": {"baseline": torch.tensor(baseline, dtype=torch.float64)}}),
     )
     objective = Objective(dec, terms, semi_sampling=cfg.semi_sampling)
     batch = Batch(feats.expand(n, -1, -1), CAPTION.expand(n, -1), LENGTHS.expand(n))
     loss, values = objective(batch, batch.count, generator)
-    return loss, values, objective.term("reinforce")
+    return loss, values, next(t for t in objective.terms if isinstance(t, Reinforce))
 
 
 def exact_gradient(dec, feats):

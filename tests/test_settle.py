@@ -18,7 +18,7 @@ from captioner.train.settle import settle
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 # Every field whose default is decided from other settings, and the fields that are optional on purpose.
 DERIVED = {"lr", "dropout", "alpha_c", "consistency", "word_query", "decode_sharpness", "after", "shapes"}
-OPTIONAL = {"boxes", "max_minutes", "init", "fine_tune"}
+OPTIONAL = {"boxes", "max_minutes", "init", "fine_tune", "cuda_graphs"}  # cuda_graphs "auto": where they can be
 
 
 def settled(model=None, device=CPU, init=None, **train):

@@ -22,7 +22,7 @@ from captioner.models.decoder import AttentionDecoder
 from captioner.objectives import consistency
 from captioner.objectives.objective import Objective, objective_terms
 from captioner.objectives.reinforce import HardAttentionConfig
-from captioner.objectives.terms import TermsConfig
+from captioner.objectives.terms import TermsConfig, TermState
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA graphs)")
 
@@ -68,7 +68,7 @@ def test_the_fixed_step_equals_the_packed_one(data_dir, scenes, attention, monke
             attention=attention,
             hard=HardAttentionConfig(),
             views=True,
-            baseline=torch.tensor(-3.0, dtype=torch.float64),
+            state=TermState("cpu", {"reinforce": {"baseline": torch.tensor(-3.0, dtype=torch.float64)}}),
         )
         objective = Objective(
             dec,

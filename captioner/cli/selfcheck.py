@@ -4,8 +4,10 @@ It makes a few hundred synthetic scenes, prepares them with the seeded random en
 each training mode briefly, exactly as a user runs it (`train.py prepare`, `fit`, `torchrun`,
 `evaluate`, `captioner export`, `captioner caption`, each in its own process), and prints one
 line per mode: whether it passed and its training steps per second. A fine-tuned model's
-checkpoint is also captioned on the CPU, where its encoder layers must load too. Run it first on
-a new GPU machine: a mode that fails here would fail on COCO after hours of preparation.
+checkpoint is also captioned on the CPU, where its encoder layers must load too. The compiled
+run's validation is checked against the same weights evaluated without compiling, and one run
+trains as two DDP processes (gloo on a CPU; on one GPU the two share it through gloo). Run it
+first on a new GPU machine: a mode that fails here would fail on COCO after hours of preparation.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from captioner.options import Device, check_device
 
 TRAIN = [sys.executable, "-m", "captioner.cli.train"]
 CAPTIONER = [sys.executable, "-m", "captioner"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+VAL_IMAGES = 1000  # more than the scenes' validation split holds: fit validates on all of it
 
 
 @dataclass
@@ -48,24 +51,32 @@ class Mode:
     name: str
     args: list[str]
     after: str | None = None  # a mode whose best.pt this one starts from (--init)
-    torchrun: bool = False
+    processes: int = 0  # run under torchrun with this many processes (0: a plain process)
     caption_on_cpu: bool = False  # also caption with the checkpoint on the CPU (fine-tuned encoders)
+    same_validation: bool = False  # fit's validation of best.pt equals `evaluate`'s, uncompiled
 
 
 def modes(boxes: str) -> list[Mode]:
-    """Every training mode, briefly: the defaults, hard attention, SCST, boxes, fine-tuning, precision, compile."""
+    """Every training mode, briefly: the defaults, hard attention, SCST with both baselines, boxes,
+    fine-tuning, precision, compile with the weights' average, torchrun with one and two processes."""
     tune = ["--fine-tune-encoder", "--tune-after", "0"]
+    scst = ["--objective", "scst"]
     return [
         Mode("soft", []),
         Mode("hard", ["--attention", "hard"]),
-        Mode("scst", ["--objective", "scst"], after="soft"),
+        Mode("scst", scst, after="soft"),
+        Mode("scst-greedy", [*scst, "--scst-baseline", "greedy"], after="soft"),
         Mode("boxes", ["--boxes", boxes]),
+        Mode("boxes-choice", ["--boxes", boxes, "--boxes-choice-weight", "1"]),
         Mode("tune-conv5_1", tune, caption_on_cpu=True),
         Mode("tune-conv4_1", [*tune, "--fine-tune-from", "conv4_1"], caption_on_cpu=True),
         Mode("tune-boxes", [*tune, "--boxes", boxes], caption_on_cpu=True),
         Mode("bf16", ["--amp", "bf16"]),
-        Mode("compile", ["--compile"]),
-        Mode("torchrun", [], torchrun=True),
+        Mode("bf16-scst", [*scst, "--amp", "bf16"], after="soft"),
+        Mode("bf16-scst-greedy", [*scst, "--scst-baseline", "greedy", "--amp", "bf16"], after="soft"),
+        Mode("compile", ["--compile"], same_validation=True),
+        Mode("torchrun", [], processes=1),
+        Mode("ddp-2", [], processes=2),
     ]
 
 
@@ -92,16 +103,19 @@ def check_mode(mode: Mode, work: str, opts: SelfCheckOptions, log) -> str:
     data, run = os.path.join(work, "data"), os.path.join(work, "runs", mode.name)
     shutil.rmtree(run, ignore_errors=True)
     fit = ["fit", "--data", data, "--out", run, "--device", opts.device, "--max-minutes", str(opts.seconds / 60)]
-    fit += ["--val-images", "8", "--val-beam-size", "2", "--log-every", "1", *mode.args]
+    fit += ["--val-images", str(VAL_IMAGES), "--val-beam-size", "2", "--log-every", "1", *mode.args]
     if mode.after:
         init = os.path.join(work, "runs", mode.after, "best.pt")
         if not os.path.exists(init):
             raise RuntimeError(f"needs the {mode.after} mode's model: run that mode too")
         fit += ["--init", init]
-    _run([*(TORCHRUN if mode.torchrun else [sys.executable]), "-m", "captioner.cli.train", *fit], log)
+    launch = [*TORCHRUN, str(mode.processes)] if mode.processes else [sys.executable]
+    _run([*launch, "-m", "captioner.cli.train", *fit], log)
     best = os.path.join(run, "best.pt")
     metrics = os.path.join(run, "test", "metrics.json")
     _run([*TRAIN, "evaluate", "--checkpoint", best, "--data", data, "--out", metrics, "--device", opts.device], log)
+    if mode.same_validation:
+        _same_validation(run, data, opts.device, log)
     exported = os.path.join(run, "model")
     _run([*CAPTIONER, "export", best, exported], log)
     image = sorted(os.listdir(os.path.join(work, "scenes", "images")))[0]
@@ -110,6 +124,28 @@ def check_mode(mode: Mode, work: str, opts: SelfCheckOptions, log) -> str:
         _run([*CAPTIONER, "caption", image, "--checkpoint", exported, "--device", device], log)
     rate = steps_per_second(run)
     return f"{'' if rate is None else f'{rate:.1f} steps/s'}"
+
+
+def _same_validation(run: str, data: str, device: str, log) -> None:
+    """best.pt's validation as `fit` scored it (compiled) equals `evaluate` of the same weights, uncompiled."""
+    # The training extras (pycocotools), which `captioner caption` does without.
+    from captioner.data.dataset import CaptionData
+    from captioner.evaluation.captioning import score_validation
+    from captioner.evaluation.evaluate import results_path
+
+    lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"), encoding="utf-8")]
+    val = [x for x in lines if x.get("event") == "val"]
+    best = next(x for x in reversed(val) if x["step"] == x["best_step"])
+    out = os.path.join(run, "val", "metrics.json")
+    checkpoint = os.path.join(run, "best.pt")
+    _run([*TRAIN, "evaluate", "--checkpoint", checkpoint, "--data", data, "--out", out, "--split", "val",
+          "--beam-size", "2", "--device", device], log)  # fmt: skip
+    with open(results_path(out), encoding="utf-8") as f:
+        texts = {r["image_id"]: r["caption"] for r in json.load(f)}
+    again = score_validation(texts, CaptionData(data).references["val"])  # scored as fit scores
+    differ = {k: (best[k], again[k]) for k in ("BLEU-4", "CIDEr") if abs(best[k] - again[k]) > 1e-6}
+    if differ:
+        raise RuntimeError(f"fit's validation of best.pt and evaluate's differ: {differ}")
 
 
 def selfcheck(opts: SelfCheckOptions, out=sys.stdout) -> bool:

@@ -226,11 +226,14 @@ class CaptionBatches:
             take = good[np.arange(len(picked)) % len(good)] if len(good) else np.zeros(len(picked), dtype=np.int64)
             view = views[take].astype(np.float32)
             view[~np.isfinite(view).all(axis=(1, 2))] = 0.0
-            batch = batch.with_views(
-                torch.from_numpy(view),
-                torch.from_numpy(picked[take].astype(np.int64)),
-                torch.from_numpy(shifts(data.rows[idx[picked[take]]], data.view_shift)),
-            )
+            rows = picked[take].astype(np.int64)
+            moves = shifts(data.rows[idx[rows]], data.view_shift)
+            extra = max(1, math.ceil(self.view_share * B)) - len(rows)
+            if extra > 0:  # a short last batch: as many views as any other, on padding rows (which add nothing)
+                view = np.concatenate([view, np.zeros((extra, *view.shape[1:]), dtype=np.float32)])
+                rows = np.concatenate([rows, n + np.arange(extra) % (B - n)])
+                moves = np.concatenate([moves, np.zeros((extra, *moves.shape[1:]), dtype=moves.dtype)])
+            batch = batch.with_views(torch.from_numpy(view), torch.from_numpy(rows), torch.from_numpy(moves))
         padded = np.concatenate([idx, np.full(B - n, -1)])  # (B,) caption or -1
         return self._with_targets(batch, padded, real=padded >= 0)
 

@@ -262,7 +262,8 @@ def extract_features(
             ok = [i for i, e in enumerate(errors) if not e]
             feats = None
             if ok:
-                x = images[ok].to(device, non_blocking=True)
+                x = images if len(ok) == len(errors) else images[ok]  # indexing would copy the pinned batch
+                x = x.to(device, non_blocking=True)
                 x = x if transform is None else transform(x, batch_rows[ok].numpy())
                 feats = _to_host(encoder(x).float(), cuda)  # (b, L, D), copied back without waiting
             if pending is not None:

@@ -8,7 +8,8 @@ any earlier version up to the current one (`migrate`), so every reader sees one 
 
 Versions: 1 and 2 trained attention with the half-turn equivariance term (2), later replaced by
 the view consistency; 3 added the consistency and kept `train` flat; 4 groups `train` by concern
-(optim, schedule, checkpoints, terms, hard, fine_tune, scst) and records every decoder setting.
+(optim, schedule, checkpoints, terms, hard, fine_tune, scst) and records every decoder setting;
+5 keeps the loss terms' own state under "terms" (4 kept hard attention's baseline in `progress`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from captioner.models.encoder import EncoderSpec
 from captioner.models.vocab import Vocabulary
 
 FORMAT = "captioner-checkpoint"
-VERSION = 4
+VERSION = 5
 REQUIRED = ("model", "decoder", "vocab", "encoder", "step")
 
 
@@ -52,6 +53,7 @@ class Checkpoint:
     optimizer: dict | None = None  # fit's: the state a resumed run continues from exactly ...
     scheduler: dict | None = None
     rng: dict | None = None  # {"torch", "generator", "cuda"} random states
+    terms: dict | None = None  # fit's: the loss terms' own state, {term: {name: tensor}}
     training_model: dict | None = None  # with `--ema`: the raw weights the optimizer steps (for `--resume`)
 
     def to_dict(self) -> dict:
@@ -179,6 +181,9 @@ def migrate(ck, path: str) -> dict:
     ck["decoder"] = current_decoder(ck["decoder"]) if isinstance(ck["decoder"], dict) else ck["decoder"]
     if "train" in ck:
         ck["train"] = current_train(ck["train"])
+    if isinstance(ck.get("progress"), dict) and "baseline" in ck["progress"]:  # up to version 4
+        baseline = float(ck["progress"].pop("baseline"))
+        ck.setdefault("terms", {"reinforce": {"baseline": torch.tensor(baseline)}})
     ck["format"] = f"{FORMAT}/{VERSION}"
     return ck
 

@@ -25,6 +25,7 @@ from captioner.options import check_positive
 # How a step turns α into the context vector.
 EXPECTED, SAMPLE, ARGMAX = "expected", "sample", "argmax"
 CONTEXT_MODES = (EXPECTED, SAMPLE, ARGMAX)
+COMPILED = ("attend", "advance")  # the methods `compile_step` compiles
 
 
 @dataclass(frozen=True)
@@ -289,8 +290,20 @@ class AttentionDecoder(nn.Module):
 
     def compile_step(self) -> None:
         """torch.compile the step's two halves (for fixed shapes: the plain pass and decoding)."""
-        self.attend = torch.compile(self.attend)
-        self.advance = torch.compile(self.advance)
+        for name in COMPILED:
+            setattr(self, name, torch.compile(getattr(type(self), name).__get__(self)))
+
+    def __getstate__(self) -> dict:
+        # A copy (the weights' average is one) compiles its own step: the compiled wrappers are bound to this one.
+        state = dict(self.__dict__)
+        state["_compiled_step"] = any(state.pop(name, None) is not None for name in COMPILED)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        compiled = state.pop("_compiled_step", False)
+        super().__setstate__(state)
+        if compiled:
+            self.compile_step()
 
     # teacher forcing
 

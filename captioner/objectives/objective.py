@@ -24,7 +24,7 @@ from captioner.objectives.correctness import AttentionCorrectness, ChosenWordCor
 from captioner.objectives.cross_entropy import CrossEntropy, DoublyStochastic
 from captioner.objectives.passes import Shapes, teacher_forced
 from captioner.objectives.reinforce import EntropyBonus, HardAttentionConfig, Reinforce
-from captioner.objectives.terms import Context, Term, TermsConfig
+from captioner.objectives.terms import Context, Term, TermsConfig, TermState
 
 
 def objective_terms(
@@ -33,7 +33,7 @@ def objective_terms(
     attention: str,
     hard: HardAttentionConfig,
     views: bool,
-    baseline: torch.Tensor,
+    state: TermState,
     targets=None,
 ) -> list[Term]:
     """The cross-entropy objective's terms, in the order they run (the order of their random draws).
@@ -42,19 +42,19 @@ def objective_terms(
         cfg: settled attention terms (no None left).
         attention: "soft" or "hard".
         views: the batches carry the views' features (or a fine-tuned encoder makes them).
-        baseline: hard attention's REINFORCE baseline so far, a 0-dim tensor on the device.
+        state: the run's terms' state (saved in checkpoints), which terms with state claim theirs from.
         targets: `data.boxes.BoxTargets` of `--boxes`.
     """
     terms: list[Term] = [CrossEntropy()]
     if cfg.alpha_c > 0:
         terms.append(DoublyStochastic(cfg.alpha_c))
     if attention == "hard":
-        terms += [Reinforce(hard, baseline), EntropyBonus(hard.entropy_weight)]
+        terms += [Reinforce(hard, state), EntropyBonus(hard.entropy_weight)]
     if views and cfg.consistency > 0:
         terms.append(ViewConsistency(cfg.consistency))
     if cfg.boxes and cfg.boxes_weight > 0:
         terms.append(AttentionCorrectness(cfg.boxes_weight))
-    if cfg.boxes and cfg.boxes_choice_weight > 0 and attention == "soft":
+    if cfg.boxes and cfg.boxes_choice_weight > 0:
         terms.append(ChosenWordCorrectness(cfg.boxes_choice_weight, targets))
     return terms
 
@@ -89,9 +89,6 @@ class Objective(nn.Module):
     def capturable(self) -> bool:
         """A CUDA graph can replay the whole objective: fixed shapes, cached features, capturable terms."""
         return self.shapes == "fixed" and self.encoder is None and all(t.capturable for t in self.terms)
-
-    def term(self, name: str) -> Term | None:
-        return next((t for t in self.terms if t.name == name), None)
 
     def forward(self, batch, words, generator: torch.Generator | None = None):
         """(loss, {term name: detached value, and what terms report}) for one batch.

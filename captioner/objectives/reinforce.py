@@ -26,7 +26,7 @@ from typing import Annotated
 
 import torch
 
-from captioner.objectives.terms import Context, Term, wide
+from captioner.objectives.terms import Context, Term, TermState, wide
 
 LOG_EPS = 1e-12  # floor under α before the log: a sampled location always has α > 0, but float32 may round
 
@@ -47,20 +47,21 @@ class Reinforce(Term):
     """The REINFORCE part of eq. (12) as a loss: −Σ (log p(y|s̃,a) − b) log p(s̃|a) per word, weighted by λ_r.
 
     Its gradient is λ_r (log p(y|s̃,a) − b) ∂log p(s̃|a) (no gradient through the reward); the
-    cross-entropy term gives ∂log p(y|s̃,a). The baseline b lives on the device and moves after
-    each applied step, b ← decay·b + (1 − decay)·mean log p(y|s̃,a) over the captions that sampled
-    locations (`after_step`); under DDP the step sums `sums` over processes first.
+    cross-entropy term gives ∂log p(y|s̃,a). The baseline b is the term's state, on the device, and
+    moves after each applied step, b ← decay·b + (1 − decay)·mean log p(y|s̃,a) over the captions
+    that sampled locations (`after_step`); under DDP the step sums `shared()` over processes first.
 
     Args:
         cfg: λ_r and the baseline's decay.
-        baseline: b so far, a 0-dim tensor on the training device (updated in place).
+        state: the run's terms' state, where b is kept (0 at first).
     """
 
     name = "reinforce"
 
-    def __init__(self, cfg: HardAttentionConfig, baseline: torch.Tensor):
+    def __init__(self, cfg: HardAttentionConfig, state: TermState):
         super().__init__(cfg.reward_scale)
-        self.decay, self.baseline = cfg.baseline_decay, baseline
+        self.decay = cfg.baseline_decay
+        self.baseline = state.claim(self.name, baseline=torch.zeros(()))["baseline"]  # () b, updated in place
         self.sums: list[torch.Tensor] = []  # [Σ log p(y|s̃,a), captions] of the last batch's sampled captions
 
     def __call__(self, ctx: Context) -> torch.Tensor:
@@ -74,6 +75,9 @@ class Reinforce(Term):
         drawn = (locs >= 0).any(dim=1) & mask.any(dim=1)  # (B,) captions that sampled locations
         self.sums = [(logp_y.detach() * drawn).sum(), drawn.sum().float()]
         return -(advantage * logp_s).sum() / ctx.words
+
+    def shared(self) -> list[torch.Tensor]:
+        return self.sums
 
     def after_step(self, applied: torch.Tensor) -> None:
         reward_sum, sampled = self.sums

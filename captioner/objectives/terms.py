@@ -6,7 +6,11 @@ objective made one (`objectives.passes`). `objectives.objective.Objective` sums 
 over the terms it was given and reports each value by name. A term also says which batch fields
 it reads (`fields`), whether a CUDA graph can capture it (`capturable`: no host synchronisation,
 no shapes that depend on values) and whether it needs the pass's most likely words (`predicts`).
-A new term is a new module with its class, and one line in `objective.objective_terms`.
+A term that keeps state across steps (REINFORCE's baseline) claims it from the run's `TermState`:
+named tensors on the training device that the checkpoints save and a resumed run restores, and
+that the term updates in place (`after_step`); under DDP the step first sums what `shared`
+returns over processes. A new term is a new module with its class, and one line in
+`objective.objective_terms`.
 
 Symbols: B captions, T steps, L locations, D feature size.
 """
@@ -102,9 +106,39 @@ class Term:
         """Update the term's own state once the step is done; `applied` (a bool tensor) says whether the
         optimizer applied it (a non-finite step is not)."""
 
+    def shared(self) -> list[torch.Tensor]:
+        """The last call's tensors that `after_step` reads, summed over processes under DDP first."""
+        return []
+
     def report(self) -> dict[str, torch.Tensor]:
         """Other figures of the last call, logged beside the value (detached)."""
         return {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(weight={self.weight:g})"
+
+
+class TermState:
+    """The terms' own state across steps: for each term by name, named tensors on the training device.
+
+    The same tensors serve every objective of a run (the terms update them in place); checkpoints
+    save `state_dict()` and a resumed run starts from it.
+
+    Args:
+        device: the training device.
+        saved: a checkpoint's `state_dict()`, or None for a fresh run.
+    """
+
+    def __init__(self, device: torch.device | str, saved: dict | None = None):
+        self.device = torch.device(device)
+        self.tensors = {name: {k: v.to(self.device) for k, v in d.items()} for name, d in (saved or {}).items()}
+
+    def claim(self, term: str, **fresh: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`term`'s state: what was saved of it, else `fresh` (moved to the device)."""
+        state = self.tensors.setdefault(term, {})
+        for k, v in fresh.items():
+            state.setdefault(k, v.to(self.device))
+        return state
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {name: {k: v.detach().clone() for k, v in d.items()} for name, d in self.tensors.items()}

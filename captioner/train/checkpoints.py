@@ -13,11 +13,13 @@ import json
 import os
 import time
 from dataclasses import asdict
+from typing import NamedTuple
 
 import torch
 
 from captioner.evaluation.health import verdict
 from captioner.models.checkpoint import Checkpoint
+from captioner.objectives.terms import TermState
 from captioner.train import resilience
 from captioner.train.config import Progress
 
@@ -46,14 +48,25 @@ class RunLog:
             self.file.close()
 
 
+class Live(NamedTuple):
+    """The live objects of a run whose state a checkpoint holds."""
+
+    decoder: torch.nn.Module  # the weights the optimizer steps
+    average: object | None  # `train.averaging.WeightAverage`: what validation and inference use
+    tuning: object | None  # `train.finetune.FineTuning`: the encoder's trained layers
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    generator: torch.Generator
+    terms: TermState
+
+
 class Checkpoints:
     """Writes a run's last.pt and best.pt.
 
     Args:
         out_dir: the run directory.
         main: this process writes (rank 0).
-        parts: the live objects a checkpoint holds: "decoder", "average" (or None), "optimizer",
-            "scheduler", "generator", "tuning" (or None).
+        live: the live objects a checkpoint holds.
         record: what every checkpoint of the run says of it: "decoder", "train", "vocab",
             "encoder", "max_len", "data", "familiarity", "command".
         notes: where a failed save is reported.
@@ -65,12 +78,12 @@ class Checkpoints:
         out_dir: str,
         *,
         main: bool,
-        parts: dict,
+        live: Live,
         record: dict,
         notes: resilience.FaultLog,
         resumed: Progress | None = None,
     ):
-        self.main, self.parts, self.record, self.notes = main, parts, record, notes
+        self.main, self.live, self.record, self.notes = main, live, record, notes
         self.last_path, self.best_path = os.path.join(out_dir, "last.pt"), os.path.join(out_dir, "best.pt")
         self.saver = resilience.CheckpointSaver()
         self.last_save = time.monotonic()
@@ -81,10 +94,10 @@ class Checkpoints:
 
     def checkpoint(self, progress: Progress, metrics: dict) -> Checkpoint:
         """This moment of the run in the checkpoint schema."""
-        p, r = self.parts, self.record
-        average, tuning = p["average"], p["tuning"]
+        p, r = self.live, self.record
+        average, tuning = p.average, p.tuning
         return Checkpoint(
-            model=(average or p["decoder"]).state_dict(),
+            model=(average or p.decoder).state_dict(),
             decoder=r["decoder"],
             vocab=r["vocab"],
             encoder=r["encoder"],
@@ -98,14 +111,15 @@ class Checkpoints:
             data=r["data"],
             train=r["train"],
             progress=asdict(progress),
-            optimizer=p["optimizer"].state_dict(),
-            scheduler=p["scheduler"].state_dict(),
+            optimizer=p.optimizer.state_dict(),
+            scheduler=p.scheduler.state_dict(),
             rng={
                 "torch": torch.get_rng_state(),
-                "generator": p["generator"].get_state(),
+                "generator": p.generator.get_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             },
-            training_model=p["decoder"].state_dict() if average else None,  # the raw weights, for --resume
+            terms=p.terms.state_dict(),
+            training_model=p.decoder.state_dict() if average else None,  # the raw weights, for --resume
         )
 
     def save(self, path: str, progress: Progress, metrics: dict, *, final: bool = False) -> None:

@@ -47,6 +47,11 @@ class OptimConfig:
         "time and no host synchronisation (GPUs: captured as a CUDA graph); auto: packed on CPUs, fixed on GPUs",
     ] = "auto"
     compile: Annotated[bool, "torch.compile the decoder's step (trains with fixed shapes)"] = False
+    cuda_graphs: Annotated[
+        Literal["auto", "off"],
+        "auto: on a GPU, replay each fixed-shape step as a CUDA graph, falling back to eager steps with a warning "
+        "where a capture or replay fails; off: eager steps only",
+    ] = "auto"
 
     def __post_init__(self):
         check_positive(self, "batch_size", "lr", "grad_clip")
@@ -169,7 +174,6 @@ class Progress:
     best_step: int = 0
     best_healthy: bool = False  # best.pt's attention passed the health check
     stale: int = 0  # validations since the last improvement
-    baseline: float = 0.0  # REINFORCE moving-average baseline (hard attention)
     skipped_steps: int = 0  # steps not applied: a non-finite loss or gradient
     skipped_captions: int = 0  # captions left out, features not finite (rank 0's share)
     cooldown_from: list[float] | None = None  # each parameter group's learning rate when the cooldown began

@@ -48,18 +48,22 @@ def setup(device: str = "auto") -> tuple[Dist, torch.device]:
     """Join the process group if launched by torchrun, and pick this process's device.
 
     Args:
-        device: "auto", "cpu" or "cuda"; under torchrun with CUDA each process takes its local GPU.
+        device: "auto", "cpu" or "cuda"; under torchrun with CUDA each process takes its local GPU,
+            and processes beyond the GPUs share them through gloo (NCCL takes one process per GPU).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist(), choose_device(device)
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    dev = choose_device(device, local)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    dev = choose_device(device, local % gpus if gpus else local)
+    shared = dev.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > gpus
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         # Long timeout: a rank may wait at a barrier while another extracts features for hours.
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(hours=12))
+        backend = "nccl" if dev.type == "cuda" and not shared else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(hours=12))
     return Dist(rank, world, local), dev
 
 

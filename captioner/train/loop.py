@@ -36,7 +36,6 @@ from captioner.train.config import Progress, TrainConfig
 from captioner.train.finetune import add_tuned_familiarity
 from captioner.train.parts import Epoch, Parts, build, check_resume, checked_checkpoint, for_epoch
 from captioner.train.settle import settle
-from captioner.train.step import set_lr
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +132,6 @@ def _start_from(data: CaptionData, out_dir: str, cfg: TrainConfig, resume: bool,
 def _encoder_joins(parts: Parts, epoch: Epoch, model_cfg, cfg: TrainConfig, progress: Progress) -> Epoch:
     """The decoder has trained alone for `fine_tune.after` epochs: from here the encoder trains with it."""
     if not epoch.tuned:  # (a run resumed here starts with it)
-        _keep_state(epoch, progress)
         epoch = for_epoch(parts, model_cfg, cfg, progress)
     parts.log.write({"event": "encoder_trains", "step": progress.step, "epoch": progress.epoch})
     if parts.d.main:
@@ -154,13 +152,6 @@ def _start_record(parts: Parts, epoch: Epoch, model_cfg, cfg: TrainConfig, progr
         "train_captions": int(len(parts.data.lengths)),
         "batches_per_epoch": epoch.source.num_batches(world=parts.d.world),
     }
-
-
-def _keep_state(epoch: Epoch, progress: Progress) -> None:
-    """Progress takes what lives on the device in the epoch's step: hard attention's baseline."""
-    reinforce = epoch.step.module.term("reinforce")
-    if reinforce is not None:
-        progress.baseline = float(reinforce.baseline)
 
 
 def _train_epoch(
@@ -199,7 +190,6 @@ def _train_epoch(
                 time.monotonic() - parts.checkpoints.last_save > cfg.checkpoints.checkpoint_minutes * 60
             )
             if due or (cfg.checkpoints.checkpoint_every and progress.step % cfg.checkpoints.checkpoint_every == 0):
-                _keep_state(epoch, progress)
                 parts.checkpoints.save(parts.checkpoints.last_path, progress, metrics)  # rank 0 alone writes
             # A stop asked of any process, or time up: all stop after this step (under DDP they agree
             # at log lines only, since agreeing reads back from the device).
@@ -209,7 +199,6 @@ def _train_epoch(
             if (agree or not d.active) and distributed.any_true(d, out, dev):
                 return _end_early(parts, epoch, progress, bar, "out of time")
         _log_terms(parts, epoch, progress, bar)
-        _keep_state(epoch, progress)
     finally:
         bar.close()
     return None
@@ -217,7 +206,6 @@ def _train_epoch(
 
 def _end_early(parts: Parts, epoch: Epoch, progress: Progress, bar, why: str) -> str:
     _log_terms(parts, epoch, progress, bar)
-    _keep_state(epoch, progress)
     return why
 
 
@@ -232,7 +220,8 @@ def _log_terms(parts: Parts, epoch: Epoch, progress: Progress, bar) -> None:
         return
     bar.set_postfix(loss=f"{terms['loss']:.3f}")
     lr = float(parts.optimizer.param_groups[0]["lr"])
-    parts.log.write({"event": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr, **terms})
+    graphs = {"graphs": len(epoch.step.graphs)} if epoch.step.maker is not None else {}
+    parts.log.write({"event": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr, **graphs, **terms})
 
 
 def _cool_down(parts: Parts, cfg: TrainConfig, progress: Progress, budget: float) -> None:
@@ -253,7 +242,7 @@ def _cool_down(parts: Parts, cfg: TrainConfig, progress: Progress, budget: float
     if progress.cooldown_from is None:
         progress.cooldown_from = [float(g["lr"]) for g in groups]
     for group, lr in zip(groups, progress.cooldown_from):
-        set_lr(group, lr * left)
+        group["lr"] = lr * left  # a float: the step puts it where its graphs read it
 
 
 def _validate(parts: Parts, cfg: TrainConfig, progress_bar: bool) -> dict:

@@ -22,18 +22,20 @@ from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
 from captioner.models.checkpoint import load_checkpoint
+from captioner.models.cuda_graphs import GraphCapture
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec
 from captioner.objectives.objective import Objective, objective_terms
 from captioner.objectives.scst import SelfCritical, training_scorer
+from captioner.objectives.terms import TermState
 from captioner.options import command_line
 from captioner.train import distributed, resilience
 from captioner.train.averaging import WeightAverage
-from captioner.train.checkpoints import Checkpoints, RunLog
+from captioner.train.checkpoints import Checkpoints, Live, RunLog
 from captioner.train.config import Progress, TrainConfig
 from captioner.train.familiarity import fit_stats
 from captioner.train.finetune import FineTuning
-from captioner.train.step import TrainStep, make_optimizer, set_lr
+from captioner.train.step import TrainStep, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,8 @@ class Parts(NamedTuple):
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.ReduceLROnPlateau
     generator: torch.Generator  # the terms' random draws, one stream per process
+    terms: TermState  # the loss terms' own state (hard attention's baseline)
+    graphs: GraphCapture | None  # the run's CUDA graphs (`--cuda-graphs auto`), sharing one memory pool
     targets: BoxTargets | None
     log: RunLog
     notes: resilience.FaultLog
@@ -124,7 +128,7 @@ def build(
     decoder = decoder.to(device)
     if init is not None:
         decoder.load_state_dict(init["model"])
-    if cfg.optim.compile:
+    if cfg.optim.compile:  # the average, a copy, compiles its own step
         decoder.compile_step()
     groups = [{"params": list(decoder.parameters())}]
     targets = box_targets(data, cfg.terms.boxes, d) if cfg.terms.boxes else None
@@ -154,6 +158,8 @@ def build(
         optimizer,
         torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=2),
         torch.Generator(device=device).manual_seed(cfg.optim.seed + 1 + d.rank),
+        TermState(device, saved.get("terms") if saved is not None else None),
+        GraphCapture(device) if cfg.optim.cuda_graphs == "auto" else None,
         targets,
         run_log,
         notes,
@@ -161,10 +167,11 @@ def build(
     )
     progress = _restore(parts, saved, out_dir) if saved is not None else Progress()
     record = _record(data, out_dir, model_cfg, cfg, familiarity(data, tuning, saved, cfg.optim.seed, d.main))
+    live = Live(parts.decoder, parts.average, parts.tuning, optimizer, parts.scheduler, parts.generator, parts.terms)
     checkpoints = Checkpoints(
         out_dir,
         main=d.main,
-        parts=parts._asdict(),
+        live=live,
         record=record,
         notes=notes,
         resumed=progress if saved is not None else None,
@@ -177,8 +184,6 @@ def for_epoch(parts: Parts, model_cfg: DecoderConfig, cfg: TrainConfig, progress
     data, d, device = parts.data, parts.d, parts.device
     tuned = parts.tuning is not None and progress.epoch >= cfg.fine_tune.after
     if cfg.objective == "scst":
-        if parts.tuning:
-            raise CaptionerError("--objective scst does not fine-tune the encoder; leave out --fine-tune-encoder")
         terms = [SelfCritical(cfg.scst, training_scorer(data, cfg.scst.end_token), data.max_len)]
         objective, source = Objective(parts.decoder, terms), TrainingImages(data, cfg.optim.batch_size)
     else:
@@ -187,7 +192,7 @@ def for_epoch(parts: Parts, model_cfg: DecoderConfig, cfg: TrainConfig, progress
             parts.decoder,
             cfg,
             views=views,
-            baseline=torch.tensor(progress.baseline, device=device),
+            state=parts.terms,
             targets=parts.targets,
             encoder=parts.tuning.encoder if tuned else None,
         )
@@ -203,6 +208,8 @@ def for_epoch(parts: Parts, model_cfg: DecoderConfig, cfg: TrainConfig, progress
         d=d,
         device=device,
         steps=progress.step,
+        graphs=parts.graphs,
+        on_fallback=lambda message: parts.notes.warn("graph_failed", message, step=progress.step),
     )
     return Epoch(step, source, tuned)
 
@@ -212,7 +219,7 @@ def cross_entropy_objective(
     cfg: TrainConfig,
     *,
     views: bool,
-    baseline: torch.Tensor,
+    state: TermState,
     targets: BoxTargets | None = None,
     encoder=None,
 ) -> Objective:
@@ -221,12 +228,10 @@ def cross_entropy_objective(
 
     Args:
         views: the consistency has views (prepared, or the encoder's own).
-        baseline: hard attention's REINFORCE baseline so far, a 0-dim tensor on the device.
+        state: the run's terms' state.
     """
     attention = decoder.config.attention
-    terms = objective_terms(
-        cfg.terms, attention=attention, hard=cfg.hard, views=views, baseline=baseline, targets=targets
-    )
+    terms = objective_terms(cfg.terms, attention=attention, hard=cfg.hard, views=views, state=state, targets=targets)
     return Objective(
         decoder,
         terms,
@@ -291,13 +296,38 @@ def _restore(parts: Parts, ck: dict, out_dir: str) -> Progress:
     progress = Progress(**ck["progress"])
     if progress.cooldown_from is not None:  # this invocation has its own budget, and its own cooldown
         for group, lr in zip(parts.optimizer.param_groups, progress.cooldown_from):
-            set_lr(group, lr)
+            group["lr"] = lr
         progress.cooldown_from = None
-    torch.set_rng_state(ck["rng"]["torch"].cpu())
-    parts.generator.set_state(ck["rng"]["generator"].cpu())
-    if ck["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in ck["rng"]["cuda"]])
+    _restore_streams(parts, ck["rng"], progress.step)
     return progress
+
+
+def _restore_streams(parts: Parts, rng: dict, step: int) -> None:
+    """The random streams of a resumed run: as saved where they fit this device and GPU count; where
+    they do not (a run saved on a GPU resumed on a CPU, or on fewer GPUs), reseeded from the step,
+    with a note in the log."""
+    torch.set_rng_state(rng["torch"].cpu())
+    reseeded = []
+    state = rng["generator"].cpu()
+    if state.numel() == parts.generator.get_state().numel():
+        parts.generator.set_state(state)
+    else:
+        parts.generator.manual_seed(int(parts.generator.initial_seed()) + step)
+        reseeded.append(f"the terms' generator (saved on another kind of device, now {parts.device.type})")
+    saved_cuda, here = rng["cuda"], torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for i, s in enumerate(saved_cuda[:here]):
+        torch.cuda.set_rng_state(s.cpu(), i)
+    for i in range(len(saved_cuda), here):
+        with torch.cuda.device(i):
+            torch.cuda.manual_seed(torch.initial_seed() + step)
+    if len(saved_cuda) != here:
+        reseeded.append(f"the CUDA streams ({len(saved_cuda)} saved, {here} GPUs here)")
+    if reseeded:
+        parts.notes.warn(
+            "rng_reseeded",
+            f"--resume: reseeded {' and '.join(reseeded)}: the run goes on, but not with the draws it would have had",
+            step=step,
+        )
 
 
 def familiarity(data: CaptionData, tuning, saved: dict | None, seed: int, main: bool) -> dict | None:

@@ -61,6 +61,7 @@ def settle(
     """
     if saved is not None:
         return _resumed(saved, cfg, device)
+    _refuse(model, cfg, init)
     terms = _terms(cfg.terms)
     soft_boxes = bool(terms.boxes) and not terms.paper
     given = model or DecoderConfig(vocab_size)
@@ -85,6 +86,18 @@ def settle(
     if fine_tune is not None:
         fine_tune = replace(fine_tune, after=_given(fine_tune.after, 0 if cfg.init else DECODER_FIRST))
     return model, replace(cfg, optim=_optim(cfg.optim, cfg.objective, device), terms=terms, fine_tune=fine_tune)
+
+
+def _refuse(model: DecoderConfig | None, cfg: TrainConfig, init: dict | None) -> None:
+    """Combinations of options that cannot train, refused before anything is built."""
+    if cfg.objective == "scst" and cfg.fine_tune is not None:
+        raise CaptionerError("--objective scst does not fine-tune the encoder; leave out --fine-tune-encoder")
+    attention = init["decoder"]["attention"] if init is not None else (model or DecoderConfig(0)).attention
+    if cfg.terms.boxes_choice_weight > 0 and attention == "hard":
+        raise CaptionerError(
+            "--boxes-choice-weight teaches soft attention at the model's own words; hard attention trains without "
+            "it: leave it out"
+        )
 
 
 def _given(value, default):

@@ -10,23 +10,28 @@ summed over processes on the device, and so is the skip flag, so that all proces
 
 With fixed shapes on CUDA (`objectives.passes`), when every term is capturable and the run is
 one process, each length bucket's step is captured once as a CUDA graph after a few eager
-steps (PyTorch's "whole-network capture": forward, backward, clipping, Adam, the average) and
-then replayed: one launch per step, the batch first copied into the graph's static inputs. The
-random draws (dropout, hard attention's locations, the consistency's picks) come from
-generators registered with the graph, so each replay draws anew.
+steps on a side stream (PyTorch's "whole-network capture": forward, backward, clipping, Adam,
+the average, the terms' state; `models.cuda_graphs`) and then replayed: one launch per step,
+the batch first copied into the graph's static inputs. The random draws (dropout, hard
+attention's locations, the consistency's picks) come from generators registered with the
+graph, so each replay draws anew. A capture or replay that fails is logged once with its error
+and shape; that batch, and every later one of its shape, then runs eagerly, exactly as it would
+have without graphs. The graphs read the learning rates from tensors they own: a schedule that
+sets a rate as a float (ReduceLROnPlateau on some torch versions, a resumed optimizer's state)
+is copied into them before the next step.
 
 Shapes: B captions (images for SCST), T tokens.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import fields
 
 import torch
 import torch.distributed as torch_dist
 
+from captioner.models.cuda_graphs import GraphCapture, autocast
 from captioner.train import distributed
 from captioner.train.averaging import WeightAverage
 from captioner.train.config import OptimConfig
@@ -48,14 +53,6 @@ def make_optimizer(groups: list[dict], lr: float, device: torch.device) -> torch
     return torch.optim.Adam(groups, lr=rate, fused=True, capturable=cuda)
 
 
-def set_lr(group: dict, value: float) -> None:
-    """A parameter group's learning rate, set in place where it is a tensor (a graph reads it there)."""
-    if torch.is_tensor(group["lr"]):
-        group["lr"].fill_(value)
-    else:
-        group["lr"] = value
-
-
 class TrainStep:
     """Steps an objective's loss with an optimizer; see the module doc.
 
@@ -67,7 +64,9 @@ class TrainStep:
         generator: the terms' random draws (one stream per process).
         d, device: this process's place and device.
         steps: optimizer steps taken so far (a resumed run's), for the average's ramp.
-        graphs: capture CUDA graphs where the module doc says they can be.
+        graphs: what captures and replays the graphs (`models.cuda_graphs.GraphCapture`), or None for
+            eager steps only; used where the module doc says a step can be captured.
+        on_fallback: called with a message when a graph fails and its shape goes eager.
     """
 
     def __init__(
@@ -81,7 +80,8 @@ class TrainStep:
         d: distributed.Dist,
         device: torch.device,
         steps: int = 0,
-        graphs: bool = True,
+        graphs: GraphCapture | None = None,
+        on_fallback=None,
     ):
         self.objective, self.optimizer, self.cfg, self.average = objective, optimizer, cfg, average
         self.generator, self.d, self.device = generator, d, device
@@ -94,47 +94,72 @@ class TrainStep:
         self.sums: dict[str, torch.Tensor] = {}  # each term's sum over the applied steps since `read`
         self.applied = torch.zeros((), device=device)
         self.skipped = torch.zeros((), device=device)
-        self.graphs = {} if graphs and self._capturable() else None
+        self.maker = graphs if graphs is not None and self._capturable(graphs) else None
+        self.graphs: dict[tuple, _Graph] = {}
+        self.eager: set[tuple] = set()  # shapes whose graph failed
         self.seen: dict[tuple, int] = {}
+        self.on_fallback = on_fallback or log.warning
+        # The rates a graph reads: tensors on the device, the same objects for the whole run.
+        self.rates = [_rate(g["lr"], device) for g in optimizer.param_groups] if self.maker else []
+        for group, rate in zip(optimizer.param_groups, self.rates):
+            group["lr"] = rate
 
-    def _capturable(self) -> bool:
+    def _capturable(self, graphs: GraphCapture) -> bool:
         return (
-            self.device.type == "cuda"
+            graphs.supported(self.device)
             and not self.d.active
             and self.module.capturable
             and not self.scaler.is_enabled()
-            and hasattr(torch.cuda.CUDAGraph, "register_generator_state")
         )
 
     def __call__(self, batch) -> None:
         """One step on this process's share of a global batch (already on the device)."""
         self.objective.train()
-        if self.graphs is None:
-            self._iteration(batch, eager=True)
+        if self.maker is None:
+            self._iteration(batch)
             return
+        self._sync_rates()
         key = _shape_key(batch)
         graph = self.graphs.get(key)
-        if graph is None:
+        if graph is None and key not in self.eager:
             self.seen[key] = self.seen.get(key, 0) + 1
-            if self.seen[key] <= WARMUP:
-                self._iteration(batch, eager=True)
+            if self.seen[key] > WARMUP:
+                graph = self._capture(batch, key)
+        if graph is not None:
+            try:
+                graph.replay(batch)
                 return
-            graph = self.graphs[key] = self._capture(batch)
-        graph.replay(batch)
+            except Exception as e:  # noqa: BLE001 - any failure of the graph leaves its shape to eager steps
+                self._fall_back(key, "replay", e)
+        if key in self.eager:
+            self._iteration(batch)
+        else:
+            with self.maker.side():  # warm-up before a capture: on the side stream, as documented
+                self._iteration(batch)
 
-    def _iteration(self, batch, eager: bool) -> None:
-        """Forward, backward, clip, Adam, average, the terms' state, and the sums: all on the device."""
+    def _sync_rates(self) -> None:
+        """Put each group's current rate into the tensor the graphs read (a float where a schedule set one)."""
+        for group, rate in zip(self.optimizer.param_groups, self.rates):
+            lr = group["lr"]
+            if lr is rate:
+                continue
+            if torch.is_tensor(lr):
+                rate.copy_(lr)
+            else:
+                rate.fill_(lr)
+            group["lr"] = rate
+
+    def _iteration(self, batch) -> None:
+        """Forward, backward, clip, Adam, average, the terms' state, and the sums: all on the device.
+        Gradients start from None, so a captured backward writes them (and an eager one too)."""
         count = batch.count
         if self.d.active:  # the global batch's words over processes: N processes give one big batch's gradient
             count = count.clone()
             torch_dist.all_reduce(count)
             count = count / self.d.world
-        amp = AMP_DTYPES[self.cfg.amp]
-        autocast = torch.autocast(self.device.type, dtype=amp) if amp else contextlib.nullcontext()
-        with autocast:
+        self.optimizer.zero_grad(set_to_none=True)
+        with autocast(self.device, AMP_DTYPES[self.cfg.amp], graphed=self.maker is not None):
             loss, values = self.objective(batch, count, self.generator)
-        if eager:
-            self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
@@ -150,8 +175,8 @@ class TrainStep:
         if self.average is not None:
             self.average.update(self.module.decoder, self.steps, applied)
         for term in self.module.terms:
-            if getattr(term, "sums", None) and self.d.active:
-                for t in term.sums:
+            if self.d.active:  # what the terms' state moves by, over all processes
+                for t in term.shared():
                     torch_dist.all_reduce(t)
             term.after_step(applied)
         self._accumulate(values, applied)
@@ -180,20 +205,27 @@ class TrainStep:
         means = {k: (v / self.d.world) / applied if applied else float("nan") for k, v in zip(names, values)}
         return means, int(round(skipped))
 
-    def _capture(self, batch) -> _Graph:
-        """The iteration on `batch`'s shapes as a CUDA graph (its static inputs a copy of `batch`)."""
+    def _capture(self, batch, key: tuple) -> _Graph | None:
+        """The iteration on `batch`'s shapes as a graph (its static inputs a copy of `batch`); None, and
+        the shape left to eager steps, if the capture fails."""
         static = batch.to(self.device)  # the graph's own input tensors
         static = type(batch)(**{f.name: _clone(getattr(static, f.name)) for f in fields(static)})
-        graph = torch.cuda.CUDAGraph()
-        graph.register_generator_state(self.generator)
-        self.optimizer.zero_grad(set_to_none=True)  # the captured backward allocates the graph's own gradients
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.graph(graph, stream=stream):
-            self._iteration(static, eager=False)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        try:
+            graph = self.maker.capture(lambda: self._iteration(static), generators=(self.generator,))
+        except Exception as e:  # noqa: BLE001 - nothing captured has run: the step goes on eagerly
+            self._fall_back(key, "capture", e)
+            return None
         log.info(f"captured the training step of batches of shape {tuple(batch.captions.shape)} as a CUDA graph")
-        return _Graph(graph, static)
+        self.graphs[key] = _Graph(graph, static)
+        return self.graphs[key]
+
+    def _fall_back(self, key: tuple, what: str, error: Exception) -> None:
+        self.graphs.pop(key, None)
+        self.eager.add(key)
+        self.on_fallback(
+            f"the CUDA graph's {what} failed for batches of shape {key[1]} ({type(error).__name__}: {error}); "
+            "steps of that shape run eagerly from here"
+        )
 
 
 class _Graph:
@@ -208,6 +240,10 @@ class _Graph:
             if torch.is_tensor(target):
                 target.copy_(getattr(batch, f.name), non_blocking=True)
         self.graph.replay()
+
+
+def _rate(lr, device: torch.device) -> torch.Tensor:
+    return lr if torch.is_tensor(lr) and lr.device == device else torch.tensor(float(lr), device=device)
 
 
 def _clone(value):
