@@ -1,7 +1,8 @@
 """The one exception type for mistakes a user can fix (bad files, wrong flags, missing data).
 
-Entry points catch it and print its message instead of a traceback; everything else is a bug
-and keeps its traceback.
+Entry points catch it (and its kinds below) and print its message instead of a traceback;
+everything else is a bug and keeps its traceback. A command refuses bad input by raising it:
+`OptionError` for an option's value, which the option classes raise as they are made.
 """
 
 
@@ -11,3 +12,7 @@ class CaptionerError(Exception):
 
 class ImageError(CaptionerError):
     """An image that cannot be read or is not acceptable (empty, truncated, too large, ...)."""
+
+
+class OptionError(CaptionerError, ValueError):
+    """An option or setting with a value that cannot be used; the message names the option (--flag)."""

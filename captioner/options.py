@@ -25,6 +25,8 @@ import types
 import typing
 from typing import Annotated, Any, Literal, Union
 
+from captioner.errors import OptionError
+
 NOT_GIVEN = None  # what argparse holds for an option left out; the dataclass default applies
 
 # Every command's --device: a field `device: Device = "auto"`, checked by `check_device`.
@@ -35,7 +37,7 @@ DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 def check_device(name: str) -> None:
     """Raises ValueError naming --device unless `name` is auto, cpu, cuda or cuda:N."""
     if not DEVICE.fullmatch(name):
-        raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {name!r}")
+        raise OptionError(f"--device: expected auto, cpu, cuda or cuda:N, got {name!r}")
 
 
 def check_positive(obj, *names: str) -> None:
@@ -44,7 +46,7 @@ def check_positive(obj, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         if value is not None and not value > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+            raise OptionError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
 def _parts(hint) -> tuple[Any, list[str], str]:
@@ -87,6 +89,7 @@ def add_options(
     group: str | None = None,
     required_by: str | None = None,
     prefix: str = "",
+    derived: dict[str, str] | None = None,
 ) -> None:
     """Add an option for every field of dataclass `cls` (nested dataclasses flattened).
 
@@ -95,6 +98,8 @@ def add_options(
         group: a title for a help section of these options.
         required_by: the flag that switches an optional nested dataclass on (said in each help).
         prefix: where in the namespace a nested dataclass's values go ("fine_tune.").
+        derived: for fields whose default the program derives (None in the dataclass), what the help
+            says the default is (`train.settle.DERIVED`).
     """
     target = parser.add_argument_group(group) if group else parser
     for f, tp, flags, text in _fields(cls):
@@ -110,18 +115,20 @@ def add_options(
             )
             if optional:  # switched on by its own flag; its fields follow
                 target.add_argument(flags[0], dest=prefix + f.name, action="store_true", help=text)
-                add_options(parser, tp, group=title, required_by=flags[0], prefix=nested)
+                add_options(parser, tp, group=title, required_by=flags[0], prefix=nested, derived=derived)
             else:
-                add_options(parser, tp, group=title, prefix=nested)
+                add_options(parser, tp, group=title, prefix=nested, derived=derived)
             continue
         kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": NOT_GIVEN, "metavar": f.name.upper()}
         shown = "" if default in (dataclasses.MISSING, None) else f" (default: {_shown(default)})"
+        if default is None and f.name in (derived or {}):
+            shown = f" (default: {derived[f.name]})"
         if required_by:
             shown += f"; with {required_by}"
         if tp is bool and optional:  # None: the program decides; --x / --no-x decide instead
             kwargs.update(action=argparse.BooleanOptionalAction)
             kwargs.pop("metavar")
-            shown = ""
+            shown = shown if f.name in (derived or {}) else ""
         elif tp is bool:
             if default is True:
                 flags = [f"--no-{f.name.replace('_', '-')}"] if not flags[0].startswith("--no-") else flags
@@ -163,7 +170,7 @@ def from_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = (), pref
             given = _given(tp, args, nested)
             if optional and not getattr(args, prefix + f.name, None):
                 if given:
-                    raise ValueError(f"{given[0]} needs {(flags or ['--' + f.name.replace('_', '-')])[0]}")
+                    raise OptionError(f"{given[0]} needs {(flags or ['--' + f.name.replace('_', '-')])[0]}")
                 values[f.name] = None
             else:
                 values[f.name] = from_args(tp, args, prefix=nested)

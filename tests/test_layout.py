@@ -36,6 +36,38 @@ def test_ruff_is_clean(check):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-1000:]
 
 
+def _layer_of(module: str, layers: list[str]) -> int | None:
+    """The index of `module`'s layer in the import-linter contract (None: a module outside the layers)."""
+    for k, layer in enumerate(layers):
+        if any(module == p or module.startswith(p + ".") for p in (x.strip() for x in layer.split("|"))):
+            return k
+    return None
+
+
+def test_no_function_imports_a_module_of_its_own_layer():
+    """An import inside a function hides an arrow from the layers' contract: between modules of one layer
+    it is how a cycle hides (decode importing graphed_search importing decode). Imports of lower layers
+    inside a function (the CLI's optional extras) stay allowed."""
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    layers = config["tool"]["importlinter"]["contracts"][0]["layers"]
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        here = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        for fn in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                for name in names:
+                    layer = _layer_of(name, layers) if name.startswith("captioner.") else None
+                    if layer is not None and layer == _layer_of(here, layers):
+                        found.append(f"{path.relative_to(REPO)}:{node.lineno} {fn.name} imports {name}")
+    assert not found, found
+
+
 def test_modules_and_functions_are_small():
     long = []
     for path in sorted(PACKAGE.rglob("*.py")):

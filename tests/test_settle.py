@@ -17,7 +17,8 @@ from captioner.train.settle import settle
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 # Every field whose default is decided from other settings, and the fields that are optional on purpose.
-DERIVED = {"lr", "dropout", "alpha_c", "consistency", "word_query", "decode_sharpness", "after", "shapes"}
+DERIVED_FIELDS = {"lr", "dropout", "alpha_c", "consistency", "word_query", "decode_sharpness", "after"}
+DERIVED = DERIVED_FIELDS | {"shapes"}  # shapes: "auto", which its help explains
 OPTIONAL = {"boxes", "max_minutes", "init", "fine_tune", "cuda_graphs"}  # cuda_graphs "auto": where they can be
 
 
@@ -119,3 +120,56 @@ def test_fit_help_is_grouped_by_concern():
     for title in ("Optimisation", "Schedule", "Checkpoints and logs", "Attention terms", "Hard attention"):
         assert f"\n{title}" in text, title
     assert "ms" not in text.split() and "docs/" not in text
+
+
+def test_a_setting_name_in_two_groups_is_refused_when_the_config_is_defined():
+    """`TrainConfig.of` and the command line find a setting's group by its name: two groups may not share one."""
+    from dataclasses import dataclass, field
+
+    from captioner.train.config import _groups
+
+    @dataclass(frozen=True)
+    class A:
+        lr: float = 1.0
+
+    @dataclass(frozen=True)
+    class B:
+        lr: float = 2.0
+
+    @dataclass(frozen=True)
+    class Both:
+        a: A = field(default_factory=A)
+        b: B = field(default_factory=B)
+
+    with pytest.raises(TypeError, match="'lr' is in both a and b"):
+        _groups(Both)
+    assert set(GROUPS) == {"optim", "schedule", "checkpoints", "terms", "hard", "scst"}
+
+
+def test_without_views_the_consistency_is_settled_off_unless_a_fine_tuned_encoder_makes_them():
+    plain = settle(None, TrainConfig(), vocab_size=9, device=CPU, views=False)[1]
+    tuned = settle(None, TrainConfig(fine_tune=FineTuneConfig()), vocab_size=9, device=CPU, views=False)[1]
+    assert (plain.terms.consistency, tuned.terms.consistency) == (0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "model, train, refused",
+    [
+        (None, {"objective": "scst", "fine_tune": FineTuneConfig()}, "--fine-tune-encoder"),
+        (DecoderConfig(0, attention="hard"), {"boxes": "b.json", "boxes_choice_weight": 1.0}, "--boxes-choice-weight"),
+    ],
+)
+def test_combinations_that_cannot_train_are_refused_before_anything_is_built(model, train, refused):
+    with pytest.raises(CaptionerError, match=refused):
+        settled(model, **train)
+
+
+def test_fit_help_says_each_derived_default_as_settle_settles_it():
+    """A derived default is written once, in `settle.DERIVED`: every field settle derives has its rule
+    there, and `fit --help` shows that rule, not a copy of it."""
+    from captioner.train.settle import DERIVED
+
+    assert set(DERIVED) == DERIVED_FIELDS
+    text = " ".join(get_parser()._subparsers._group_actions[0].choices["fit"].format_help().split())
+    for rule in DERIVED.values():
+        assert f"(default: {' '.join(rule.split())})" in text, rule

@@ -49,7 +49,7 @@ FEATURE_BYTES = 14 * 14 * FEATURE_DIM * 2  # one image's fp16 (196, 512) feature
 ROOM = {"fit": 2 * 10**9, "evaluate": 100 * 10**6, "export": 500 * 10**6}
 
 
-@dataclass
+@dataclass(frozen=True)
 class CocoOptions:
     """The recipe's options (ROOT is its positional argument)."""
 

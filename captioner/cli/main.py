@@ -15,7 +15,7 @@ from tqdm import tqdm
 from captioner.cli.run import ArgumentParser, run
 from captioner.cli.selfcheck import SelfCheckOptions, selfcheck
 from captioner.demo.options import DemoOptions
-from captioner.errors import CaptionerError
+from captioner.errors import CaptionerError, OptionError
 from captioner.io import write_json_atomic
 from captioner.options import Device, add_options, check_device, check_positive, from_args
 from captioner.serve import bulk
@@ -23,7 +23,7 @@ from captioner.serve.api import Captioner
 from captioner.serve.sources import model_source
 
 
-@dataclass
+@dataclass(frozen=True)
 class CaptionOptions:
     """`captioner caption`'s options (the images are its positional arguments)."""
 
@@ -63,10 +63,10 @@ class CaptionOptions:
     def __post_init__(self):
         check_positive(self, "beam_size", "max_len", "batch_size")
         if self.workers < 0:
-            raise ValueError(f"--workers must be 0 or more, got {self.workers}")
+            raise OptionError(f"--workers must be 0 or more, got {self.workers}")
         check_device(self.device)
         if self.resume and not self.log_path:
-            raise ValueError("--resume needs the log to resume from: give --jsonl LOG (or --json OUT)")
+            raise OptionError("--resume needs the log to resume from: give --jsonl LOG (or --json OUT)")
 
     @property
     def log_path(self) -> str | None:

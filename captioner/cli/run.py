@@ -60,9 +60,7 @@ def run(handler: Callable[[argparse.Namespace], int | None], args: argparse.Name
     setup_logging()
     try:
         return handler(args) or 0
-    except (CaptionerError, ValueError) as e:
-        if isinstance(e, ValueError) and not str(e).startswith("--"):
-            raise  # a ValueError that names no option is a bug: keep its traceback
+    except CaptionerError as e:  # OptionError included: the one way a command refuses bad input
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

@@ -30,7 +30,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 VAL_IMAGES = 1000  # more than the scenes' validation split holds: fit validates on all of it
 
 
-@dataclass
+@dataclass(frozen=True)
 class SelfCheckOptions:
     """`captioner selfcheck`'s options."""
 

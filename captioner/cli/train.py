@@ -26,9 +26,10 @@ from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
 from captioner.train.prepare import PrepareConfig, prepare
 from captioner.train.resilience import GracefulStop
+from captioner.train.settle import DERIVED
 
 
-@dataclass
+@dataclass(frozen=True)
 class FitOptions:
     """Where `fit` reads and writes; the rest of its options are `DecoderConfig` and `TrainConfig`."""
 
@@ -41,7 +42,7 @@ class FitOptions:
         check_device(self.device)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvaluateOptions:
     """`evaluate`'s options, named as `evaluation.evaluate.evaluate` takes them."""
 
@@ -84,8 +85,8 @@ def get_parser() -> argparse.ArgumentParser:
     )
     fp = sub.add_parser("fit", help="train the decoder on a prepared data directory")
     add_options(fp, FitOptions)
-    add_options(fp, DecoderConfig, group="model")
-    add_options(fp, TrainConfig, group="training")
+    add_options(fp, DecoderConfig, group="model", derived=DERIVED)
+    add_options(fp, TrainConfig, group="training", derived=DERIVED)
     add_options(sub.add_parser("evaluate", help="caption a split and score it with coco-caption"), EvaluateOptions)
     coco.add_parser(sub)
     return p
@@ -138,8 +139,7 @@ def _fit(args: argparse.Namespace) -> int:
 
 def _evaluate(args: argparse.Namespace) -> int:
     opts = from_args(EvaluateOptions, args)
-    opts.device = str(distributed.choose_device(opts.device))
-    m = evaluate(**asdict(opts))
+    m = evaluate(**{**asdict(opts), "device": str(distributed.choose_device(opts.device))})
     shown = {
         k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items() if k not in ("checkpoint", "grounding")
     }

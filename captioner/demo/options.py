@@ -9,7 +9,7 @@ from captioner.data.images import DEFAULT_MAX_PIXELS
 from captioner.options import Device, check_device
 
 
-@dataclass
+@dataclass(frozen=True)
 class DemoOptions:
     """The web demo's options (`captioner demo`, `python app.py`)."""
 

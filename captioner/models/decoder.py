@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from captioner.errors import OptionError
 from captioner.options import check_positive
 
 # How a step turns α into the context vector.
@@ -38,9 +39,7 @@ class DecoderConfig:
     embed_dim: Annotated[int, "E, the word embedding size (also the deep output layer's width)"] = 512
     hidden_dim: Annotated[int, "H, the LSTM state size"] = 512
     attention_dim: Annotated[int, "A, the hidden size of the attention MLP"] = 512
-    dropout: Annotated[
-        float | None, "dropout before the output layer (default: 0.2 soft, 0.5 hard; 0.5 is usual on COCO)"
-    ] = None
+    dropout: Annotated[float | None, "dropout before the output layer (0.5 is usual on COCO)"] = None
     attention: Annotated[
         Literal["soft", "hard"],
         "soft: deterministic attention; hard: sampled locations "
@@ -49,18 +48,17 @@ class DecoderConfig:
     word_query: Annotated[
         bool | None,
         "attend from h_{t-1} and the word just written, not h_{t-1} alone as the paper does, so that a "
-        "map knows which object the caption has begun to name (default: with --boxes)",
+        "map knows which object the caption has begun to name",
     ] = None
     decode_sharpness: Annotated[
         float | None,
         "k: decoding and sampling draw each map as softmax(k e_t), training as softmax(e_t); k > 1 makes a "
-        "word's map commit to one object, and the word follow it (default: 3 for soft attention with --boxes, "
-        "else 1)",
+        "word's map commit to one object, and the word follow it",
     ] = None
 
     def __post_init__(self):
         if self.attention not in ("soft", "hard"):
-            raise ValueError(f"--attention must be 'soft' or 'hard', got {self.attention!r}")
+            raise OptionError(f"--attention must be 'soft' or 'hard', got {self.attention!r}")
         check_positive(self, "decode_sharpness")
 
     def to_dict(self) -> dict:

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from captioner.errors import CaptionerError
 from captioner.io import atomic_path, read_json, write_json_atomic
 from captioner.models.checkpoint import Trained, read_trained
+from captioner.models.preprocess import IMAGENET_MEAN, IMAGENET_STD
 
 FORMAT, VERSION = "captioner-model", 2
 FILES = ("model.safetensors", "config.json", "vocab.json")
@@ -50,8 +51,8 @@ def write_exported(ck: dict, out_dir: str) -> None:
         "preprocess": {
             "size": encoder.get("image_size", 224),
             "crop": encoder.get("crop", False),
-            "mean": [0.485, 0.456, 0.406],
-            "std": [0.229, 0.224, 0.225],
+            "mean": list(IMAGENET_MEAN),
+            "std": list(IMAGENET_STD),
         },
         "max_len": int(ck.get("max_len", 20)),
         "step": int(ck["step"]),

@@ -109,7 +109,6 @@ class ViewConsistency(Term):
     weight is `--consistency`. A batch without views (every picked image damaged) adds nothing."""
 
     name = "consistency"
-    fields = ("view_features", "view_rows", "view_moves")
 
     def __call__(self, ctx: Context) -> torch.Tensor:
         b, p = ctx.batch, ctx.passed

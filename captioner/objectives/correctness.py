@@ -40,7 +40,6 @@ class AttentionCorrectness(Term):
     """`attention_correctness` on the dataset's words (`--boxes`); its weight is `--boxes-weight`."""
 
     name = "boxes"
-    fields = ("box_masks",)
 
     def __call__(self, ctx: Context) -> torch.Tensor:
         return attention_correctness(ctx.passed.unrolled.alphas, ctx.batch.box_masks, ctx.words)
@@ -55,7 +54,6 @@ class ChosenWordCorrectness(Term):
     """
 
     name = "boxes_choice"
-    fields = ("box_images",)
     capturable = False
     predicts = True
 

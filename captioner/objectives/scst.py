@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from captioner.data.dataset import CaptionData
+from captioner.errors import OptionError
 from captioner.models.cuda_graphs import no_autocast
 from captioner.models.decode import beam_search
 from captioner.models.decoder import EXPECTED, SAMPLE, AttentionDecoder, sample_from
@@ -63,13 +64,13 @@ class ScstConfig:
 
     def __post_init__(self):
         if self.baseline not in BASELINES:
-            raise ValueError(f"baseline must be one of {BASELINES}, got {self.baseline!r}")
+            raise OptionError(f"baseline must be one of {BASELINES}, got {self.baseline!r}")
         if self.baseline == "mean" and self.samples < 2:
-            raise ValueError(
+            raise OptionError(
                 "--samples: the mean baseline needs at least 2 samples per image (or pass --scst-baseline greedy)"
             )
         if self.context not in (EXPECTED, SAMPLE):
-            raise ValueError(f"context must be {EXPECTED!r} or {SAMPLE!r}, got {self.context!r}")
+            raise OptionError(f"context must be {EXPECTED!r} or {SAMPLE!r}, got {self.context!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,7 +185,6 @@ class SelfCritical(Term):
     """
 
     name = "scst"
-    fields = ("rows",)
     capturable = False
     teacher_forced = False
 

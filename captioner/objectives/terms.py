@@ -3,9 +3,9 @@
 A term is an object with a `name`, a `weight` and a call that returns its value per word from a
 `Context`: the batch, the features the decoder saw, and the teacher-forced pass when the
 objective made one (`objectives.passes`). `objectives.objective.Objective` sums weight × value
-over the terms it was given and reports each value by name. A term also says which batch fields
-it reads (`fields`), whether a CUDA graph can capture it (`capturable`: no host synchronisation,
-no shapes that depend on values) and whether it needs the pass's most likely words (`predicts`).
+over the terms it was given and reports each value by name. A term also says whether a CUDA
+graph can capture it (`capturable`: no host synchronisation, no shapes that depend on values)
+and whether it needs the pass's most likely words (`predicts`).
 A term that keeps state across steps (REINFORCE's baseline) claims it from the run's `TermState`:
 named tensors on the training device that the checkpoints save and a resumed run restores, and
 that the term updates in place (`after_step`); under DDP the step first sums what `shared`
@@ -31,13 +31,12 @@ class TermsConfig:
 
     alpha_c: Annotated[
         float | None,
-        "λ of the doubly stochastic regularisation, eq. (14) (default: 0.3; 1, the paper's, with --paper-objective)",
+        "λ of the doubly stochastic regularisation, eq. (14)",
     ] = None
     consistency: Annotated[
         float | None,
         "weight of the attention maps' consistency between each image and its view, turned 180° and moved "
-        "(sharp maps that follow the content); needs the views' features prepare writes by default "
-        "(default: 1; 0, off, with --paper-objective)",
+        "(sharp maps that follow the content); needs the views' features prepare writes by default",
     ] = None
     consistency_share: Annotated[float, "share of each batch's captions the consistency is estimated on"] = 0.25
     boxes: Annotated[
@@ -84,14 +83,12 @@ class Term:
     Attributes:
         name: the name its value is reported under.
         weight: its weight in the sum (negative for a bonus, a value the objective maximises).
-        fields: the batch fields it reads.
         capturable: a CUDA graph can replay it (no host synchronisation, fixed shapes).
         predicts: it reads the pass's most likely word at each step.
         teacher_forced: it reads the teacher-forced pass.
     """
 
     name = ""
-    fields: tuple[str, ...] = ()
     capturable = True
     predicts = False
     teacher_forced = True

@@ -20,6 +20,8 @@ import copy
 import torch
 from torch import nn
 
+from captioner.errors import OptionError
+
 
 class WeightAverage:
     """A copy of `model` whose parameters follow its exponential moving average.
@@ -31,7 +33,7 @@ class WeightAverage:
 
     def __init__(self, model: nn.Module, decay: float):
         if not 0 < decay < 1:
-            raise ValueError(f"--ema is a decay between 0 and 1 (exclusive), got {decay}")
+            raise OptionError(f"--ema is a decay between 0 and 1 (exclusive), got {decay}")
         self.decay = decay
         self.model = copy.deepcopy(model).requires_grad_(False)
         self.device = next(model.parameters()).device

@@ -9,11 +9,11 @@ settles it; the settled configs are frozen and travel in every checkpoint (`Trai
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Annotated, Literal
 
+from captioner.errors import OptionError
 from captioner.objectives.reinforce import HardAttentionConfig
-from captioner.objectives.scst import LR as SCST_LR
 from captioner.objectives.scst import ScstConfig
 from captioner.objectives.terms import TermsConfig
 from captioner.options import check_positive
@@ -27,7 +27,7 @@ class OptimConfig:
     """Optimisation: batches, Adam, precision and how a step runs."""
 
     batch_size: Annotated[int, "captions per step and process (scst: images, each sampled --samples times)"] = 32
-    lr: Annotated[float | None, f"Adam learning rate (default: {XE_LR:g} for xe, {SCST_LR:g} for scst)"] = None
+    lr: Annotated[float | None, "Adam learning rate"] = None
     grad_clip: Annotated[float, "clip the gradients' total norm to this"] = 5.0
     ema: Annotated[
         float,
@@ -56,7 +56,7 @@ class OptimConfig:
     def __post_init__(self):
         check_positive(self, "batch_size", "lr", "grad_clip")
         if not 0 <= self.ema < 1:
-            raise ValueError(f"--ema is a decay from 0 (off) to below 1, got {self.ema}")
+            raise OptionError(f"--ema is a decay from 0 (off) to below 1, got {self.ema}")
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class ScheduleConfig:
     def __post_init__(self):
         check_positive(self, "epochs", "max_minutes", "patience", "val_beam_size", "val_images")
         if not 0 <= self.cooldown <= 1:
-            raise ValueError(f"--cooldown is a share of the time budget, from 0 to 1, got {self.cooldown}")
+            raise OptionError(f"--cooldown is a share of the time budget, from 0 to 1, got {self.cooldown}")
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.objective not in ("xe", "scst"):
-            raise ValueError(f"--objective must be 'xe' or 'scst', got {self.objective!r}")
+            raise OptionError(f"--objective must be 'xe' or 'scst', got {self.objective!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,14 +153,20 @@ class TrainConfig:
         return cls(**{k: GROUPS[k](**v) if k in GROUPS and isinstance(v, dict) else v for k, v in grouped.items()})
 
 
-GROUPS = {
-    "optim": OptimConfig,
-    "schedule": ScheduleConfig,
-    "checkpoints": CheckpointConfig,
-    "terms": TermsConfig,
-    "hard": HardAttentionConfig,
-    "scst": ScstConfig,
-}
+def _groups(cls) -> dict[str, type]:
+    """The config's groups (its fields that are always a config class), each field name in one group only:
+    `TrainConfig.of` and the command line find a setting's group by its name."""
+    groups = {f.name: f.default_factory for f in fields(cls) if f.default_factory is not MISSING}
+    owner: dict[str, str] = {}
+    for name, group in groups.items():
+        for f in fields(group):
+            if f.name in owner:
+                raise TypeError(f"{cls.__name__}: the setting {f.name!r} is in both {owner[f.name]} and {name}")
+            owner[f.name] = name
+    return groups
+
+
+GROUPS = _groups(TrainConfig)
 
 
 @dataclass

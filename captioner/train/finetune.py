@@ -36,7 +36,7 @@ from captioner.data.batches import Batch
 from captioner.data.dataset import CaptionData
 from captioner.data.encoder_inputs import INPUT_CACHE, encoded_features, image_groups, input_cache_info
 from captioner.data.features import BAD, TODO, FeatureCache, extract_features
-from captioner.errors import CaptionerError
+from captioner.errors import CaptionerError, OptionError
 from captioner.evaluation.captioning import checkpoint_features
 from captioner.io import write_json_atomic
 from captioner.models.checkpoint import load_checkpoint
@@ -67,14 +67,13 @@ class FineTuneConfig:
     after: Annotated[
         int | None,
         "--tune-after",
-        f"epochs the decoder trains alone on the cached features, with the prepared views' consistency, "
-        f"before the encoder's layers train with it (default: {DECODER_FIRST} from scratch, so that the encoder "
-        "learns from a trained decoder's gradients; 0 with --init)",
+        "epochs the decoder trains alone on the cached features, with the prepared views' consistency, "
+        "before the encoder's layers train with it, so that the encoder learns from a trained decoder's gradients",
     ] = None
 
     def __post_init__(self):
         if self.after is not None and self.after < 0:
-            raise ValueError(f"--tune-after is a number of epochs, got {self.after}")
+            raise OptionError(f"--tune-after is a number of epochs, got {self.after}")
 
 
 # helpers

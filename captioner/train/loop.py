@@ -74,7 +74,8 @@ def fit(
     d, dev = distributed.setup(device)
     data = CaptionData(data_dir)
     init, saved = _start_from(data, out_dir, cfg, resume, dev)
-    model_cfg, cfg = settle(model_cfg, cfg, vocab_size=len(data.vocab), device=dev, init=init, saved=saved)
+    views = data.views is not None
+    model_cfg, cfg = settle(model_cfg, cfg, vocab_size=len(data.vocab), device=dev, init=init, saved=saved, views=views)
     parts, progress = build(
         data, out_dir, model_cfg, cfg, d=d, device=dev, init=init, saved=saved, progress_bar=progress_bar
     )

@@ -255,18 +255,9 @@ def _caption_batches(data: CaptionData, cfg: TrainConfig, targets, share: float)
 
 
 def _views(data: CaptionData, cfg: TrainConfig, d: distributed.Dist, tuned: bool) -> bool:
-    """Whether the consistency has views: the prepared ones, or a fine-tuned encoder's own."""
-    if cfg.terms.consistency <= 0:
-        return False
-    if tuned or data.views is not None:
-        return True
-    if d.main:
-        log.warning(
-            f"{data.dir} has no features of the images' views (prepared with --no-views or by an older version), "
-            "so attention trains without its consistency and its heatmaps may not rest on the objects they name; "
-            "run prepare again into a new directory to add them"
-        )
-    return False
+    """Whether the consistency has views: the prepared ones, or a fine-tuned encoder's own (`settle` set
+    the consistency to 0 where neither will be)."""
+    return cfg.terms.consistency > 0 and (tuned or data.views is not None)
 
 
 def box_targets(data: CaptionData, path: str, d: distributed.Dist) -> BoxTargets:

@@ -54,7 +54,7 @@ def _check_resumable(out_dir: str, meta: dict) -> None:
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrepareConfig:
     """What `prepare` reads and how it encodes; each field is also `prepare`'s option."""
 

@@ -2,17 +2,10 @@
 
 `settle` takes the configs as given (fields left None where their default depends on other
 settings), the run's situation (a fresh start, `--init` weights, or a resumed `last.pt`) and the
-device, and returns frozen configs with nothing left to decide:
-
-    derived default          settled as
-    lr                       1e-3 for cross-entropy, 5e-5 for self-critical training
-    dropout                  0.2 for soft attention, 0.5 for hard
-    alpha_c, consistency     0.3 and 1; the paper's 1 and 0 with --paper-objective
-    word_query               with --boxes (not with --paper-objective)
-    decode_sharpness         3 for soft attention with --boxes (not with --paper-objective), else 1;
-                             with --init, the checkpoint's unless given
-    fine_tune.after          0 with --init, else 2 epochs
-    shapes                   packed on a CPU, fixed on a GPU; fixed with --compile
+device, and returns frozen configs with nothing left to decide. `DERIVED` says how each derived
+default is settled (and is what `fit --help` says of it); `--shapes auto` is packed on a CPU,
+fixed on a GPU or with --compile. Combinations that cannot train are refused here, before
+anything is built.
 
 A resumed run keeps its saved configs; the command may change only how long it goes on, how
 often it saves and logs, and the fine-tuning workers.
@@ -20,6 +13,7 @@ often it saves and logs, and the fine-tuning workers.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
@@ -31,9 +25,22 @@ from captioner.objectives.terms import TermsConfig
 from captioner.train.config import XE_LR, OptimConfig, TrainConfig
 from captioner.train.finetune import DECODER_FIRST
 
+log = logging.getLogger(__name__)
 BOXES_SHARPNESS = 3.0  # decoding's map sharpness for soft models trained with --boxes
 PAPER = {"alpha_c": 1.0, "consistency": 0.0}  # --paper-objective: eq. (14) with λ = 1, no term of ours
 OURS = {"alpha_c": 0.3, "consistency": 1.0}
+DROPOUT = {"soft": 0.2, "hard": 0.5}
+DERIVED = {  # each derived default's rule, as `fit --help` shows it
+    "lr": f"{XE_LR:g} for xe, {SCST_LR:g} for scst",
+    "dropout": f"{DROPOUT['soft']:g} for soft attention, {DROPOUT['hard']:g} for hard",
+    "alpha_c": f"{OURS['alpha_c']:g}; {PAPER['alpha_c']:g}, the paper's, with --paper-objective",
+    "consistency": f"{OURS['consistency']:g}; {PAPER['consistency']:g}, off, with --paper-objective or where the "
+    "data has no views' features and no fine-tuned encoder makes them",
+    "word_query": "on with --boxes, unless --paper-objective",
+    "decode_sharpness": f"{BOXES_SHARPNESS:g} for soft attention with --boxes (unless --paper-objective), else 1; "
+    "with --init, the checkpoint's",
+    "after": f"{DECODER_FIRST} from scratch, 0 with --init",
+}
 
 
 def settle(
@@ -44,6 +51,7 @@ def settle(
     device: torch.device,
     init: dict | None = None,
     saved: dict | None = None,
+    views: bool = True,
 ) -> tuple[DecoderConfig, TrainConfig]:
     """The settled (decoder, training) configs of a run.
 
@@ -55,6 +63,8 @@ def settle(
         device: where the run trains (the shapes' default).
         init: the checkpoint of `cfg.init`, migrated (`models.checkpoint.load_checkpoint`).
         saved: the checkpoint a resumed run continues from.
+        views: the data directory holds the features of the images' views (the consistency's); without
+            them (and without a fine-tuned encoder to make its own) the consistency is settled as 0.
 
     Raises:
         CaptionerError: --paper-objective beside other values of the options it sets.
@@ -62,7 +72,7 @@ def settle(
     if saved is not None:
         return _resumed(saved, cfg, device)
     _refuse(model, cfg, init)
-    terms = _terms(cfg.terms)
+    terms = _terms(cfg.terms, views or cfg.fine_tune is not None)
     soft_boxes = bool(terms.boxes) and not terms.paper
     given = model or DecoderConfig(vocab_size)
     if init is not None:  # the checkpoint's sizes; how to decode is not the weights' to say
@@ -71,7 +81,7 @@ def settle(
     hard = model.attention == "hard"
     model = replace(
         model,
-        dropout=_given(model.dropout, 0.5 if hard else 0.2),
+        dropout=_given(model.dropout, DROPOUT[model.attention]),
         word_query=_given(model.word_query, soft_boxes),
         decode_sharpness=_given(
             model.decode_sharpness,
@@ -104,7 +114,7 @@ def _given(value, default):
     return default if value is None else value
 
 
-def _terms(t: TermsConfig) -> TermsConfig:
+def _terms(t: TermsConfig, views: bool) -> TermsConfig:
     if t.paper:
         contradicted = [
             f"--{k.replace('_', '-')} {getattr(t, k):g}" for k, v in PAPER.items() if getattr(t, k) not in (None, v)
@@ -115,7 +125,15 @@ def _terms(t: TermsConfig) -> TermsConfig:
                 "or --paper-objective"
             )
     values = PAPER if t.paper else OURS
-    return replace(t, **{k: _given(getattr(t, k), values[k]) for k in values})
+    t = replace(t, **{k: _given(getattr(t, k), values[k]) for k in values})
+    if t.consistency > 0 and not views:
+        log.warning(
+            "the data directory has no features of the images' views (prepared with --no-views or by an older "
+            "version), so attention trains without its consistency (--consistency 0) and its heatmaps may not rest "
+            "on the objects they name; run prepare again into a new directory to add them"
+        )
+        t = replace(t, consistency=0.0)
+    return t
 
 
 def _optim(o: OptimConfig, objective: str, device: torch.device) -> OptimConfig:
