@@ -201,27 +201,26 @@ def test_teacher_forcing_by_step_equals_the_training_pass():
 
 # on a vocabulary small enough to enumerate
 
-WORDS = 2  # 4 special tokens + 2 words: V = 6
 MAX_LEN = 3
 
 
-def all_captions() -> list[list[int]]:
-    """Every caption the search may return: 1 to MAX_LEN words (never <pad>, <start>, <unk>)."""
-    words = range(4, 4 + WORDS)
-    return [list(c) for n in range(1, MAX_LEN + 1) for c in itertools.product(words, repeat=n)]
+def all_captions(words: int) -> list[list[int]]:
+    """Every caption the search may return: 1 to MAX_LEN of the words (never <pad>, <start>, <unk>)."""
+    ids = range(4, 4 + words)
+    return [list(c) for n in range(1, MAX_LEN + 1) for c in itertools.product(ids, repeat=n)]
 
 
 @pytest.mark.parametrize("shapes", ["packed", "fixed"])
 @pytest.mark.parametrize("length_norm", [False, True])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_on_a_tiny_vocabulary_the_search_finds_what_a_plain_beam_search_finds(seed, length_norm, shapes):
+@pytest.mark.parametrize("words,seed", [(2, 0), (2, 1), (2, 2), (4, 3)])
+def test_on_a_tiny_vocabulary_the_search_finds_what_a_plain_beam_search_finds(words, seed, length_norm, shapes):
     """Beam search is not exhaustive: each width is compared with a plain one written by enumeration,
-    and a width covering every caption (14 here) returns all of them, the best first."""
-    V = 4 + WORDS
+    and a width covering every caption (14 of 2 words, 84 of 4) returns all of them, the best first."""
+    V = 4 + words  # with <pad>, <start>, <end>, <unk>
     decoder = tiny(V, seed=seed, end_bias=0.0, word_query=True, decode_sharpness=2.0)
     feats = features(3, seed=10 + seed)
-    everything = all_captions()
-    assert len(everything) == 14
+    everything = all_captions(words)
+    assert len(everything) == words + words**2 + words**3
     with torch.no_grad():
         for K in (1, 2, 3, 5):
             beams = beam_search(decoder, feats, beam_size=K, max_len=MAX_LEN, length_norm=length_norm, shapes=shapes)
@@ -231,7 +230,8 @@ def test_on_a_tiny_vocabulary_the_search_finds_what_a_plain_beam_search_finds(se
                 assert [h.score for h in hyps] == pytest.approx([s for _, s, _ in want], abs=2e-4)
             check_against_teacher_forcing(decoder, feats, beams, EXPECTED, length_norm)
         # A width that holds every caption: the search is exhaustive, and its first is the best of all.
-        beams = beam_search(decoder, feats, beam_size=16, max_len=MAX_LEN, length_norm=length_norm, shapes=shapes)
+        K = len(everything) + 2
+        beams = beam_search(decoder, feats, beam_size=K, max_len=MAX_LEN, length_norm=length_norm, shapes=shapes)
         for b, hyps in enumerate(beams):
             each = Forced(decoder, feats[b], everything)
             forced = {tuple(c): each.score(i) for i, c in enumerate(everything)}
