@@ -54,7 +54,11 @@ def test_evaluate_cli_writes_metrics_and_results(small_run, data_dir, scenes, tm
     assert p.returncode == 0, p.stderr
     metrics = json.loads(out.read_text())
     assert all(k in metrics for k in METRICS)
-    assert 0 <= metrics["pointing"] <= 1 if metrics["pointing"] is not None else True
+    # --grounding was given: the words naming boxed objects were scored, and pointing is their hit rate.
+    grounding = metrics["grounding"]
+    assert grounding["words"] > 0 and metrics["pointing"] is not None and 0 <= metrics["pointing"] <= 1
+    hits = sum(h for h, _ in grounding["by_word"].values())
+    assert metrics["pointing"] == pytest.approx(hits / grounding["words"])
     results = json.loads((tmp_path / "eval" / "metrics_results.json").read_text())
     ids, _ = CaptionData(str(data_dir)).split_images("test")
     assert sorted(r["image_id"] for r in results) == sorted(ids.tolist())

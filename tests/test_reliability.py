@@ -18,7 +18,11 @@ from hypothesis import strategies as st
 
 from captioner.io import write_json_atomic
 from captioner.models.checkpoint import load_checkpoint
+from captioner.models.decoder import DecoderConfig
 from captioner.models.vocab import SPECIALS, Vocabulary, tokenize
+from captioner.train.config import TrainConfig
+from captioner.train.loop import fit
+from captioner.train.resilience import GracefulStop
 
 FIT = [
     "--epochs",
@@ -234,3 +238,47 @@ def test_learning_rate_cools_down_at_the_end_of_the_time_budget_and_a_resume_sta
     rates.clear()
     training.fit(str(data_dir), str(tmp_path / "run"), small, cfg, resume=True, device="cpu", progress_bar=False)
     assert rates[0] == 1e-3
+
+
+class _StopAfter(GracefulStop):
+    """SIGTERM as `fit` sees it, asked for once `steps` training steps are done (fit looks after each)."""
+
+    def __init__(self, steps: int):
+        super().__init__(announce=False)
+        self.steps, self.looks = steps, 0
+
+    @property
+    def requested(self) -> bool:
+        self.looks += 1
+        if self.looks >= self.steps:
+            self.request()
+        return self.signum is not None
+
+
+def test_fit_stopped_mid_epoch_then_resumed_equals_uninterrupted(data_dir, tmp_path):
+    """In process, the fast twin of the kill tests above: a run stopped after 5 steps of its first
+    epoch and resumed ends where a run never stopped ends, bit for bit: weights, Adam's moments, the
+    random streams (dropout) and the step, having replayed the rest of the epoch's batches."""
+    model = DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8, dropout=0.3)
+    cfg = TrainConfig.of(
+        epochs=2, batch_size=16, val_beam_size=1, val_images=4, checkpoint_every=0, checkpoint_minutes=0
+    )
+    run = lambda out, **kw: fit(str(data_dir), str(tmp_path / out), model, cfg, device="cpu", progress_bar=False, **kw)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: a second thread only waits, and on a busy machine that is slow
+    try:
+        whole = run("whole")
+        stopped = run("run", stop=_StopAfter(5))
+        assert stopped.step == 5 and stopped.epoch == 0 and whole.step > 5 + stopped.batch_in_epoch
+        resumed = run("run", resume=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed.step == whole.step and resumed.epoch == whole.epoch == 2
+    a, b = (load_checkpoint(str(tmp_path / out / "last.pt")) for out in ("whole", "run"))
+    assert a["step"] == b["step"] and a["model"].keys() == b["model"].keys()
+    for name, value in a["model"].items():
+        assert torch.equal(b["model"][name], value), name
+    for k, state in a["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(b["optimizer"]["state"][k][name]), torch.as_tensor(value)), (k, name)
+    assert torch.equal(a["rng"]["generator"], b["rng"]["generator"]) and a["metrics"]["CIDEr"] == b["metrics"]["CIDEr"]

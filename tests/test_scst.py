@@ -205,17 +205,45 @@ def test_training_raises_the_reward_and_works_under_autocast():
 
 
 def test_hard_model_can_sample_locations_too():
+    """With either context every parameter gets a finite, nonzero gradient, and it is the loss's own:
+    a central difference of the loss along the gradient (the same draws: the same generator seed)
+    gives its length, and so does one along its attention part, which with sampled locations reaches
+    the loss only through their log-probabilities."""
     torch.manual_seed(0)
     dec = AttentionDecoder(
         vocab_size=V, encoder_dim=6, embed_dim=8, hidden_dim=10, attention_dim=5, dropout=0.0, attention="hard"
     )
     _, scorer, feats = toy()
+    params = dict(dec.named_parameters())
     for context in ("expected", "sample"):
-        objective = Objective(dec, [SelfCritical(ScstConfig(samples=4, context=context), scorer, max_len=6)])
-        loss, _ = objective(_batch(feats), 1.0, generator=torch.Generator().manual_seed(0))
+        objective = Objective(dec, [SelfCritical(ScstConfig(samples=8, context=context), scorer, max_len=6)])
+
+        def loss_at(shift: dict[str, torch.Tensor] | None = None, eps: float = 0.0) -> torch.Tensor:
+            with torch.no_grad():
+                for name, d in (shift or {}).items():
+                    params[name] += eps * d
+            try:
+                return objective(_batch(feats), 1.0, generator=torch.Generator().manual_seed(0))
+            finally:
+                with torch.no_grad():
+                    for name, d in (shift or {}).items():
+                        params[name] -= eps * d
+
         dec.zero_grad()
+        loss, terms = loss_at()
+        assert float(terms["advantage_abs"]) > 0  # the samples' rewards differ: there is a gradient
         loss.backward()
-        assert all(p.grad is not None for p in dec.parameters())
+        grads = {name: p.grad.detach().clone() for name, p in params.items()}
+        for name, g in grads.items():
+            assert torch.isfinite(g).all() and g.abs().sum() > 0, (context, name)
+        attention = {name: g for name, g in grads.items() if name.startswith("attention.")}
+        for part in (grads, attention):
+            norm = torch.sqrt(sum((g**2).sum() for g in part.values()))
+            direction = {name: g / norm for name, g in part.items()}
+            eps = 1e-3
+            with torch.no_grad():
+                slope = (loss_at(direction, eps)[0] - loss_at(direction, -eps)[0]) / (2 * eps)
+            assert float(slope) == pytest.approx(float(norm), rel=2e-2), (context, sorted(part)[0])
 
 
 # training runs

@@ -3,13 +3,16 @@ and a beam search that steps only the beams still writing."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torchvision
 
 from captioner.models.decode import beam_search
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import EncoderSpec, build_encoder
-from captioner.models.fast_encoder import FusedVGG, native_bf16, onednn_available, optimize_encoder
+from captioner.models.fast_encoder import FusedVGG, _WinogradConv, native_bf16, onednn_available, optimize_encoder
 from captioner.models.vocab import END_ID, PAD_ID, START_ID
 
 
@@ -34,6 +37,43 @@ def test_optimized_encoder_gives_the_plain_features(vgg16, size):
     # fp32 with another summation order: differences at rounding level; bf16 (native CPUs only) ~1%.
     assert relative_error(quick, plain) < (2e-2 if native_bf16() else 1e-4)
     assert (quick >= 0).all()  # conv5_3's ReLU is fused in
+
+
+@pytest.fixture(scope="module")
+def biased_vgg16(vgg16):
+    """vgg16 with nonzero biases (the seeded random encoder's are all 0, ImageNet's are not)."""
+    enc = copy.deepcopy(vgg16)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for conv in (m for m in enc.features if isinstance(m, torch.nn.Conv2d)):
+            conv.bias.copy_(0.5 * torch.randn(conv.bias.shape, generator=g))
+    return enc
+
+
+@pytest.fixture(scope="module")
+def torchvision_features(biased_vgg16):
+    """An image (1, 3, 112, 112) and torchvision's own VGG16 trunk's features of it, with those weights."""
+    trunk = torchvision.models.vgg.make_layers(torchvision.models.vgg.cfgs["D"])[:30].eval()  # to conv5_3's ReLU
+    trunk.load_state_dict(biased_vgg16.features.state_dict())
+    x = torch.randn(1, 3, 112, 112, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        return x, trunk(x).flatten(2).transpose(1, 2)  # (1, 49, 512)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="the fused encoder needs oneDNN")
+@pytest.mark.parametrize("winograd", [True, False])
+def test_the_fp32_encoder_gives_torchvisions_vgg_features(biased_vgg16, torchvision_features, winograd):
+    """The encoder of CPUs without native bf16 (bf16=False here): fp32 oneDNN convolutions, the wide
+    ones by Winograd unless turned off, against torchvision's VGG16 trunk; at 112 conv5's map is 7×7,
+    which Winograd's 4×4 tiles do not divide."""
+    fast = optimize_encoder(biased_vgg16, "cpu", image_size=224, bf16=False, winograd=winograd)
+    assert isinstance(fast, FusedVGG) and fast.dtype == torch.float32
+    assert any(isinstance(layer, _WinogradConv) for layer in fast.layers) == winograd
+    x, want = torchvision_features
+    with torch.inference_mode():
+        got = fast(x)
+    assert got.shape == want.shape == (1, 49, 512) and got.dtype == torch.float32
+    assert relative_error(got, want) < 1e-4  # fp32 with another summation order: rounding only
 
 
 def test_optimized_encoder_is_a_snapshot_and_leaves_the_original_alone(vgg16):
