@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from captioner.models.decode import Hypothesis, banned, beam_search
+from captioner.models.decode import Hypothesis, beam_search
 from captioner.models.decoder import ARGMAX, EXPECTED, AttentionDecoder
+from captioner.models.search_state import banned
 from captioner.models.vocab import END_ID, PAD_ID, START_ID
 
 L, D = 16, 8  # a small grid and feature size: the search does not care how large
