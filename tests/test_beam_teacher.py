@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from captioner.models.attention import ARGMAX, EXPECTED
 from captioner.models.decode import Hypothesis, beam_search
-from captioner.models.decoder import ARGMAX, EXPECTED, AttentionDecoder
+from captioner.models.decoder import AttentionDecoder
 from captioner.models.search_state import banned
 from captioner.models.vocab import END_ID, PAD_ID, START_ID
 

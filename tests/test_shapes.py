@@ -16,6 +16,7 @@ import torch
 from captioner.data.batches import CaptionBatches, FixedShapes
 from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
+from captioner.models import attention as f_att
 from captioner.models import decoder
 from captioner.models.decode import beam_search
 from captioner.models.decoder import AttentionDecoder
@@ -43,6 +44,7 @@ def test_the_fixed_step_equals_the_packed_one(data_dir, scenes, attention, monke
     objective's terms with the consistency and --boxes: the same loss, terms and gradients."""
     monkeypatch.setattr(consistency, "real_steps", last_real_step)
     monkeypatch.setattr(decoder, "sample_from", likeliest)
+    monkeypatch.setattr(f_att, "sample_from", likeliest)
     data = CaptionData(str(data_dir))
     targets = BoxTargets(data, GroundingBoxes(str(scenes / "boxes.json")), data.encoder.preprocess, 14)
     idx = np.array([5, 40, 2, 77, 13, 61])  # captions of different lengths, unsorted

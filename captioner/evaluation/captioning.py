@@ -15,8 +15,9 @@ import torch
 from captioner.data.dataset import CaptionData
 from captioner.data.encoder_inputs import complete_input_cache, encoded_features
 from captioner.evaluation.metrics import score_captions
+from captioner.models.attention import EXPECTED
 from captioner.models.decode import Hypothesis, beam_search
-from captioner.models.decoder import EXPECTED, AttentionDecoder
+from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import VGGEncoder, apply_encoder_state
 from captioner.models.tuned import TunedEncoder, layers_of
 from captioner.models.vocab import Vocabulary

@@ -16,7 +16,7 @@ from captioner.evaluation.grounding import pointing_accuracy
 from captioner.evaluation.health import attention_health
 from captioner.evaluation.metrics import ALL_METRICS, score_captions
 from captioner.io import write_json_atomic
-from captioner.models.decoder import EXPECTED
+from captioner.models.attention import EXPECTED
 from captioner.models.encoder import build_encoder
 from captioner.models.hub import load_trained
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from captioner.models.decoder import EXPECTED, AttentionDecoder
+from captioner.models.attention import EXPECTED
+from captioner.models.decoder import AttentionDecoder
 from captioner.models.graphed_search import fixed_steps
 from captioner.models.search_state import Search, banned
 from captioner.models.vocab import END_ID, PAD_ID

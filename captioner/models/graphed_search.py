@@ -25,8 +25,9 @@ from dataclasses import fields, replace
 
 import torch
 
+from captioner.models.attention import SAMPLE
 from captioner.models.cuda_graphs import GraphCapture, no_autocast
-from captioner.models.decoder import SAMPLE, AttentionDecoder, Joined
+from captioner.models.decoder import AttentionDecoder, Joined
 from captioner.models.search_state import CHECK_EVERY, Search, fixed_step
 
 MAX_GRAPHS = 8  # graphs a decoder keeps, the least recently used dropped first

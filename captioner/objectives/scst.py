@@ -29,9 +29,10 @@ import torch
 
 from captioner.data.dataset import CaptionData
 from captioner.errors import OptionError
+from captioner.models.attention import EXPECTED, SAMPLE, sample_from
 from captioner.models.cuda_graphs import no_autocast
 from captioner.models.decode import beam_search
-from captioner.models.decoder import EXPECTED, SAMPLE, AttentionDecoder, sample_from
+from captioner.models.decoder import AttentionDecoder
 from captioner.models.search_state import CHECK_EVERY, banned
 from captioner.models.vocab import END_ID, PAD_ID, START_ID
 from captioner.objectives.cider import NgramScorer, References, cached_document_frequency

@@ -13,8 +13,9 @@ from PIL import Image
 
 from captioner.data.images import load_image
 from captioner.errors import CaptionerError
+from captioner.models.attention import ARGMAX, CONTEXT_MODES, EXPECTED, SAMPLE
 from captioner.models.decode import beam_search
-from captioner.models.decoder import ARGMAX, CONTEXT_MODES, EXPECTED, SAMPLE, AttentionDecoder
+from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import EncoderSpec, rebuild_encoder
 from captioner.models.familiarity import FamiliarityStats, familiarity
 from captioner.models.fast_encoder import optimize_encoder

@@ -1,40 +1,34 @@
 """`fit`: teacher-forced training on cached features, validated by generation each epoch.
 
 The run, in the order a reader meets it: the settings are settled (`train.settle`) and the parts
-built (`train.parts`: fresh, from `--init`, or resumed from `last.pt`); `_train_epoch` steps
-through an epoch's batches (`train.step.TrainStep`), reading the loss back at each log line;
-`_validate` captions the validation split and `_select` decides whether this is the new best.pt;
-`_finish` saves what is left and ends. Checkpoints (`last.pt` every epoch, every
-`checkpoint_minutes` and every `checkpoint_every` steps, `best.pt` when `_select` says so) hold
-everything needed to resume exactly. Batches of an epoch are a function of (seed, epoch), so a
-resumed run replays the rest of the epoch it was in. Under `torchrun` the same loop runs
+built (`train.parts`: fresh, from `--init`, or resumed from `last.pt`: `train.resume`);
+`_train_epoch` steps through an epoch's batches (`train.step.TrainStep`), reading the loss back
+at each log line; `train.selection` captions the validation split and decides whether this is
+the new best.pt; `_finish` saves what is left and ends. Checkpoints (`last.pt` every epoch, every
+`checkpoint_minutes` and every `checkpoint_every` steps, `best.pt` when selected) hold everything
+needed to resume exactly. Batches of an epoch are a function of (seed, epoch), so a resumed run
+replays the rest of the epoch it was in. Under `torchrun` the same loop runs
 DistributedDataParallel: each process takes its share of every global batch; validation is split
 over processes and gathered; rank 0 logs and saves.
-
-best.pt is the best-scoring checkpoint among those whose attention the health check finds
-meaningful (`evaluation.health`), when any is; otherwise the best-scoring one, recorded as not
-meaningful, and `fit` says so when it ends.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 
 from tqdm import tqdm
 
 from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
-from captioner.evaluation.captioning import caption_split, score_validation
-from captioner.evaluation.health import advice, attention_health, problems
-from captioner.evaluation.health import summary as health_summary
 from captioner.models.decoder import DecoderConfig
 from captioner.train import distributed, resilience
 from captioner.train.config import Progress, TrainConfig
 from captioner.train.finetune import add_tuned_familiarity
-from captioner.train.parts import Epoch, Parts, build, check_resume, checked_checkpoint, for_epoch
+from captioner.train.parts import Epoch, Parts, build, for_epoch
+from captioner.train.resume import start_from
+from captioner.train.selection import chosen, select, validate
 from captioner.train.settle import settle
 
 log = logging.getLogger(__name__)
@@ -73,7 +67,7 @@ def fit(
     cfg = cfg or TrainConfig()
     d, dev = distributed.setup(device)
     data = CaptionData(data_dir)
-    init, saved = _start_from(data, out_dir, cfg, resume, dev)
+    init, saved = start_from(data, out_dir, cfg, resume, dev)
     views = data.views is not None
     model_cfg, cfg = settle(model_cfg, cfg, vocab_size=len(data.vocab), device=dev, init=init, saved=saved, views=views)
     parts, progress = build(
@@ -90,44 +84,33 @@ def fit(
         if ended == "stopped":
             stopped = True
             break
-        if ended is None:
-            progress.epoch += 1
-            progress.batch_in_epoch = 0
-        metrics = _validate(parts, cfg, progress_bar)
-        improved = _select(parts, cfg, progress, metrics)
-        # A signal during validation: last.pt is saved next, so stop there.
-        stopped = distributed.any_true(d, resilience.stop_requested(stop), dev)
-        final = (
-            stopped
-            or ended is not None
-            or progress.epoch >= cfg.schedule.epochs
-            or progress.stale >= cfg.schedule.patience
-        )
-        if improved:
-            parts.checkpoints.save(parts.checkpoints.best_path, progress, metrics, final=final)
-        parts.checkpoints.save(parts.checkpoints.last_path, progress, metrics, final=final)
-        if progress.stale >= cfg.schedule.patience:
-            parts.log.write({"event": "early_stop", "step": progress.step, "epoch": progress.epoch})
+        metrics, stopped, final = _close_epoch(parts, cfg, progress, ended, stop, progress_bar)
         if final:
             break
     return _finish(parts, cfg, progress, metrics, stop if stopped else None)
 
 
-def _start_from(data: CaptionData, out_dir: str, cfg: TrainConfig, resume: bool, device) -> tuple:
-    """The checkpoints a run starts from: (--init's, the resumed last.pt), each checked against the data."""
-    if resume:
-        last = os.path.join(out_dir, "last.pt")
-        saved = checked_checkpoint(last, data, device, "--resume")
-        check_resume(saved, cfg, last)
-        return None, saved
-    if cfg.init:
-        return checked_checkpoint(cfg.init, data, device, "--init"), None
-    if cfg.objective == "scst":
-        raise CaptionerError(
-            "--objective scst starts from a trained model: pass --init RUN/best.pt "
-            "(or --resume to continue a self-critical run)"
-        )
-    return None, None
+def _close_epoch(parts: Parts, cfg: TrainConfig, progress: Progress, ended: str | None, stop, progress_bar: bool):
+    """The end of an epoch (or of the time budget): validate, select, save best.pt and last.pt.
+
+    Returns:
+        (the validation's metrics, whether a stop was asked, whether this is the run's last epoch)
+    """
+    if ended is None:
+        progress.epoch += 1
+        progress.batch_in_epoch = 0
+    metrics = validate(parts, cfg, progress_bar)
+    improved = select(parts, cfg, progress, metrics)
+    # A signal during validation: last.pt is saved next, so stop there.
+    stopped = distributed.any_true(parts.d, resilience.stop_requested(stop), parts.device)
+    stale = progress.stale >= cfg.schedule.patience
+    final = stopped or ended is not None or progress.epoch >= cfg.schedule.epochs or stale
+    if improved:
+        parts.checkpoints.save(parts.checkpoints.best_path, progress, metrics, final=final)
+    parts.checkpoints.save(parts.checkpoints.last_path, progress, metrics, final=final)
+    if stale:
+        parts.log.write({"event": "early_stop", "step": progress.step, "epoch": progress.epoch})
+    return metrics, stopped, final
 
 
 def _encoder_joins(parts: Parts, epoch: Epoch, model_cfg, cfg: TrainConfig, progress: Progress) -> Epoch:
@@ -246,68 +229,6 @@ def _cool_down(parts: Parts, cfg: TrainConfig, progress: Progress, budget: float
         group["lr"] = lr * left  # a float: the step puts it where its graphs read it
 
 
-def _validate(parts: Parts, cfg: TrainConfig, progress_bar: bool) -> dict:
-    """Generation-based validation, split over processes and scored on the gathered captions."""
-    t0, d = time.monotonic(), parts.d
-    texts, hyps = caption_split(
-        parts.average.model if parts.average else parts.decoder,
-        parts.data,
-        parts.data.vocab,
-        "val",
-        beam_size=cfg.schedule.val_beam_size,
-        max_len=parts.data.max_len,
-        device=parts.device,
-        max_images=cfg.schedule.val_images,
-        shard=(d.rank, d.world),
-        features=parts.tuning.features if parts.tuning else None,
-    )
-    texts = distributed.gather_dicts(d, texts)
-    maps = distributed.gather_dicts(d, {i: h.attention.astype("float16") for i, h in hyps.items()})
-    metrics = None
-    if d.main:
-        metrics = score_validation(texts, parts.data.references["val"])
-        metrics["attention_health"] = attention_health(maps.values())
-    return {**distributed.broadcast(d, metrics), "seconds": round(time.monotonic() - t0, 2)}
-
-
-def _select(parts: Parts, cfg: TrainConfig, progress: Progress, metrics: dict) -> bool:
-    """Is this validation the new best.pt? The best score among checkpoints whose attention is
-    healthy, when any is; a healthy one replaces a flagged best.pt whatever its score."""
-    metric = cfg.schedule.metric
-    score, found = metrics[metric], problems(metrics["attention_health"])
-    healthy = not found
-    improved = (healthy and not progress.best_healthy) or (healthy == progress.best_healthy and score > progress.best)
-    if improved:
-        progress.best, progress.best_step, progress.best_healthy, progress.stale = score, progress.step, healthy, 0
-    else:
-        progress.stale += 1
-    if progress.cooldown_from is None:  # the cooldown sets the rate from here on
-        parts.scheduler.step(score)
-    lr = float(parts.optimizer.param_groups[0]["lr"])
-    parts.log.write(
-        {
-            "event": "val",
-            "step": progress.step,
-            "epoch": progress.epoch,
-            **metrics,
-            "lr": lr,
-            "best": progress.best,
-            "best_step": progress.best_step,
-            "healthy": healthy,
-        }
-    )
-    if parts.d.main:
-        other = metric if metric != "BLEU-4" else "CIDEr"
-        log.info(
-            f"epoch {progress.epoch}: step {progress.step}, BLEU-4 {metrics['BLEU-4']:.3f}, {other} "
-            f"{metrics[other]:.3f}{' (best.pt)' if improved else ''}; e.g. {metrics['example']!r}; "
-            f"{health_summary(metrics['attention_health'])}"
-        )
-        if found:
-            log.warning(f"step {progress.step}: {'; '.join(found)}: {advice(boxes=bool(cfg.terms.boxes))}")
-    return improved
-
-
 def _finish(
     parts: Parts, cfg: TrainConfig, progress: Progress, metrics: dict, stop: resilience.GracefulStop | None
 ) -> Progress:
@@ -350,7 +271,7 @@ def _finish(
         }
     )
     if d.main and stop is None and progress.best_step:
-        log.info(_chosen(progress, cfg))
+        log.info(chosen(progress, cfg))
     ft = cfg.fine_tune
     if d.main and stop is None and ft is not None and (progress.epoch, progress.batch_in_epoch) <= (ft.after, 0):
         log.warning(  # not one step trained the encoder
@@ -367,18 +288,3 @@ def _finish(
         message = failed.get(checkpoints.last_path) or next(iter(failed.values()))
         raise CaptionerError(message + ("; `fit --resume` continues from it" if resumable else ""))
     return progress
-
-
-def _chosen(p: Progress, cfg: TrainConfig) -> str:
-    """Which best.pt `fit` chose, and why, in one line."""
-    metric = cfg.schedule.metric
-    if p.best_healthy:
-        return (
-            f"best.pt: step {p.best_step}, {metric} {p.best:.3f}: the best score among the validations "
-            "whose attention health is ok"
-        )
-    return (
-        f"best.pt: step {p.best_step}, {metric} {p.best:.3f}: the attention health check flagged every "
-        "validation, so its heatmaps are NOT MEANINGFUL (the checkpoint records it, and the demo, "
-        f"`captioner caption --figures` and the notebooks say so): {advice(boxes=bool(cfg.terms.boxes))}"
-    )

@@ -1,0 +1,97 @@
+"""Validation by generation, and the choice of best.pt.
+
+best.pt is the best-scoring checkpoint among those whose attention the health check finds
+meaningful (`evaluation.health`), when any is; otherwise the best-scoring one, recorded as not
+meaningful, and `fit` says so when it ends (`chosen`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from captioner.evaluation.captioning import caption_split, score_validation
+from captioner.evaluation.health import advice, attention_health, problems
+from captioner.evaluation.health import summary as health_summary
+from captioner.train import distributed
+from captioner.train.config import Progress, TrainConfig
+from captioner.train.parts import Parts
+
+log = logging.getLogger(__name__)
+
+
+def validate(parts: Parts, cfg: TrainConfig, progress_bar: bool) -> dict:
+    """Generation-based validation, split over processes and scored on the gathered captions."""
+    t0, d = time.monotonic(), parts.d
+    texts, hyps = caption_split(
+        parts.average.model if parts.average else parts.decoder,
+        parts.data,
+        parts.data.vocab,
+        "val",
+        beam_size=cfg.schedule.val_beam_size,
+        max_len=parts.data.max_len,
+        device=parts.device,
+        max_images=cfg.schedule.val_images,
+        shard=(d.rank, d.world),
+        features=parts.tuning.features if parts.tuning else None,
+    )
+    texts = distributed.gather_dicts(d, texts)
+    maps = distributed.gather_dicts(d, {i: h.attention.astype("float16") for i, h in hyps.items()})
+    metrics = None
+    if d.main:
+        metrics = score_validation(texts, parts.data.references["val"])
+        metrics["attention_health"] = attention_health(maps.values())
+    return {**distributed.broadcast(d, metrics), "seconds": round(time.monotonic() - t0, 2)}
+
+
+def select(parts: Parts, cfg: TrainConfig, progress: Progress, metrics: dict) -> bool:
+    """Is this validation the new best.pt? The best score among checkpoints whose attention is
+    healthy, when any is; a healthy one replaces a flagged best.pt whatever its score."""
+    metric = cfg.schedule.metric
+    score, found = metrics[metric], problems(metrics["attention_health"])
+    healthy = not found
+    improved = (healthy and not progress.best_healthy) or (healthy == progress.best_healthy and score > progress.best)
+    if improved:
+        progress.best, progress.best_step, progress.best_healthy, progress.stale = score, progress.step, healthy, 0
+    else:
+        progress.stale += 1
+    if progress.cooldown_from is None:  # the cooldown sets the rate from here on
+        parts.scheduler.step(score)
+    lr = float(parts.optimizer.param_groups[0]["lr"])
+    parts.log.write(
+        {
+            "event": "val",
+            "step": progress.step,
+            "epoch": progress.epoch,
+            **metrics,
+            "lr": lr,
+            "best": progress.best,
+            "best_step": progress.best_step,
+            "healthy": healthy,
+        }
+    )
+    if parts.d.main:
+        other = metric if metric != "BLEU-4" else "CIDEr"
+        log.info(
+            f"epoch {progress.epoch}: step {progress.step}, BLEU-4 {metrics['BLEU-4']:.3f}, {other} "
+            f"{metrics[other]:.3f}{' (best.pt)' if improved else ''}; e.g. {metrics['example']!r}; "
+            f"{health_summary(metrics['attention_health'])}"
+        )
+        if found:
+            log.warning(f"step {progress.step}: {'; '.join(found)}: {advice(boxes=bool(cfg.terms.boxes))}")
+    return improved
+
+
+def chosen(p: Progress, cfg: TrainConfig) -> str:
+    """Which best.pt `fit` chose, and why, in one line."""
+    metric = cfg.schedule.metric
+    if p.best_healthy:
+        return (
+            f"best.pt: step {p.best_step}, {metric} {p.best:.3f}: the best score among the validations "
+            "whose attention health is ok"
+        )
+    return (
+        f"best.pt: step {p.best_step}, {metric} {p.best:.3f}: the attention health check flagged every "
+        "validation, so its heatmaps are NOT MEANINGFUL (the checkpoint records it, and the demo, "
+        f"`captioner caption --figures` and the notebooks say so): {advice(boxes=bool(cfg.terms.boxes))}"
+    )
