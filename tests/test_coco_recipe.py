@@ -31,6 +31,7 @@ from conftest import REPO, run_cli
 from PIL import Image
 
 import captioner.data.archives as archives
+import captioner.data.download as download
 import captioner.data.fetch as fetch
 from captioner.cli import coco
 from captioner.errors import CaptionerError
@@ -176,7 +177,7 @@ def mirror(files):
 
 @pytest.fixture
 def quick_retries(monkeypatch):
-    monkeypatch.setattr(fetch, "RETRY_WAIT", 0.0)
+    monkeypatch.setattr(download, "RETRY_WAIT", 0.0)
 
 
 def recipe(capsys, *argv) -> tuple[int, str, str]:
