@@ -20,7 +20,8 @@ import torch
 
 from captioner.data.coco import SPLITS, load_dataset
 from captioner.data.dataset import FORMAT, VIEWS
-from captioner.data.features import BAD, DONE, TODO, FeatureCache, extract_features, nonfinite_rows
+from captioner.data.extraction import extract_features
+from captioner.data.features import BAD, DONE, TODO, FeatureCache, nonfinite_rows
 from captioner.data.karpathy import load_karpathy
 from captioner.errors import CaptionerError
 from captioner.io import atomic_path, check_free_space, describe_os_error, read_json, write_json_atomic
