@@ -106,48 +106,61 @@ def add_options(
         tp, optional = _optional(tp)
         if f.name in skip or not (text or dataclasses.is_dataclass(tp)):
             continue
-        default = _default(f)
         flags = flags or [f"--{f.name.replace('_', '-')}"]
         if dataclasses.is_dataclass(tp):
-            nested, title = (
-                f"{prefix}{f.name}.",
-                (tp.__doc__ or f.name).strip().splitlines()[0].split(";")[0].rstrip("."),
-            )
-            if optional:  # switched on by its own flag; its fields follow
-                target.add_argument(flags[0], dest=prefix + f.name, action="store_true", help=text)
-                add_options(parser, tp, group=title, required_by=flags[0], prefix=nested, derived=derived)
-            else:
-                add_options(parser, tp, group=title, prefix=nested, derived=derived)
+            _add_nested(parser, target, f.name, tp, optional, flags[0], text, prefix=prefix, derived=derived)
             continue
-        kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": NOT_GIVEN, "metavar": f.name.upper()}
-        shown = "" if default in (dataclasses.MISSING, None) else f" (default: {_shown(default)})"
-        if default is None and f.name in (derived or {}):
-            shown = f" (default: {derived[f.name]})"
-        if required_by:
-            shown += f"; with {required_by}"
-        if tp is bool and optional:  # None: the program decides; --x / --no-x decide instead
-            kwargs.update(action=argparse.BooleanOptionalAction)
-            kwargs.pop("metavar")
-            shown = shown if f.name in (derived or {}) else ""
-        elif tp is bool:
-            if default is True:
-                flags = [f"--no-{f.name.replace('_', '-')}"] if not flags[0].startswith("--no-") else flags
-                kwargs.update(action="store_const", const=False)
-            else:
-                kwargs.update(action="store_const", const=True)
-            kwargs.pop("metavar")
-            shown = ""
-        elif typing.get_origin(tp) is list:
-            kwargs.update(nargs="+", type=typing.get_args(tp)[0])
-        elif typing.get_origin(tp) is Literal:
-            choices = typing.get_args(tp)
-            kwargs.update(choices=choices, type=type(choices[0]))
-            kwargs.pop("metavar")
+        flags, kwargs = _argument(f, tp, optional, flags, text, prefix=prefix, required_by=required_by, derived=derived)
+        target.add_argument(*flags, **kwargs)
+
+
+def _add_nested(parser, target, name: str, tp, optional: bool, flag: str, text: str, *, prefix: str, derived) -> None:
+    """The options of a nested dataclass field, in a help section of their own."""
+    nested, title = (
+        f"{prefix}{name}.",
+        (tp.__doc__ or name).strip().splitlines()[0].split(";")[0].rstrip("."),
+    )
+    if optional:  # switched on by its own flag; its fields follow
+        target.add_argument(flag, dest=prefix + name, action="store_true", help=text)
+        add_options(parser, tp, group=title, required_by=flag, prefix=nested, derived=derived)
+    else:
+        add_options(parser, tp, group=title, prefix=nested, derived=derived)
+
+
+def _argument(
+    f: dataclasses.Field, tp, optional: bool, flags: list[str], text: str, *, prefix: str, required_by, derived
+) -> tuple[list[str], dict[str, Any]]:
+    """The flags of a plain field's option, and `add_argument`'s keywords for it (its help included)."""
+    default = _default(f)
+    kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": NOT_GIVEN, "metavar": f.name.upper()}
+    shown = "" if default in (dataclasses.MISSING, None) else f" (default: {_shown(default)})"
+    if default is None and f.name in (derived or {}):
+        shown = f" (default: {derived[f.name]})"
+    if required_by:
+        shown += f"; with {required_by}"
+    if tp is bool and optional:  # None: the program decides; --x / --no-x decide instead
+        kwargs.update(action=argparse.BooleanOptionalAction)
+        kwargs.pop("metavar")
+        shown = shown if f.name in (derived or {}) else ""
+    elif tp is bool:
+        if default is True:
+            flags = [f"--no-{f.name.replace('_', '-')}"] if not flags[0].startswith("--no-") else flags
+            kwargs.update(action="store_const", const=False)
         else:
-            kwargs.update(type=tp)
-        if default is dataclasses.MISSING:
-            kwargs["required"] = True
-        target.add_argument(*flags, help=text + shown, **kwargs)
+            kwargs.update(action="store_const", const=True)
+        kwargs.pop("metavar")
+        shown = ""
+    elif typing.get_origin(tp) is list:
+        kwargs.update(nargs="+", type=typing.get_args(tp)[0])
+    elif typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        kwargs.update(choices=choices, type=type(choices[0]))
+        kwargs.pop("metavar")
+    else:
+        kwargs.update(type=tp)
+    if default is dataclasses.MISSING:
+        kwargs["required"] = True
+    return flags, {"help": text + shown, **kwargs}
 
 
 def _shown(value) -> str:

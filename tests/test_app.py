@@ -28,8 +28,10 @@ from PIL import Image
 
 from captioner import Captioner, CaptionerError
 from captioner.demo.card import examples_note, model_card, model_notice
-from captioner.demo.handlers import Batcher, Demo, PageOutputs, Session, fit_view, upload_source
+from captioner.demo.handlers import Batcher, Demo, PageOutputs, Session
 from captioner.demo.options import DemoOptions
+from captioner.demo.uploads import upload_source
+from captioner.demo.views import fit_view
 from captioner.models.hub import download_checkpoint, resolve, sha256_file
 from captioner.serve.api import Caption
 

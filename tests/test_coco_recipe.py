@@ -31,8 +31,9 @@ from conftest import REPO, run_cli
 from PIL import Image
 
 import captioner.data.archives as archives
+import captioner.data.download as download
 import captioner.data.fetch as fetch
-from captioner.cli import coco
+from captioner.cli import coco, coco_stages
 from captioner.errors import CaptionerError
 from captioner.scenes.synthetic import generate
 
@@ -176,7 +177,7 @@ def mirror(files):
 
 @pytest.fixture
 def quick_retries(monkeypatch):
-    monkeypatch.setattr(fetch, "RETRY_WAIT", 0.0)
+    monkeypatch.setattr(download, "RETRY_WAIT", 0.0)
 
 
 def recipe(capsys, *argv) -> tuple[int, str, str]:
@@ -417,18 +418,18 @@ def test_a_rerun_redoes_a_stage_whose_products_are_gone_only_for_a_stage_that_re
 
 
 def test_several_gpus_run_prepare_and_fit_under_torchrun():
-    cmd = coco.train_command("fit", ["--data", "D"], gpus=4)
+    cmd = coco_stages.train_command("fit", ["--data", "D"], gpus=4)
     assert cmd[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m"]
     assert cmd[7:] == ["captioner.cli.train", "fit", "--data", "D"]
-    assert coco.train_command("evaluate", ["--data", "D"], gpus=4)[-3:] == ["evaluate", "--data", "D"]
-    assert "torch.distributed.run" not in coco.train_command("fit", [], gpus=1)
+    assert coco_stages.train_command("evaluate", ["--data", "D"], gpus=4)[-3:] == ["evaluate", "--data", "D"]
+    assert "torch.distributed.run" not in coco_stages.train_command("fit", [], gpus=1)
 
 
 def test_evaluate_says_plainly_when_java_is_missing(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert "not the official ones" in coco.java_warning()
+    assert "not the official ones" in coco_stages.java_warning()
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/java")
-    assert coco.java_warning() is None
+    assert coco_stages.java_warning() is None
 
 
 def test_space_for_coco_counts_each_zip_beside_its_contents():

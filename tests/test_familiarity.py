@@ -12,7 +12,7 @@ import torch
 
 from captioner import Captioner
 from captioner.data.dataset import CaptionData
-from captioner.demo.handlers import caption_data
+from captioner.demo.views import caption_data
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.familiarity import METHOD, FamiliarityStats, familiarity, mahalanobis
 from captioner.train.familiarity import calibration_photos, gaussian, threshold

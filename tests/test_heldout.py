@@ -11,7 +11,8 @@ import pytest
 from PIL import Image
 
 from captioner.data.coco import load_dataset
-from captioner.scenes.heldout import PALETTE, SHAPES, generate
+from captioner.scenes.heldout import SHAPES, generate
+from captioner.scenes.heldout_drawing import PALETTE
 
 
 @pytest.fixture(scope="module")

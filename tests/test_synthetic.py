@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 from pycocotools.coco import COCO
 
-from captioner.scenes.synthetic import COLORS, SHAPES, generate, main
+from captioner.scenes.synthetic import generate, main
+from captioner.scenes.synthetic_drawing import COLORS, SHAPES
 
 REPO = Path(__file__).resolve().parents[1]
 

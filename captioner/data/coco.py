@@ -160,6 +160,37 @@ def _find_image(file_name: str, image_dirs: Sequence[str]) -> str | None:
     return None
 
 
+def _read_captions(
+    captions: Sequence[str], skip_bad: bool, skipped: Skipped
+) -> tuple[dict[int, ImageRecord], dict[int, str]]:
+    """Every image of the caption files with its captions (no split yet), and the file naming each."""
+    records: dict[int, ImageRecord] = {}
+    sources: dict[int, str] = {}
+    for path in captions:
+        coco = _load_coco(path, skip_bad, skipped)
+        for image_id, img in coco.imgs.items():
+            if image_id in records:
+                raise CaptionerError(f"{path}: image id {image_id} is also in {sources[image_id]}")
+            sources[image_id] = path
+            caps = [a["caption"].strip() for a in coco.imgToAnns.get(image_id, [])]
+            records[image_id] = ImageRecord(image_id, img["file_name"], "", caps)
+    return records, sources
+
+
+def _split(records: dict[int, ImageRecord], splits_path: str | None) -> tuple[dict[int, ImageRecord], dict[int, str]]:
+    """The records a split file lists (all without one) and each one's split."""
+    if not splits_path:
+        return records, default_splits(list(records))
+    splits = _karpathy_splits(splits_path)
+    unknown = [i for i in splits if i not in records]
+    if unknown:
+        raise CaptionerError(
+            f"{splits_path}: {len(unknown)} images are not in the caption files "
+            f"(e.g. id {unknown[0]}); pass every --captions file the split uses"
+        )
+    return {i: r for i, r in records.items() if i in splits}, splits
+
+
 def load_dataset(
     captions: Sequence[str],
     image_dirs: Sequence[str],
@@ -184,27 +215,8 @@ def load_dataset(
         if not os.path.isdir(d):
             raise CaptionerError(f"--images {d}: no such directory")
     skipped = Skipped()
-    records: dict[int, ImageRecord] = {}
-    sources: dict[int, str] = {}
-    for path in captions:
-        coco = _load_coco(path, skip_bad, skipped)
-        for image_id, img in coco.imgs.items():
-            if image_id in records:
-                raise CaptionerError(f"{path}: image id {image_id} is also in {sources[image_id]}")
-            sources[image_id] = path
-            caps = [a["caption"].strip() for a in coco.imgToAnns.get(image_id, [])]
-            records[image_id] = ImageRecord(image_id, img["file_name"], "", caps)
-    if splits_path:
-        splits = _karpathy_splits(splits_path)
-        unknown = [i for i in splits if i not in records]
-        if unknown:
-            raise CaptionerError(
-                f"{splits_path}: {len(unknown)} images are not in the caption files "
-                f"(e.g. id {unknown[0]}); pass every --captions file the split uses"
-            )
-        records = {i: r for i, r in records.items() if i in splits}
-    else:
-        splits = default_splits(list(records))
+    records, sources = _read_captions(captions, skip_bad, skipped)
+    records, splits = _split(records, splits_path)
     out = []
     for image_id in sorted(records):
         rec = records[image_id]

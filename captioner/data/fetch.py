@@ -1,41 +1,31 @@
-"""Fetching dataset archives over HTTP: resumable downloads, checked before use, unpacked safely.
+"""Fetching dataset archives over HTTP: downloaded, checked before use, unpacked safely.
 
 The official locations of the COCO 2014 files and of Karpathy's split are named here, once, with
-their known sizes and checksums. A download goes to NAME.part and resumes from it with an HTTP
-Range request; it takes its own name only once complete, and is checked (size, then SHA-256 or
-MD5) before anything is unpacked. A mirror's `SHA256SUMS` replaces the official size and checksum
-of each file it lists. A zip unpacks into a hidden folder beside its target, refusing members
-that would land outside it, and is renamed into place whole, so a killed unpack is done again,
-never half used. The network's, the server's and the disk's failures become `CaptionerError`s
-that name the file and the URL.
+their known sizes and checksums. A download (`captioner.data.download`: NAME.part, resumed with
+HTTP Range requests) is checked (size, then SHA-256 or MD5) before anything is unpacked. A
+mirror's `SHA256SUMS` replaces the official size and checksum of each file it lists. A zip
+unpacks into a hidden folder beside its target, refusing members that would land outside it, and
+is renamed into place whole, so a killed unpack is done again, never half used. The network's,
+the server's and the disk's failures become `CaptionerError`s that name the file and the URL.
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.client
 import logging
 import os
 import posixpath
 import re
-import time
 import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from tqdm import tqdm
-
-from captioner.data.archives import CHUNK, require_space, size_text, space_needed, unpack
+from captioner.data.archives import CHUNK, require_space, space_needed, unpack
+from captioner.data.download import download, open_url, progress_bar, retry, size_of
 from captioner.errors import CaptionerError
-from captioner.io import disk_error
 
 log = logging.getLogger(__name__)
-
-TIMEOUT = 60  # seconds without a byte before a connection counts as lost
-RETRIES = 3  # failed attempts in a row, none getting a byte further, before giving up
-RETRY_WAIT = 2.0  # seconds, times the failures in a row
 
 
 @dataclass(frozen=True)
@@ -71,66 +61,18 @@ COCO_2014 = (
 )
 
 
-class _Transient(Exception):
-    """A failure that trying again may cure: a lost connection, a 5xx answer."""
-
-
-def _reason(err: BaseException) -> str:
-    err = getattr(err, "reason", err)
-    return (getattr(err, "strerror", None) or str(err) or type(err).__name__).lower()
-
-
-def _bar(total: int | None, desc: str, progress: bool, initial: int = 0) -> tqdm:
-    kw = dict(unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not progress)
-    return tqdm(total=total, initial=initial, **kw)
-
-
-def _size_of(path: str) -> int:
-    return os.path.getsize(path) if os.path.exists(path) else 0
-
-
-def _open(url: str, name: str, headers: dict | None = None, method: str = "GET", allow: tuple[int, ...] = ()):
-    """The server's answer; `allow`ed error codes as HTTPError, other 4xx as CaptionerError, what
-    may pass (no connection, 5xx) as `_Transient`."""
-    try:
-        return urllib.request.urlopen(
-            urllib.request.Request(url, headers=headers or {}, method=method), timeout=TIMEOUT
-        )
-    except urllib.error.HTTPError as e:
-        if e.code in allow:
-            raise
-        text = f"{name}: {url} answered {e.code} {e.reason}"
-        raise (_Transient if e.code >= 500 or e.code in (408, 429) else CaptionerError)(text) from None
-    except (OSError, http.client.HTTPException) as e:  # URLError is an OSError
-        raise _Transient(f"{name}: cannot connect to {url}: {_reason(e)}") from None
-
-
-def _retry(action: Callable, moved: Callable[[], bool] = lambda: False, hint: Callable[[], str] = lambda: ""):
-    """`action()`, tried again after each `_Transient` failure until RETRIES in a row made no progress."""
-    failures = 0
-    while True:
-        try:
-            return action()
-        except _Transient as e:
-            failures = 0 if moved() else failures + 1
-            if failures > RETRIES:
-                raise CaptionerError(f"{e} (tried {failures} times in a row){hint()}") from None
-            log.warning(f"{e}; trying again")
-            time.sleep(RETRY_WAIT * failures)
-
-
 def read_sums(base: str) -> dict[str, str]:
     """A mirror's SHA256SUMS (`sha256sum`'s format) as {relative path: hex}; {} when it has none."""
     url = base + "SHA256SUMS"
 
     def get() -> bytes | None:
         try:
-            with _open(url, "SHA256SUMS", allow=(404, 403, 410)) as resp:
+            with open_url(url, "SHA256SUMS", allow=(404, 403, 410)) as resp:
                 return resp.read()
         except urllib.error.HTTPError:
             return None
 
-    raw, sums = _retry(get), {}
+    raw, sums = retry(get), {}
     if raw is None:
         log.info(f"{url}: none; the official sizes and checksums apply")
     for k, line in enumerate((raw or b"").decode("utf-8", "replace").splitlines(), 1):
@@ -162,82 +104,13 @@ def remote_size(r: Remote) -> int | None:
 
     def head() -> int | None:
         try:
-            with _open(r.url, r.name, method="HEAD", allow=(405, 501)) as resp:
+            with open_url(r.url, r.name, method="HEAD", allow=(405, 501)) as resp:
                 length = resp.headers.get("Content-Length", "")
                 return int(length) if length.isdigit() else None
         except urllib.error.HTTPError:  # a server that answers GET only
             return None
 
-    return r.size if r.size is not None else _retry(head)
-
-
-def download(url: str, dest: str, *, name: str, size: int | None = None, progress: bool = True) -> None:
-    """Fetch `url` to `dest`, going on from `dest`.part; `dest` appears only once complete.
-
-    Raises:
-        CaptionerError: the server refuses (4xx), keeps failing, or offers a file of another
-            size than `size`; or the disk fails. The message names the file and the URL.
-    """
-    part, before = dest + ".part", [0]
-
-    def attempt() -> None:
-        before[0] = _size_of(part)
-        _attempt(url, part, name, size, progress)
-
-    hint = lambda: f"; run again to go on from the {size_text(_size_of(part))} in {part}"
-    _retry(attempt, moved=lambda: _size_of(part) > before[0], hint=hint)
-    os.replace(part, dest)
-    log.info(f"{name}: downloaded from {url}")
-
-
-def _attempt(url: str, part: str, name: str, size: int | None, progress: bool) -> None:
-    """One request for the rest of the file, appended to `part`."""
-    have = _size_of(part)
-    if size is not None and have >= size:  # complete, or not a beginning of this file
-        if have == size:
-            return
-        os.remove(part)
-        have = 0
-    try:
-        resp = _open(url, name, {"Range": f"bytes={have}-"} if have else None, allow=(416,))
-    except urllib.error.HTTPError:  # 416: nothing lies after byte `have`
-        if size is None:
-            return
-        os.remove(part)
-        raise _Transient(f"{name}: {url} holds less than the {size_text(have)} in {part}; starting again") from None
-    with resp:
-        got = re.match(r"bytes (\d+)-\d+/(\d+)", resp.headers.get("Content-Range", "")) if resp.status == 206 else None
-        if resp.status == 206 and not (got and int(got[1]) == have):
-            os.remove(part)
-            raise _Transient(f"{name}: {url} answered another range than the one asked for; starting again")
-        have = have if got else 0  # without a range the server sends the whole file
-        length = resp.headers.get("Content-Length", "")
-        total = int(got[2]) if got else int(length) if length.isdigit() else None
-        if size is not None and total is not None and total != size:
-            raise CaptionerError(
-                f"{name}: {url} is {total:,} bytes, but {name} is {size:,}: not the expected file "
-                "(a mirror's SHA256SUMS, when it lists the file, replaces the official size)"
-            )
-        try:
-            f = open(part, "ab" if have else "wb")
-        except OSError as e:
-            raise disk_error(e, part, "the download") from None
-        with f, _bar(total, name, progress, have) as bar:
-            while True:
-                try:
-                    chunk = resp.read1(CHUNK)
-                except (OSError, http.client.HTTPException) as e:
-                    raise _Transient(f"{name}: the connection to {url} dropped ({_reason(e)})") from None
-                if not chunk:
-                    break
-                try:
-                    f.write(chunk)
-                except OSError as e:
-                    raise disk_error(e, part, "the download") from None
-                have += len(chunk)
-                bar.update(len(chunk))
-    if total is not None and have < total:
-        raise _Transient(f"{name}: the connection to {url} closed after {have:,} of {total:,} bytes")
+    return r.size if r.size is not None else retry(head)
 
 
 def verify(path: str, r: Remote, *, progress: bool = True) -> None:
@@ -252,7 +125,7 @@ def verify(path: str, r: Remote, *, progress: bool = True) -> None:
         problem = f"{actual:,} bytes, expected {r.size:,}"
     elif expected:
         digest = hashlib.new(algorithm)
-        with open(path, "rb") as f, _bar(actual, f"checking {r.name}", progress) as bar:
+        with open(path, "rb") as f, progress_bar(actual, f"checking {r.name}", progress) as bar:
             while chunk := f.read(CHUNK):
                 digest.update(chunk)
                 bar.update(len(chunk))
@@ -291,7 +164,7 @@ def fetch(
     todo = resolve(todo, mirror)
     sizes = [remote_size(r) for r in todo]
     dests = [os.path.join(downloads, r.name) for r in todo]
-    have = [_size_of(d) or _size_of(d + ".part") for d in dests]
+    have = [size_of(d) or size_of(d + ".part") for d in dests]
     plan = [(s or h, h) for s, h in zip(sizes, have)]
     require_space(downloads, space_needed(plan, keep), "fetching " + ", ".join(r.name for r in todo))
     for r, size, dest in zip(todo, sizes, dests):

@@ -88,6 +88,20 @@ def _check_image(img, i: int, path: str, seen) -> tuple[int, str, str | None, st
     return image_id, name, filepath, KARPATHY_SPLITS[img["split"]], where
 
 
+def _captions(sentences: list, path: str, where: str, skip_bad: bool, skipped: Skipped) -> list[str]:
+    """An image's caption texts; a malformed sentence is an error, or skipped and noted with skip_bad."""
+    captions = []
+    for j, sentence in enumerate(sentences):
+        text, problem = _sentence_text(sentence, f"sentences[{j}]")
+        if problem:
+            if not skip_bad:
+                raise CaptionerError(f"{path}: {where}: {problem} (--skip-bad skips such sentences)")
+            skipped.bad_annotations.append(f"{os.path.basename(path)} {where}: {problem}")
+            continue
+        captions.append(text)
+    return captions
+
+
 def load_karpathy(
     path: str, image_dirs: Sequence[str], *, skip_missing: bool = False, skip_bad: bool = False
 ) -> tuple[list[ImageRecord], Skipped]:
@@ -120,15 +134,7 @@ def load_karpathy(
     filepaths: dict[int, str | None] = {}
     for i, img in enumerate(data["images"]):
         image_id, name, filepath, split, where = _check_image(img, i, path, records)
-        captions = []
-        for j, sentence in enumerate(img["sentences"]):
-            text, problem = _sentence_text(sentence, f"sentences[{j}]")
-            if problem:
-                if not skip_bad:
-                    raise CaptionerError(f"{path}: {where}: {problem} (--skip-bad skips such sentences)")
-                skipped.bad_annotations.append(f"{os.path.basename(path)} {where}: {problem}")
-                continue
-            captions.append(text)
+        captions = _captions(img["sentences"], path, where, skip_bad, skipped)
         records[image_id] = ImageRecord(image_id, name, split, captions)
         filepaths[image_id] = filepath
     out = []

@@ -169,7 +169,7 @@ def _outputs() -> dict:
 
 def _wire(demo: Demo, examples: list[str], p: dict) -> None:
     """The page's events and the /caption API."""
-    # preprocess=False: uploads reach `load_image` undecoded (see demo.handlers.upload_source).
+    # preprocess=False: uploads reach `load_image` undecoded (see demo.uploads.upload_source).
     model_events = dict(concurrency_id="model", concurrency_limit=demo.batcher.max_batch_size, preprocess=False)
     draw_events = dict(concurrency_id="draw", concurrency_limit=2, api_visibility="private")
 

@@ -8,62 +8,43 @@ captioned image leaves: enough to redraw every heatmap, and the heatmaps already
 ticket counter, so that a caption request overtaken by a newer one never shows its results.
 The page's caption event returns a `PageOutputs`, every output of the page at once: a new
 image, an error or a cleared input each set all of them, so nothing stale stays on the page.
+Reading uploads is `demo.uploads`'; the View and the outputs drawn from it are `demo.views`'.
 Symbols: n words, g×g attention grid (14×14 for VGG at 224).
 """
 
 from __future__ import annotations
 
 import collections
-import html
 import os
 import re
 import shutil
 import tempfile
 import threading
 import weakref
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import gradio as gr
-import numpy as np
-from gradio_client.utils import decode_base64_to_binary
 from PIL import Image, ImageOps
 
-from captioner.data.images import load_image
-from captioner.errors import CaptionerError, ImageError
-from captioner.models.preprocess import Preprocess
+from captioner.demo.uploads import read_upload
+from captioner.demo.views import (
+    THUMB_SIDE,
+    View,
+    caption_data,
+    error_html,
+    familiarity_html,
+    fit_view,
+    highlighted,
+    large_label,
+)
+from captioner.errors import CaptionerError
 from captioner.serve import heatmaps as viz
 from captioner.serve.api import Caption, Captioner
 from captioner.serve.batcher import Batcher
 
-VIEW_SIDE = 512  # longest side of the stored image and the large heatmap: enough for a screen
-THUMB_SIDE = 160  # longest side of the per-word thumbnails, about the size the gallery shows
 FIGURES_KEPT = 64  # attention PNGs kept on disk for download; older ones are deleted
 MARK = (249, 115, 22)  # frame of the selected word's thumbnail (the page's orange)
 FRAME = 4  # its width in pixels; the other thumbnails get a white frame
-
-
-@dataclass
-class View:
-    """What one captioned image leaves in a session: enough to redraw every heatmap."""
-
-    image: Image.Image  # upright RGB, longest side VIEW_SIDE
-    thumb: Image.Image  # the same, longest side THUMB_SIDE
-    text: str
-    words: list[str]
-    attention: np.ndarray  # (n, g, g)
-    locations: list[tuple[int, int]] | None
-    preprocess: Preprocess  # tells viz which part of the image the grid covers
-    selected: int = 0  # the word shown large
-    # Heatmaps drawn so far at `opacity`: ("thumbs",) → list, ("large", k) → image, ("figure",) → path.
-    drawn: dict = field(default_factory=dict)
-    opacity: float | None = None
-
-    def drawn_at(self, opacity: float) -> dict:
-        """The cache of what is drawn at this opacity (emptied when the opacity changes)."""
-        if opacity != self.opacity:
-            self.drawn, self.opacity = {}, opacity
-        return self.drawn
 
 
 class Session:
@@ -96,94 +77,6 @@ class PageOutputs(NamedTuple):
     data: object
     download: object
     session: object
-
-
-# helpers
-
-
-def upload_source(payload: dict | str | None) -> str | bytes | None:
-    """The uploaded file from gr.Image's raw payload: its path, or bytes for a data URL.
-
-    gr.Image's own preprocessing opens each upload with Pillow and re-encodes non-RGB ones: odd
-    files fail with Pillow's bare exception before our handler runs, and 16-bit images are
-    clipped. So the caption events skip it and hand the file to `load_image` untouched.
-    """
-    if payload is None or isinstance(payload, str):  # a path: direct calls
-        return payload
-    if (payload.get("url") or "").startswith("data:"):  # webcam/clipboard sent inline
-        return decode_base64_to_binary(payload["url"])[0]
-    return payload["path"]
-
-
-def upload_name(payload: dict | str | None) -> str | None:
-    """The name the user knows the upload by (its own file name, not the server's cache path)."""
-    if isinstance(payload, dict) and payload.get("orig_name"):
-        return os.path.basename(payload["orig_name"])
-    source = upload_source(payload)
-    return os.path.basename(source) if isinstance(source, str) else None
-
-
-def read_upload(payload: dict | str | None) -> Image.Image:
-    """Decode an upload with `load_image`; errors become a gr.Error about that image.
-
-    The message names the file by its own name, not by the server's cache path.
-    """
-    image = upload_source(payload)
-    if image is None:
-        raise gr.Error("No image: upload, paste or take one first.", title="No image", print_exception=False)
-    try:
-        return load_image(image)
-    except ImageError as e:
-        message = str(e).replace(image, upload_name(payload)) if isinstance(image, str) else str(e)
-        raise gr.Error(message, title="Cannot read this image", duration=None, print_exception=False) from None
-
-
-def fit_view(image: Image.Image) -> Image.Image:
-    """Scale to VIEW_SIDE on the longest side: tiny images become visible, huge ones light.
-
-    The attention grid covers the resized image just as it covered the original.
-    """
-    return viz.fit_side(image, VIEW_SIDE)
-
-
-def caption_data(out: Caption, decimals: int = 6) -> dict:
-    """A caption as plain JSON for programs: words, score, attention (n, g, g) nested lists."""
-    return {
-        "caption": out.text,
-        "words": out.words,
-        "score": float(out.score),
-        "attention": np.round(out.attention.astype(np.float64), decimals).tolist(),
-        "alternatives": [{"caption": text, "log_prob": float(lp)} for text, lp in out.alternatives],
-        "locations": [list(loc) for loc in out.locations] if out.locations is not None else None,
-        "image_size": list(out.size),
-        "familiarity": out.familiarity,
-    }
-
-
-def highlighted(view: View) -> list[tuple[str, str]]:
-    """The caption as (word, label) tokens for gr.HighlightedText; the shown word stands out."""
-    return [(w, "shown" if i == view.selected else "word") for i, w in enumerate(view.words)]
-
-
-def familiarity_html(verdict: dict | None) -> str:
-    """The line beside the caption saying whether the image is like the training images."""
-    if verdict is None:
-        return ""
-    kind = "unfamiliar" if verdict["unfamiliar"] else "familiar"
-    mark = "⚠" if verdict["unfamiliar"] else "✓"
-    return f'<p class="familiarity {kind}">{mark} {html.escape(verdict["message"])}</p>'
-
-
-def error_html(message: str) -> str:
-    return f'<p class="image-error" role="alert">⚠ {html.escape(message)}</p>'
-
-
-def large_label(view: View, warning: str | None = None) -> str:
-    k = view.selected
-    return (
-        f'Where the model looked for **"{view.words[k]}"** (word {k + 1} of {len(view.words)}); '
-        "brighter means more attention" + (f" (⚠ {warning})" if warning else "")
-    )
 
 
 def _frame(thumb: Image.Image, selected: bool) -> Image.Image:

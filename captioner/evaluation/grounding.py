@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -65,49 +66,65 @@ def pointing_accuracy(
          many captions that was measured on}
     """
     preprocess = preprocess or Preprocess()
-    hits, chances, unmatched, on_another = [], [], 0, 0
-    by_word: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    by_kind: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    ahead: list[bool] = []
-    both: list[bool] = []
+    tally = _Tally()
     for image_id, (words, attention) in captions.items():
-        if image_id not in boxes:
+        if image_id in boxes:
+            _score_caption(tally, image_id, words, attention, boxes, preprocess)
+    return _summary(tally)
+
+
+@dataclass
+class _Tally:
+    """What `pointing_accuracy` counts, caption by caption."""
+
+    hits: list[bool] = field(default_factory=list)  # per scored word: its peak on its object
+    chances: list[float] = field(default_factory=list)  # per scored word: its objects' share of the view
+    unmatched: int = 0  # object words with no such object in the image
+    on_another: int = 0  # scored words whose peak missed their object but lies on another
+    by_word: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))  # [hits, n]
+    by_kind: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    ahead: list[bool] = field(default_factory=list)  # per word: its peak on the next object named
+    both: list[bool] = field(default_factory=list)  # per caption naming two objects: both reached
+
+
+def _score_caption(
+    tally: _Tally, image_id: int, words: list[str], attention: np.ndarray, boxes: GroundingBoxes, preprocess: Preprocess
+) -> None:
+    """Add one caption's words (attention (len(words), g, g)) to the tally."""
+    size = boxes.size(image_id)
+    l, t, r, b = preprocess.grid_box(*size)
+    points = _peaks_in_pixels(attention, (l, t, r, b))
+
+    def on(k: int, found) -> bool:
+        px, py = points[k]
+        return any(x <= px <= x + w and y <= py <= y + h for x, y, w, h in found)
+
+    named = [boxes.boxes_for(image_id, w) if boxes.names_object(w) else None for w in words]
+    objects, reached = [], []  # the box sets the caption names, and those a word's map peaked on
+    for k, (word, found) in enumerate(zip(words, named)):
+        nxt = next((f for f in named[k + 1 :] if f), None)  # the next object word present in the image
+        if nxt:
+            tally.ahead.append(on(k, nxt))
+        if found is None:
             continue
-        size = boxes.size(image_id)
-        l, t, r, b = preprocess.grid_box(*size)
-        points = _peaks_in_pixels(attention, (l, t, r, b))
-
-        def on(k: int, found) -> bool:
-            px, py = points[k]
-            return any(x <= px <= x + w and y <= py <= y + h for x, y, w, h in found)
-
-        named = [boxes.boxes_for(image_id, w) if boxes.names_object(w) else None for w in words]
-        objects, reached = [], []  # the box sets the caption names, and those a word's map peaked on
-        for k, (word, found) in enumerate(zip(words, named)):
-            nxt = next((f for f in named[k + 1 :] if f), None)  # the next object word present in the image
-            if nxt:
-                ahead.append(on(k, nxt))
-            if found is None:
-                continue
-            if not found:
-                unmatched += 1
-                continue
-            hit = on(k, found)
-            objects.append(found)
-            if hit:
-                reached.append(found)
-            elif on(k, boxes.all_boxes(image_id)):
-                on_another += 1
-            hits.append(hit)
-            chances.append(_covered_share(found, (l, t, r, b), size))
-            by_word[word][0] += int(hit)
-            by_word[word][1] += 1
-            kind = by_kind["colour" if word in boxes.colors else "category"]
-            kind[0] += int(hit)
-            kind[1] += 1
-        if _two_apart(objects):
-            both.append(_two_apart(reached))
-    return _summary(hits, chances, unmatched, on_another, by_word, by_kind, ahead, both)
+        if not found:
+            tally.unmatched += 1
+            continue
+        hit = on(k, found)
+        objects.append(found)
+        if hit:
+            reached.append(found)
+        elif on(k, boxes.all_boxes(image_id)):
+            tally.on_another += 1
+        tally.hits.append(hit)
+        tally.chances.append(_covered_share(found, (l, t, r, b), size))
+        tally.by_word[word][0] += int(hit)
+        tally.by_word[word][1] += 1
+        kind = tally.by_kind["colour" if word in boxes.colors else "category"]
+        kind[0] += int(hit)
+        kind[1] += 1
+    if _two_apart(objects):
+        tally.both.append(_two_apart(reached))
 
 
 def _peaks_in_pixels(attention: np.ndarray, grid_box) -> list[tuple[float, float]]:
@@ -116,8 +133,10 @@ def _peaks_in_pixels(attention: np.ndarray, grid_box) -> list[tuple[float, float
     return [(l + fx * (r - l), t + fy * (b - t)) for fx, fy in map(peak, attention)]
 
 
-def _summary(hits, chances, unmatched, on_another, by_word, by_kind, ahead, both) -> dict:
+def _summary(tally: _Tally) -> dict:
     """The tallies as `pointing_accuracy` returns them."""
+    hits, chances, unmatched, on_another = tally.hits, tally.chances, tally.unmatched, tally.on_another
+    by_word, by_kind, ahead, both = tally.by_word, tally.by_kind, tally.ahead, tally.both
     missed = len(hits) - sum(hits)
     return {
         "pointing": float(np.mean(hits)) if hits else None,

@@ -144,6 +144,15 @@ def model_comparison_figure(
     names = list(metrics)
     fig = Figure(figsize=(13, 3.4))
     ax_q, ax_h, ax_p, ax_g = fig.subplots(1, 4)
+    _scores_panel(ax_q, metrics, names)
+    _attention_panels(ax_h, ax_p, captions, names)
+    _pointing_panel(ax_g, metrics, names)
+    fig.tight_layout()
+    return fig
+
+
+def _scores_panel(ax_q, metrics: Mapping[str, Mapping], names: list[str]) -> None:
+    """BLEU-4 and CIDEr of each model, as grouped bars."""
     width = 0.8 / len(names)
     for k, name in enumerate(names):
         x = np.arange(2) + (k - (len(names) - 1) / 2) * width
@@ -152,6 +161,10 @@ def model_comparison_figure(
     ax_q.set_xticks(range(2), ["BLEU-4", "CIDEr"])
     ax_q.set_title("caption quality (test)")
     ax_q.legend(fontsize=8)
+
+
+def _attention_panels(ax_h, ax_p, captions: Mapping[str, Sequence], names: list[str]) -> None:
+    """Histograms of each model's attention entropy and top-cell weight per word."""
     stats = {n: attention_stats(captions[n]) for n in names}
     for ax, key, title, xlabel in (
         (ax_h, "entropy", "attention entropy per word", "entropy / log L"),
@@ -170,6 +183,10 @@ def model_comparison_figure(
             )
         ax.set(title=title, xlabel=xlabel, ylabel="density")
         ax.legend(fontsize=8)
+
+
+def _pointing_panel(ax_g, metrics: Mapping[str, Mapping], names: list[str]) -> None:
+    """Each model's pointing accuracy as a bar, with its chance rate as a dashed line."""
     for k, name in enumerate(names):
         g = metrics[name].get("grounding") or {}
         p = g.get("pointing")
@@ -191,8 +208,6 @@ def model_comparison_figure(
     ax_g.set(title="pointing accuracy", ylim=(0, 1.1))
     if ax_g.get_legend_handles_labels()[0]:
         ax_g.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
 
 
 def dataset_figure(

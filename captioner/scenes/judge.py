@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from captioner.errors import CaptionerError
 from captioner.io import read_json
-from captioner.scenes.synthetic import COLORS, SHAPES
+from captioner.scenes.synthetic_drawing import COLORS, SHAPES
 
 # Words a caption may name objects with; a scene's own colours and shapes are added to these.
 KNOWN_COLOURS, KNOWN_SHAPES = frozenset(COLORS), frozenset(SHAPES)

@@ -15,7 +15,8 @@ Running ``python -m captioner.scenes.synthetic OUT --n N --seed S`` writes::
                         pixels, plus a "color" field) for attention-grounding checks
 
 The dataset is tiny and fully deterministic for a given (N, seed), which makes
-it a smoke test for the whole pipeline and a training set for a demo model.
+it a smoke test for the whole pipeline and a training set for a demo model. The drawing is in
+`synthetic_drawing`, the captions in `synthetic_wording`; this module writes the files.
 """
 
 from __future__ import annotations
@@ -30,22 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageDraw
 
-COLORS: dict[str, tuple[int, int, int]] = {
-    "red": (220, 40, 40),
-    "green": (40, 170, 60),
-    "blue": (40, 80, 225),
-    "yellow": (240, 220, 40),
-    "purple": (150, 60, 190),
-    "orange": (245, 140, 30),
-    "white": (245, 245, 245),
-}
-SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "diamond", "star")
+from captioner.scenes.synthetic_drawing import SHAPES, Obj, render, save_image
+from captioner.scenes.synthetic_wording import captions
 
-# Background brightness bands (name, min level, max level). All are near-gray,
-# so they never get confused with the saturated object colours or with white.
-_BACKGROUNDS: tuple[tuple[str, int, int], ...] = (("black", 15, 45), ("gray", 95, 140), ("light gray", 170, 195))
 # (image mode, file format, probability): mostly RGB JPEG, like real COCO.
 _MODES: tuple[tuple[str, str, float], ...] = (
     ("RGB", "JPEG", 0.65),
@@ -55,196 +44,6 @@ _MODES: tuple[tuple[str, str, float], ...] = (
     ("CMYK", "JPEG", 0.05),
 )
 _MIN_SIDE, _MAX_SIDE = 96, 320
-_LONG_REL = {"left": "to the left of", "right": "to the right of", "above": "above", "below": "below"}
-_SHORT_REL = {"left": "left of", "right": "right of", "above": "above", "below": "below"}
-# Caption templates: {a} {b} {c} are noun phrases ("a red circle"), {rel}/{srel}
-# the long/short relation of a to b, {pos} where a single object sits.
-_TEMPLATES: dict[int, tuple[str, ...]] = {
-    1: (
-        "{a}",
-        "a single {bare} {pos}",
-        "there is {a} {pos}",
-        "{a} on a {bg} background",
-        "{a} {pos} of the image",
-        "a {bg} background with {a}",
-        "the image shows {a}",
-    ),
-    2: (
-        "{a} {rel} {b}",
-        "{a} is {srel} {b}",
-        "the image shows {a} {rel} {b}",
-        "there is {a} next to {b}",
-        "{a} and {b}",
-        "{a} and {b} on a {bg} background",
-    ),
-}
-# Three-object scenes are described whole: every template names all three objects, so a model
-# is never taught to leave one out. Nine of them, as many as the pool they replace (six pair and
-# three triple templates up to version 1.0), so the random stream, and every image, is unchanged.
-_TRIPLE_TEMPLATES = (
-    "{a}, {b} and {c}",
-    "{a}, {b} and {c} on a {bg} background",
-    "there is {a}, {b} and {c}",
-    "the image shows {a}, {b} and {c}",
-    "{a} {rel} {b}, and {c}",
-    "{a} is {srel} {b}, and there is {c}",
-    "{a} next to {b} and {c}",
-    "{a} and {b} with {c}",
-    "a {bg} background with {a}, {b} and {c}",
-)
-
-Obj = dict[str, Any]  # {"color", "shape", "box": (x0, y0, side), "area"}
-
-
-def _unit_polygon(shape: str) -> list[tuple[float, float]]:
-    """Polygon vertices of a shape, normalised to fill the unit square."""
-    if shape == "triangle":
-        return [(0.5, 0.0), (1.0, 1.0), (0.0, 1.0)]
-    if shape == "diamond":
-        return [(0.5, 0.0), (1.0, 0.5), (0.5, 1.0), (0.0, 0.5)]
-    if shape == "star":
-        ang = -np.pi / 2 + np.arange(10) * np.pi / 5
-        rad = np.where(np.arange(10) % 2 == 0, 1.0, 0.45)
-        xs, ys = rad * np.cos(ang), rad * np.sin(ang)
-        # Stretch so the star touches all four sides of its box (tight bbox).
-        xs = (xs - xs.min()) / (xs.max() - xs.min())
-        ys = (ys - ys.min()) / (ys.max() - ys.min())
-        return list(zip(xs.tolist(), ys.tolist()))
-    raise ValueError(f"not a polygon shape: {shape}")
-
-
-def _shape_mask(shape: str, side: int) -> Image.Image:
-    """Binary 'L' mask of a shape filling a side x side box."""
-    mask = Image.new("L", (side, side), 0)
-    draw = ImageDraw.Draw(mask)
-    last = side - 1
-    if shape == "circle":
-        draw.ellipse([0, 0, last, last], fill=255)
-    elif shape == "square":
-        draw.rectangle([0, 0, last, last], fill=255)
-    else:
-        draw.polygon([(u * last, v * last) for u, v in _unit_polygon(shape)], fill=255)
-    return mask
-
-
-def _background(rng: np.random.Generator, w: int, h: int) -> tuple[np.ndarray, str]:
-    name, lo, hi = _BACKGROUNDS[rng.integers(len(_BACKGROUNDS))]
-    base = rng.integers(lo, hi + 1) + rng.integers(-10, 11, size=3)
-    if rng.random() < 0.5:
-        noise = rng.normal(0.0, rng.uniform(2.0, 6.0), size=(h, w, 3))
-    else:
-        # Soft linear gradient in a random direction, at most +-12 levels.
-        theta = rng.uniform(0, 2 * np.pi)
-        yy, xx = np.mgrid[0:h, 0:w]
-        ramp = np.cos(theta) * xx / w + np.sin(theta) * yy / h
-        noise = (ramp - ramp.mean())[..., None] * rng.uniform(8.0, 24.0)
-    return np.clip(base + noise, 0, 255).astype(np.uint8), name
-
-
-def _place_objects(rng: np.random.Generator, w: int, h: int, k: int) -> list[Obj]:
-    """Rejection-sample up to k square boxes that keep a gap between them."""
-    short = min(w, h)
-    margin, gap = max(3, short // 25), max(4, short // 16)
-    lo, hi = int(0.20 * short), int(0.45 * short)
-    objs: list[Obj] = []
-    for _ in range(60 * k):
-        if len(objs) == k:
-            break
-        side = int(rng.integers(lo, hi + 1))
-        x0 = int(rng.integers(margin, w - margin - side + 1))
-        y0 = int(rng.integers(margin, h - margin - side + 1))
-        if any(
-            x0 < ox + os_ + gap and ox < x0 + side + gap and y0 < oy + os_ + gap and oy < y0 + side + gap
-            for ox, oy, os_ in (o["box"] for o in objs)
-        ):
-            continue
-        color = str(rng.choice(list(COLORS)))
-        shape = str(rng.choice(SHAPES))
-        if any(o["color"] == color and o["shape"] == shape for o in objs):
-            continue
-        objs.append({"color": color, "shape": shape, "box": (x0, y0, side)})
-    return objs
-
-
-def _centre(o: Obj) -> tuple[float, float]:
-    x0, y0, s = o["box"]
-    return x0 + s / 2, y0 + s / 2
-
-
-def _relation(a: Obj, b: Obj) -> str:
-    """Where a is relative to b, on the axis with the larger centre difference."""
-    (ax, ay), (bx, by) = _centre(a), _centre(b)
-    if abs(ax - bx) >= abs(ay - by):
-        return "left" if ax < bx else "right"
-    return "above" if ay < by else "below"
-
-
-def _position(o: Obj, w: int, h: int) -> str:
-    cx, cy = _centre(o)
-    dx, dy = cx / w - 0.5, cy / h - 0.5
-    if max(abs(dx), abs(dy)) < 0.12:
-        return "in the middle"
-    if abs(dx) >= abs(dy):
-        return "on the left" if dx < 0 else "on the right"
-    return "near the top" if dy < 0 else "near the bottom"
-
-
-def _phrase(o: Obj) -> str:
-    """Noun phrase with article: 'a red circle', 'an orange star'."""
-    article = "an" if o["color"][0] in "aeiou" else "a"
-    return f"{article} {o['color']} {o['shape']}"
-
-
-def _captions(rng: np.random.Generator, objs: list[Obj], bg: str, w: int, h: int) -> list[str]:
-    """Five captions from distinct templates, with varied case and full stop."""
-    pool = _TRIPLE_TEMPLATES if len(objs) == 3 else _TEMPLATES[len(objs)]
-    caps = []
-    for t in rng.choice(len(pool), size=5, replace=False):
-        # A fresh object order per caption: the objects are named, and related, in a random order.
-        order = [objs[i] for i in rng.permutation(len(objs))]
-        rel = _relation(order[0], order[1]) if len(order) > 1 else "left"
-        a, b, c = ([_phrase(o) for o in order] + ["", ""])[:3]
-        cap = pool[t].format(
-            a=a,
-            b=b,
-            c=c,
-            bare=f"{order[0]['color']} {order[0]['shape']}",
-            rel=_LONG_REL[rel],
-            srel=_SHORT_REL[rel],
-            pos=_position(order[0], w, h),
-            bg=bg,
-        )
-        if rng.random() < 0.5:
-            cap = cap[0].upper() + cap[1:]
-        if rng.random() < 0.5:
-            cap += "."
-        caps.append(cap)
-    return caps
-
-
-def _render(rng: np.random.Generator, w: int, h: int) -> tuple[Image.Image, list[Obj], str]:
-    bg_arr, bg = _background(rng, w, h)
-    img = Image.fromarray(bg_arr, "RGB")
-    objs = _place_objects(rng, w, h, int(rng.choice([1, 2, 3], p=[0.25, 0.40, 0.35])))
-    for o in objs:
-        x0, y0, side = o["box"]
-        mask = _shape_mask(o["shape"], side)
-        img.paste(COLORS[o["color"]], (x0, y0, x0 + side, y0 + side), mask)
-        o["area"] = int(np.count_nonzero(np.asarray(mask)))
-    return img, objs, bg
-
-
-def _save(img: Image.Image, path: Path, mode: str, fmt: str) -> None:
-    if mode == "P":
-        # A plain adaptive palette can merge a small object into background
-        # shades, so the object colours are pinned as exact palette entries.
-        shades = img.quantize(colors=56, dither=Image.Dither.NONE).getpalette()[: 56 * 3]
-        pal = Image.new("P", (1, 1))
-        pal.putpalette([v for rgb in COLORS.values() for v in rgb] + shades)
-        img = img.quantize(palette=pal, dither=Image.Dither.NONE)
-    elif mode != "RGB":
-        img = img.convert(mode)  # RGBA gets opaque alpha; CMYK stays colourful
-    img.save(path, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -269,56 +68,36 @@ def _splits(rng: np.random.Generator, n: int) -> list[str]:
     return [labels[i] for i in rng.permutation(n)]
 
 
-def generate(out_dir: str | os.PathLike[str], n: int, seed: int = 0) -> dict[str, Any]:
-    """Write n images plus captions/splits/boxes JSON into out_dir; return counts."""
-    if n <= 0:
-        raise ValueError(f"n must be positive, got {n}")
-    out = Path(out_dir)
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    # Random, sorted, non-contiguous ids so code cannot assume id == index.
-    img_ids = np.sort(rng.choice(999_999, size=n, replace=False) + 1).tolist()
-    ann_ids = np.sort(rng.choice(9_999_999, size=5 * n, replace=False) + 1).tolist()
-    modes = rng.choice(len(_MODES), size=n, p=[m[2] for m in _MODES])
-    split_of = _splits(rng, n)
-    images, caps_anns, box_anns, karpathy = [], [], [], []
-    for idx, (img_id, m) in enumerate(zip(img_ids, modes)):
-        w = int(rng.integers(_MIN_SIDE, _MAX_SIDE + 1))
-        h = int(rng.integers(max(_MIN_SIDE, w // 2), min(_MAX_SIDE, 2 * w) + 1))
-        img, objs, bg = _render(rng, w, h)
-        mode, fmt = _MODES[m][:2]
-        fname = f"COCO_synth_{img_id:012d}.{'jpg' if fmt == 'JPEG' else 'png'}"
-        _save(img, out / "images" / fname, mode, fmt)
-        images.append({"id": img_id, "file_name": fname, "width": w, "height": h})
-        for o in objs:
-            x0, y0, side = o["box"]
-            box_anns.append(
-                {
-                    "id": len(box_anns) + 1,
-                    "image_id": img_id,
-                    "category_id": SHAPES.index(o["shape"]) + 1,
-                    "bbox": [x0, y0, side, side],
-                    "area": o["area"],
-                    "iscrowd": 0,
-                    "color": o["color"],
-                }
-            )
-        sents = []
-        for cap in _captions(rng, objs, bg, w, h):
-            sid = len(caps_anns)
-            caps_anns.append({"id": ann_ids[sid], "image_id": img_id, "caption": cap})
-            sents.append({"tokens": re.findall(r"[a-z]+", cap.lower()), "raw": cap, "imgid": idx, "sentid": sid})
-        karpathy.append(
-            {
-                "filepath": "images",
-                "filename": fname,
-                "imgid": idx,
-                "cocoid": img_id,
-                "split": split_of[idx],
-                "sentids": [s["sentid"] for s in sents],
-                "sentences": sents,
-            }
-        )
+def _draw_scene(rng: np.random.Generator, out: Path, img_id: int, mode_index: int) -> tuple[dict, list[Obj], list[str]]:
+    """One image drawn and saved: its COCO image entry, its objects and its five captions."""
+    w = int(rng.integers(_MIN_SIDE, _MAX_SIDE + 1))
+    h = int(rng.integers(max(_MIN_SIDE, w // 2), min(_MAX_SIDE, 2 * w) + 1))
+    img, objs, bg = render(rng, w, h)
+    mode, fmt = _MODES[mode_index][:2]
+    fname = f"COCO_synth_{img_id:012d}.{'jpg' if fmt == 'JPEG' else 'png'}"
+    save_image(img, out / "images" / fname, mode, fmt)
+    image = {"id": img_id, "file_name": fname, "width": w, "height": h}
+    return image, objs, captions(rng, objs, bg, w, h)
+
+
+def _box_annotations(img_id: int, objs: list[Obj], first_id: int) -> list[dict]:
+    """COCO instances annotations of one image's objects, numbered from first_id."""
+    return [
+        {
+            "id": first_id + k,
+            "image_id": img_id,
+            "category_id": SHAPES.index(o["shape"]) + 1,
+            "bbox": [o["box"][0], o["box"][1], o["box"][2], o["box"][2]],
+            "area": o["area"],
+            "iscrowd": 0,
+            "color": o["color"],
+        }
+        for k, o in enumerate(objs)
+    ]
+
+
+def _write_files(out: Path, seed: int, images: list, caps_anns: list, box_anns: list, karpathy: list) -> None:
+    """captions.json, splits.json and boxes.json, each written atomically."""
     info = {
         "description": "captioner synthetic coloured shapes",
         "version": "1.1",
@@ -333,6 +112,42 @@ def generate(out_dir: str | os.PathLike[str], n: int, seed: int = 0) -> dict[str
         out / "boxes.json",
         {"info": info, "licenses": [], "images": images, "categories": cats, "annotations": box_anns},
     )
+
+
+def generate(out_dir: str | os.PathLike[str], n: int, seed: int = 0) -> dict[str, Any]:
+    """Write n images plus captions/splits/boxes JSON into out_dir; return counts."""
+    if n <= 0:
+        raise ValueError(f"n must be positive, got {n}")
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    # Random, sorted, non-contiguous ids so code cannot assume id == index.
+    img_ids = np.sort(rng.choice(999_999, size=n, replace=False) + 1).tolist()
+    ann_ids = np.sort(rng.choice(9_999_999, size=5 * n, replace=False) + 1).tolist()
+    modes = rng.choice(len(_MODES), size=n, p=[m[2] for m in _MODES])
+    split_of = _splits(rng, n)
+    images, caps_anns, box_anns, karpathy = [], [], [], []
+    for idx, (img_id, m) in enumerate(zip(img_ids, modes)):
+        image, objs, caps = _draw_scene(rng, out, img_id, m)
+        images.append(image)
+        box_anns += _box_annotations(img_id, objs, len(box_anns) + 1)
+        sents = []
+        for cap in caps:
+            sid = len(caps_anns)
+            caps_anns.append({"id": ann_ids[sid], "image_id": img_id, "caption": cap})
+            sents.append({"tokens": re.findall(r"[a-z]+", cap.lower()), "raw": cap, "imgid": idx, "sentid": sid})
+        karpathy.append(
+            {
+                "filepath": "images",
+                "filename": image["file_name"],
+                "imgid": idx,
+                "cocoid": img_id,
+                "split": split_of[idx],
+                "sentids": [s["sentid"] for s in sents],
+                "sentences": sents,
+            }
+        )
+    _write_files(out, seed, images, caps_anns, box_anns, karpathy)
     return {
         "out_dir": str(out),
         "images": n,

@@ -5,30 +5,31 @@ same inputs reuses every finished feature row, and a run with different inputs i
 rather than mixing two caches. The directory counts as prepared only once meta.json says
 "complete", after everything else is on disk. A stop (SIGTERM, Ctrl-C) ends it after the current
 batch of features, with done marks only for rows on disk; `recheck` re-extracts damaged rows.
+The files written last, once the features are done, are `train.dataset_files`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Annotated
 
 import numpy as np
 import torch
 
-from captioner.data.coco import SPLITS, load_dataset
+from captioner.data.coco import load_dataset
 from captioner.data.dataset import FORMAT, VIEWS
-from captioner.data.features import BAD, DONE, TODO, FeatureCache, extract_features, nonfinite_rows
+from captioner.data.extraction import extract_features
+from captioner.data.features import DONE, TODO, FeatureCache
 from captioner.data.karpathy import load_karpathy
 from captioner.errors import CaptionerError
-from captioner.io import atomic_path, check_free_space, describe_os_error, read_json, write_json_atomic
+from captioner.io import check_free_space, describe_os_error, read_json, write_json_atomic
 from captioner.models.encoder import FEATURE_DIM, EncoderSpec, build_encoder
 from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.views import max_shift, shifts, view
-from captioner.models.vocab import Vocabulary, tokenize
 from captioner.options import Device, check_device, check_positive
+from captioner.train.dataset_files import write_dataset
 from captioner.train.distributed import Dist, barrier, choose_device
 from captioner.train.resilience import GracefulStop, stop_requested
 
@@ -125,19 +126,7 @@ def prepare(
     records, skipped, sources = _read_records(cfg)
     enc, spec = build_encoder(cfg.encoder)
     grid = spec.grid
-    meta = {
-        "format": FORMAT,
-        "encoder": spec.to_dict(),
-        "locations": grid * grid,
-        "feature_dim": FEATURE_DIM,
-        "max_len": cfg.max_len,
-        "min_count": cfg.min_count,
-        "image_ids": [r.image_id for r in records],
-        "paths": [r.path for r in records],
-        "sources": sources,
-        _views_key(cfg.out): cfg.views,
-        "view_shift": max_shift(grid) if cfg.views else 0,
-    }
+    meta = _begin_meta(cfg, spec, records, sources)
     caches = _open_caches(cfg, meta, dist, progress)
     fast = optimize_encoder(enc, device, image_size=spec.image_size)  # same features as enc, faster
     views = [None, lambda images, rows: view(images, _moves(rows, meta["view_shift"], images.device), grid)]
@@ -161,23 +150,45 @@ def prepare(
             stop=stop,
         )
         if stop_requested(stop) and len(target.todo(dist.rank, dist.world)):
-            return {
-                "stopped": stop.signal_name,
-                "rank": dist.rank,
-                "features_done": int((target.done == DONE).sum()),
-                "features_to_do": int((target.done == TODO).sum()),
-                **({"cache": os.path.basename(target.path)} if target is not caches[0] else {}),
-            }
+            return _stopped(stop, dist, target, first=target is caches[0])
     barrier(dist)  # every rank's rows are on disk before the dataset files are written
     if not dist.main:
         return {"rank": dist.rank}
     try:
-        return _write_dataset(cfg.out, meta, records, caches[0], cfg.min_count, cfg.max_len, skipped)
+        return write_dataset(cfg.out, meta, records, caches[0], cfg.min_count, cfg.max_len, skipped)
     except OSError as e:
         raise CaptionerError(
             f"cannot write the dataset files in {cfg.out}: {describe_os_error(e, cfg.out)}; "
             "the features are kept: free some space and run prepare again"
         ) from None
+
+
+def _begin_meta(cfg: PrepareConfig, spec: EncoderSpec, records: list, sources: dict) -> dict:
+    """meta.json as prepare begins it: the images, the encoder and the settings that make the features."""
+    return {
+        "format": FORMAT,
+        "encoder": spec.to_dict(),
+        "locations": spec.grid * spec.grid,
+        "feature_dim": FEATURE_DIM,
+        "max_len": cfg.max_len,
+        "min_count": cfg.min_count,
+        "image_ids": [r.image_id for r in records],
+        "paths": [r.path for r in records],
+        "sources": sources,
+        _views_key(cfg.out): cfg.views,
+        "view_shift": max_shift(spec.grid) if cfg.views else 0,
+    }
+
+
+def _stopped(stop: GracefulStop, dist: Dist, target: FeatureCache, *, first: bool) -> dict:
+    """The summary of a prepare stopped before `target` was filled: a rerun goes on from there."""
+    return {
+        "stopped": stop.signal_name,
+        "rank": dist.rank,
+        "features_done": int((target.done == DONE).sum()),
+        "features_to_do": int((target.done == TODO).sum()),
+        **({} if first else {"cache": os.path.basename(target.path)}),
+    }
 
 
 def _moves(rows: np.ndarray, most: int, device: torch.device) -> torch.Tensor:
@@ -239,87 +250,3 @@ def _recheck(cache: FeatureCache, meta: dict, progress: bool) -> None:
             "extracting them again"
         )
     log.info(f"recheck: {len(damaged)} of {len(cache.done)} feature rows to extract again")
-
-
-def _feature_stats(cache: FeatureCache, rows: list[int], sample: int = 2000) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std of training features (over a fixed sample of images)."""
-    pick = np.asarray(rows)[np.linspace(0, len(rows) - 1, min(sample, len(rows))).astype(int)]
-    D = cache.shape[2]
-    s1, s2, used = np.zeros(D), np.zeros(D), 0
-    for i in range(0, len(pick), 256):
-        f = cache[pick[i : i + 256]]  # (n, L, D) fp16
-        f = f[~nonfinite_rows(f)].astype(np.float64).reshape(-1, D)  # (n'*L, D): damaged rows left out
-        s1 += f.sum(0)
-        s2 += (f * f).sum(0)
-        used += len(f) // cache.shape[1]
-    n = max(used, 1) * cache.shape[1]
-    mean = s1 / n
-    std = np.sqrt(np.maximum(s2 / n - mean**2, 0.0))
-    return mean.round(6).tolist(), std.round(6).tolist()
-
-
-def _write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped) -> dict:
-    usable = [(row, r) for row, r in enumerate(records) if cache.done[row] != BAD]
-    # Words are counted in the training split only: val and test captions must not shape the model.
-    counts = Counter(t for row, r in usable if r.split == "train" for c in r.captions for t in tokenize(c))
-    vocab = Vocabulary.from_counts(counts, min_count=min_count)
-    if len(vocab) <= 4:
-        raise CaptionerError(
-            f"the training captions give an empty vocabulary at --min-word-freq "
-            f"{min_count}; lower it or add training data"
-        )
-    rare = [w for w, c in counts.items() if c < min_count]
-    rows, tokens, lengths, too_long = [], [], [], 0
-    for row, r in usable:
-        if r.split != "train":
-            continue
-        for c in r.captions:
-            words = tokenize(c)
-            if not words:
-                continue
-            if len(words) > max_len:
-                too_long += 1
-                continue
-            ids = vocab.encode(words)
-            rows.append(row), lengths.append(len(ids))
-            tokens.append(ids + [0] * (max_len + 2 - len(ids)))
-    if not rows:
-        raise CaptionerError(
-            f"no training captions: the train split is empty or every caption is longer than --max-len {max_len}"
-        )
-    with atomic_path(os.path.join(out_dir, "captions.npz")) as tmp:
-        np.savez(
-            tmp,
-            tokens=np.asarray(tokens, np.int32),
-            lengths=np.asarray(lengths, np.int32),
-            rows=np.asarray(rows, np.int64),
-        )
-    images = {s: [[r.image_id, row] for row, r in usable if r.split == s] for s in SPLITS}
-    references = {s: {str(r.image_id): r.captions for row, r in usable if r.split == s} for s in ("val", "test")}
-    write_json_atomic(
-        os.path.join(out_dir, "vocab.json"), {"words": vocab.words, "min_count": min_count, "max_len": max_len}
-    )
-    # Images whose features could not be extracted (unreadable, --skip-bad) are named per split, so
-    # that evaluation can say what it did not score.
-    dropped = {
-        s: [r.image_id for row, r in enumerate(records) if r.split == s and cache.done[row] == BAD] for s in SPLITS
-    }
-    write_json_atomic(
-        os.path.join(out_dir, "splits.json"), {"images": images, "references": references, "dropped": dropped}
-    )
-    mean, std = _feature_stats(cache, sorted(set(rows)))
-    write_json_atomic(
-        os.path.join(out_dir, "meta.json"), {**meta, "feature_mean": mean, "feature_std": std, "complete": True}
-    )
-    return {
-        "images": {s: len(v) for s, v in images.items()},
-        "train_captions": len(rows),
-        "vocabulary": len(vocab),
-        "min_word_freq": min_count,
-        # distinct training words seen fewer than min_word_freq times, now <unk>, and their share of words
-        "words_below_min_freq": len(rare),
-        "unk_share": round(sum(counts[w] for w in rare) / max(1, sum(counts.values())), 5),
-        "too_long": too_long,
-        "bad_images": int((cache.done == BAD).sum()),
-        "skipped": skipped.report(),
-    }

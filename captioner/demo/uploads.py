@@ -1,0 +1,53 @@
+"""Reading the web demo's uploads: the file as sent, named as the user knows it, decoded once.
+
+Uploads arrive undecoded (the caption events skip gr.Image's preprocessing) and are read once by
+`load_image`, so each error says what is wrong with the image, naming it by its own file name.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gradio as gr
+from gradio_client.utils import decode_base64_to_binary
+from PIL import Image
+
+from captioner.data.images import load_image
+from captioner.errors import ImageError
+
+
+def upload_source(payload: dict | str | None) -> str | bytes | None:
+    """The uploaded file from gr.Image's raw payload: its path, or bytes for a data URL.
+
+    gr.Image's own preprocessing opens each upload with Pillow and re-encodes non-RGB ones: odd
+    files fail with Pillow's bare exception before our handler runs, and 16-bit images are
+    clipped. So the caption events skip it and hand the file to `load_image` untouched.
+    """
+    if payload is None or isinstance(payload, str):  # a path: direct calls
+        return payload
+    if (payload.get("url") or "").startswith("data:"):  # webcam/clipboard sent inline
+        return decode_base64_to_binary(payload["url"])[0]
+    return payload["path"]
+
+
+def upload_name(payload: dict | str | None) -> str | None:
+    """The name the user knows the upload by (its own file name, not the server's cache path)."""
+    if isinstance(payload, dict) and payload.get("orig_name"):
+        return os.path.basename(payload["orig_name"])
+    source = upload_source(payload)
+    return os.path.basename(source) if isinstance(source, str) else None
+
+
+def read_upload(payload: dict | str | None) -> Image.Image:
+    """Decode an upload with `load_image`; errors become a gr.Error about that image.
+
+    The message names the file by its own name, not by the server's cache path.
+    """
+    image = upload_source(payload)
+    if image is None:
+        raise gr.Error("No image: upload, paste or take one first.", title="No image", print_exception=False)
+    try:
+        return load_image(image)
+    except ImageError as e:
+        message = str(e).replace(image, upload_name(payload)) if isinstance(image, str) else str(e)
+        raise gr.Error(message, title="Cannot read this image", duration=None, print_exception=False) from None
