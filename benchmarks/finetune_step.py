@@ -1,6 +1,6 @@
 """Cost of one training step, frozen encoder against `--fine-tune-encoder` (conv5_1 and conv4_1).
 
-Times the real step (`captioner.train.step.train_step`: forward, backward, clipping, Adam) on a prepared
+Times the real step (`captioner.train.step.TrainStep`: forward, backward, clipping, Adam) on a prepared
 data directory, with the default decoder, batch size 32 captions:
 
     python benchmarks/finetune_step.py --data /tmp/k_data [--steps 10] [--modes frozen conv5_1 conv4_1]
@@ -21,49 +21,62 @@ import time
 
 import torch
 
+from captioner.data.batches import CaptionBatches
 from captioner.data.dataset import CaptionData
-from captioner.models.decoder import AttentionDecoder, DecoderConfig
+from captioner.models.decoder import AttentionDecoder
+from captioner.objectives.terms import TermState
 from captioner.train import distributed
+from captioner.train.config import TrainConfig
 from captioner.train.finetune import FineTuneConfig, FineTuning
-from captioner.train.loop import Objective, Progress, TrainConfig, make_optimizer, train_step
+from captioner.train.parts import cross_entropy_objective, view_share
+from captioner.train.settle import settle
+from captioner.train.step import TrainStep, make_optimizer
 
 
 def time_steps(
     data: CaptionData, mode: str, steps: int, batch_size: int, workers: int
 ) -> tuple[list[float], list[float], list[int]]:
+    """`fit`'s step (`train.step.TrainStep`), settled as `fit` settles it on the CPU, timed with its batches."""
     torch.manual_seed(0)
-    decoder = AttentionDecoder.from_config(DecoderConfig(len(data.vocab)))
+    cpu = torch.device("cpu")
+    fine_tune = None if mode == "frozen" else FineTuneConfig(mode, workers=workers, after=0)
+    model_cfg, cfg = settle(
+        None, TrainConfig.of(batch_size=batch_size, fine_tune=fine_tune), vocab_size=len(data.vocab), device=cpu,
+        views=data.views is not None,
+    )  # fmt: skip
+    decoder = AttentionDecoder.from_config(model_cfg)
     decoder.set_feature_stats(*data.feature_stats())
-    optimizer = make_optimizer(decoder, 1e-3)
-    cfg = TrainConfig.of(batch_size=batch_size)
-    source, encoder = data, None
-    if mode != "frozen":
-        cfg.fine_tune = FineTuneConfig(mode, workers=workers)
-        source = FineTuning(data, cfg.fine_tune, distributed.Dist(), torch.device("cpu"))
-        optimizer.add_param_group({"params": list(source.parameters()), "lr": 1e-4})
+    groups, encoder = [{"params": list(decoder.parameters())}], None
+    if fine_tune is None:
+        share = view_share(cfg, data.views is not None)
+        source = CaptionBatches(data, batch_size, view_share=share)
+    else:
+        source = FineTuning(data, cfg.fine_tune, distributed.Dist(), cpu, batch_size=batch_size)
+        groups.append({"params": list(source.parameters()), "lr": cfg.fine_tune.lr})
         encoder = source.encoder
-    objective = Objective(decoder, cfg, encoder)
-    args = (
-        optimizer,
-        torch.amp.GradScaler("cpu", enabled=False),
-        cfg,
-        Progress(),
-        torch.Generator(),
-        distributed.Dist(),
-        torch.device("cpu"),
+    views = cfg.terms.consistency > 0 and (encoder is not None or data.views is not None)
+    objective = cross_entropy_objective(decoder, cfg, views=views, state=TermState(cpu), encoder=encoder)
+    step = TrainStep(
+        objective,
+        make_optimizer(groups, cfg.optim.lr, cpu),
+        cfg.optim,
+        average=None,
+        generator=torch.Generator().manual_seed(1),
+        d=distributed.Dist(),
+        device=cpu,
     )
-    times, cpu, sizes = [], [], []
-    batches = source.batches(batch_size, seed=0, epoch=0)
-    train_step(objective, next(batches), *args)  # warm-up
+    times, cpu_times, sizes = [], [], []
+    batches = source.batches(seed=0, epoch=0)
+    step(next(batches))  # warm-up
     t, c = time.perf_counter(), time.process_time()
     for _, batch in zip(range(steps), batches):  # batch loading is part of the step
-        train_step(objective, batch, *args)
+        step(batch)
         now, now_c = time.perf_counter(), time.process_time()
         times.append(now - t)
-        cpu.append(now_c - c)
+        cpu_times.append(now_c - c)
         sizes.append(len(batch.captions))
         t, c = now, now_c
-    return times, cpu, sizes
+    return times, cpu_times, sizes
 
 
 def main() -> None:

@@ -70,7 +70,7 @@ def test_accepts_grids_and_flat_maps(shape):
 
 
 class _Parts:
-    """What `loop._select` reads of a run's parts."""
+    """What `selection.select` reads of a run's parts."""
 
     def __init__(self):
         self.logged = []
@@ -86,11 +86,11 @@ PARKED = {**HEALTHY, "top5": 0.9}
 
 def test_best_is_the_best_scoring_validation_whose_health_is_ok():
     from captioner.train.config import Progress, TrainConfig
-    from captioner.train.loop import _select
+    from captioner.train.selection import select
 
     parts, progress = _Parts(), Progress()
     chosen = [
-        _select(parts, TrainConfig(), progress, {"CIDEr": c, "BLEU-4": 0.1, "example": "", "attention_health": h})
+        select(parts, TrainConfig(), progress, {"CIDEr": c, "BLEU-4": 0.1, "example": "", "attention_health": h})
         for c, h in ((1.0, PARKED), (0.8, HEALTHY), (1.5, PARKED), (0.9, HEALTHY), (0.85, HEALTHY))
     ]
     # a healthy one replaces a flagged best.pt whatever its score; a flagged one never replaces a healthy one
