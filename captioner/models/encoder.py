@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 from dataclasses import asdict, dataclass, replace
 from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torchvision
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import nn
 
 from captioner.errors import CaptionerError
 from captioner.models.preprocess import Preprocess
+from captioner.models.weights_file import read_weights_file
 
 # arch → (torchvision builder, ImageNet weights enum, layers kept: up to conv5_3 / conv5_4 + ReLU)
 ARCHS = {
@@ -118,61 +116,6 @@ def _imagenet_state(arch: str) -> dict:
         ) from None
 
 
-def _file_state(path: str) -> dict:
-    """The tensors of a VGG state-dict file: safetensors, or torch's format read with weights_only.
-
-    Raises:
-        CaptionerError: naming the file: missing, empty, truncated or corrupt, holding pickled
-            objects (refused unrun), or not a dict of tensors.
-    """
-    if not os.path.isfile(path):
-        raise CaptionerError(
-            f"--encoder-weights {path}: no such file (expected 'imagenet', 'none' or a path to a VGG state dict)"
-        )
-    if os.path.getsize(path) == 0:
-        raise CaptionerError(f"--encoder-weights {path}: the file is empty")
-    with open(path, "rb") as f:
-        head = f.read(2)
-    if head == b"PK" or head[:1] == b"\x80":  # torch.save's zip, or its legacy pickle format
-        state = _torch_state(path)
-    else:
-        try:
-            state = load_file(path)
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CaptionerError(
-                f"--encoder-weights {path}: neither a torch state dict nor a readable safetensors file "
-                f"(truncated or corrupt?): {e}"
-            ) from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise CaptionerError(f"--encoder-weights {path}: expected a dict of tensors, got {type(state).__name__}")
-    odd = next((k for k, v in state.items() if not isinstance(v, torch.Tensor)), None)
-    if odd is not None:
-        raise CaptionerError(
-            f"--encoder-weights {path}: expected a dict of tensors, but {odd!r} is a {type(state[odd]).__name__}"
-        )
-    return state
-
-
-def _torch_state(path: str):
-    """torch.load with weights_only: a file that needs the full unpickler is refused, its code never run."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
-        raise CaptionerError(
-            f"--encoder-weights {path}: refused: the file holds pickled objects that only a full unpickler "
-            f"would run, not plain tensors ({first}); save the model's state_dict() instead"
-        ) from None
-    except Exception as e:  # zip/EOF errors from a truncated or foreign file
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CaptionerError(
-            f"--encoder-weights {path}: not a readable torch state dict, truncated or corrupt "
-            f"({type(e).__name__}: {first})"
-        ) from None
-
-
 def _trunk_of(state: dict) -> dict:
     # A whole VGG state dict ("features.0.weight") or the trunk alone ("0.weight").
     return {
@@ -257,7 +200,7 @@ def build_encoder(spec: EncoderSpec, carried: dict | None = None) -> tuple[VGGEn
     elif carried is not None:
         _load_features(trunk, carried, f"the weights carried for {spec.weights}", spec.arch)
     else:
-        _load_features(trunk, _file_state(spec.weights), f"--encoder-weights {spec.weights}", spec.arch)
+        _load_features(trunk, read_weights_file(spec.weights), f"--encoder-weights {spec.weights}", spec.arch)
     encoder = VGGEncoder(trunk).eval().requires_grad_(False)
     fp = fingerprint(encoder)
     if spec.fingerprint and spec.fingerprint != fp:
