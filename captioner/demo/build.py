@@ -1,7 +1,10 @@
 """Build the bundled demo model: `python -m captioner.demo.build [--n 8000 --minutes 50 --device auto]`.
 
-Generates synthetic scenes, prepares them with the seeded random VGG16 (no download needed), and
-trains a soft-attention decoder on the frozen features at `fit`'s defaults with the scenes' object
+Generates synthetic scenes; pretrains VGG16's conv5 block on the training scenes' boxes, as VGG is
+pretrained on ImageNet for photos (`demo.pretrain`: conv1-4 the seeded random ones, no download
+needed; `--encoder-scenes 0` keeps the whole encoder random), and prepares the scenes with that
+weights file through `--encoder-weights PATH`, as a user would their own VGG; then trains a
+soft-attention decoder on the frozen features at `fit`'s defaults with the scenes' object
 boxes (`fit --boxes`); with `--tune-minutes M` a second stage continues from its best weights,
 training the decoder together with the encoder's conv5 layers (`fit --init ... --fine-tune-encoder`)
 at lower learning rates. It then picks how sharp the maps are when the model decodes, softmax(k e)
@@ -11,13 +14,14 @@ The build scores the result on the held-out test scenes (the
 coco-caption metrics, pointing against the boxes, whether a caption's maps reach both of two
 objects it names, and scene accuracy: the share of scenes whose caption names exactly their
 objects, by `captioner.scenes.judge`) and writes `captioner/assets/demo/` (an exported folder:
-weights and any trained encoder layers in fp16, no optimizer state, with a model card) and six
-test scenes as example images, two of each object count, drawn at random (seeded), never chosen
+weights, the pretrained encoder's and any trained encoder layers in fp16, no optimizer state, with a
+model card) and six test scenes as example images, two of each object count, drawn at random (seeded), never chosen
 by hand; the card records for each the caption the saved model writes and whether it is right.
 The card names the command and the commit that made the model, and the machine; nothing in the
 folder names a path of the machine it was built on. With `--work DIR`, what a previous build
-left there (scenes, features, a training stage that ran to its end) is reused, and a stage that
-did not finish is trained again from its start, so the model does not depend on interruptions.
+left there (scenes, the pretrained encoder, features, a training stage that ran to its end) is
+reused, and a stage that did not finish is trained again from its start, so the model does not
+depend on interruptions.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import numpy as np
 import torch
 
 from captioner.data.dataset import CaptionData
-from captioner.demo.pretrain import PretrainConfig, pretrain
+from captioner.demo import pretrain
 from captioner.evaluation.evaluate import evaluate, results_path
 from captioner.models.checkpoint import carry_encoder_weights, load_checkpoint, save_checkpoint
 from captioner.models.encoder import EncoderSpec
@@ -103,7 +107,7 @@ def build(opts: BuildOptions, work: str, *, model_dir: str = DEMO_MODEL, example
     ck["card"] = {
         "trained_on": f"{opts.n} synthetic scenes of coloured shapes (python -m captioner.scenes.synthetic OUT "
         f"--n {opts.n} --seed {opts.seed}), features from "
-        + (_pretrained_text(pretrained) if pretrained else "the seeded random VGG16 (--encoder-weights none)")
+        + (pretrain.trained_on(pretrained) if pretrained else "the seeded random VGG16 (--encoder-weights none)")
         + ", object boxes teaching the maps (fit --boxes)"
         + (", its conv5 layers then trained on the scenes with the decoder" if opts.tune_minutes else ""),
         "limits": "knows coloured shapes only (one to three per picture, seven colours, five shapes); real photos "
@@ -113,7 +117,7 @@ def build(opts: BuildOptions, work: str, *, model_dir: str = DEMO_MODEL, example
         "built_on": f"{device}: {_machine(device)}, torch {torch.__version__}, {time.monotonic() - t0:.0f} s"
         + (" (the scenes, features and training reused from an earlier run's --work directory)" if reused else ""),
         "decoding": decoding,
-        **({"encoder_pretraining": _pretraining_record(pretrained)} if pretrained else {}),
+        **({"encoder_pretraining": pretrain.card_record(pretrained)} if pretrained else {}),
         "stages": _stage_steps(work, opts.tune_minutes),
         "test_metrics": {k: metrics[k] for k in SCORES if k in metrics},
         "test_images": metrics["images"],
@@ -137,34 +141,11 @@ def _encoder(opts: BuildOptions, scenes_dir: str, work: str, device: str) -> tup
     as a user's own VGG would be), or the seeded random one; and the pretraining's report."""
     if not opts.encoder_scenes:
         return EncoderSpec(weights="none"), None
-    cfg = PretrainConfig(
+    cfg = pretrain.PretrainConfig(
         scenes=opts.encoder_scenes, epochs=opts.encoder_epochs, minutes=opts.encoder_minutes, seed=opts.seed
     )
-    path, report = pretrain(scenes_dir, os.path.join(work, "encoder"), cfg, device=device)
+    path, report = pretrain.pretrain(scenes_dir, os.path.join(work, "encoder"), cfg, device=device)
     return EncoderSpec(arch="vgg16", weights=path), report
-
-
-def _pretrained_text(report: dict) -> str:
-    return (
-        f"VGG16 whose conv5 block was pretrained on {report['train_scenes']} of the training scenes' pool4 outputs "
-        "(conv1-4 seeded random), to read each grid cell's shape and colour from the boxes "
-        "(prepare --encoder-weights vgg16_scenes.safetensors)"
-    )
-
-
-def _pretraining_record(report: dict) -> dict:
-    """What the card says of the encoder's pretraining: its size, the epoch the validation scenes chose and
-    how well that epoch reads their objects."""
-    kept = report["epochs"][report["kept_epoch"] - 1]
-    return {
-        "train_scenes": report["train_scenes"],
-        "val_scenes": report["val_scenes"],
-        "epochs_run": len(report["epochs"]),
-        "kept_epoch": report["kept_epoch"],
-        "val_object_shape": round(kept["val_object_shape"], 4),
-        "val_object_colour": round(kept["val_object_colour"], 4),
-        "training_seconds": report["training_seconds"],
-    }
 
 
 def _train(opts: BuildOptions, work: str, data: str, boxes: str, device: str) -> str:

@@ -237,3 +237,27 @@ def pretrain(scenes_dir: str, work: str, cfg: PretrainConfig, *, device: str = "
     }
     write_json_atomic(report_path, report)
     return path, report
+
+
+def trained_on(report: dict) -> str:
+    """What the card says the features came from, given `pretrain`'s report."""
+    return (
+        f"VGG16 whose conv5 block was pretrained on {report['train_scenes']} of the training scenes' pool4 outputs "
+        "(conv1-4 seeded random), to read each grid cell's shape and colour from the boxes "
+        "(prepare --encoder-weights vgg16_scenes.safetensors)"
+    )
+
+
+def card_record(report: dict) -> dict:
+    """What the card says of the encoder's pretraining: its size, the epoch the validation scenes chose and
+    how well that epoch reads their objects."""
+    kept = report["epochs"][report["kept_epoch"] - 1]
+    return {
+        "train_scenes": report["train_scenes"],
+        "val_scenes": report["val_scenes"],
+        "epochs_run": len(report["epochs"]),
+        "kept_epoch": report["kept_epoch"],
+        "val_object_shape": round(kept["val_object_shape"], 4),
+        "val_object_colour": round(kept["val_object_colour"], 4),
+        "training_seconds": report["training_seconds"],
+    }
