@@ -1,7 +1,10 @@
 """Build the bundled demo model: `python -m captioner.demo.build [--n 8000 --minutes 50 --device auto]`.
 
-Generates synthetic scenes, prepares them with the seeded random VGG16 (no download needed), and
-trains a soft-attention decoder on the frozen features at `fit`'s defaults with the scenes' object
+Generates synthetic scenes; pretrains VGG16's conv5 block on the training scenes' boxes, as VGG is
+pretrained on ImageNet for photos (`demo.pretrain`: conv1-4 the seeded random ones, no download
+needed; `--encoder-scenes 0` keeps the whole encoder random), and prepares the scenes with that
+weights file through `--encoder-weights PATH`, as a user would their own VGG; then trains a
+soft-attention decoder on the frozen features at `fit`'s defaults with the scenes' object
 boxes (`fit --boxes`); with `--tune-minutes M` a second stage continues from its best weights,
 training the decoder together with the encoder's conv5 layers (`fit --init ... --fine-tune-encoder`)
 at lower learning rates. It then picks how sharp the maps are when the model decodes, softmax(k e)
@@ -11,13 +14,14 @@ The build scores the result on the held-out test scenes (the
 coco-caption metrics, pointing against the boxes, whether a caption's maps reach both of two
 objects it names, and scene accuracy: the share of scenes whose caption names exactly their
 objects, by `captioner.scenes.judge`) and writes `captioner/assets/demo/` (an exported folder:
-weights and any trained encoder layers in fp16, no optimizer state, with a model card) and six
-test scenes as example images, two of each object count, drawn at random (seeded), never chosen
+weights, the pretrained encoder's and any trained encoder layers in fp16, no optimizer state, with a
+model card) and six test scenes as example images, two of each object count, drawn at random (seeded), never chosen
 by hand; the card records for each the caption the saved model writes and whether it is right.
 The card names the command and the commit that made the model, and the machine; nothing in the
 folder names a path of the machine it was built on. With `--work DIR`, what a previous build
-left there (scenes, features, a training stage that ran to its end) is reused, and a stage that
-did not finish is trained again from its start, so the model does not depend on interruptions.
+left there (scenes, the pretrained encoder, features, a training stage that ran to its end) is
+reused, and a stage that did not finish is trained again from its start, so the model does not
+depend on interruptions.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ import numpy as np
 import torch
 
 from captioner.data.dataset import CaptionData
+from captioner.demo import pretrain
 from captioner.evaluation.evaluate import evaluate, results_path
-from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.checkpoint import carry_encoder_weights, load_checkpoint, save_checkpoint
+from captioner.models.encoder import EncoderSpec
 from captioner.options import Device, add_options, check_device, from_args
 from captioner.scenes import judge as scenes
 from captioner.scenes.synthetic import generate
@@ -65,6 +71,9 @@ class BuildOptions:
     seed: Annotated[int, "seed of the scenes, the training and the examples drawn"] = 0
     minutes: Annotated[float, "first stage's training budget (frozen encoder)"] = 50.0
     tune_minutes: Annotated[float, "second stage's budget: decoder and conv5 from the first's best (0: none)"] = 0.0
+    encoder_scenes: Annotated[int, "training scenes the conv5 block is pretrained on (0: a random encoder)"] = 1600
+    encoder_epochs: Annotated[int, "most epochs of the encoder's pretraining"] = 12
+    encoder_minutes: Annotated[float, "the encoder's pretraining budget: no epoch starts after it"] = 8.0
     examples: Annotated[int, "example scenes drawn at random from the test split, as many of each object count"] = 6
     device: Device = "auto"
     work: Annotated[str | None, "keep the scenes, features and runs here (default: a temporary directory)"] = None
@@ -76,7 +85,8 @@ class BuildOptions:
     def command(self) -> str:
         return (
             f"python -m captioner.demo.build --n {self.n} --seed {self.seed} --minutes {self.minutes:g} "
-            f"--tune-minutes {self.tune_minutes:g} --device {self.device}"
+            f"--tune-minutes {self.tune_minutes:g} --encoder-scenes {self.encoder_scenes} "
+            f"--encoder-epochs {self.encoder_epochs} --encoder-minutes {self.encoder_minutes:g} --device {self.device}"
         )
 
 
@@ -84,7 +94,8 @@ def build(opts: BuildOptions, work: str, *, model_dir: str = DEMO_MODEL, example
     """Make the demo model (an exported folder) and its examples; returns the model card."""
     t0, device = time.monotonic(), str(choose_device(opts.device))
     src = scene_set(os.path.join(work, "scenes"), opts.n, opts.seed, generate)
-    data = prepared(src, os.path.join(work, "data"), device=device, progress=True)
+    encoder, pretrained = _encoder(opts, src, work, device)
+    data = prepared(src, os.path.join(work, "data"), device=device, progress=True, encoder=encoder)
     boxes = os.path.join(src, "boxes.json")
     reused = finished(os.path.join(work, "run"))
     objects = scenes.read_objects(boxes)
@@ -95,8 +106,9 @@ def build(opts: BuildOptions, work: str, *, model_dir: str = DEMO_MODEL, example
     ck = _packed(load_checkpoint(best))
     ck["card"] = {
         "trained_on": f"{opts.n} synthetic scenes of coloured shapes (python -m captioner.scenes.synthetic OUT "
-        f"--n {opts.n} --seed {opts.seed}), features from the seeded random VGG16 (--encoder-weights none), "
-        "object boxes teaching the maps (fit --boxes)"
+        f"--n {opts.n} --seed {opts.seed}), features from "
+        + (pretrain.trained_on(pretrained) if pretrained else "the seeded random VGG16 (--encoder-weights none)")
+        + ", object boxes teaching the maps (fit --boxes)"
         + (", its conv5 layers then trained on the scenes with the decoder" if opts.tune_minutes else ""),
         "limits": "knows coloured shapes only (one to three per picture, seven colours, five shapes); real photos "
         "need a model trained on photos, such as COCO (python train.py coco ROOT)",
@@ -105,6 +117,7 @@ def build(opts: BuildOptions, work: str, *, model_dir: str = DEMO_MODEL, example
         "built_on": f"{device}: {_machine(device)}, torch {torch.__version__}, {time.monotonic() - t0:.0f} s"
         + (" (the scenes, features and training reused from an earlier run's --work directory)" if reused else ""),
         "decoding": decoding,
+        **({"encoder_pretraining": pretrain.card_record(pretrained)} if pretrained else {}),
         "stages": _stage_steps(work, opts.tune_minutes),
         "test_metrics": {k: metrics[k] for k in SCORES if k in metrics},
         "test_images": metrics["images"],
@@ -121,6 +134,18 @@ def build(opts: BuildOptions, work: str, *, model_dir: str = DEMO_MODEL, example
     save_checkpoint(ck, packed)
     export(packed, model_dir)
     return ck["card"]
+
+
+def _encoder(opts: BuildOptions, scenes_dir: str, work: str, device: str) -> tuple[EncoderSpec, dict | None]:
+    """The encoder `prepare` gets: VGG16 with its conv5 block pretrained on the scenes (a weights file,
+    as a user's own VGG would be), or the seeded random one; and the pretraining's report."""
+    if not opts.encoder_scenes:
+        return EncoderSpec(weights="none"), None
+    cfg = pretrain.PretrainConfig(
+        scenes=opts.encoder_scenes, epochs=opts.encoder_epochs, minutes=opts.encoder_minutes, seed=opts.seed
+    )
+    path, report = pretrain.pretrain(scenes_dir, os.path.join(work, "encoder"), cfg, device=device)
+    return EncoderSpec(arch="vgg16", weights=path), report
 
 
 def _train(opts: BuildOptions, work: str, data: str, boxes: str, device: str) -> str:
@@ -237,7 +262,7 @@ def _packed(ck: dict) -> dict:
     keep["model"] = _half(ck["model"])
     if "encoder_state" in ck:
         keep["encoder_state"] = _half(ck["encoder_state"])  # loaded into the fp32 encoder as floats
-    return keep
+    return carry_encoder_weights(keep)  # the pretrained encoder's file, carried: the folder needs no path
 
 
 def _half(state: dict) -> dict:

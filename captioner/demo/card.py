@@ -39,11 +39,17 @@ def trained_on(captioner: Captioner) -> str:
     return f"the data prepared in `{data['dir']}`" if data.get("dir") else "unknown (the checkpoint does not say)"
 
 
+def knows_only_scenes(captioner: Captioner) -> bool:
+    """Whether the model knows only the synthetic scenes: its encoder is the seeded random one, or its card
+    says it learnt from the synthetic scenes (the bundled model, its encoder pretrained on them)."""
+    return captioner.encoder_spec.weights == "none" or "synthetic scenes" in trained_on(captioner)
+
+
 def model_notice(captioner: Captioner) -> str:
     """The plain paragraph above the page: what this model can describe, and what it cannot, and
     whether its heatmaps can be trusted."""
-    if captioner.encoder_spec.weights == "none":
-        # A random encoder only separates what the synthetic scenes vary: colours, shapes, places.
+    if knows_only_scenes(captioner):
+        # Its encoder, random or pretrained on the scenes, separates only what they vary: colours, shapes, places.
         notice = (
             "**This demo model knows only pictures of coloured shapes, like the examples below.** "
             "It describes every picture as if it were one of them, so a photograph gets a caption "
@@ -83,7 +89,7 @@ def _metrics_table(test: dict, val: dict, test_n, val_n) -> list[str]:
 def model_card(captioner: Captioner) -> str:
     """Markdown for the model panel: training data, metrics, attention health, sizes."""
     info, spec, cfg = captioner.info, captioner.encoder_spec, captioner.decoder.config
-    weights = {"none": f"random, seeded ({spec.seed})", "imagenet": "ImageNet"}.get(spec.weights, spec.weights)
+    weights = {"none": f"random, seeded ({spec.seed})", "imagenet": "ImageNet"}.get(spec.weights, f"`{spec.weights}`")
     train = info.get("train") or {}
     fine_tune = train.get("fine_tune") if captioner.encoder_state is not None else None
     tuned = f"; {fine_tune.get('start', 'its last layers')} onward trained on the captions" if fine_tune else ""

@@ -23,7 +23,7 @@ import torch
 from captioner.errors import CaptionerError
 from captioner.io import atomic_path
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
-from captioner.models.encoder import EncoderSpec
+from captioner.models.encoder import EncoderSpec, carried_weights, from_file
 from captioner.models.vocab import Vocabulary
 
 FORMAT = "captioner-checkpoint"
@@ -42,6 +42,7 @@ class Checkpoint:
     max_len: int  # most words per caption in training
     step: int  # optimizer steps so far
     encoder_state: dict | None = None  # the encoder layers `fit --fine-tune-encoder` trained
+    encoder_weights: dict | None = None  # the trunk of an --encoder-weights file, carried (`carry_encoder_weights`)
     familiarity: dict | None = None  # statistics of the training features (`models.familiarity`)
     metrics: dict | None = None  # the last validation's figures, attention health included
     attention: dict | None = None  # whether its heatmaps are meaningful: {"meaningful", "problems", "health"}
@@ -188,6 +189,23 @@ def migrate(ck, path: str) -> dict:
     return ck
 
 
+def carry_encoder_weights(ck: dict) -> dict:
+    """A checkpoint that carries its encoder's weights file, so that it loads where the file is not.
+
+    A model whose encoder came from `--encoder-weights PATH` is otherwise rebuilt from that file.
+    The carried trunk goes under "encoder_weights" (`encoder.carried_weights`: fp16 where lossless)
+    and the spec keeps only the file's base name, so nothing names a path of the machine that made it.
+
+    Raises:
+        CaptionerError: the file is missing, unreadable, or not the one the spec's fingerprint names.
+    """
+    spec = EncoderSpec.from_dict(ck["encoder"])
+    if not from_file(spec.weights) or ck.get("encoder_weights"):
+        return ck
+    portable = {**ck["encoder"], "weights": os.path.basename(spec.weights)}
+    return {**ck, "encoder_weights": carried_weights(spec), "encoder": portable}
+
+
 @dataclass
 class Trained:
     """What inference needs from a checkpoint (or an exported model)."""
@@ -198,6 +216,7 @@ class Trained:
     max_len: int
     step: int
     encoder_state: dict | None = None  # fine-tuned encoder layers
+    encoder_weights: dict | None = None  # the trunk of its --encoder-weights file, where it carries it
     familiarity: dict | None = None  # training-feature statistics, as stored
     info: dict = field(default_factory=dict)  # metrics, train, data, card, attention: as stored
 
@@ -229,6 +248,7 @@ def read_trained(ck: dict, source: str) -> Trained:
         max_len=int(ck.get("max_len", 20)),
         step=int(ck["step"]),
         encoder_state=ck.get("encoder_state"),
+        encoder_weights=ck.get("encoder_weights"),
         familiarity=ck.get("familiarity"),
         info=info,
     )

@@ -23,6 +23,7 @@ from torch import nn
 
 from captioner.errors import CaptionerError
 from captioner.models.preprocess import Preprocess
+from captioner.models.weights_file import read_weights_file
 
 # arch → (torchvision builder, ImageNet weights enum, layers kept: up to conv5_3 / conv5_4 + ReLU)
 ARCHS = {
@@ -115,37 +116,47 @@ def _imagenet_state(arch: str) -> dict:
         ) from None
 
 
-def _file_state(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise CaptionerError(
-            f"--encoder-weights {path}: no such file (expected 'imagenet', 'none' or a path to a VGG state dict)"
-        )
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CaptionerError(f"{path}: not a loadable state dict ({e})") from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise CaptionerError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
-    return state
-
-
-def _load_features(features: nn.Sequential, state: dict, source: str) -> None:
-    # Accept a whole VGG state dict ("features.0.weight") or the trunk alone ("0.weight").
-    trunk = {
+def _trunk_of(state: dict) -> dict:
+    # A whole VGG state dict ("features.0.weight") or the trunk alone ("0.weight").
+    return {
         k.removeprefix("features."): v
         for k, v in state.items()
         if k.startswith("features.") or k.split(".")[0].isdigit()
     }
-    wanted = features.state_dict().keys()
-    missing = [k for k in wanted if k not in trunk]
-    if missing:
-        raise CaptionerError(f"{source}: not VGG weights of this architecture; missing {missing[:3]}")
-    try:
-        features.load_state_dict({k: trunk[k] for k in wanted})
-    except RuntimeError as e:
-        raise CaptionerError(f"{source}: weights do not fit this VGG ({str(e).splitlines()[0]})") from None
+
+
+def _fits(arch: str, trunk: dict) -> bool:
+    """Whether a trunk state dict has every layer of `arch`'s trunk, each of its shape."""
+    builder, _, depth = ARCHS[arch]
+    with torch.device("meta"):
+        wanted = builder(weights=None).features[:depth].state_dict()
+    return all(k in trunk and tuple(trunk[k].shape) == tuple(v.shape) for k, v in wanted.items())
+
+
+def _other_arch(arch: str, trunk: dict) -> str:
+    other = next((a for a in ARCHS if a != arch and _fits(a, trunk)), None)
+    return f"; it fits {other}: pass --encoder {other}" if other else ""
+
+
+def _load_features(features: nn.Sequential, state: dict, source: str, arch: str) -> None:
+    """Load a VGG state dict's trunk into `features`; one that does not fit is refused by its first wrong key."""
+    trunk = _trunk_of(state)
+    for k, v in features.state_dict().items():
+        name = f"features.{k}"
+        if k not in trunk:
+            held = ", ".join(list(state)[:3]) + (", ..." if len(state) > 3 else "")
+            raise CaptionerError(
+                f"{source}: not a {arch.upper()} state dict: it lacks {name} (it holds {len(state)} tensors: "
+                f"{held}){_other_arch(arch, trunk)}"
+            )
+        if tuple(trunk[k].shape) != tuple(v.shape):
+            raise CaptionerError(
+                f"{source}: not a {arch.upper()} state dict: its {name} is {tuple(trunk[k].shape)}, "
+                f"{arch.upper()}'s is {tuple(v.shape)}{_other_arch(arch, trunk)}"
+            )
+        if not trunk[k].is_floating_point():
+            raise CaptionerError(f"{source}: its {name} holds {trunk[k].dtype}, not floating-point weights")
+    features.load_state_dict({k: trunk[k].to(torch.float32) for k in features.state_dict()})
 
 
 def fingerprint(module: nn.Module) -> str:
@@ -160,8 +171,13 @@ def fingerprint(module: nn.Module) -> str:
 # classes
 
 
-def build_encoder(spec: EncoderSpec) -> tuple[VGGEncoder, EncoderSpec]:
+def build_encoder(spec: EncoderSpec, carried: dict | None = None) -> tuple[VGGEncoder, EncoderSpec]:
     """Build the encoder a spec describes.
+
+    Args:
+        spec: the encoder.
+        carried: for weights from a file, the trunk a checkpoint or exported model carries in its
+            place (`carried_weights`); the file itself is then not read.
 
     Returns:
         The encoder in eval mode, and the spec with its fingerprint filled in.
@@ -180,9 +196,11 @@ def build_encoder(spec: EncoderSpec) -> tuple[VGGEncoder, EncoderSpec]:
     if spec.weights == "none":
         _seeded_init(trunk, spec.seed)
     elif spec.weights == "imagenet":
-        _load_features(trunk, _imagenet_state(spec.arch), f"ImageNet {spec.arch} weights")
+        _load_features(trunk, _imagenet_state(spec.arch), f"ImageNet {spec.arch} weights", spec.arch)
+    elif carried is not None:
+        _load_features(trunk, carried, f"the weights carried for {spec.weights}", spec.arch)
     else:
-        _load_features(trunk, _file_state(spec.weights), spec.weights)
+        _load_features(trunk, read_weights_file(spec.weights), f"--encoder-weights {spec.weights}", spec.arch)
     encoder = VGGEncoder(trunk).eval().requires_grad_(False)
     fp = fingerprint(encoder)
     if spec.fingerprint and spec.fingerprint != fp:
@@ -225,17 +243,42 @@ def apply_encoder_state(encoder: VGGEncoder, state: dict, source: str) -> VGGEnc
     return encoder
 
 
-def rebuild_encoder(spec: EncoderSpec, encoder_state: dict | None, source: str) -> tuple[VGGEncoder, EncoderSpec]:
-    """A checkpoint's image encoder: the spec's weights, then its fine-tuned layers if any.
+def rebuild_encoder(
+    spec: EncoderSpec, encoder_state: dict | None, source: str, carried: dict | None = None
+) -> tuple[VGGEncoder, EncoderSpec]:
+    """A checkpoint's image encoder: the spec's weights (or those it carries), then its fine-tuned layers if any.
 
     Raises:
         CaptionerError: the spec's weights cannot be had here, or the layers do not fit (the
             message names `source`).
     """
     try:
-        encoder, spec = build_encoder(spec)
+        encoder, spec = build_encoder(spec, carried)
     except CaptionerError as e:
         raise CaptionerError(f"{source}: cannot rebuild its image encoder: {e}") from None
     if encoder_state is not None:
         apply_encoder_state(encoder, encoder_state, source)
     return encoder, spec
+
+
+def from_file(weights: str) -> bool:
+    """Whether `--encoder-weights` names a file (not 'imagenet' or 'none')."""
+    return weights not in ("imagenet", "none")
+
+
+def carried_weights(spec: EncoderSpec) -> dict[str, torch.Tensor]:
+    """The trunk of a spec's weights file, for a checkpoint or exported model to carry in its place.
+
+    Returns:
+        `VGGEncoder.features`' state dict ("0.weight", ...), each tensor in fp16 where that loses
+        nothing (the file was fp16), else fp32, so the rebuilt encoder has the same fingerprint.
+
+    Raises:
+        CaptionerError: the file is missing, unreadable or not the one the spec's fingerprint names.
+    """
+    encoder, _ = build_encoder(spec)
+    out = {}
+    for k, v in encoder.features.state_dict().items():
+        half = v.half()
+        out[k] = half if torch.equal(half.float(), v) else v.clone()
+    return out

@@ -1,7 +1,9 @@
 """The exported model: a folder the way models are shared, in which nothing can run code on load.
 
     DIR/model.safetensors   the decoder's weights ("decoder.*"), the encoder layers a fine-tuned run
-                            trained ("encoder.*"), the familiarity statistics' tensors ("familiarity.*")
+                            trained ("encoder.*"), the trunk of an --encoder-weights file
+                            ("encoder_weights.*"; config.json names the file by its base name only),
+                            the familiarity statistics' tensors ("familiarity.*")
     DIR/config.json         format and version, decoder config, encoder spec, preprocessing,
                             max_len, step, and what the model's record says (familiarity's
                             numbers, attention verdict, metrics, card)
@@ -24,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from captioner.errors import CaptionerError
 from captioner.io import atomic_path, read_json, write_json_atomic
-from captioner.models.checkpoint import Trained, read_trained
+from captioner.models.checkpoint import Trained, carry_encoder_weights, read_trained
 from captioner.models.preprocess import IMAGENET_MEAN, IMAGENET_STD
 
 FORMAT, VERSION = "captioner-model", 2
@@ -34,9 +36,11 @@ RECORD = ("metrics", "attention", "card", "train", "data")  # what config.json k
 
 def write_exported(ck: dict, out_dir: str) -> None:
     """Write a checkpoint's model as an exported folder's weights, config and vocabulary."""
+    ck = carry_encoder_weights(ck)  # checked before anything is written
     os.makedirs(out_dir, exist_ok=True)
     tensors = {f"decoder.{k}": v for k, v in ck["model"].items()}
     tensors |= {f"encoder.{k}": v for k, v in (ck.get("encoder_state") or {}).items()}
+    tensors |= {f"encoder_weights.{k}": v for k, v in (ck.get("encoder_weights") or {}).items()}
     familiarity = dict(ck.get("familiarity") or {})
     for k in [k for k, v in familiarity.items() if torch.is_tensor(v)]:
         tensors[f"familiarity.{k}"] = familiarity.pop(k)
@@ -94,6 +98,7 @@ def read_exported(folder: str) -> Trained:
         "max_len": config.get("max_len", 20),
         "step": config.get("step", 0),
         "encoder_state": part("encoder.") or None,
+        "encoder_weights": part("encoder_weights.") or None,
         **{k: config.get(k) for k in RECORD},
     }
     familiarity = {**(config.get("familiarity") or {}), **part("familiarity.")}

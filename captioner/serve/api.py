@@ -57,9 +57,11 @@ class Captioner:
         graphs: bool = True,
         encoder_state: dict | None = None,
         familiarity: FamiliarityStats | None = None,
+        encoder_weights: dict | None = None,
     ):
         self.device = torch.device(device)
         self.encoder_state = encoder_state  # fine-tuned encoder layers (checkpoint "encoder_state"), if any
+        self.encoder_weights = encoder_weights  # the trunk of its --encoder-weights file, where the model carries it
         self.decoder = decoder.to(self.device).eval()
         self.vocab, self.encoder_spec, self.max_len, self.step = vocab, spec, max_len, step
         self.fast, self.graphs = fast, graphs
@@ -111,7 +113,8 @@ class Captioner:
             graphs: on a GPU, replay the search's step as a CUDA graph (False: plain steps).
         """
         trained = load_trained(source)
-        encoder = rebuild_encoder(trained.encoder, trained.encoder_state, source)[0] if build_encoder else None
+        carried = trained.encoder_weights
+        encoder = rebuild_encoder(trained.encoder, trained.encoder_state, source, carried)[0] if build_encoder else None
         info = {
             **trained.info,
             "checkpoint": source if "://" in source else os.path.abspath(source),
@@ -131,6 +134,7 @@ class Captioner:
             graphs=graphs,
             encoder_state=trained.encoder_state,
             familiarity=FamiliarityStats.from_dict(trained.familiarity),
+            encoder_weights=trained.encoder_weights,
         )
 
     def _inputs(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -148,7 +152,8 @@ class Captioner:
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         if self.encoder is None:
-            self.encoder = self._ready(rebuild_encoder(self.encoder_spec, self.encoder_state, "this checkpoint")[0])
+            built = rebuild_encoder(self.encoder_spec, self.encoder_state, "this checkpoint", self.encoder_weights)[0]
+            self.encoder = self._ready(built)
         return self.encoder(x.to(self.device, non_blocking=True))  # (B, L, D)
 
     def caption(self, image, beam_size: int = 3, **kwargs) -> Caption:

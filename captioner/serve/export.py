@@ -36,7 +36,7 @@ def model_card(ck: dict) -> str:
     """The README.md of an exported model, from what its checkpoint records."""
     enc, dec, card = ck["encoder"], ck["decoder"], ck.get("card") or {}
     weights = {"none": f"random, seeded ({enc.get('seed', 0)})", "imagenet": "ImageNet"}.get(
-        enc["weights"], enc["weights"]
+        enc["weights"], f"`{os.path.basename(enc['weights'])}`"
     )
     lines = [
         "---",

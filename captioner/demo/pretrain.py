@@ -1,0 +1,263 @@
+"""The demo's encoder, pretrained on the scenes as VGG is pretrained on ImageNet for photos.
+
+The demo cannot download ImageNet weights, and a random VGG reads the scenes' shapes poorly. So
+VGG16's last block (conv5_1 to conv5_3) is trained on the scenes themselves with a dense
+objective from their boxes: from each cell of the 14×14 grid, two 1×1 heads read the shape and
+the colour of the object covering it (background is a class of each). conv1 to conv4 keep the
+seeded random weights (`--encoder-weights none`), so their pool4 output is computed once per
+image and cached; training conv5 on it is cheap. The epoch kept is the one whose validation
+scenes' objects are read best (the test split is never read); its block, frozen, is written with
+the other layers as a VGG16 state dict (fp16 safetensors, "features.N.weight" as torchvision
+names them), the file `prepare --encoder-weights PATH` takes as it would a user's own VGG.
+
+Shapes: n images, B batch, D=512 channels, g=14 grid side, L=g*g cells, C classes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from captioner.data.boxes import grid_cells
+from captioner.data.features import TODO, FeatureCache, extract_features
+from captioner.io import atomic_path, read_json, write_json_atomic
+from captioner.models.encoder import FEATURE_DIM, EncoderSpec, VGGEncoder, build_encoder
+from captioner.models.fast_encoder import native_bf16, optimize_encoder
+from captioner.scenes.synthetic import COLORS, SHAPES
+
+CONV5 = 24  # index of conv5_1 in VGG16's features: the block after the fourth max-pool
+SHAPE_CLASSES = ("background", *SHAPES)
+COLOUR_CLASSES = ("background", *COLORS)
+WEIGHTS_FILE = "vgg16_scenes.safetensors"
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """How the conv5 block is trained on the scenes."""
+
+    scenes: int = 1600  # training scenes whose pool4 outputs are cached and trained on
+    val_scenes: int = 300  # validation scenes that choose the epoch kept
+    epochs: int = 12
+    minutes: float = 8.0  # no epoch starts after this
+    batch_size: int = 32
+    lr: float = 1e-4
+    seed: int = 0
+
+
+# helpers
+
+
+def scene_split(scenes_dir: str, split: str, most: int) -> tuple[list[dict], dict[int, list[dict]]]:
+    """Up to `most` scenes of a split (in the generator's order) and every scene's boxes.
+
+    Returns:
+        The scenes' COCO image records (id, file_name, width, height), and image id → annotations.
+    """
+    boxes = read_json(os.path.join(scenes_dir, "boxes.json"), "object boxes")
+    splits = read_json(os.path.join(scenes_dir, "splits.json"), "splits")
+    wanted = {int(im["cocoid"]) for im in splits["images"] if im["split"] == split}
+    images = [im for im in boxes["images"] if int(im["id"]) in wanted][:most]
+    anns: dict[int, list[dict]] = {int(im["id"]): [] for im in images}
+    for a in boxes["annotations"]:
+        if int(a["image_id"]) in anns:
+            anns[int(a["image_id"])].append(a)
+    return images, anns
+
+
+def cell_targets(images: list[dict], anns: dict[int, list[dict]], spec: EncoderSpec) -> torch.Tensor:
+    """Each cell's shape and colour class, 0 where no object covers it.
+
+    Returns:
+        (n, 2, L) long: [:, 0] shape classes (`SHAPE_CLASSES`), [:, 1] colour classes (`COLOUR_CLASSES`).
+    """
+    g = spec.grid
+    out = torch.zeros(len(images), 2, g * g, dtype=torch.long)  # (n, 2, L)
+    for i, im in enumerate(images):
+        size = (int(im["width"]), int(im["height"]))
+        for a in anns[int(im["id"])]:
+            cells = torch.from_numpy(grid_cells([a["bbox"]], size, spec.preprocess.grid_box(*size), g))  # (L,)
+            out[i, 0, cells] = a["category_id"]  # category ids are SHAPES' order from 1
+            out[i, 1, cells] = COLOUR_CLASSES.index(a["color"])
+    return out
+
+
+def base_trunk(seed: int) -> nn.Sequential:
+    """The seeded random VGG16 trunk, its weights rounded to fp16 as the written file holds them."""
+    encoder, _ = build_encoder(EncoderSpec(arch="vgg16", weights="none", seed=seed))
+    trunk = encoder.features
+    for p in trunk.parameters():
+        p.data = p.data.half().float()
+    return trunk
+
+
+def pool4(trunk: nn.Sequential, paths: list[str], cache_dir: str, name: str, spec: EncoderSpec, device: str):
+    """The frozen conv1-4's output for each image, cached in `cache_dir` (resumable).
+
+    Returns:
+        (n, L, D) fp16 array.
+    """
+    os.makedirs(cache_dir, exist_ok=True)
+    cache = FeatureCache(cache_dir, len(paths), spec.grid**2, FEATURE_DIM, mode="r+", name=name)
+    if (cache.done == TODO).any():
+        frozen = optimize_encoder(VGGEncoder(trunk[:CONV5]), torch.device(device), image_size=spec.image_size)
+        extract_features(cache, paths, frozen, spec.preprocess, batch_size=8, workers=2, device=device, progress=True)
+    return cache[np.arange(len(paths))]
+
+
+def vgg16_state(trunk: nn.Sequential) -> dict[str, torch.Tensor]:
+    """The trunk as a VGG16 state dict under torchvision's names ("features.24.weight"), fp16."""
+    return {f"features.{k}": v.detach().half().contiguous() for k, v in trunk.state_dict().items()}
+
+
+# classes
+
+
+class CellReader(nn.Module):
+    """conv5_1..conv5_3 (the trunk's own modules, trained in place) and two 1×1 heads reading
+    each cell's shape and colour class."""
+
+    def __init__(self, trunk: nn.Sequential):
+        super().__init__()
+        self.block = trunk[CONV5:].requires_grad_(True)  # conv5_1, ReLU, ..., conv5_3, ReLU
+        self.shape = nn.Conv2d(FEATURE_DIM, len(SHAPE_CLASSES), 1)
+        self.colour = nn.Conv2d(FEATURE_DIM, len(COLOUR_CLASSES), 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L, D) pool4 → shape logits (B, C_shape, L) and colour logits (B, C_colour, L)."""
+        B, L, D = x.shape
+        g = int(L**0.5)
+        f = self.block(x.transpose(1, 2).reshape(B, D, g, g))  # (B, D, g, g) conv5_3 after ReLU
+        return self.shape(f).flatten(2), self.colour(f).flatten(2)  # (B, C, L) each
+
+
+def _loss(reader: CellReader, x: torch.Tensor, y: torch.Tensor, amp: bool) -> torch.Tensor:
+    """Mean cross-entropy of the cells' shape and colour classes; x (B, L, D), y (B, 2, L)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        shape, colour = reader(x)  # (B, C, L) each
+    return F.cross_entropy(shape.float(), y[:, 0]) + F.cross_entropy(colour.float(), y[:, 1])
+
+
+def train_epoch(reader, opt, x: np.ndarray, y: torch.Tensor, cfg: PretrainConfig, gen, amp: bool) -> float:
+    """One pass over the cached pool4 (n, L, D) in random order; returns the mean loss."""
+    reader.train()
+    order, losses = torch.randperm(len(x), generator=gen), []
+    for start in range(0, len(x), cfg.batch_size):
+        idx = order[start : start + cfg.batch_size]
+        loss = _loss(reader, torch.from_numpy(x[idx.numpy()].astype(np.float32)), y[idx], amp)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return float(np.mean(losses))
+
+
+@torch.inference_mode()
+def evaluate(reader: CellReader, x: np.ndarray, y: torch.Tensor, amp: bool) -> dict[str, float]:
+    """How well the cells read the objects: the loss, and per object (its cells' logits averaged)
+    the share whose shape and whose colour is read right."""
+    reader.eval()
+    losses, shape_ok, colour_ok = [], [], []
+    for start in range(0, len(x), 64):
+        xb = torch.from_numpy(x[start : start + 64].astype(np.float32))  # (b, L, D)
+        yb = y[start : start + 64]  # (b, 2, L)
+        losses.append(_loss(reader, xb, yb, amp).item() * len(xb))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            shape, colour = (t.float() for t in reader(xb))  # (b, C, L) each
+        for i in range(len(xb)):
+            for k in yb[i, 0].unique().tolist():
+                cells = yb[i, 0] == k
+                if k == 0:
+                    continue
+                # An object's cells vote with their summed logits, the background class left out.
+                shape_ok.append(int(shape[i, 1:, cells].sum(1).argmax()) + 1 == k)
+                colour_ok.append(int(colour[i, 1:, cells].sum(1).argmax()) + 1 == int(yb[i, 1, cells][0]))
+    return {
+        "loss": sum(losses) / len(x),
+        "object_shape": float(np.mean(shape_ok)),
+        "object_colour": float(np.mean(colour_ok)),
+    }
+
+
+def pretrain(scenes_dir: str, work: str, cfg: PretrainConfig, *, device: str = "cpu") -> tuple[str, dict]:
+    """Train the conv5 block on the scenes and write it, with the frozen layers, as a VGG16 state dict.
+
+    Made once: a later call with the same `work` finds the file and its report and returns them.
+
+    Args:
+        scenes_dir: a synthetic scene set (`scenes.synthetic`): images, boxes.json, splits.json.
+        work: where the pool4 caches, the weights file and its report go.
+        cfg: the training's settings.
+        device: where to run (the pool4 pass and the training).
+
+    Returns:
+        The path of the weights file (`WEIGHTS_FILE` in `work`), and a report: the settings, the
+        validation figures of every epoch and the epoch kept.
+    """
+    path, report_path = os.path.join(work, WEIGHTS_FILE), os.path.join(work, "pretrain.json")
+    if os.path.isfile(path) and os.path.isfile(report_path):
+        return path, read_json(report_path, "encoder pretraining report")
+    torch.manual_seed(cfg.seed)
+    spec, trunk = EncoderSpec(arch="vgg16", weights="none", seed=cfg.seed), base_trunk(cfg.seed)
+    data = {}
+    for split, most in (("train", cfg.scenes), ("val", cfg.val_scenes)):
+        images, anns = scene_split(scenes_dir, split, most)
+        paths = [os.path.join(scenes_dir, "images", im["file_name"]) for im in images]
+        data[split] = (pool4(trunk, paths, work, f"pool4-{split}", spec, device), cell_targets(images, anns, spec))
+    reader = CellReader(trunk).to(device)
+    amp = torch.device(device).type == "cpu" and native_bf16()  # bf16 where the CPU computes it natively
+    opt = torch.optim.Adam(reader.parameters(), lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    t0, history, best = time.monotonic(), [], None
+    for epoch in range(1, cfg.epochs + 1):
+        if time.monotonic() - t0 > cfg.minutes * 60:
+            break
+        loss = train_epoch(reader, opt, *data["train"], cfg, gen, amp)
+        val = evaluate(reader, *data["val"], amp)
+        history.append({"epoch": epoch, "train_loss": loss, **{f"val_{k}": v for k, v in val.items()}})
+        score = val["object_shape"] + val["object_colour"]
+        if best is None or score > best[0]:
+            best = (score, epoch, {k: v.detach().clone() for k, v in reader.block.state_dict().items()})
+    reader.block.load_state_dict(best[2])  # the epoch the validation scenes chose, frozen from here
+    with atomic_path(path) as tmp:
+        save_file(vgg16_state(trunk), tmp)
+    report = {
+        "config": asdict(cfg),
+        "epochs": history,
+        "kept_epoch": best[1],
+        "training_seconds": round(time.monotonic() - t0),
+        "train_scenes": len(data["train"][0]),
+        "val_scenes": len(data["val"][0]),
+    }
+    write_json_atomic(report_path, report)
+    return path, report
+
+
+def trained_on(report: dict) -> str:
+    """What the card says the features came from, given `pretrain`'s report."""
+    return (
+        f"VGG16 whose conv5 block was pretrained on {report['train_scenes']} of the training scenes' pool4 outputs "
+        "(conv1-4 seeded random), to read each grid cell's shape and colour from the boxes "
+        "(prepare --encoder-weights vgg16_scenes.safetensors)"
+    )
+
+
+def card_record(report: dict) -> dict:
+    """What the card says of the encoder's pretraining: its size, the epoch the validation scenes chose and
+    how well that epoch reads their objects."""
+    kept = report["epochs"][report["kept_epoch"] - 1]
+    return {
+        "train_scenes": report["train_scenes"],
+        "val_scenes": report["val_scenes"],
+        "epochs_run": len(report["epochs"]),
+        "kept_epoch": report["kept_epoch"],
+        "val_object_shape": round(kept["val_object_shape"], 4),
+        "val_object_colour": round(kept["val_object_colour"], 4),
+        "training_seconds": report["training_seconds"],
+    }

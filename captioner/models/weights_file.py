@@ -1,0 +1,78 @@
+"""A VGG state-dict file, as `--encoder-weights PATH` names it: read safely, or refused by name.
+
+torch's format (`torch.save(model.state_dict(), PATH)`, .pt/.pth) is read with `weights_only`, so a
+file that would need the full unpickler is refused and its code never runs; safetensors files are
+read as they are. Whether the tensors fit the architecture is `models.encoder`'s check.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from captioner.errors import CaptionerError
+
+
+def read_weights_file(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a VGG state-dict file: safetensors, or torch's format read with weights_only.
+
+    Args:
+        path: the file; torch's zip (or legacy) format is told from safetensors by its first bytes.
+
+    Returns:
+        Its tensors by name (a {"state_dict": ...} wrapper, as some trainers save, is unwrapped).
+
+    Raises:
+        CaptionerError: naming the file: missing, empty, truncated or corrupt, holding pickled
+            objects (refused unrun), or not a dict of tensors.
+    """
+    if not os.path.isfile(path):
+        raise CaptionerError(
+            f"--encoder-weights {path}: no such file (expected 'imagenet', 'none' or a path to a VGG state dict)"
+        )
+    if os.path.getsize(path) == 0:
+        raise CaptionerError(f"--encoder-weights {path}: the file is empty")
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if head == b"PK" or head[:1] == b"\x80":  # torch.save's zip, or its legacy pickle format
+        state = _torch_state(path)
+    else:
+        try:
+            state = load_file(path)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CaptionerError(
+                f"--encoder-weights {path}: neither a torch state dict nor a readable safetensors file "
+                f"(truncated or corrupt?): {e}"
+            ) from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise CaptionerError(f"--encoder-weights {path}: expected a dict of tensors, got {type(state).__name__}")
+    odd = next((k for k, v in state.items() if not isinstance(v, torch.Tensor)), None)
+    if odd is not None:
+        raise CaptionerError(
+            f"--encoder-weights {path}: expected a dict of tensors, but {odd!r} is a {type(state[odd]).__name__}"
+        )
+    return state
+
+
+def _torch_state(path: str):
+    """torch.load with weights_only: a file that needs the full unpickler is refused, its code never run."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
+        raise CaptionerError(
+            f"--encoder-weights {path}: refused: the file holds pickled objects that only a full unpickler "
+            f"would run, not plain tensors ({first}); save the model's state_dict() instead"
+        ) from None
+    except Exception as e:  # zip/EOF errors from a truncated or foreign file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CaptionerError(
+            f"--encoder-weights {path}: not a readable torch state dict, truncated or corrupt "
+            f"({type(e).__name__}: {first})"
+        ) from None

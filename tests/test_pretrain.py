@@ -1,0 +1,44 @@
+"""The demo's encoder pretraining: per-cell targets from the boxes, a loss that goes down, a VGG16 file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from captioner.demo.pretrain import CONV5, PretrainConfig, base_trunk, cell_targets, pretrain, scene_split
+from captioner.models.encoder import EncoderSpec, build_encoder
+from captioner.scenes.synthetic import COLORS, SHAPES, generate
+
+
+@pytest.fixture(scope="module")
+def scenes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pretrain_scenes")
+    generate(str(out), 16, seed=29)
+    return out
+
+
+def test_each_cell_gets_the_shape_and_colour_of_the_object_on_it():
+    image = {"id": 1, "width": 140, "height": 140}
+    anns = {1: [{"bbox": [0, 0, 70, 70], "category_id": SHAPES.index("star") + 1, "color": "blue"}]}
+    y = cell_targets([image], anns, EncoderSpec())  # (1, 2, L)
+    grid = y.view(2, 14, 14)
+    assert (grid[0, :7, :7] == SHAPES.index("star") + 1).all() and (grid[0, 7:, :] == 0).all()
+    assert (grid[1, :7, :7] == list(COLORS).index("blue") + 1).all() and (grid[1, :, 7:] == 0).all()
+
+
+def test_pretraining_lowers_the_loss_and_writes_a_vgg16_state_dict(scenes, tmp_path):
+    cfg = PretrainConfig(scenes=8, val_scenes=4, epochs=3, batch_size=4, lr=3e-4)
+    path, report = pretrain(str(scenes), str(tmp_path), cfg)
+    losses = [e["train_loss"] for e in report["epochs"]]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert 1 <= report["kept_epoch"] <= 3 and report["val_scenes"] == len(scene_split(str(scenes), "val", 4)[0])
+    state = load_file(path)
+    seeded = base_trunk(0).state_dict()
+    assert set(state) == {f"features.{k}" for k in seeded}  # torchvision's names
+    assert all(v.dtype == torch.float16 for v in state.values())
+    assert torch.equal(state["features.0.weight"].float(), seeded["0.weight"])  # conv1-4 stay the seeded ones
+    assert not torch.equal(state[f"features.{CONV5}.weight"].float(), seeded[f"{CONV5}.weight"])  # conv5 trained
+    encoder, spec = build_encoder(EncoderSpec(weights=path))  # as `prepare --encoder-weights PATH` takes it
+    assert encoder(torch.zeros(1, 3, 224, 224)).shape == (1, 196, 512)
+    assert pretrain(str(scenes), str(tmp_path), cfg) == (path, report)  # made once
