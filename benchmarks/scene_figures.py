@@ -7,7 +7,8 @@ set's boxes.json, or `to_instances.py`'s output for the independent generator), 
   (`captioner.scenes.judge`);
 - pointing: the share of object words whose map peaks on such an object (`evaluation.grounding`);
 - two-object reach: of the captions naming two or more objects (colour word then shape word), the
-  share where every named object is one of the scene's and both its words' maps peak on it.
+  share where every named object is one of the scene's and its shape word's map peaks on it (and,
+  stricter, where its colour word's map does too).
 
     python benchmarks/scene_figures.py LOG.jsonl SCENES/boxes.json [--images SCENES/images]
 """
@@ -36,8 +37,11 @@ def read_log(path: str, ids_by_name: dict[str, int]) -> dict[int, tuple[list[str
     return out
 
 
-def reach(words: list[str], attention: np.ndarray, anns: list[dict], shapes: dict[int, str], size, pre) -> bool:
-    """Whether every object the caption names is one of the scene's and both its words' maps peak on it."""
+def reach(
+    words: list[str], attention: np.ndarray, anns: list[dict], shapes: dict[int, str], size, pre, both: bool
+) -> bool:
+    """Whether every object the caption names is one of the scene's and its shape word's map (with `both`,
+    its colour word's map too) peaks on it."""
     left, top, right, bottom = pre.grid_box(*size)
     things = [(a["color"], shapes[a["category_id"]], a["bbox"]) for a in anns]
     colours, names = {t[0] for t in things} | judge.KNOWN_COLOURS, {t[1] for t in things} | judge.KNOWN_SHAPES
@@ -45,7 +49,7 @@ def reach(words: list[str], attention: np.ndarray, anns: list[dict], shapes: dic
         if not (words[k] in colours and words[k + 1] in names):
             continue
         boxes = [b for c, s, b in things if (c, s) == (words[k], words[k + 1])]
-        for j in (k, k + 1):
+        for j in (k, k + 1) if both else (k + 1,):
             fx, fy = peak(attention[j])
             px, py = left + fx * (right - left), top + fy * (bottom - top)
             if not any(x <= px <= x + w and y <= py <= y + h for x, y, w, h in boxes):
@@ -62,12 +66,14 @@ def figures(log: str, boxes_path: str) -> dict:
     objects = judge.read_objects(boxes_path)
     shapes = {c["id"]: c["name"] for c in coco.dataset["categories"]}
     right = judge.accuracy({i: w for i, (w, _) in captions.items()}, objects)
-    pre, reached = Preprocess(), []
+    pre, reached, reached_both = Preprocess(), [], []
     for i, (words, attention) in captions.items():
         colours = {c for c, _ in objects[i]} | judge.KNOWN_COLOURS
         names = {s for _, s in objects[i]} | judge.KNOWN_SHAPES
         if len(judge.named_objects(words, colours, names)) >= 2:
-            reached.append(reach(words, attention, coco.imgToAnns.get(i, []), shapes, boxes.size(i), pre))
+            anns = coco.imgToAnns.get(i, [])
+            reached.append(reach(words, attention, anns, shapes, boxes.size(i), pre, both=False))
+            reached_both.append(reach(words, attention, anns, shapes, boxes.size(i), pre, both=True))
     point = pointing_accuracy(captions, boxes, pre)
     return {
         "scenes": len(captions),
@@ -75,6 +81,7 @@ def figures(log: str, boxes_path: str) -> dict:
         "pointing": point["pointing"],
         "pointing_words": point["words"],
         "two_object_reach": float(np.mean(reached)) if reached else None,
+        "two_object_reach_both_words": float(np.mean(reached_both)) if reached_both else None,
         "two_object_captions": len(reached),
         "two_objects_package_measure": point["two_objects"],
     }
