@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from captioner.demo import build
-from captioner.demo.build import pick_examples
+from captioner.demo.examples import pick_examples
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.vocab import tokenize
 from captioner.scenes.judge import accuracy, judge, read_objects

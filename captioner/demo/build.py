@@ -30,25 +30,23 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Annotated
 
-import numpy as np
 import torch
 
 from captioner.data.dataset import CaptionData
 from captioner.demo import pretrain
+from captioner.demo.examples import copy_examples, judge_examples
 from captioner.evaluation.evaluate import evaluate, results_path
 from captioner.models.checkpoint import carry_encoder_weights, load_checkpoint, save_checkpoint
 from captioner.models.encoder import EncoderSpec
 from captioner.options import Device, add_options, check_device, from_args
 from captioner.scenes import judge as scenes
 from captioner.scenes.synthetic import generate
-from captioner.serve.api import Captioner
 from captioner.serve.export import export
 from captioner.serve.sources import DEMO_MODEL, EXAMPLES_DIR
 from captioner.train.config import TrainConfig
@@ -56,7 +54,6 @@ from captioner.train.distributed import choose_device
 from captioner.train.finetune import FineTuneConfig
 from captioner.train.recipe import finished, prepared, scene_set, trained
 
-EXAMPLE_BEAM = 3  # the page's default beam size: the card shows what a visitor will see
 TUNE_LR, TUNE_ENCODER_LR = 2e-4, 1e-5  # the second stage's: the decoder at a fifth of its rate
 SCORES = ("BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "pointing", "two_objects")
 SHARPNESS = (1.0, 1.5, 2.0, 3.0)  # decoding's softmax(k e) tried on the validation scenes
@@ -128,7 +125,7 @@ def build(opts: BuildOptions, work: str, *, model_dir: str = DEMO_MODEL, example
     packed = os.path.join(work, "demo.pt")
     save_checkpoint(ck, packed)
     export(packed, model_dir)
-    paths = _copy_examples(CaptionData(data), objects, opts.examples, opts.seed, examples_dir)
+    paths = copy_examples(CaptionData(data), objects, opts.examples, opts.seed, examples_dir)
     # Judged with the exported fp16 model on the copied files: what the page shows for each example.
     ck["card"]["examples"] = judge_examples(model_dir, paths, objects)
     save_checkpoint(ck, packed)
@@ -194,41 +191,6 @@ def _words(metrics_path: str) -> dict[int, list[str]]:
     """Image id → caption words, from the results beside an evaluation's metrics."""
     with open(results_path(metrics_path), encoding="utf-8") as f:
         return {r["image_id"]: r["caption"].split() for r in json.load(f)}
-
-
-def judge_examples(checkpoint: str, paths: dict[int, str], objects: dict[int, list]) -> list[dict]:
-    """Caption example images with a saved model, as the page does, and judge each caption."""
-    outs = Captioner.load(checkpoint).caption_batch([paths[i] for i in paths], beam_size=EXAMPLE_BEAM)
-    return [
-        {"file": os.path.basename(paths[i]), "caption": out.text, **scenes.judge(out.words, objects[i])}
-        for i, out in zip(paths, outs)
-    ]
-
-
-def pick_examples(image_ids, objects: dict[int, list], k: int, seed: int) -> list[int]:
-    """k test image ids drawn at random (seeded), as many with one, two and three objects as there can be."""
-    rng = np.random.default_rng(seed)
-    counts = sorted({len(objects[int(i)]) for i in image_ids})
-    picked = []
-    for j, count in enumerate(counts):
-        pool = [int(i) for i in image_ids if len(objects[int(i)]) == count]
-        share = (k - len(picked)) // (len(counts) - j)
-        picked += [int(i) for i in rng.choice(pool, size=min(share, len(pool)), replace=False)]
-    return picked
-
-
-def _copy_examples(data: CaptionData, objects, k: int, seed: int, examples_dir: str) -> dict[int, str]:
-    """k test scenes drawn at random (seeded), copied into examples_dir: image id → path."""
-    shutil.rmtree(examples_dir, ignore_errors=True)
-    os.makedirs(examples_dir)
-    ids, rows = data.split_images("test")
-    row_of = dict(zip(ids.tolist(), rows.tolist()))
-    paths = {}
-    for image_id in pick_examples(ids, objects, k, seed):
-        path = data.path_of(int(row_of[image_id]))
-        paths[image_id] = os.path.join(examples_dir, os.path.basename(path))
-        shutil.copy(path, paths[image_id])
-    return paths
 
 
 def _by_count(words: dict, objects: dict) -> dict[str, float]:
