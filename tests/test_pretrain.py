@@ -8,7 +8,8 @@ from safetensors.torch import load_file
 
 from captioner.demo.pretrain import CONV5, PretrainConfig, base_trunk, cell_targets, pretrain, scene_split
 from captioner.models.encoder import EncoderSpec, build_encoder
-from captioner.scenes.synthetic import COLORS, SHAPES, generate
+from captioner.scenes.synthetic import generate
+from captioner.scenes.synthetic_drawing import COLORS, SHAPES
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from captioner.data.boxes import grid_cells
-from captioner.data.features import TODO, FeatureCache, extract_features
+from captioner.data.extraction import extract_features
+from captioner.data.features import TODO, FeatureCache
 from captioner.io import atomic_path, read_json, write_json_atomic
 from captioner.models.encoder import FEATURE_DIM, EncoderSpec, VGGEncoder, build_encoder
 from captioner.models.fast_encoder import native_bf16, optimize_encoder
-from captioner.scenes.synthetic import COLORS, SHAPES
+from captioner.scenes.synthetic_drawing import COLORS, SHAPES
 
 CONV5 = 24  # index of conv5_1 in VGG16's features: the block after the fourth max-pool
 SHAPE_CLASSES = ("background", *SHAPES)
