@@ -85,11 +85,6 @@ def _cached(decoder: AttentionDecoder, s: Search, key: tuple, max_len: int, mode
     return graphs[key]
 
 
-def held(decoder: AttentionDecoder) -> int:
-    """How many search graphs `decoder` holds."""
-    return len(_GRAPHS.get(decoder, ()))
-
-
 def _run(step, s: Search, max_len: int) -> int:
     for k in range(max_len + 1):
         step()

@@ -132,7 +132,7 @@ def for_epoch(parts: Parts, model_cfg: DecoderConfig, cfg: TrainConfig, progress
         terms = [SelfCritical(cfg.scst, training_scorer(data, cfg.scst.end_token), data.max_len)]
         objective, source = Objective(parts.decoder, terms), TrainingImages(data, cfg.optim.batch_size)
     else:
-        views = _views(data, cfg, d, tuned)
+        views = _views(data, cfg, tuned)
         objective = cross_entropy_objective(
             parts.decoder,
             cfg,
@@ -199,7 +199,7 @@ def _caption_batches(data: CaptionData, cfg: TrainConfig, targets, share: float)
     return CaptionBatches(data, cfg.optim.batch_size, view_share=share, targets=targets, fixed=fixed)
 
 
-def _views(data: CaptionData, cfg: TrainConfig, d: distributed.Dist, tuned: bool) -> bool:
+def _views(data: CaptionData, cfg: TrainConfig, tuned: bool) -> bool:
     """Whether the consistency has views: the prepared ones, or a fine-tuned encoder's own (`settle` set
     the consistency to 0 where neither will be)."""
     return cfg.terms.consistency > 0 and (tuned or data.views is not None)
