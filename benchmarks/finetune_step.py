@@ -28,8 +28,8 @@ from captioner.objectives.terms import TermState
 from captioner.train import distributed
 from captioner.train.config import TrainConfig
 from captioner.train.finetune import FineTuneConfig, FineTuning
-from captioner.train.parts import cross_entropy_objective, view_share
 from captioner.train.settle import settle
+from captioner.train.stages import cross_entropy_objective
 from captioner.train.step import TrainStep, make_optimizer
 
 
@@ -47,15 +47,18 @@ def time_steps(
     decoder = AttentionDecoder.from_config(model_cfg)
     decoder.set_feature_stats(*data.feature_stats())
     groups, encoder = [{"params": list(decoder.parameters())}], None
+    views = cfg.terms.consistency > 0 and (fine_tune is not None or data.views is not None)
+    share = cfg.terms.consistency_share if views else 0.0
     if fine_tune is None:
-        share = view_share(cfg, data.views is not None)
         source = CaptionBatches(data, batch_size, view_share=share)
     else:
         source = FineTuning(data, cfg.fine_tune, distributed.Dist(), cpu, batch_size=batch_size)
         groups.append({"params": list(source.parameters()), "lr": cfg.fine_tune.lr})
         encoder = source.encoder
-    views = cfg.terms.consistency > 0 and (encoder is not None or data.views is not None)
-    objective = cross_entropy_objective(decoder, cfg, views=views, state=TermState(cpu), encoder=encoder)
+    objective = cross_entropy_objective(
+        decoder, cfg.terms, cfg.hard, shapes=source.shapes, views=views, state=TermState(cpu), encoder=encoder,
+        view_share=share,
+    )  # fmt: skip
     step = TrainStep(
         objective,
         make_optimizer(groups, cfg.optim.lr, cpu),

@@ -17,9 +17,9 @@ from captioner.scenes.synthetic import generate
 from captioner.train.config import TrainConfig
 from captioner.train.distributed import Dist
 from captioner.train.loop import fit
-from captioner.train.parts import cross_entropy_objective
 from captioner.train.prepare import PrepareConfig, prepare
 from captioner.train.settle import settle
+from captioner.train.stages import cross_entropy_objective
 from captioner.train.step import TrainStep, make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +40,16 @@ def train_step(
     device = torch.device(device)
     model_cfg = DecoderConfig(**decoder.config.to_dict())
     _, cfg = settle(model_cfg, cfg or TrainConfig(), vocab_size=model_cfg.vocab_size, device=device)
-    objective = cross_entropy_objective(decoder, cfg, views=views, state=TermState(device), encoder=encoder)
+    objective = cross_entropy_objective(
+        decoder,
+        cfg.terms,
+        cfg.hard,
+        shapes="packed" if encoder is not None else cfg.optim.shapes,  # a fine-tuned encoder's batches are packed
+        views=views,
+        state=TermState(device),
+        encoder=encoder,
+        view_share=cfg.terms.consistency_share if views and cfg.terms.consistency > 0 else 0.0,
+    )
     groups = [{"params": list(decoder.parameters())}] + [{"params": list(extra)}] * bool(extra)
     optimizer = make_optimizer(groups, cfg.optim.lr, device)
     return TrainStep(

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import captioner.train.parts as parts_module
+import captioner.train.stages as stages_module
 from captioner.data.batches import Batch
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
@@ -199,7 +200,7 @@ def test_a_terms_state_survives_resume(data_dir, tmp_path, monkeypatch):
     the checkpoints keep its state, and `--resume` goes on from it."""
     real = objective_module.objective_terms
     monkeypatch.setattr(objective_module, "objective_terms", lambda cfg, **kw: [*real(cfg, **kw), Counter(kw["state"])])
-    monkeypatch.setattr(parts_module, "objective_terms", objective_module.objective_terms, raising=False)
+    monkeypatch.setattr(stages_module, "objective_terms", objective_module.objective_terms)
     cfg = TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, val_images=4, seed=2)
     first = fit(str(data_dir), str(tmp_path / "run"), SMALL, cfg, device="cpu", progress_bar=False)
     saved = load_checkpoint(str(tmp_path / "run" / "last.pt"))

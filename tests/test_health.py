@@ -77,6 +77,7 @@ class _Parts:
         self.scheduler = type("S", (), {"step": lambda self, score: None})()
         self.optimizer = type("O", (), {"param_groups": [{"lr": 1e-3}]})()
         self.d = type("D", (), {"main": False})()
+        self.targets = None
         self.log = type("L", (), {"write": lambda _, record: self.logged.append(record)})()
 
 
@@ -85,12 +86,12 @@ PARKED = {**HEALTHY, "top5": 0.9}
 
 
 def test_best_is_the_best_scoring_validation_whose_health_is_ok():
-    from captioner.train.config import Progress, TrainConfig
+    from captioner.train.config import Progress
     from captioner.train.selection import select
 
     parts, progress = _Parts(), Progress()
     chosen = [
-        select(parts, TrainConfig(), progress, {"CIDEr": c, "BLEU-4": 0.1, "example": "", "attention_health": h})
+        select(parts, "CIDEr", progress, {"CIDEr": c, "BLEU-4": 0.1, "example": "", "attention_health": h})
         for c, h in ((1.0, PARKED), (0.8, HEALTHY), (1.5, PARKED), (0.9, HEALTHY), (0.85, HEALTHY))
     ]
     # a healthy one replaces a flagged best.pt whatever its score; a flagged one never replaces a healthy one

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 from captioner.cli.train import get_parser
 from captioner.errors import CaptionerError
 from captioner.models.decoder import DecoderConfig
-from captioner.options import from_args
+from captioner.options import command_line, from_args
 from captioner.train.config import GROUPS, TrainConfig
 from captioner.train.finetune import DECODER_FIRST, FineTuneConfig
 from captioner.train.settle import settle
@@ -20,6 +22,9 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 DERIVED_FIELDS = {"lr", "dropout", "alpha_c", "consistency", "word_query", "decode_sharpness", "after"}
 DERIVED = DERIVED_FIELDS | {"shapes"}  # shapes: "auto", which its help explains
 OPTIONAL = {"boxes", "max_minutes", "init", "fine_tune", "cuda_graphs"}  # cuda_graphs "auto": where they can be
+
+
+INIT = {"decoder": DecoderConfig(9).to_dict()}  # an --init checkpoint, as settle reads it
 
 
 def settled(model=None, device=CPU, init=None, **train):
@@ -50,7 +55,7 @@ def test_each_derived_default():
     model, cfg = settled()
     assert (cfg.optim.lr, model.dropout, cfg.terms.alpha_c, cfg.terms.consistency) == (1e-3, 0.2, 0.3, 1.0)
     assert (model.word_query, model.decode_sharpness, cfg.optim.shapes) == (False, 1.0, "packed")
-    assert settled(objective="scst")[1].optim.lr == 5e-5
+    assert settled(objective="scst", init=INIT)[1].optim.lr == 5e-5
     assert settled(DecoderConfig(0, attention="hard"))[0].dropout == 0.5
     boxed, _ = settled(boxes="b.json")
     assert boxed.word_query and boxed.decode_sharpness == 3.0
@@ -152,16 +157,68 @@ def test_without_views_the_consistency_is_settled_off_unless_a_fine_tuned_encode
     assert (plain.terms.consistency, tuned.terms.consistency) == (0.0, 1.0)
 
 
-@pytest.mark.parametrize(
-    "model, train, refused",
-    [
-        (None, {"objective": "scst", "fine_tune": FineTuneConfig()}, "--fine-tune-encoder"),
-        (DecoderConfig(0, attention="hard"), {"boxes": "b.json", "boxes_choice_weight": 1.0}, "--boxes-choice-weight"),
-    ],
-)
-def test_combinations_that_cannot_train_are_refused_before_anything_is_built(model, train, refused):
+# Every refusal of `fit`'s options: (decoder options, training options, the checkpoint resumed, the message's mark).
+XE_RUN = {"decoder": DecoderConfig(9).to_dict(), "train": TrainConfig().to_dict()}
+TUNED_RUN = {**XE_RUN, "train": TrainConfig(fine_tune=FineTuneConfig()).to_dict()}
+REFUSALS = [
+    (None, {"objective": "scst"}, None, "--init RUN/best.pt"),
+    (None, {"objective": "scst", "init": "best.pt", "fine_tune": FineTuneConfig()}, None, "--fine-tune-encoder"),
+    (DecoderConfig(0, attention="hard"), {"boxes": "b.json", "boxes_choice_weight": 1.0}, None, "--boxes-choice"),
+    (None, {"compile": True, "shapes": "packed"}, None, "--compile trains with fixed shapes"),
+    (None, {"paper": True, "alpha_c": 0.3}, None, "--paper-objective trains with --alpha-c 1"),
+    (None, {"objective": "scst"}, XE_RUN, "cross-entropy run"),
+    (None, {"fine_tune": FineTuneConfig()}, XE_RUN, "without --fine-tune-encoder"),
+    (None, {"fine_tune": FineTuneConfig(start="conv4_1")}, TUNED_RUN, "with other --fine-tune-encoder"),
+]
+
+
+@pytest.mark.parametrize("model, train, saved, refused", REFUSALS)
+def test_every_refusal_is_settles_before_anything_is_built(model, train, saved, refused):
+    """A refusal is written once, in `settle`, which `fit` calls before it builds anything: each is
+    listed here, and settle alone raises it, from the options and the checkpoints read."""
+    init = INIT if train.get("init") else None
     with pytest.raises(CaptionerError, match=refused):
-        settled(model, **train)
+        settle(model, TrainConfig.of(**train), vocab_size=9, device=CPU, init=init, saved=saved)
+
+
+def test_a_refused_fit_leaves_no_trace(data_dir, tmp_path):
+    """`fit` refuses before it writes: no run directory, no pool4 cache in the data directory."""
+    from captioner.train.loop import fit
+
+    before = sorted(p.name for p in data_dir.iterdir())
+    cfg = TrainConfig.of(objective="scst", init=None, fine_tune=FineTuneConfig())
+    with pytest.raises(CaptionerError, match="--init"):
+        fit(str(data_dir), str(tmp_path / "run"), None, cfg, device="cpu", progress_bar=False)
+    assert not (tmp_path / "run").exists() and sorted(p.name for p in data_dir.iterdir()) == before
+
+
+def _another_value(f: dataclasses.Field, hint):
+    """A value of a setting other than its default, as a user could give it."""
+    default = f.default
+    bare = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Annotated else hint
+    if typing.get_origin(bare) in (typing.Union, types.UnionType):  # X | None
+        bare = next(a for a in typing.get_args(bare) if a is not type(None))
+    if typing.get_origin(bare) is typing.Literal:
+        return next(c for c in typing.get_args(bare) if c != default and c != "auto")
+    if bare is bool:
+        return not default
+    if bare is int:
+        return (default or 0) + 2
+    if bare is float:
+        return 0.5 if default in (None, 0.0) else default / 2
+    return "given.json"
+
+
+def test_every_setting_is_an_option_written_once():
+    """A new setting is one field of a group: `fit --help` offers it, the command line sets it, and the
+    command each checkpoint records (`options.command_line`) gives it back, with no other place to edit."""
+    given = {}
+    for group in GROUPS.values():
+        hints = typing.get_type_hints(group, include_extras=True)
+        given |= {f.name: _another_value(f, hints[f.name]) for f in dataclasses.fields(group)}
+    cfg = TrainConfig.of(**given, fine_tune=FineTuneConfig(start="conv4_1", lr=0.5, workers=3, after=1))
+    args = ["fit", "--data", "d", "--out", "o", *command_line(cfg)]
+    assert from_args(TrainConfig, get_parser().parse_args(args)) == cfg
 
 
 def test_fit_help_says_each_derived_default_as_settle_settles_it():

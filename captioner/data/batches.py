@@ -160,6 +160,11 @@ class CaptionBatches:
         self.data, self.batch_size, self.targets, self.fixed = data, batch_size, targets, fixed
         self.view_share = view_share if data.views is not None else 0.0
 
+    @property
+    def shapes(self) -> str:
+        """The batches' shapes (`objectives.passes`)."""
+        return "packed" if self.fixed is None else "fixed"
+
     def num_batches(self, world: int = 1) -> int:
         return len(bucket_batches(self.data.lengths, self.batch_size, seed=0, epoch=0, world=world))
 

@@ -15,7 +15,6 @@ the view consistency; 3 added the consistency and kept `train` flat; 4 groups `t
 from __future__ import annotations
 
 import os
-import pickle
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +24,7 @@ from captioner.io import atomic_path
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec, carried_weights, from_file
 from captioner.models.vocab import Vocabulary
+from captioner.models.weights_file import load_torch_file
 
 FORMAT = "captioner-checkpoint"
 VERSION = 5
@@ -148,17 +148,7 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
         raise CaptionerError(f"{path}: no such checkpoint file")
     if os.path.getsize(path) == 0:
         raise CaptionerError(f"{path}: the checkpoint file is empty")
-    try:
-        ck = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
-        raise CaptionerError(
-            f"{path}: refused: the file holds pickled objects that only a full "
-            f"unpickler would run, not plain tensors and values ({first})"
-        ) from None
-    except Exception as e:  # zip/EOF errors from an empty, truncated or foreign file
-        raise CaptionerError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
-    return migrate(ck, path)
+    return migrate(load_torch_file(path, name=path, kind="checkpoint", map_location=map_location), path)
 
 
 def migrate(ck, path: str) -> dict:

@@ -39,7 +39,12 @@ def read_weights_file(path: str) -> dict[str, torch.Tensor]:
     with open(path, "rb") as f:
         head = f.read(2)
     if head == b"PK" or head[:1] == b"\x80":  # torch.save's zip, or its legacy pickle format
-        state = _torch_state(path)
+        state = load_torch_file(
+            path,
+            name=f"--encoder-weights {path}",
+            kind="torch state dict",
+            hint="; save the model's state_dict() instead",
+        )
     else:
         try:
             state = load_file(path)
@@ -60,19 +65,30 @@ def read_weights_file(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _torch_state(path: str):
-    """torch.load with weights_only: a file that needs the full unpickler is refused, its code never run."""
+def load_torch_file(path: str, *, name: str, kind: str, hint: str = "", map_location="cpu"):
+    """`torch.load` with weights_only: a file that needs the full unpickler is refused, its code never run.
+
+    Args:
+        name: how messages name the file (its path, or the option that gave it).
+        kind: what the file should be ("checkpoint", "torch state dict").
+        hint: what to do instead, added to a refusal.
+
+    Raises:
+        CaptionerError: the file holds pickled objects, or is truncated, corrupt or not torch's format.
+    """
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
         raise CaptionerError(
-            f"--encoder-weights {path}: refused: the file holds pickled objects that only a full unpickler "
-            f"would run, not plain tensors ({first}); save the model's state_dict() instead"
+            f"{name}: refused: the file holds pickled objects that only a full unpickler would run, not plain "
+            f"tensors and values ({_first_line(e) or 'unsupported content'}){hint}"
         ) from None
     except Exception as e:  # zip/EOF errors from a truncated or foreign file
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CaptionerError(
-            f"--encoder-weights {path}: not a readable torch state dict, truncated or corrupt "
-            f"({type(e).__name__}: {first})"
+            f"{name}: not a readable {kind}, truncated or corrupt ({type(e).__name__}: {_first_line(e)})"
         ) from None
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""

@@ -113,6 +113,8 @@ class FineTuning:
         progress: show the pool4 cache's progress bar.
     """
 
+    shapes = "packed"  # a batch's captions are as long as its longest (`objectives.passes`)
+
     def __init__(
         self,
         data: CaptionData,

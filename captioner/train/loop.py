@@ -24,7 +24,7 @@ from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
 from captioner.models.decoder import DecoderConfig
 from captioner.train import distributed, resilience
-from captioner.train.config import Progress, TrainConfig
+from captioner.train.config import CheckpointConfig, OptimConfig, Progress, ScheduleConfig, TrainConfig
 from captioner.train.finetune import add_tuned_familiarity
 from captioner.train.parts import Epoch, Parts, build, for_epoch
 from captioner.train.resume import start_from
@@ -67,30 +67,31 @@ def fit(
     cfg = cfg or TrainConfig()
     d, dev = distributed.setup(device)
     data = CaptionData(data_dir)
-    init, saved = start_from(data, out_dir, cfg, resume, dev)
+    init, saved = start_from(data, out_dir, cfg.init, resume, dev)
     views = data.views is not None
     model_cfg, cfg = settle(model_cfg, cfg, vocab_size=len(data.vocab), device=dev, init=init, saved=saved, views=views)
     parts, progress = build(
         data, out_dir, model_cfg, cfg, d=d, device=dev, init=init, saved=saved, progress_bar=progress_bar
     )
-    epoch = for_epoch(parts, model_cfg, cfg, progress)
-    parts.log.write(_start_record(parts, epoch, model_cfg, cfg, progress, resume))
-    budget = cfg.schedule.max_minutes * 60 if cfg.schedule.max_minutes else math.inf
+    epoch = for_epoch(parts, cfg.optim, progress)
+    parts.log.write(_start_record(parts, epoch, progress, resume))
     metrics, stopped = (saved or {}).get("metrics") or {}, False
     while progress.epoch < cfg.schedule.epochs:
-        if parts.tuning and progress.epoch == cfg.fine_tune.after > 0 and progress.batch_in_epoch == 0:
-            epoch = _encoder_joins(parts, epoch, model_cfg, cfg, progress)
-        ended = _train_epoch(parts, epoch, cfg, progress, metrics, budget, stop, progress_bar)
+        if parts.joint and progress.epoch == parts.tuning.cfg.after > 0 and progress.batch_in_epoch == 0:
+            epoch = _encoder_joins(parts, epoch, cfg.optim, progress)
+        ended = _train_epoch(parts, epoch, cfg.checkpoints, progress, metrics, stop, progress_bar)
         if ended == "stopped":
             stopped = True
             break
-        metrics, stopped, final = _close_epoch(parts, cfg, progress, ended, stop, progress_bar)
+        metrics, stopped, final = _close_epoch(parts, cfg.schedule, progress, ended, stop, progress_bar)
         if final:
             break
-    return _finish(parts, cfg, progress, metrics, stop if stopped else None)
+    return _finish(parts, cfg.schedule, progress, metrics, stop if stopped else None)
 
 
-def _close_epoch(parts: Parts, cfg: TrainConfig, progress: Progress, ended: str | None, stop, progress_bar: bool):
+def _close_epoch(
+    parts: Parts, schedule: ScheduleConfig, progress: Progress, ended: str | None, stop, progress_bar: bool
+):
     """The end of an epoch (or of the time budget): validate, select, save best.pt and last.pt.
 
     Returns:
@@ -99,12 +100,12 @@ def _close_epoch(parts: Parts, cfg: TrainConfig, progress: Progress, ended: str 
     if ended is None:
         progress.epoch += 1
         progress.batch_in_epoch = 0
-    metrics = validate(parts, cfg, progress_bar)
-    improved = select(parts, cfg, progress, metrics)
+    metrics = validate(parts, schedule, progress_bar)
+    improved = select(parts, schedule.metric, progress, metrics)
     # A signal during validation: last.pt is saved next, so stop there.
     stopped = distributed.any_true(parts.d, resilience.stop_requested(stop), parts.device)
-    stale = progress.stale >= cfg.schedule.patience
-    final = stopped or ended is not None or progress.epoch >= cfg.schedule.epochs or stale
+    stale = progress.stale >= schedule.patience
+    final = stopped or ended is not None or progress.epoch >= schedule.epochs or stale
     if improved:
         parts.checkpoints.save(parts.checkpoints.best_path, progress, metrics, final=final)
     parts.checkpoints.save(parts.checkpoints.last_path, progress, metrics, final=final)
@@ -113,24 +114,28 @@ def _close_epoch(parts: Parts, cfg: TrainConfig, progress: Progress, ended: str 
     return metrics, stopped, final
 
 
-def _encoder_joins(parts: Parts, epoch: Epoch, model_cfg, cfg: TrainConfig, progress: Progress) -> Epoch:
+def _encoder_joins(parts: Parts, epoch: Epoch, optim: OptimConfig, progress: Progress) -> Epoch:
     """The decoder has trained alone for `fine_tune.after` epochs: from here the encoder trains with it."""
     if not epoch.tuned:  # (a run resumed here starts with it)
-        epoch = for_epoch(parts, model_cfg, cfg, progress)
-    parts.log.write({"event": "encoder_trains", "step": progress.step, "epoch": progress.epoch})
+        epoch = for_epoch(parts, optim, progress)
+    parts.log.write(
+        {"event": "encoder_trains", "step": progress.step, "epoch": progress.epoch, "shapes": epoch.source.shapes}
+    )
     if parts.d.main:
-        log.info(f"epoch {progress.epoch + 1}: the encoder's layers from {cfg.fine_tune.start} train from here")
+        log.info(f"epoch {progress.epoch + 1}: the encoder's layers from {parts.tuning.cfg.start} train from here")
     return epoch
 
 
-def _start_record(parts: Parts, epoch: Epoch, model_cfg, cfg: TrainConfig, progress: Progress, resume: bool) -> dict:
+def _start_record(parts: Parts, epoch: Epoch, progress: Progress, resume: bool) -> dict:
+    """The log's first line: the run's settled configs, as its checkpoints record them, and where it starts."""
+    record = parts.checkpoints.record
     return {
         "event": "start",
         "step": progress.step,
         "epoch": progress.epoch,
         "resume": resume,
-        "decoder": model_cfg.to_dict(),
-        "train": cfg.to_dict(),
+        "decoder": record["decoder"],
+        "train": record["train"],
         "device": str(parts.device),
         "world": parts.d.world,
         "train_captions": int(len(parts.data.lengths)),
@@ -139,10 +144,16 @@ def _start_record(parts: Parts, epoch: Epoch, model_cfg, cfg: TrainConfig, progr
 
 
 def _train_epoch(
-    parts: Parts, epoch: Epoch, cfg: TrainConfig, progress: Progress, metrics: dict, budget: float, stop, bar_on: bool
+    parts: Parts,
+    epoch: Epoch,
+    saves: CheckpointConfig,
+    progress: Progress,
+    metrics: dict,
+    stop,
+    bar_on: bool,
 ) -> str | None:
     """The rest of the current epoch's steps; "stopped" or "out of time" if it ended early."""
-    d, dev, every = parts.d, parts.device, cfg.checkpoints.log_every
+    d, dev = parts.d, parts.device
     bar = tqdm(
         total=epoch.source.num_batches(world=d.world),
         initial=progress.batch_in_epoch,
@@ -153,7 +164,7 @@ def _train_epoch(
     )
     pin = dev.type == "cuda"
     batches = epoch.source.batches(
-        seed=cfg.optim.seed, epoch=progress.epoch, start=progress.batch_in_epoch, rank=d.rank, world=d.world, pin=pin
+        seed=parts.seed, epoch=progress.epoch, start=progress.batch_in_epoch, rank=d.rank, world=d.world, pin=pin
     )
     try:
         for batch in batches:
@@ -161,26 +172,25 @@ def _train_epoch(
             if batch.dropped:
                 progress.skipped_captions += len(batch.dropped)
                 parts.notes.damaged_rows(batch.dropped, parts.data, progress.step)
-            _cool_down(parts, cfg, progress, budget)
+            _cool_down(parts, progress)
             epoch.step(batch.to(dev, non_blocking=pin))
             progress.step += 1
             progress.batch_in_epoch += 1
             bar.update(1)
             # The host waits for the device only here, every `log_every` steps (and at saves).
-            agree = progress.step % every == 0
+            agree = progress.step % saves.log_every == 0
             if agree:
                 _log_terms(parts, epoch, progress, bar)
-            due = cfg.checkpoints.checkpoint_minutes and (
-                time.monotonic() - parts.checkpoints.last_save > cfg.checkpoints.checkpoint_minutes * 60
+            due = saves.checkpoint_minutes and (
+                time.monotonic() - parts.checkpoints.last_save > saves.checkpoint_minutes * 60
             )
-            if due or (cfg.checkpoints.checkpoint_every and progress.step % cfg.checkpoints.checkpoint_every == 0):
+            if due or (saves.checkpoint_every and progress.step % saves.checkpoint_every == 0):
                 parts.checkpoints.save(parts.checkpoints.last_path, progress, metrics)  # rank 0 alone writes
             # A stop asked of any process, or time up: all stop after this step (under DDP they agree
             # at log lines only, since agreeing reads back from the device).
             if (agree or not d.active) and distributed.any_true(d, resilience.stop_requested(stop), dev):
                 return _end_early(parts, epoch, progress, bar, "stopped")
-            out = time.monotonic() - parts.log.started > budget
-            if (agree or not d.active) and distributed.any_true(d, out, dev):
+            if (agree or not d.active) and distributed.any_true(d, parts.budget.out(), dev):
                 return _end_early(parts, epoch, progress, bar, "out of time")
         _log_terms(parts, epoch, progress, bar)
     finally:
@@ -208,18 +218,16 @@ def _log_terms(parts: Parts, epoch: Epoch, progress: Progress, bar) -> None:
     parts.log.write({"event": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr, **graphs, **terms})
 
 
-def _cool_down(parts: Parts, cfg: TrainConfig, progress: Progress, budget: float) -> None:
+def _cool_down(parts: Parts, progress: Progress) -> None:
     """Over the last `cooldown` share of the time budget, the learning rate falls linearly to 0 from
     where it was (a warmup-stable-decay schedule without the warmup: Hägele et al., 2024, found a
     cooldown of about a fifth of training as good as cosine decay, without fixing the length of
     training in advance), so that a run still improving when its time runs out ends on weights
     that have settled."""
-    share = cfg.schedule.cooldown
-    if not (share > 0 and math.isfinite(budget)):
+    if not parts.budget.cools:
         return
-    elapsed = time.monotonic() - parts.log.started
-    elapsed = distributed.all_sum(parts.d, [elapsed], parts.device)[0] / parts.d.world
-    left = min(1.0, max(0.0, (budget - elapsed) / (share * budget)))
+    elapsed = distributed.all_sum(parts.d, [parts.budget.elapsed()], parts.device)[0] / parts.d.world
+    left = parts.budget.rate_left(elapsed)
     if left == 1.0:
         return
     groups = parts.optimizer.param_groups
@@ -230,7 +238,7 @@ def _cool_down(parts: Parts, cfg: TrainConfig, progress: Progress, budget: float
 
 
 def _finish(
-    parts: Parts, cfg: TrainConfig, progress: Progress, metrics: dict, stop: resilience.GracefulStop | None
+    parts: Parts, schedule: ScheduleConfig, progress: Progress, metrics: dict, stop: resilience.GracefulStop | None
 ) -> Progress:
     """Save what is left, say which best.pt was chosen and why, and end (an error if a final save failed)."""
     d, checkpoints = parts.d, parts.checkpoints
@@ -254,8 +262,8 @@ def _finish(
             parts.data,
             checkpoints.saver,
             parts.device,
-            seed=cfg.optim.seed,
-            workers=cfg.fine_tune.workers,
+            seed=parts.seed,
+            workers=parts.tuning.cfg.workers,
         )
         parts.log.write({"event": "familiarity", "step": progress.step, "seconds": round(seconds, 2)})
     parts.log.write(
@@ -271,8 +279,8 @@ def _finish(
         }
     )
     if d.main and stop is None and progress.best_step:
-        log.info(chosen(progress, cfg))
-    ft = cfg.fine_tune
+        log.info(chosen(progress, schedule.metric, boxes=parts.targets is not None))
+    ft = parts.tuning.cfg if parts.tuning is not None else None
     if d.main and stop is None and ft is not None and (progress.epoch, progress.batch_in_epoch) <= (ft.after, 0):
         log.warning(  # not one step trained the encoder
             f"the encoder did not train: the run ended within the {ft.after} epochs the decoder trains alone "

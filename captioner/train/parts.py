@@ -1,14 +1,16 @@
 """The parts of a training run, built once from the settled configs (`train.settle`).
 
 `build` makes the long-lived parts (decoder, its average, a fine-tuned encoder,
-optimizer, schedule, random stream, log, checkpoints), restoring a resumed run's state into
-them; `for_epoch` makes the objective, its step and its batch source for an epoch (until the
-encoder trains, the decoder's alone, on the cached features).
+optimizer, schedule, random stream, log, checkpoints, and the objectives with their batch
+sources), restoring a resumed run's state into them; `for_epoch` makes an epoch's step of the
+stage it is in (until the encoder trains, the decoder's alone, on the cached features). After
+`build`, the loop reads only the schedule, checkpoint and optimisation groups of the config.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import NamedTuple
@@ -16,32 +18,56 @@ from typing import NamedTuple
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from captioner.data.batches import CaptionBatches, FixedShapes, TrainingImages
+from captioner.data.batches import CaptionBatches, TrainingImages
 from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
 from captioner.models.cuda_graphs import GraphCapture
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
-from captioner.objectives.objective import Objective, objective_terms
-from captioner.objectives.scst import SelfCritical, training_scorer
 from captioner.objectives.terms import TermState
 from captioner.options import command_line
 from captioner.train import distributed, resilience
 from captioner.train.averaging import WeightAverage
 from captioner.train.checkpoints import Checkpoints, Live, RunLog
-from captioner.train.config import Progress, TrainConfig
+from captioner.train.config import OptimConfig, Progress, ScheduleConfig, TrainConfig
 from captioner.train.familiarity import fit_stats
 from captioner.train.finetune import FineTuning
 from captioner.train.resume import restore
+from captioner.train.stages import Stage, stage
 from captioner.train.step import TrainStep, make_optimizer
 
 log = logging.getLogger(__name__)
+
+
+class Budget:
+    """The run's time (`--max-minutes`, counted from the start of its log) and the cooldown at its end."""
+
+    def __init__(self, schedule: ScheduleConfig, *, started: float):
+        self.seconds = schedule.max_minutes * 60 if schedule.max_minutes else math.inf
+        self.cooldown, self.started = schedule.cooldown, started
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def out(self) -> bool:
+        return self.elapsed() > self.seconds
+
+    @property
+    def cools(self) -> bool:
+        """The learning rate cools down at the end: there is a budget and a cooldown share of it."""
+        return self.cooldown > 0 and math.isfinite(self.seconds)
+
+    def rate_left(self, elapsed: float) -> float:
+        """The share of its rate the learning rate keeps at `elapsed` seconds: 1 until the last `cooldown`
+        share of the budget, then falling linearly to 0."""
+        return min(1.0, max(0.0, (self.seconds - elapsed) / (self.cooldown * self.seconds)))
 
 
 class Parts(NamedTuple):
     """What a run keeps from start to end."""
 
     data: CaptionData
+    seed: int  # the run's: initial weights, batches (with the epoch), familiarity's sample
     d: distributed.Dist
     device: torch.device
     decoder: AttentionDecoder
@@ -54,8 +80,11 @@ class Parts(NamedTuple):
     graphs: GraphCapture | None  # the run's CUDA graphs (`--cuda-graphs auto`), sharing one memory pool
     targets: BoxTargets | None
     log: RunLog
+    budget: Budget
     notes: resilience.FaultLog
     checkpoints: Checkpoints
+    first: Stage  # the decoder alone, on the cached features (SCST: on the training images)
+    joint: Stage | None  # the decoder with the encoder's layers (`--fine-tune-encoder`), from `after` on
 
 
 class Epoch(NamedTuple):
@@ -109,7 +138,13 @@ def build(
     resumed = progress if saved is not None else None
     checkpoints = Checkpoints(out_dir, main=d.main, live=live, record=record, notes=notes, resumed=resumed)
     graphs = GraphCapture(device) if cfg.optim.cuda_graphs == "auto" else None
-    return Parts(data, d, device, *live, graphs, targets, run_log, notes, checkpoints), progress
+    first = stage(data, decoder, cfg, state=live.terms, targets=targets)
+    joint = stage(data, decoder, cfg, state=live.terms, targets=targets, tuning=tuning) if tuning else None
+    budget = Budget(cfg.schedule, started=run_log.started)
+    parts = Parts(
+        data, cfg.optim.seed, d, device, *live, graphs, targets, run_log, budget, notes, checkpoints, first, joint
+    )
+    return parts, progress
 
 
 def _decoder(data: CaptionData, model_cfg: DecoderConfig, device, init: dict | None, *, compile: bool):
@@ -124,85 +159,26 @@ def _decoder(data: CaptionData, model_cfg: DecoderConfig, device, init: dict | N
     return decoder
 
 
-def for_epoch(parts: Parts, model_cfg: DecoderConfig, cfg: TrainConfig, progress: Progress) -> Epoch:
-    """The objective's step and batch source for the current epoch (DDP-wrapped under torchrun)."""
-    data, d, device = parts.data, parts.d, parts.device
-    tuned = parts.tuning is not None and progress.epoch >= cfg.fine_tune.after
-    if cfg.objective == "scst":
-        terms = [SelfCritical(cfg.scst, training_scorer(data, cfg.scst.end_token), data.max_len)]
-        objective, source = Objective(parts.decoder, terms), TrainingImages(data, cfg.optim.batch_size)
-    else:
-        views = _views(data, cfg, tuned)
-        objective = cross_entropy_objective(
-            parts.decoder,
-            cfg,
-            views=views,
-            state=parts.terms,
-            targets=parts.targets,
-            encoder=parts.tuning.encoder if tuned else None,
-        )
-        source = parts.tuning if tuned else _caption_batches(data, cfg, parts.targets, view_share(cfg, views))
-    if d.active:
-        objective = DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None)
+def for_epoch(parts: Parts, optim: OptimConfig, progress: Progress) -> Epoch:
+    """The step and batch source of the stage the current epoch is in (DDP-wrapped under torchrun)."""
+    tuned = parts.joint is not None and progress.epoch >= parts.tuning.cfg.after
+    objective, source = parts.joint if tuned else parts.first
+    if parts.d.active:
+        device_ids = [parts.device.index] if parts.device.type == "cuda" else None
+        objective = DistributedDataParallel(objective, device_ids=device_ids)
     step = TrainStep(
         objective,
         parts.optimizer,
-        cfg.optim,
+        optim,
         average=parts.average,
         generator=parts.generator,
-        d=d,
-        device=device,
+        d=parts.d,
+        device=parts.device,
         steps=progress.step,
         graphs=parts.graphs,
         on_fallback=lambda message: parts.notes.warn("graph_failed", message, step=progress.step),
     )
     return Epoch(step, source, tuned)
-
-
-def cross_entropy_objective(
-    decoder: AttentionDecoder,
-    cfg: TrainConfig,
-    *,
-    views: bool,
-    state: TermState,
-    targets: BoxTargets | None = None,
-    encoder=None,
-) -> Objective:
-    """The cross-entropy objective of settled configs: its terms, in the run's shapes (a fine-tuned
-    `encoder`'s batches are packed, and it makes the views of the consistency's share of captions).
-
-    Args:
-        views: the consistency has views (prepared, or the encoder's own).
-        state: the run's terms' state.
-    """
-    attention = decoder.config.attention
-    terms = objective_terms(cfg.terms, attention=attention, hard=cfg.hard, views=views, state=state, targets=targets)
-    return Objective(
-        decoder,
-        terms,
-        shapes="packed" if encoder is not None else cfg.optim.shapes,
-        semi_sampling=cfg.hard.semi_sampling if attention == "hard" else None,
-        encoder=encoder,
-        view_share=view_share(cfg, views) if encoder is not None else 0.0,
-    )
-
-
-def view_share(cfg: TrainConfig, views: bool) -> float:
-    """The share of each batch's captions the consistency is estimated on (0: no consistency)."""
-    return cfg.terms.consistency_share if views and cfg.terms.consistency > 0 else 0.0
-
-
-def _caption_batches(data: CaptionData, cfg: TrainConfig, targets, share: float) -> CaptionBatches:
-    fixed = None
-    if cfg.optim.shapes == "fixed":
-        fixed = FixedShapes.for_data(cfg.optim.batch_size, int(data.lengths.max()))
-    return CaptionBatches(data, cfg.optim.batch_size, view_share=share, targets=targets, fixed=fixed)
-
-
-def _views(data: CaptionData, cfg: TrainConfig, tuned: bool) -> bool:
-    """Whether the consistency has views: the prepared ones, or a fine-tuned encoder's own (`settle` set
-    the consistency to 0 where neither will be)."""
-    return cfg.terms.consistency > 0 and (tuned or data.views is not None)
 
 
 def box_targets(data: CaptionData, path: str, d: distributed.Dist) -> BoxTargets:

@@ -1,5 +1,5 @@
-"""Resuming and starting from a checkpoint: `--init` and `--resume` checked against the data and the
-options, and a resumed run's state put back into its live objects (`train.checkpoints.Live`).
+"""Resuming and starting from a checkpoint: `--init` and `--resume` checked against the data, and a
+resumed run's state put back into its live objects (`train.checkpoints.Live`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import torch
 from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
 from captioner.models.checkpoint import load_checkpoint
-from captioner.models.encoder import EncoderSpec
 from captioner.train import resilience
 from captioner.train.checkpoints import Live
-from captioner.train.config import Progress, TrainConfig
+from captioner.train.config import Progress
 
 
 def checked_checkpoint(path: str, data: CaptionData, device: torch.device, flag: str) -> dict:
@@ -28,32 +27,13 @@ def checked_checkpoint(path: str, data: CaptionData, device: torch.device, flag:
             f"{flag}: {path} has a vocabulary of {len(ck['vocab'])} words that differs from {data.dir}'s "
             f"({len(data.vocab)} words); start from a model trained on this data"
         )
-    fingerprint = (ck.get("data") or {}).get("fingerprint") or EncoderSpec.from_dict(ck["encoder"]).fingerprint
+    fingerprint = (ck.get("data") or {}).get("fingerprint") or ck["encoder"].get("fingerprint", "")
     if fingerprint != data.encoder.fingerprint:
         raise CaptionerError(
             f"{flag}: {path} was trained on features of encoder {fingerprint}, but {data.dir} holds features "
             f"of encoder {data.encoder.fingerprint}"
         )
     return ck
-
-
-def check_resume(ck: dict, cfg: TrainConfig, path: str) -> None:
-    """Refuse to resume with options that contradict the saved run."""
-    saved = TrainConfig.from_dict(ck["train"])
-    if cfg.objective == "scst" and saved.objective != "scst":
-        raise CaptionerError(
-            f"--resume --objective scst: {path} is a cross-entropy run; start self-critical training from it "
-            f"with --init {os.path.join(os.path.dirname(path), 'best.pt')} and a new --out"
-        )
-    # Encoder fine-tuning: the layers and their learning rate are the saved ones; workers may change.
-    mine, theirs = cfg.fine_tune, saved.fine_tune
-    if mine is not None and (theirs is None or (mine.start, mine.lr) != (theirs.start, theirs.lr)):
-        raise CaptionerError(
-            f"--resume: {path} was trained {'with other' if theirs else 'without'} --fine-tune-encoder settings; "
-            "resume without those flags to continue as it was"
-        )
-    if theirs is not None and "encoder_state" not in ck:
-        raise CaptionerError(f"--resume: {path} lacks the encoder_state its fine-tuning settings call for")
 
 
 def restore(live: Live, ck: dict, out_dir: str, notes: resilience.FaultLog) -> Progress:
@@ -102,18 +82,13 @@ def _restore_streams(generator: torch.Generator, rng: dict, step: int, notes: re
         )
 
 
-def start_from(data: CaptionData, out_dir: str, cfg: TrainConfig, resume: bool, device) -> tuple:
-    """The checkpoints a run starts from: (--init's, the resumed last.pt), each checked against the data."""
+def start_from(data: CaptionData, out_dir: str, init: str | None, resume: bool, device) -> tuple:
+    """The checkpoints a run starts from: (--init's, the resumed last.pt), each checked against the data
+    (`train.settle` checks the options against them)."""
     if resume:
         last = os.path.join(out_dir, "last.pt")
         saved = checked_checkpoint(last, data, device, "--resume")
-        check_resume(saved, cfg, last)
+        if saved["train"].get("fine_tune") and "encoder_state" not in saved:
+            raise CaptionerError(f"--resume: {last} lacks the encoder_state its fine-tuning settings call for")
         return None, saved
-    if cfg.init:
-        return checked_checkpoint(cfg.init, data, device, "--init"), None
-    if cfg.objective == "scst":
-        raise CaptionerError(
-            "--objective scst starts from a trained model: pass --init RUN/best.pt "
-            "(or --resume to continue a self-critical run)"
-        )
-    return None, None
+    return (checked_checkpoint(init, data, device, "--init") if init else None), None

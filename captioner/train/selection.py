@@ -14,13 +14,13 @@ from captioner.evaluation.captioning import caption_split, score_validation
 from captioner.evaluation.health import advice, attention_health, problems
 from captioner.evaluation.health import summary as health_summary
 from captioner.train import distributed
-from captioner.train.config import Progress, TrainConfig
+from captioner.train.config import Progress, ScheduleConfig
 from captioner.train.parts import Parts
 
 log = logging.getLogger(__name__)
 
 
-def validate(parts: Parts, cfg: TrainConfig, progress_bar: bool) -> dict:
+def validate(parts: Parts, schedule: ScheduleConfig, progress_bar: bool) -> dict:
     """Generation-based validation, split over processes and scored on the gathered captions."""
     t0, d = time.monotonic(), parts.d
     texts, hyps = caption_split(
@@ -28,10 +28,10 @@ def validate(parts: Parts, cfg: TrainConfig, progress_bar: bool) -> dict:
         parts.data,
         parts.data.vocab,
         "val",
-        beam_size=cfg.schedule.val_beam_size,
+        beam_size=schedule.val_beam_size,
         max_len=parts.data.max_len,
         device=parts.device,
-        max_images=cfg.schedule.val_images,
+        max_images=schedule.val_images,
         shard=(d.rank, d.world),
         features=parts.tuning.features if parts.tuning else None,
     )
@@ -44,10 +44,9 @@ def validate(parts: Parts, cfg: TrainConfig, progress_bar: bool) -> dict:
     return {**distributed.broadcast(d, metrics), "seconds": round(time.monotonic() - t0, 2)}
 
 
-def select(parts: Parts, cfg: TrainConfig, progress: Progress, metrics: dict) -> bool:
-    """Is this validation the new best.pt? The best score among checkpoints whose attention is
-    healthy, when any is; a healthy one replaces a flagged best.pt whatever its score."""
-    metric = cfg.schedule.metric
+def select(parts: Parts, metric: str, progress: Progress, metrics: dict) -> bool:
+    """Is this validation the new best.pt by `metric`? The best score among checkpoints whose attention
+    is healthy, when any is; a healthy one replaces a flagged best.pt whatever its score."""
     score, found = metrics[metric], problems(metrics["attention_health"])
     healthy = not found
     improved = (healthy and not progress.best_healthy) or (healthy == progress.best_healthy and score > progress.best)
@@ -78,13 +77,12 @@ def select(parts: Parts, cfg: TrainConfig, progress: Progress, metrics: dict) ->
             f"{health_summary(metrics['attention_health'])}"
         )
         if found:
-            log.warning(f"step {progress.step}: {'; '.join(found)}: {advice(boxes=bool(cfg.terms.boxes))}")
+            log.warning(f"step {progress.step}: {'; '.join(found)}: {advice(boxes=parts.targets is not None)}")
     return improved
 
 
-def chosen(p: Progress, cfg: TrainConfig) -> str:
-    """Which best.pt `fit` chose, and why, in one line."""
-    metric = cfg.schedule.metric
+def chosen(p: Progress, metric: str, *, boxes: bool) -> str:
+    """Which best.pt `fit` chose by `metric`, and why, in one line (`boxes`: the run trained with --boxes)."""
     if p.best_healthy:
         return (
             f"best.pt: step {p.best_step}, {metric} {p.best:.3f}: the best score among the validations "
@@ -93,5 +91,5 @@ def chosen(p: Progress, cfg: TrainConfig) -> str:
     return (
         f"best.pt: step {p.best_step}, {metric} {p.best:.3f}: the attention health check flagged every "
         "validation, so its heatmaps are NOT MEANINGFUL (the checkpoint records it, and the demo, "
-        f"`captioner caption --figures` and the notebooks say so): {advice(boxes=bool(cfg.terms.boxes))}"
+        f"`captioner caption --figures` and the notebooks say so): {advice(boxes=boxes)}"
     )

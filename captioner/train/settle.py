@@ -4,8 +4,8 @@
 settings), the run's situation (a fresh start, `--init` weights, or a resumed `last.pt`) and the
 device, and returns frozen configs with nothing left to decide. `DERIVED` says how each derived
 default is settled (and is what `fit --help` says of it); `--shapes auto` is packed on a CPU,
-fixed on a GPU or with --compile. Combinations that cannot train are refused here, before
-anything is built.
+fixed on a GPU or with --compile. Combinations that cannot train, and options that contradict
+a resumed run, are refused here, before anything is built.
 
 A resumed run keeps its saved configs; the command may change only how long it goes on, how
 often it saves and logs, and the fine-tuning workers.
@@ -67,7 +67,8 @@ def settle(
             them (and without a fine-tuned encoder to make its own) the consistency is settled as 0.
 
     Raises:
-        CaptionerError: --paper-objective beside other values of the options it sets.
+        CaptionerError: options that cannot train together (`_refuse`, `_terms`, `_optim`), or that
+            contradict the run being resumed (`_refuse_resumed`).
     """
     if saved is not None:
         return _resumed(saved, cfg, device)
@@ -100,6 +101,11 @@ def settle(
 
 def _refuse(model: DecoderConfig | None, cfg: TrainConfig, init: dict | None) -> None:
     """Combinations of options that cannot train, refused before anything is built."""
+    if cfg.objective == "scst" and init is None:
+        raise CaptionerError(
+            "--objective scst starts from a trained model: pass --init RUN/best.pt "
+            "(or --resume to continue a self-critical run)"
+        )
     if cfg.objective == "scst" and cfg.fine_tune is not None:
         raise CaptionerError("--objective scst does not fine-tune the encoder; leave out --fine-tune-encoder")
     attention = init["decoder"]["attention"] if init is not None else (model or DecoderConfig(0)).attention
@@ -149,6 +155,7 @@ def _resumed(saved: dict, cfg: TrainConfig, device: torch.device) -> tuple[Decod
     """A resumed run's configs: the saved ones, with the command's length of run, saving and logging
     (and the shapes settled for this device where the saved run left them to it)."""
     kept = TrainConfig.from_dict(saved["train"])
+    _refuse_resumed(kept, cfg)
     fine_tune = kept.fine_tune
     if fine_tune is not None and cfg.fine_tune is not None:
         fine_tune = replace(fine_tune, workers=cfg.fine_tune.workers)
@@ -157,3 +164,19 @@ def _resumed(saved: dict, cfg: TrainConfig, device: torch.device) -> tuple[Decod
     return DecoderConfig(**saved["decoder"]), replace(
         kept, optim=optim, schedule=schedule, checkpoints=cfg.checkpoints, fine_tune=fine_tune
     )
+
+
+def _refuse_resumed(kept: TrainConfig, cfg: TrainConfig) -> None:
+    """Options that contradict the run being resumed."""
+    if cfg.objective == "scst" and kept.objective != "scst":
+        raise CaptionerError(
+            "--resume --objective scst: --out holds a cross-entropy run; start self-critical training from it "
+            "with --init OUT/best.pt and a new --out"
+        )
+    # Encoder fine-tuning: the layers and their learning rate are the saved ones; workers may change.
+    mine, theirs = cfg.fine_tune, kept.fine_tune
+    if mine is not None and (theirs is None or (mine.start, mine.lr) != (theirs.start, theirs.lr)):
+        raise CaptionerError(
+            f"--resume: --out holds a run trained {'with other' if theirs else 'without'} --fine-tune-encoder "
+            "settings; resume without those flags to continue as it was"
+        )
