@@ -1,5 +1,6 @@
-"""Files read and written safely: JSON read with messages that name the file, one atomic write,
-and failed writes described in words that name the place.
+"""Files read and written safely: JSON and torch files read with messages that name the file (torch's
+with weights_only, so that no pickled code runs), one atomic write, and failed writes described in
+words that name the place.
 
 Every file the package writes whole (checkpoints, JSON, the caption arrays, the feature cache's
 files, cached document frequencies) goes through `atomic_path`: written under a temporary name
@@ -14,9 +15,12 @@ import contextlib
 import errno
 import json
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Iterator
+
+import torch
 
 from captioner.errors import CaptionerError
 
@@ -44,6 +48,35 @@ def read_json(path: str, what: str):
         ends_open = not text.rstrip().endswith(("}", "]"))
         hint = " (the file looks truncated: it ends before the JSON is complete)" if ends_open else ""
         raise CaptionerError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}{hint}") from None
+
+
+def read_torch(path: str, *, name: str, kind: str, hint: str = "", map_location="cpu"):
+    """`torch.load` with weights_only: a file that needs the full unpickler is refused, its code never run.
+
+    Args:
+        name: how messages name the file (its path, or the option that gave it).
+        kind: what the file should be ("checkpoint", "torch state dict").
+        hint: what to do instead, added to a refusal.
+
+    Raises:
+        CaptionerError: the file holds pickled objects, or is truncated, corrupt or not torch's format.
+    """
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CaptionerError(
+            f"{name}: refused: the file holds pickled objects that only a full unpickler would run, not plain "
+            f"tensors and values ({_first_line(e) or 'unsupported content'}){hint}"
+        ) from None
+    except Exception as e:  # zip/EOF errors from a truncated or foreign file
+        raise CaptionerError(
+            f"{name}: not a readable {kind}, truncated or corrupt ({type(e).__name__}: {_first_line(e)})"
+        ) from None
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 @contextlib.contextmanager

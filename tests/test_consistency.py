@@ -220,6 +220,8 @@ def test_fit_says_when_the_data_has_no_views(scenes, tmp_path, caplog):
     assert "no features of the images' views" in caplog.text and "prepare again" in caplog.text
     saved = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert saved["train"]["terms"]["consistency"] == 0.0  # what it trained with, not the default
+    start = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and (start["train"], start["decoder"]) == (saved["train"], saved["decoder"])
 
 
 @pytest.mark.parametrize("saved", [{}, {"equivariance": 0.5}])

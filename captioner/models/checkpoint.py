@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from captioner.errors import CaptionerError
-from captioner.io import atomic_path
+from captioner.io import atomic_path, read_torch
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec, carried_weights, from_file
 from captioner.models.vocab import Vocabulary
-from captioner.models.weights_file import load_torch_file
 
 FORMAT = "captioner-checkpoint"
 VERSION = 5
@@ -148,7 +147,7 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
         raise CaptionerError(f"{path}: no such checkpoint file")
     if os.path.getsize(path) == 0:
         raise CaptionerError(f"{path}: the checkpoint file is empty")
-    return migrate(load_torch_file(path, name=path, kind="checkpoint", map_location=map_location), path)
+    return migrate(read_torch(path, name=path, kind="checkpoint", map_location=map_location), path)
 
 
 def migrate(ck, path: str) -> dict:

@@ -8,13 +8,13 @@ read as they are. Whether the tensors fit the architecture is `models.encoder`'s
 from __future__ import annotations
 
 import os
-import pickle
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from captioner.errors import CaptionerError
+from captioner.io import read_torch
 
 
 def read_weights_file(path: str) -> dict[str, torch.Tensor]:
@@ -39,7 +39,7 @@ def read_weights_file(path: str) -> dict[str, torch.Tensor]:
     with open(path, "rb") as f:
         head = f.read(2)
     if head == b"PK" or head[:1] == b"\x80":  # torch.save's zip, or its legacy pickle format
-        state = load_torch_file(
+        state = read_torch(
             path,
             name=f"--encoder-weights {path}",
             kind="torch state dict",
@@ -63,32 +63,3 @@ def read_weights_file(path: str) -> dict[str, torch.Tensor]:
             f"--encoder-weights {path}: expected a dict of tensors, but {odd!r} is a {type(state[odd]).__name__}"
         )
     return state
-
-
-def load_torch_file(path: str, *, name: str, kind: str, hint: str = "", map_location="cpu"):
-    """`torch.load` with weights_only: a file that needs the full unpickler is refused, its code never run.
-
-    Args:
-        name: how messages name the file (its path, or the option that gave it).
-        kind: what the file should be ("checkpoint", "torch state dict").
-        hint: what to do instead, added to a refusal.
-
-    Raises:
-        CaptionerError: the file holds pickled objects, or is truncated, corrupt or not torch's format.
-    """
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CaptionerError(
-            f"{name}: refused: the file holds pickled objects that only a full unpickler would run, not plain "
-            f"tensors and values ({_first_line(e) or 'unsupported content'}){hint}"
-        ) from None
-    except Exception as e:  # zip/EOF errors from a truncated or foreign file
-        raise CaptionerError(
-            f"{name}: not a readable {kind}, truncated or corrupt ({type(e).__name__}: {_first_line(e)})"
-        ) from None
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""

@@ -24,7 +24,7 @@ from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
 from captioner.models.decoder import DecoderConfig
 from captioner.train import distributed, resilience
-from captioner.train.config import CheckpointConfig, OptimConfig, Progress, ScheduleConfig, TrainConfig
+from captioner.train.config import CheckpointConfig, Progress, ScheduleConfig, TrainConfig
 from captioner.train.finetune import add_tuned_familiarity
 from captioner.train.parts import Epoch, Parts, build, for_epoch
 from captioner.train.resume import start_from
@@ -73,12 +73,12 @@ def fit(
     parts, progress = build(
         data, out_dir, model_cfg, cfg, d=d, device=dev, init=init, saved=saved, progress_bar=progress_bar
     )
-    epoch = for_epoch(parts, cfg.optim, progress)
+    epoch = for_epoch(parts, progress)
     parts.log.write(_start_record(parts, epoch, progress, resume))
     metrics, stopped = (saved or {}).get("metrics") or {}, False
     while progress.epoch < cfg.schedule.epochs:
         if parts.joint and progress.epoch == parts.tuning.cfg.after > 0 and progress.batch_in_epoch == 0:
-            epoch = _encoder_joins(parts, epoch, cfg.optim, progress)
+            epoch = _encoder_joins(parts, epoch, progress)
         ended = _train_epoch(parts, epoch, cfg.checkpoints, progress, metrics, stop, progress_bar)
         if ended == "stopped":
             stopped = True
@@ -114,10 +114,10 @@ def _close_epoch(
     return metrics, stopped, final
 
 
-def _encoder_joins(parts: Parts, epoch: Epoch, optim: OptimConfig, progress: Progress) -> Epoch:
+def _encoder_joins(parts: Parts, epoch: Epoch, progress: Progress) -> Epoch:
     """The decoder has trained alone for `fine_tune.after` epochs: from here the encoder trains with it."""
     if not epoch.tuned:  # (a run resumed here starts with it)
-        epoch = for_epoch(parts, optim, progress)
+        epoch = for_epoch(parts, progress)
     parts.log.write(
         {"event": "encoder_trains", "step": progress.step, "epoch": progress.epoch, "shapes": epoch.source.shapes}
     )
@@ -164,7 +164,7 @@ def _train_epoch(
     )
     pin = dev.type == "cuda"
     batches = epoch.source.batches(
-        seed=parts.seed, epoch=progress.epoch, start=progress.batch_in_epoch, rank=d.rank, world=d.world, pin=pin
+        seed=parts.optim.seed, epoch=progress.epoch, start=progress.batch_in_epoch, rank=d.rank, world=d.world, pin=pin
     )
     try:
         for batch in batches:
@@ -262,7 +262,7 @@ def _finish(
             parts.data,
             checkpoints.saver,
             parts.device,
-            seed=parts.seed,
+            seed=parts.optim.seed,
             workers=parts.tuning.cfg.workers,
         )
         parts.log.write({"event": "familiarity", "step": progress.step, "seconds": round(seconds, 2)})

@@ -4,7 +4,7 @@
 optimizer, schedule, random stream, log, checkpoints, and the objectives with their batch
 sources), restoring a resumed run's state into them; `for_epoch` makes an epoch's step of the
 stage it is in (until the encoder trains, the decoder's alone, on the cached features). After
-`build`, the loop reads only the schedule, checkpoint and optimisation groups of the config.
+`build`, the loop reads only the schedule and checkpoint groups of the config.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Parts(NamedTuple):
     """What a run keeps from start to end."""
 
     data: CaptionData
-    seed: int  # the run's: initial weights, batches (with the epoch), familiarity's sample
+    optim: OptimConfig  # how each step runs; its seed is the run's (weights, batches with the epoch, familiarity)
     d: distributed.Dist
     device: torch.device
     decoder: AttentionDecoder
@@ -141,9 +141,7 @@ def build(
     first = stage(data, decoder, cfg, state=live.terms, targets=targets)
     joint = stage(data, decoder, cfg, state=live.terms, targets=targets, tuning=tuning) if tuning else None
     budget = Budget(cfg.schedule, started=run_log.started)
-    parts = Parts(
-        data, cfg.optim.seed, d, device, *live, graphs, targets, run_log, budget, notes, checkpoints, first, joint
-    )
+    parts = Parts(data, cfg.optim, d, device, *live, graphs, targets, run_log, budget, notes, checkpoints, first, joint)
     return parts, progress
 
 
@@ -159,7 +157,7 @@ def _decoder(data: CaptionData, model_cfg: DecoderConfig, device, init: dict | N
     return decoder
 
 
-def for_epoch(parts: Parts, optim: OptimConfig, progress: Progress) -> Epoch:
+def for_epoch(parts: Parts, progress: Progress) -> Epoch:
     """The step and batch source of the stage the current epoch is in (DDP-wrapped under torchrun)."""
     tuned = parts.joint is not None and progress.epoch >= parts.tuning.cfg.after
     objective, source = parts.joint if tuned else parts.first
@@ -169,7 +167,7 @@ def for_epoch(parts: Parts, optim: OptimConfig, progress: Progress) -> Epoch:
     step = TrainStep(
         objective,
         parts.optimizer,
-        optim,
+        parts.optim,
         average=parts.average,
         generator=parts.generator,
         d=parts.d,
