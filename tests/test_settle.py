@@ -173,7 +173,7 @@ REFUSALS = [
 
 
 @pytest.mark.parametrize("model, train, saved, refused", REFUSALS)
-def test_every_refusal_is_settles_before_anything_is_built(model, train, saved, refused):
+def test_every_refusal_is_made_by_settle_before_anything_is_built(model, train, saved, refused):
     """A refusal is written once, in `settle`, which `fit` calls before it builds anything: each is
     listed here, and settle alone raises it, from the options and the checkpoints read."""
     init = INIT if train.get("init") else None
