@@ -16,6 +16,7 @@ from captioner.objectives.terms import TermState
 from captioner.scenes.synthetic import generate
 from captioner.train.config import TrainConfig
 from captioner.train.distributed import Dist
+from captioner.train.finetune import FineTuning
 from captioner.train.loop import fit
 from captioner.train.prepare import PrepareConfig, prepare
 from captioner.train.settle import settle
@@ -44,7 +45,7 @@ def train_step(
         decoder,
         cfg.terms,
         cfg.hard,
-        shapes="packed" if encoder is not None else cfg.optim.shapes,  # a fine-tuned encoder's batches are packed
+        shapes=FineTuning.shapes if encoder is not None else cfg.optim.shapes,
         views=views,
         state=TermState(device),
         encoder=encoder,

@@ -116,9 +116,15 @@ def build(
     groups = [{"params": list(decoder.parameters())}]
     tuning = None
     if cfg.fine_tune is not None:
-        progress = progress_bar and d.main
-        tuning = FineTuning(data, cfg.fine_tune, d, device, batch_size=cfg.optim.batch_size, targets=targets,
-                            progress=progress)  # fmt: skip
+        tuning = FineTuning(
+            data,
+            cfg.fine_tune,
+            d,
+            device,
+            batch_size=cfg.optim.batch_size,
+            targets=targets,
+            progress=progress_bar and d.main,
+        )
         groups.append({"params": list(tuning.parameters()), "lr": cfg.fine_tune.lr})
     optimizer = make_optimizer(groups, cfg.optim.lr, device)
     # Started after the one-off pool4 cache, which is preparation, like prepare's: not training time.
