@@ -131,7 +131,7 @@ def _to_host(feats: torch.Tensor, cuda: bool):
     host = torch.empty(feats.shape, dtype=feats.dtype, pin_memory=True)
     host.copy_(feats, non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(feats.device))  # the stream the copy is queued on, not the current device's
     return host, done
 
 
