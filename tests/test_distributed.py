@@ -6,9 +6,11 @@ import json
 import os
 
 import pytest
+import torch
 from conftest import run_cli
 
 from captioner import Captioner
+from captioner.models.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow  # end to end: trains, serves or runs notebooks
 
@@ -75,6 +77,29 @@ def test_two_processes_match_one(data_dir, scenes, tmp_path):
     cap = Captioner.load(str(two / "best.pt"))
     image = sorted((scenes / "images").iterdir())[0]
     assert cap.caption(image, beam_size=2).attention.shape[1:] == (14, 14)
+
+
+def test_two_processes_resumed_go_on_each_with_its_own_random_streams(data_dir, tmp_path):
+    """Resumed after its first epoch, a 2-process run ends where the run never stopped ends, bit for bit:
+    each rank goes on with its own streams (hard attention's sampled locations, dropout), not rank 0's."""
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    tiny = [*TINY, "--attention", "hard", "--dropout", "0.3", "--checkpoint-minutes", "0", "--batch-size", "4"]
+
+    def fit(out, epochs: str, *extra: str):
+        return torchrun(
+            "train.py", "fit", "--data", str(data_dir), "--out", str(out), *tiny, "--epochs", epochs, *extra
+        )
+
+    for p in (fit(whole, "2"), fit(run, "1"), fit(run, "2", "--resume")):
+        assert p.returncode == 0, p.stderr[-3000:]
+    a, b = (load_checkpoint(str(out / "last.pt")) for out in (whole, run))
+    assert a["step"] == b["step"] and train_losses(run)[-1] == train_losses(whole)[-1]
+    for name, value in a["model"].items():
+        assert torch.equal(b["model"][name], value), name
+    # Rank 1's streams, kept beside last.pt, are its own and those of the run never stopped.
+    ranks = [torch.load(out / "last.rank1.rng.pt", weights_only=True)["rng"] for out in (whole, run)]
+    assert torch.equal(ranks[0]["generator"], ranks[1]["generator"])
+    assert not torch.equal(ranks[0]["generator"], a["rng"]["generator"])
 
 
 def test_distributed_prepare_fills_one_cache(scenes, data_dir, tmp_path):

@@ -52,7 +52,7 @@ class Checkpoint:
     progress: dict | None = None  # fit's: `train.config.Progress` as a dict
     optimizer: dict | None = None  # fit's: the state a resumed run continues from exactly ...
     scheduler: dict | None = None
-    rng: dict | None = None  # {"torch", "generator", "cuda"} random states
+    rng: dict | None = None  # rank 0's random states {"torch", "generator", "cuda"}, and "world": its processes
     terms: dict | None = None  # fit's: the loss terms' own state, {term: {name: tensor}}
     training_model: dict | None = None  # with `--ema`: the raw weights the optimizer steps (for `--resume`)
 

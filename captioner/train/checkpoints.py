@@ -3,8 +3,10 @@
 `Checkpoints` is given once what a checkpoint captures of the run (the live decoder, its
 average, the optimizer, the schedule, the random streams, a fine-tuned encoder, and the run's
 record: configs, vocabulary, encoder, data, command), and at each save the moment (progress and
-the last validation's metrics). Rank 0 alone writes. A save that fails (a full disk) is reported
-and retried at the next one; `fit` raises if its final save fails.
+the last validation's metrics). Rank 0 alone writes the checkpoints; under torchrun each other rank
+keeps its own random streams beside last.pt (`last.rank<r>.rng.pt`), since a resumed rank goes on
+with its own draws. A save that fails (a full disk) is reported and retried at the next one; `fit`
+raises if its final save fails.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from dataclasses import asdict
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from captioner.evaluation.health import verdict
+from captioner.io import atomic_path
 from captioner.models.checkpoint import Checkpoint
 from captioner.objectives.terms import TermState
 from captioner.train import resilience
@@ -46,6 +50,27 @@ class RunLog:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def place() -> tuple[int, int]:
+    """This process's rank and the number of processes in its job ((0, 1) outside torchrun)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def streams(generator: torch.Generator) -> dict:
+    """This process's random streams: torch's (dropout), the terms' generator's, each GPU's default one's."""
+    return {
+        "torch": torch.get_rng_state(),
+        "generator": generator.get_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def rank_streams_path(out_dir: str, rank: int) -> str:
+    """Where rank `rank` (> 0) keeps its random streams of last.pt's step (rank 0's are in last.pt)."""
+    return os.path.join(out_dir, f"last.rank{rank}.rng.pt")
 
 
 class Live(NamedTuple):
@@ -85,6 +110,8 @@ class Checkpoints:
     ):
         self.main, self.live, self.record, self.notes = main, live, record, notes
         self.last_path, self.best_path = os.path.join(out_dir, "last.pt"), os.path.join(out_dir, "best.pt")
+        self.rank, self.world = place()
+        self.streams_path = rank_streams_path(out_dir, self.rank)
         self.saver = resilience.CheckpointSaver()
         self.last_save = time.monotonic()
         if resumed is not None:
@@ -113,11 +140,7 @@ class Checkpoints:
             progress=asdict(progress),
             optimizer=p.optimizer.state_dict(),
             scheduler=p.scheduler.state_dict(),
-            rng={
-                "torch": torch.get_rng_state(),
-                "generator": p.generator.get_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            },
+            rng={**streams(p.generator), "world": self.world},  # rank 0's; each other rank's beside last.pt
             terms=p.terms.state_dict(),
             training_model=p.decoder.state_dict() if average else None,  # the raw weights, for --resume
         )
@@ -128,7 +151,19 @@ class Checkpoints:
             then = "fit ends with this error" if final else "training goes on and retries at the next save"
             self.notes.warn("save_failed", f"{self.saver.failed[path]}; {then}", step=progress.step, show=not final)
         if path == self.last_path:
+            if not self.main:
+                self._save_streams(progress.step)
             self.last_save = time.monotonic()
+
+    def _save_streams(self, step: int) -> None:
+        """This rank's random streams at last.pt's `step`, in a file of its own: gathering them to rank 0
+        would need every rank at every save, and some saves are rank 0's alone. A failed write is not
+        reported: the resumed rank finds no streams of that step, reseeds them and says so."""
+        try:
+            with atomic_path(self.streams_path) as tmp:
+                torch.save({"step": step, "world": self.world, "rng": streams(self.live.generator)}, tmp)
+        except OSError:
+            pass
 
     def saved(self, path: str) -> int | None:
         """The step of `path`'s last good save by this run (or the resumed one), None if none."""
