@@ -120,6 +120,113 @@ def test_a_resumed_run_keeps_its_settings_but_how_long_and_how_often():
     assert (cfg2.checkpoints.log_every, cfg2.checkpoints.checkpoint_every) == (3, 7)
 
 
+# What a resumed run takes from its own command: how this process runs the training, and how far it goes.
+PER_PROCESS = {"shapes", "compile", "cuda_graphs", "epochs", "max_minutes", "workers"} | {
+    "checkpoint_every",
+    "checkpoint_minutes",
+    "log_every",
+}
+
+
+def test_a_resumed_run_takes_how_this_process_runs_it_from_its_command():
+    """The obvious way out of a misbehaving GPU run is to stop it and resume with --cuda-graphs off."""
+    model, cfg = settled()
+    saved = {"decoder": model.to_dict(), "train": cfg.to_dict()}
+    assert (cfg.optim.cuda_graphs, cfg.optim.shapes) == ("auto", "packed")
+    _, off = settle(None, TrainConfig.of(cuda_graphs="off"), vocab_size=9, device=CPU, saved=saved)
+    assert off.optim.cuda_graphs == "off"
+    _, on_gpu = settle(None, TrainConfig(), vocab_size=9, device=CUDA, saved=saved)
+    assert on_gpu.optim.shapes == "fixed"  # --shapes auto follows the device this process trains on
+    _, compiled = settle(None, TrainConfig.of(compile=True), vocab_size=9, device=CPU, saved=saved)
+    assert (compiled.optim.compile, compiled.optim.shapes) == (True, "fixed")
+    with pytest.raises(CaptionerError, match="--compile trains with fixed shapes"):
+        settle(None, TrainConfig.of(compile=True, shapes="packed"), vocab_size=9, device=CPU, saved=saved)
+
+
+def test_a_resumed_run_takes_from_its_command_only_the_per_process_settings():
+    """Every setting given otherwise on resume: the run keeps its own but for those of how this process runs it."""
+    model, cfg = settled(fine_tune=FineTuneConfig())
+    saved = {"decoder": model.to_dict(), "train": cfg.to_dict()}
+    given = {}
+    for group in GROUPS.values():
+        hints = typing.get_type_hints(group, include_extras=True)
+        given |= {f.name: _another_value(f, hints[f.name]) for f in dataclasses.fields(group)}
+    given["shapes"] = "fixed"  # with --compile
+    command = TrainConfig.of(**given, fine_tune=FineTuneConfig(workers=5, after=7))
+    _, resumed = settle(None, command, vocab_size=9, device=CPU, saved=saved)
+    changed = {
+        f.name
+        for name in [*GROUPS, "fine_tune"]
+        for f in dataclasses.fields(getattr(cfg, name))
+        if getattr(getattr(resumed, name), f.name) != getattr(getattr(cfg, name), f.name)
+    }
+    assert changed == PER_PROCESS
+    assert resumed.fine_tune.workers == 5 and resumed.objective == cfg.objective
+
+
+def test_a_resumed_run_keeps_its_model_and_optimisation_and_says_what_it_leaves_out(caplog):
+    model, cfg = settled(lr=0.01)
+    saved = {"decoder": model.to_dict(), "train": cfg.to_dict()}
+    command = TrainConfig.of(lr=0.5, batch_size=16, cuda_graphs="off")
+    model2, cfg2 = settle(DecoderConfig(0, attention="hard"), command, vocab_size=9, device=CPU, saved=saved)
+    assert (model2, cfg2.optim.lr, cfg2.optim.batch_size, cfg2.optim.cuda_graphs) == (model, 0.01, 32, "off")
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "--attention hard" in warned and "--lr 0.5" in warned and "--batch-size 16" in warned
+    assert "cuda-graphs" not in warned
+
+
+def test_a_resumed_run_settles_the_derived_settings_its_checkpoint_lacks():
+    """A setting added after a checkpoint was saved is derived on resume as on a fresh start, in every group."""
+    model, cfg = settled()
+    saved = {"decoder": model.to_dict(), "train": cfg.to_dict()}
+    del saved["decoder"]["dropout"], saved["train"]["terms"]["alpha_c"], saved["train"]["optim"]["lr"]
+    model2, cfg2 = settle(None, TrainConfig(), vocab_size=9, device=CPU, saved=saved)
+    assert (model2, cfg2) == (model, cfg)
+
+
+def test_a_per_process_setting_is_declared_so_where_it_is_declared():
+    """`config.per_process` marks a field: `resumed` takes it from the command, whatever its group."""
+    from dataclasses import dataclass, field
+
+    from captioner.train.config import per_process, resumed
+
+    @dataclass(frozen=True)
+    class Group:
+        size: int = 1
+        threads: int = per_process(1)
+
+    @dataclass(frozen=True)
+    class Whole:
+        group: Group = field(default_factory=Group)
+        name: str = "a"
+        verbose: bool = per_process(False)
+
+    saved, command = Whole(Group(2, 2), "b", False), Whole(Group(3, 3), "c", True)
+    assert resumed(saved, command) == Whole(Group(2, 3), "b", True)
+
+
+def test_a_run_resumed_with_cuda_graphs_off_records_it(data_dir, tmp_path, monkeypatch):
+    """The resumed run's first log line and its checkpoints record the saved run's settings with this
+    process's, and it makes no graphs."""
+    import json
+
+    import captioner.train.parts as parts_module
+    from captioner.models.checkpoint import load_checkpoint
+    from captioner.train.loop import fit
+
+    made = []
+    monkeypatch.setattr(parts_module, "GraphCapture", lambda device: made.append(device))  # None: eager steps
+    small, run = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12), tmp_path / "run"
+    first = TrainConfig.of(epochs=1, batch_size=8, lr=3e-3, val_beam_size=1, val_images=4)
+    fit(str(data_dir), str(run), small, first, device="cpu", progress_bar=False)
+    again = TrainConfig.of(epochs=2, batch_size=8, val_beam_size=1, val_images=4, cuda_graphs="off")
+    fit(str(data_dir), str(run), None, again, resume=True, device="cpu", progress_bar=False)
+    starts = [x for x in map(json.loads, open(run / "metrics.jsonl", encoding="utf-8")) if x["event"] == "start"]
+    recorded = [s["train"]["optim"] for s in starts] + [load_checkpoint(str(run / "last.pt"))["train"]["optim"]]
+    assert [(o["cuda_graphs"], o["lr"]) for o in recorded] == [("auto", 3e-3), ("off", 3e-3), ("off", 3e-3)]
+    assert len(made) == 1  # the first run's
+
+
 def test_fit_help_is_grouped_by_concern():
     text = get_parser()._subparsers._group_actions[0].choices["fit"].format_help()
     for title in ("Optimisation", "Schedule", "Checkpoints and logs", "Attention terms", "Hard attention"):

@@ -4,12 +4,17 @@ Each field is also `fit`'s option (`captioner.options`); a nested group is a sec
 `fit --help`. A field whose default depends on other settings is None until `train.settle`
 settles it; the settled configs are frozen and travel in every checkpoint (`TrainConfig.to_dict`,
 `Progress` as a dict), so a resumed run continues as it was configured, from where it was.
+
+A resumed run keeps what the run is (model, objective, data, optimisation and schedule) and takes
+how this process runs it (how far it goes, the time budget, shapes, compile, CUDA graphs, workers,
+logging and saving) from its own command line: a field declared with `per_process(default)` is of
+the second kind, wherever its group is, and `resumed` puts the two together.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Annotated, Literal
 
 from captioner.errors import OptionError
@@ -20,6 +25,13 @@ from captioner.options import check_positive
 from captioner.train.finetune import FineTuneConfig
 
 XE_LR = 1e-3  # Adam's learning rate for cross-entropy training
+PER_PROCESS = "per_process"  # the metadata key that marks a setting of how this process runs the training
+
+
+def per_process(default):
+    """A field that says how this process runs the training, not what the run is: a resumed run
+    takes it from its own command line (`resumed`). Declared `name: Annotated[...] = per_process(default)`."""
+    return field(default=default, metadata={PER_PROCESS: True})
 
 
 @dataclass(frozen=True)
@@ -40,18 +52,19 @@ class OptimConfig:
         "precision: none (float32), tf32 (float32 with TF32 matmuls on GPUs that have them), bf16 or fp16 "
         "(autocast; fp16 adds a gradient scaler on CUDA)",
     ] = "none"
+    # How this process steps (the same batches, the same losses): a resumed run takes them from its command.
     shapes: Annotated[
         Literal["auto", "packed", "fixed"],
         "packed: each batch as long as its longest caption, finished captions dropped step by step (fast on "
         "CPUs); fixed: every batch padded to its length bucket, with masks, so a step has the same shapes each "
         "time and no host synchronisation (GPUs: captured as a CUDA graph); auto: packed on CPUs, fixed on GPUs",
-    ] = "auto"
-    compile: Annotated[bool, "torch.compile the decoder's step (trains with fixed shapes)"] = False
+    ] = per_process("auto")
+    compile: Annotated[bool, "torch.compile the decoder's step (trains with fixed shapes)"] = per_process(False)
     cuda_graphs: Annotated[
         Literal["auto", "off"],
         "auto: on a GPU, replay each fixed-shape step as a CUDA graph, falling back to eager steps with a warning "
         "where a capture or replay fails; off: eager steps only",
-    ] = "auto"
+    ] = per_process("auto")
 
     def __post_init__(self):
         check_positive(self, "batch_size", "lr", "grad_clip")
@@ -63,8 +76,11 @@ class OptimConfig:
 class ScheduleConfig:
     """Schedule: how long to train, when to validate and stop."""
 
-    epochs: Annotated[int, "passes over the training captions"] = 30
-    max_minutes: Annotated[float | None, "stop at a step boundary after this long, then validate and save"] = None
+    # How far to go: a resumed run goes on as far as its command says.
+    epochs: Annotated[int, "passes over the training captions"] = per_process(30)
+    max_minutes: Annotated[float | None, "stop at a step boundary after this long, then validate and save"] = (
+        per_process(None)
+    )
     cooldown: Annotated[
         float,
         "share of the --max-minutes budget, at its end, over which the learning rate falls linearly to 0 "
@@ -85,13 +101,13 @@ class ScheduleConfig:
 class CheckpointConfig:
     """Checkpoints and logs: how often last.pt and metrics.jsonl are written."""
 
-    checkpoint_every: Annotated[int, "also write last.pt every N steps (0: off)"] = 0
+    checkpoint_every: Annotated[int, "also write last.pt every N steps (0: off)"] = per_process(0)
     checkpoint_minutes: Annotated[
         float,
         "also write last.pt when this many minutes have passed since the last save (0: off), so a killed run "
         "loses at most that much",
-    ] = 0.5
-    log_every: Annotated[int, "steps between log lines (the loss is read back from the device then)"] = 20
+    ] = per_process(0.5)
+    log_every: Annotated[int, "steps between log lines (the loss is read back from the device then)"] = per_process(20)
 
     def __post_init__(self):
         check_positive(self, "log_every")
@@ -167,6 +183,25 @@ def _groups(cls) -> dict[str, type]:
 
 
 GROUPS = _groups(TrainConfig)
+
+
+def resumed(saved, command):
+    """A resumed run's config: what the run is from `saved`, how this process runs it (the `per_process`
+    fields, group by group) from this `command`.
+
+    Args:
+        saved: the config the checkpoint records (a dataclass, e.g. `TrainConfig`).
+        command: the same class, as this process's command line gives it; an optional group it leaves
+            out gives its per-process fields their defaults.
+    """
+    changes = {}
+    for f in fields(saved):
+        kept, given = getattr(saved, f.name), getattr(command, f.name)
+        if f.metadata.get(PER_PROCESS):
+            changes[f.name] = given
+        elif is_dataclass(kept):
+            changes[f.name] = resumed(kept, given if given is not None else type(kept)())
+    return replace(saved, **changes)
 
 
 @dataclass

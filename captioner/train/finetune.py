@@ -26,7 +26,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Literal
 
 import numpy as np
@@ -64,7 +64,10 @@ class FineTuneConfig:
         "--encoder-lr",
         "Adam learning rate of the encoder's layers",
     ] = 1e-5
-    workers: Annotated[int, "DataLoader workers decoding images (the pool4 cache, conv4_1 batches)"] = 2
+    # How this process runs it: a resumed run takes it from its own command (`train.config.per_process`).
+    workers: Annotated[int, "DataLoader workers decoding images (the pool4 cache, conv4_1 batches)"] = field(
+        default=2, metadata={"per_process": True}
+    )
     after: Annotated[
         int | None,
         "--tune-after",

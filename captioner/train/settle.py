@@ -7,8 +7,10 @@ default is settled (and is what `fit --help` says of it); `--shapes auto` is pac
 fixed on a GPU or with --compile. Combinations that cannot train, and options that contradict
 a resumed run, are refused here, before anything is built.
 
-A resumed run keeps its saved configs; the command may change only how long it goes on, how
-often it saves and logs, and the fine-tuning workers.
+A resumed run keeps what the run is (its saved configs) and takes how this process runs it from
+the command (`config.resumed`: how far it goes, shapes, compile, CUDA graphs, workers, saving and
+logging); the command's other settings are left out with a warning. Its derived defaults are then
+settled as a fresh run's are, so that a setting its checkpoint lacks is derived, not left None.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from captioner.errors import CaptionerError
 from captioner.models.decoder import DecoderConfig
 from captioner.objectives.scst import LR as SCST_LR
 from captioner.objectives.terms import TermsConfig
-from captioner.train.config import XE_LR, OptimConfig, TrainConfig
+from captioner.options import command_line
+from captioner.train.config import XE_LR, OptimConfig, TrainConfig, resumed
 from captioner.train.finetune import DECODER_FIRST
 
 log = logging.getLogger(__name__)
@@ -56,9 +59,9 @@ def settle(
     """The settled (decoder, training) configs of a run.
 
     Args:
-        model: the decoder options given (None: the defaults); ignored on resume and with --init,
-            whose checkpoint sets the sizes.
-        cfg: the training options given.
+        model: the decoder options given (None: the defaults); with --init its checkpoint sets the
+            sizes, and on resume the saved run sets them all (those given otherwise are warned of).
+        cfg: the training options given (on resume: their per-process settings, `config.resumed`).
         vocab_size: the data's vocabulary size.
         device: where the run trains (the shapes' default).
         init: the checkpoint of `cfg.init`, migrated (`models.checkpoint.load_checkpoint`).
@@ -71,14 +74,23 @@ def settle(
             contradict the run being resumed (`_refuse_resumed`).
     """
     if saved is not None:
-        return _resumed(saved, cfg, device)
+        settled = _derived(*_resumed(saved, cfg), device=device, init=None, views=views)
+        _warn_overruled((model, cfg), settled)
+        return settled
     _refuse(model, cfg, init)
-    terms = _terms(cfg.terms, views or cfg.fine_tune is not None)
-    soft_boxes = bool(terms.boxes) and not terms.paper
     given = model or DecoderConfig(vocab_size)
     if init is not None:  # the checkpoint's sizes; how to decode is not the weights' to say
         model = replace(DecoderConfig(**init["decoder"]), decode_sharpness=given.decode_sharpness)
     model = replace(model or given, vocab_size=vocab_size)
+    return _derived(model, cfg, device=device, init=init, views=views)
+
+
+def _derived(
+    model: DecoderConfig, cfg: TrainConfig, *, device: torch.device, init: dict | None, views: bool
+) -> tuple[DecoderConfig, TrainConfig]:
+    """The configs with every derived default settled (`DERIVED`); values already set are kept."""
+    terms = _terms(cfg.terms, views or cfg.fine_tune is not None)
+    soft_boxes = bool(terms.boxes) and not terms.paper
     hard = model.attention == "hard"
     model = replace(
         model,
@@ -151,19 +163,37 @@ def _optim(o: OptimConfig, objective: str, device: torch.device) -> OptimConfig:
     return replace(o, lr=_given(o.lr, SCST_LR if objective == "scst" else XE_LR), shapes=shapes)
 
 
-def _resumed(saved: dict, cfg: TrainConfig, device: torch.device) -> tuple[DecoderConfig, TrainConfig]:
-    """A resumed run's configs: the saved ones, with the command's length of run, saving and logging
-    (and the shapes settled for this device where the saved run left them to it)."""
+def _resumed(saved: dict, cfg: TrainConfig) -> tuple[DecoderConfig, TrainConfig]:
+    """A resumed run's configs, before its derived defaults are settled: the saved ones, with how this
+    process runs them taken from the command (`config.resumed`; --shapes auto then follows this device)."""
     kept = TrainConfig.from_dict(saved["train"])
     _refuse_resumed(kept, cfg)
-    fine_tune = kept.fine_tune
-    if fine_tune is not None and cfg.fine_tune is not None:
-        fine_tune = replace(fine_tune, workers=cfg.fine_tune.workers)
-    schedule = replace(kept.schedule, epochs=cfg.schedule.epochs, max_minutes=cfg.schedule.max_minutes)
-    optim = _optim(kept.optim, kept.objective, device)
-    return DecoderConfig(**saved["decoder"]), replace(
-        kept, optim=optim, schedule=schedule, checkpoints=cfg.checkpoints, fine_tune=fine_tune
-    )
+    return DecoderConfig(**saved["decoder"]), resumed(kept, cfg)
+
+
+def _warn_overruled(given: tuple, settled: tuple) -> None:
+    """Warn of the options given (decoder's, training's) that a resumed run leaves out, keeping its own."""
+    overruled = []
+    for mine, kept in zip(given, settled):
+        if mine is not None:
+            held = set(_options(kept))
+            overruled += [o for o in _options(mine) if o not in held]
+    if overruled:
+        log.warning(
+            f"--resume goes on with the run as it was configured, so it leaves out {', '.join(overruled)}; "
+            "to train with them, start a new run from it: --init OUT/best.pt and a new --out"
+        )
+
+
+def _options(cfg) -> list[str]:
+    """`options.command_line(cfg)`, one option and its values to each item ("--lr 0.5")."""
+    out: list[str] = []
+    for arg in command_line(cfg):
+        if arg.startswith("--"):
+            out.append(arg)
+        else:
+            out[-1] += f" {arg}"
+    return out
 
 
 def _refuse_resumed(kept: TrainConfig, cfg: TrainConfig) -> None:
