@@ -45,7 +45,7 @@ class StandInGraphs:
 
         return contextlib.nullcontext()
 
-    def capture(self, fn, generators=()):
+    def capture(self, fn, generators=(), *, what="a CUDA graph"):
         self.captured += 1
         if self.fail == "capture":
             raise RuntimeError("injected capture failure")

@@ -65,6 +65,9 @@ class EvaluateOptions:
         "set's boxes.json): also report attention pointing accuracy",
     ] = None
     device: Device = "auto"
+    cuda_graphs: Annotated[
+        Literal["auto", "off"], "replay the search's step as a CUDA graph on a GPU (off: never; see docs/training.md)"
+    ] = "auto"
 
     def __post_init__(self):
         check_device(self.device)

@@ -37,6 +37,7 @@ def caption_split(
     mode: str = EXPECTED,
     shard: tuple[int, int] = (0, 1),
     features: Callable[[np.ndarray], torch.Tensor] | None = None,
+    graphs: bool = True,
 ) -> tuple[dict[int, str], dict[int, Hypothesis]]:
     """Beam-search captions for a split's images.
 
@@ -44,6 +45,7 @@ def caption_split(
         shard: (rank, world): caption only every world-th image from rank on.
         features: rows → (n, L, D) features; default the data's cache (a fine-tuned encoder's
             features are not in it: see finetune.py).
+        graphs: on a GPU, replay the search's step as a CUDA graph (`models.graphed_search`).
 
     Returns:
         image id → caption text, and image id → the best hypothesis (with its attention).
@@ -58,9 +60,8 @@ def caption_split(
     texts, hyps = {}, {}
     for i in range(0, len(ids), batch_size):
         feats = (features or data.features)(rows[i : i + batch_size]).to(device)  # (b, L, D)
-        for image_id, beams in zip(
-            ids[i : i + batch_size], beam_search(decoder, feats, beam_size=beam_size, max_len=max_len, mode=mode)
-        ):
+        beams_of = beam_search(decoder, feats, beam_size=beam_size, max_len=max_len, mode=mode, graphs=graphs)
+        for image_id, beams in zip(ids[i : i + batch_size], beams_of):
             best = beams[0]
             hyps[int(image_id)] = best
             texts[int(image_id)] = " ".join(vocab.decode(best.tokens))

@@ -41,6 +41,7 @@ def evaluate(
     mode: str | None = None,
     use_java: bool | None = None,
     grounding: str | None = None,
+    cuda_graphs: str = "auto",
 ) -> dict:
     """Caption a split with a checkpoint and write the metrics JSON and the COCO results JSON.
 
@@ -53,6 +54,7 @@ def evaluate(
         grounding: a COCO instances file of object boxes: adds pointing accuracy and its chance rate,
             and how often the maps of captions naming two separate objects peak on both.
         use_java: None uses Java when present; False forces the Python figures.
+        cuda_graphs: "off": no CUDA graph of the search's step on a GPU.
 
     Returns:
         The metrics written: the seven coco-caption metrics, "official", the images scored
@@ -60,7 +62,10 @@ def evaluate(
     """
     model = load_trained(checkpoint)
     data = _data_for(model, data_dir, checkpoint, split)
-    texts, hyps = _captions(model, data, checkpoint, split, beam_size, max_len, torch.device(device), mode)
+    search = dict(
+        beam_size=beam_size, max_len=max_len or model.max_len, mode=mode or EXPECTED, graphs=cuda_graphs == "auto"
+    )
+    texts, hyps = _captions(model, data, checkpoint, split, torch.device(device), search)
     metrics = score_captions(texts, data.references[split], metrics=ALL_METRICS, use_java=use_java)
     if not metrics["official"]:
         log.warning(
@@ -69,11 +74,7 @@ def evaluate(
             "runtime (8 or later) for the official metrics"
         )
     if grounding:
-        g = model.encoder.grid
-        words = {i: (texts[i].split(), h.attention.reshape(-1, g, g)) for i, h in hyps.items()}
-        metrics["grounding"] = pointing_accuracy(words, GroundingBoxes(grounding), model.encoder.preprocess)
-        metrics["pointing"] = metrics["grounding"]["pointing"]
-        metrics["two_objects"] = metrics["grounding"]["two_objects"]
+        metrics.update(_grounding(model, texts, hyps, grounding))
     metrics["attention_health"] = attention_health(h.attention for h in hyps.values())
     metrics.update(
         _coverage(data, split, texts),
@@ -90,6 +91,14 @@ def evaluate(
     return metrics
 
 
+def _grounding(model, texts: dict, hyps: dict, boxes: str) -> dict:
+    """Pointing accuracy of the captions' maps against the object boxes in `boxes`."""
+    g = model.encoder.grid
+    words = {i: (texts[i].split(), h.attention.reshape(-1, g, g)) for i, h in hyps.items()}
+    found = pointing_accuracy(words, GroundingBoxes(boxes), model.encoder.preprocess)
+    return {"grounding": found, "pointing": found["pointing"], "two_objects": found["two_objects"]}
+
+
 def _data_for(model, data_dir: str, checkpoint: str, split: str) -> CaptionData:
     """The prepared data, refused unless its features come from the checkpoint's encoder."""
     data, spec = CaptionData(data_dir), model.encoder
@@ -104,7 +113,7 @@ def _data_for(model, data_dir: str, checkpoint: str, split: str) -> CaptionData:
     return data
 
 
-def _captions(model, data: CaptionData, checkpoint: str, split: str, beam_size, max_len, device, mode):
+def _captions(model, data: CaptionData, checkpoint: str, split: str, device, search: dict):
     """The split's captions and hypotheses, from the cache or, fine-tuned, from the checkpoint's encoder."""
     features = None
     if model.encoder_state is not None:  # the cache holds the frozen encoder's features, not this one's
@@ -114,11 +123,9 @@ def _captions(model, data: CaptionData, checkpoint: str, split: str, beam_size, 
         data,
         model.vocab,
         split,
-        beam_size=beam_size,
-        max_len=max_len or model.max_len,
         device=device,
-        mode=mode or EXPECTED,
         features=features,
+        **search,
     )
 
 

@@ -218,7 +218,8 @@ class AttentionDecoder(nn.Module):
     def __getstate__(self) -> dict:
         # A copy (the weights' average is one) compiles its own step: the compiled wrappers are bound to this one.
         state = dict(self.__dict__)
-        state["_compiled_step"] = any(state.pop(name, None) is not None for name in COMPILED)
+        compiled = [state.pop(name, None) for name in COMPILED]  # every wrapper out, not only the first found
+        state["_compiled_step"] = any(c is not None for c in compiled)
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -10,9 +10,10 @@ mode="sample"), CPU searches and searches with `graphs=False` run the same step 
 
 Each decoder keeps its graphs in a small least-recently-used cache (`MAX_GRAPHS`), so a demo whose
 visitors move the beam and length sliders holds a bounded number. A graph is captured and
-replayed outside any autocast region, in the model's own precision (`models.cuda_graphs`). A
-capture or replay that fails is logged once with its error; that search, and every later one of
-its shape, runs without a graph.
+replayed outside any autocast region, in the model's own precision (`models.cuda_graphs`), in the
+memory pool every graph of the process shares on that device. A capture refused before CUDA began
+it, or a replay that fails, is logged once with its error; that search, and every later one of its
+shape, runs without a graph. A capture that fails inside CUDA raises `CaptureBroken`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import fields, replace
 import torch
 
 from captioner.models.attention import SAMPLE
-from captioner.models.cuda_graphs import GraphCapture, no_autocast
+from captioner.models.cuda_graphs import FELL_BACK, CaptureBroken, GraphCapture, no_autocast
 from captioner.models.decoder import AttentionDecoder, Joined
 from captioner.models.search_state import CHECK_EVERY, Search, fixed_step
 
@@ -55,11 +56,14 @@ def fixed_steps(
                 graphed = _cached(decoder, s, key, max_len, mode)
                 graphed.load(s)
                 steps = _run(graphed.graph.replay, graphed.state, max_len)
-        except Exception as e:  # noqa: BLE001 - the search goes on without a graph
+        except CaptureBroken:
+            _GRAPHS.get(decoder, {}).pop(key, None)
+            raise
+        except Exception as e:  # noqa: BLE001 - refused before capture, or a failed replay: go on without a graph
             _GRAPHS.get(decoder, {}).pop(key, None)
             _FAILED[decoder].add(key)
             log.warning(
-                f"the search's CUDA graph failed for {key[0][0]} images x {key[0][1]} beams on {device} "
+                f"{FELL_BACK}: the search's graph for {key[0][0]} images x {key[0][1]} beams on {device} failed "
                 f"({type(e).__name__}: {e}); searches of that shape run without a graph from here"
             )
             return _eager(decoder, s, max_len, mode, generator)
@@ -109,7 +113,8 @@ class _Graphed:
         with capture.side():
             for _ in range(WARMUP):
                 fixed_step(decoder, self.state, self.t, max_len, mode, None)
-        self.graph = capture.capture(lambda: fixed_step(decoder, self.state, self.t, max_len, mode, None))
+        what = f"the search for {tuple(s.scores.shape)} (images, beams)"
+        self.graph = capture.capture(lambda: fixed_step(decoder, self.state, self.t, max_len, mode, None), what=what)
 
     def load(self, s: Search) -> None:
         """Copy a new search's start into the graph's state."""

@@ -155,8 +155,11 @@ def sample_captions(
     return Samples(tokens, ((tokens != PAD_ID) & (tokens != END_ID)).sum(1), logp, entropy)
 
 
-def greedy_tokens(decoder: AttentionDecoder, features: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The test-time greedy captions (beam size 1 of the one decoding routine), without dropout.
+def greedy_tokens(
+    decoder: AttentionDecoder, features: torch.Tensor, max_len: int, graphs: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test-time greedy captions (beam size 1 of the one decoding routine), without dropout; on a
+    GPU with `graphs`, its step replayed as a CUDA graph.
 
     Returns:
         tokens (B, T): words, <end>, <pad>...; words (B,) before <end>.
@@ -164,7 +167,9 @@ def greedy_tokens(decoder: AttentionDecoder, features: torch.Tensor, max_len: in
     was_training = decoder.training
     decoder.eval()
     with no_autocast(features.device):  # as at test time, in the model's precision (and capturable)
-        hyps = [beams[0].tokens for beams in beam_search(decoder, features, beam_size=1, max_len=max_len)]
+        hyps = [
+            beams[0].tokens for beams in beam_search(decoder, features, beam_size=1, max_len=max_len, graphs=graphs)
+        ]
     decoder.train(was_training)
     tokens = torch.zeros(len(hyps), max(len(h) for h in hyps) + 1, dtype=torch.long)
     for i, h in enumerate(hyps):
@@ -183,15 +188,16 @@ class SelfCritical(Term):
         cfg: samples, baseline, reward weights.
         scorer: rewards against the training references (`training_scorer`).
         max_len: most words per sampled caption.
+        graphs: the greedy baseline's search replayed as a CUDA graph on a GPU (`fit --cuda-graphs`).
     """
 
     name = "scst"
     capturable = False
     teacher_forced = False
 
-    def __init__(self, cfg: ScstConfig, scorer: NgramScorer, max_len: int):
+    def __init__(self, cfg: ScstConfig, scorer: NgramScorer, max_len: int, *, graphs: bool = True):
         super().__init__(1.0)
-        self.cfg, self.scorer, self.max_len = cfg, scorer, max_len
+        self.cfg, self.scorer, self.max_len, self.graphs = cfg, scorer, max_len, graphs
         self._report: dict[str, torch.Tensor] = {}
 
     def reward(self, tokens: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -208,7 +214,7 @@ class SelfCritical(Term):
         rows = ctx.batch.rows.cpu()  # the rewards are computed on the host
         reward = self.reward(s.tokens, s.words, rows.repeat_interleave(n)).view(-1, n)  # (B, n)
         if self.cfg.baseline == "greedy":
-            tokens, words = greedy_tokens(decoder, ctx.features, self.max_len)
+            tokens, words = greedy_tokens(decoder, ctx.features, self.max_len, self.graphs)
             base = self.reward(tokens, words, rows).unsqueeze(1).expand(-1, n)  # (B, n)
         else:
             base = (reward.sum(1, keepdim=True) - reward) / (n - 1)  # (B, n), the others' mean

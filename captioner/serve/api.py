@@ -222,7 +222,9 @@ class Captioner:
         feats = self._features(x)  # (b, L, D)
         verdicts = familiarity(feats, self.familiarity)  # is each image like the training ones?
         out, grid = [], self.encoder_spec.grid
-        for beams, size, verdict in zip(beam_search(self.decoder, feats, **search), sizes, verdicts):
+        graphed = search["graphs"] and feats.is_cuda and search["mode"] != SAMPLE
+        beams_of = beam_search(self.decoder, _padded(feats) if graphed else feats, **search)
+        for beams, size, verdict in zip(beams_of, sizes, verdicts):
             best = beams[0]
             words = self.vocab.decode(best.tokens)
             locs = None
@@ -241,3 +243,11 @@ class Captioner:
                 )
             )
         return out
+
+
+def _padded(feats: torch.Tensor) -> torch.Tensor:
+    """A batch padded to a power of two by repeating its last image, so that searches of batches of any
+    size (the demo's batcher makes them) share a few CUDA graphs; the padding's captions are dropped."""
+    b = feats.size(0)
+    size = 1 << (b - 1).bit_length()
+    return torch.cat([feats, feats[-1:].expand(size - b, -1, -1)]) if size > b else feats  # (size, L, D)

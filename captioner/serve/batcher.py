@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 from PIL import Image
 
+from captioner.models.cuda_graphs import CaptureBroken
 from captioner.serve.api import Caption, Captioner
 
 
@@ -58,6 +59,10 @@ class Batcher:
     def _run(self, group: list[tuple[Image.Image, Future]], beam_size: int, max_len: int | None) -> None:
         try:
             outs = self.captioner.caption_batch([im for im, _ in group], beam_size=beam_size, max_len=max_len)
+        except CaptureBroken as e:  # no one request's fault, and no retry may capture again
+            for _, done in group:
+                done.set_exception(e)
+            return
         except Exception as e:
             if len(group) == 1:
                 group[0][1].set_exception(e)

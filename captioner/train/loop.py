@@ -22,8 +22,10 @@ from tqdm import tqdm
 
 from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
+from captioner.models import graphed_search
+from captioner.models.cuda_graphs import CaptureBroken
 from captioner.models.decoder import DecoderConfig
-from captioner.train import distributed, resilience
+from captioner.train import distributed, resilience, telemetry
 from captioner.train.config import CheckpointConfig, Progress, ScheduleConfig, TrainConfig
 from captioner.train.finetune import add_tuned_familiarity
 from captioner.train.parts import Epoch, Parts, build, for_epoch
@@ -52,7 +54,8 @@ def fit(
         out_dir: the run directory.
         model_cfg: decoder sizes (vocab_size is taken from the data); ignored on resume and with cfg.init.
         cfg: training settings (default: `TrainConfig()`); on resume the saved ones are used, except
-            how long to go on and how often to save and log (`train.settle`). With cfg.init, training
+            how this process runs the run: how far, graphs, compile, shapes, workers, saving and logging
+            (`train.config.per_process`). With cfg.init, training
             starts from that checkpoint's weights and decoder config (a fresh optimizer); cfg.objective
             "scst" needs cfg.init or a resume.
         resume: continue from out_dir/last.pt (cfg.init is then ignored).
@@ -74,18 +77,22 @@ def fit(
         data, out_dir, model_cfg, cfg, d=d, device=dev, init=init, saved=saved, progress_bar=progress_bar
     )
     epoch = for_epoch(parts, progress)
-    parts.log.write(_start_record(parts, epoch, progress, resume))
+    parts.log.write(telemetry.start_record(parts, epoch, progress, resume))
     metrics, stopped = (saved or {}).get("metrics") or {}, False
-    while progress.epoch < cfg.schedule.epochs:
-        if parts.joint and progress.epoch == parts.tuning.cfg.after > 0 and progress.batch_in_epoch == 0:
-            epoch = _encoder_joins(parts, epoch, progress)
-        ended = _train_epoch(parts, epoch, cfg.checkpoints, progress, metrics, stop, progress_bar)
-        if ended == "stopped":
-            stopped = True
-            break
-        metrics, stopped, final = _close_epoch(parts, cfg.schedule, progress, ended, stop, progress_bar)
-        if final:
-            break
+    try:
+        with parts.notes.recording(graphed_search.log, "graph_failed"):  # the searches' fallbacks, in the log too
+            while progress.epoch < cfg.schedule.epochs:
+                if parts.joint and progress.epoch == parts.tuning.cfg.after > 0 and progress.batch_in_epoch == 0:
+                    epoch = _encoder_joins(parts, epoch, progress)
+                ended = _train_epoch(parts, epoch, cfg.checkpoints, progress, metrics, stop, progress_bar)
+                if ended == "stopped":
+                    stopped = True
+                    break
+                metrics, stopped, final = _close_epoch(parts, cfg.schedule, progress, ended, stop, progress_bar)
+                if final:
+                    break
+    except CaptureBroken as e:  # CUDA may be left mid-capture: save, and end with the way on
+        resilience.end_broken(parts.checkpoints, parts.log, progress, metrics, e)
     return _finish(parts, cfg.schedule, progress, metrics, stop if stopped else None)
 
 
@@ -126,23 +133,6 @@ def _encoder_joins(parts: Parts, epoch: Epoch, progress: Progress) -> Epoch:
     return epoch
 
 
-def _start_record(parts: Parts, epoch: Epoch, progress: Progress, resume: bool) -> dict:
-    """The log's first line: the run's settled configs, as its checkpoints record them, and where it starts."""
-    record = parts.checkpoints.record
-    return {
-        "event": "start",
-        "step": progress.step,
-        "epoch": progress.epoch,
-        "resume": resume,
-        "decoder": record["decoder"],
-        "train": record["train"],
-        "device": str(parts.device),
-        "world": parts.d.world,
-        "train_captions": int(len(parts.data.lengths)),
-        "batches_per_epoch": epoch.source.num_batches(world=parts.d.world),
-    }
-
-
 def _train_epoch(
     parts: Parts,
     epoch: Epoch,
@@ -166,8 +156,9 @@ def _train_epoch(
     batches = epoch.source.batches(
         seed=parts.optim.seed, epoch=progress.epoch, start=progress.batch_in_epoch, rank=d.rank, world=d.world, pin=pin
     )
+    waits = telemetry.Waits()
     try:
-        for batch in batches:
+        for batch in waits.timed(batches):
             # Captions of damaged feature rows were left out; a non-finite step is not applied.
             if batch.dropped:
                 progress.skipped_captions += len(batch.dropped)
@@ -180,7 +171,7 @@ def _train_epoch(
             # The host waits for the device only here, every `log_every` steps (and at saves).
             agree = progress.step % saves.log_every == 0
             if agree:
-                _log_terms(parts, epoch, progress, bar)
+                _log_terms(parts, epoch, progress, bar, waits)
             due = saves.checkpoint_minutes and (
                 time.monotonic() - parts.checkpoints.last_save > saves.checkpoint_minutes * 60
             )
@@ -189,23 +180,23 @@ def _train_epoch(
             # A stop asked of any process, or time up: all stop after this step (under DDP they agree
             # at log lines only, since agreeing reads back from the device).
             if (agree or not d.active) and distributed.any_true(d, resilience.stop_requested(stop), dev):
-                return _end_early(parts, epoch, progress, bar, "stopped")
+                return _end_early(parts, epoch, progress, bar, waits, "stopped")
             if (agree or not d.active) and distributed.any_true(d, parts.budget.out(), dev):
-                return _end_early(parts, epoch, progress, bar, "out of time")
-        _log_terms(parts, epoch, progress, bar)
+                return _end_early(parts, epoch, progress, bar, waits, "out of time")
+        _log_terms(parts, epoch, progress, bar, waits)
     finally:
         bar.close()
     return None
 
 
-def _end_early(parts: Parts, epoch: Epoch, progress: Progress, bar, why: str) -> str:
-    _log_terms(parts, epoch, progress, bar)
+def _end_early(parts: Parts, epoch: Epoch, progress: Progress, bar, waits: telemetry.Waits, why: str) -> str:
+    _log_terms(parts, epoch, progress, bar, waits)
     return why
 
 
-def _log_terms(parts: Parts, epoch: Epoch, progress: Progress, bar) -> None:
-    """Read the terms back from the device: a log line of their means since the last one, the bar's
-    loss, and any skipped steps."""
+def _log_terms(parts: Parts, epoch: Epoch, progress: Progress, bar, waits: telemetry.Waits) -> None:
+    """Read the terms back from the device: a log line of their means since the last one (and of what the
+    machine did: `train.telemetry`), the bar's loss, and any skipped steps."""
     terms, skipped = epoch.step.read()
     if skipped:
         progress.skipped_steps += skipped
@@ -214,8 +205,8 @@ def _log_terms(parts: Parts, epoch: Epoch, progress: Progress, bar) -> None:
         return
     bar.set_postfix(loss=f"{terms['loss']:.3f}")
     lr = float(parts.optimizer.param_groups[0]["lr"])
-    graphs = {"graphs": len(epoch.step.graphs)} if epoch.step.maker is not None else {}
-    parts.log.write({"event": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr, **graphs, **terms})
+    machine = telemetry.machine(epoch.step, parts.device, waits)
+    parts.log.write({"event": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr, **machine, **terms})
 
 
 def _cool_down(parts: Parts, progress: Progress) -> None:

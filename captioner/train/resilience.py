@@ -13,12 +13,13 @@ Shapes: n rows of (L, D) features, L locations, D feature size.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -167,6 +168,14 @@ class CheckpointSaver:
         return True
 
 
+class _Forward(logging.Handler):
+    """Hands each warning record to a function."""
+
+    def __init__(self, emit: Callable[[logging.LogRecord], None]):
+        super().__init__(logging.WARNING)
+        self.emit = emit
+
+
 class FaultLog:
     """One-line warnings about the faults training goes on through, on stderr and in metrics.jsonl.
 
@@ -189,6 +198,16 @@ class FaultLog:
         if show and (self.show or local):
             log.warning(message)
         self.write_log({"event": event, **fields, "message": message})
+
+    @contextlib.contextmanager
+    def recording(self, logger: logging.Logger, event: str) -> Iterator[None]:
+        """While open, `logger`'s warnings (a library's, shown where it logs) are also `event` lines of the log."""
+        handler = _Forward(lambda record: self.write_log({"event": event, "message": record.getMessage()}))
+        logger.addHandler(handler)
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)
 
     def skipped_steps(self, step: int, count: int, terms: dict, scaled: bool = False) -> None:
         """Report steps that were not applied because a loss term or the gradient was not finite.
@@ -229,3 +248,21 @@ class FaultLog:
                 file=path,
                 row=row,
             )
+
+
+def end_broken(checkpoints, run_log, progress, metrics: dict, error: CaptionerError) -> None:
+    """A graph's capture failed inside CUDA (`models.cuda_graphs.CaptureBroken`): log it, save last.pt as of
+    the last whole step, and raise the one line that says how the run goes on.
+
+    Args:
+        checkpoints: the run's `train.checkpoints.Checkpoints`; run_log: its metrics.jsonl.
+    """
+    run_log.write({"event": "graph_broken", "step": progress.step, "message": str(error)})
+    last = checkpoints.last_path
+    checkpoints.save(last, progress, metrics, final=True)
+    run_log.close()
+    if last in checkpoints.saver.failed:
+        then = f"{last} could not be saved ({checkpoints.saver.failed[last]})"
+    else:
+        then = f"{last} is saved at step {progress.step}: `fit --resume --cuda-graphs off` goes on from it"
+    raise CaptionerError(f"{error}. {then}") from error

@@ -34,6 +34,7 @@ def validate(parts: Parts, schedule: ScheduleConfig, progress_bar: bool) -> dict
         max_images=schedule.val_images,
         shard=(d.rank, d.world),
         features=parts.tuning.features if parts.tuning else None,
+        graphs=parts.graphs is not None,
     )
     texts = distributed.gather_dicts(d, texts)
     maps = distributed.gather_dicts(d, {i: h.attention.astype("float16") for i, h in hyps.items()})

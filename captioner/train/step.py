@@ -14,11 +14,13 @@ steps on a side stream (PyTorch's "whole-network capture": forward, backward, cl
 the average, the terms' state; `models.cuda_graphs`) and then replayed: one launch per step,
 the batch first copied into the graph's static inputs. The random draws (dropout, hard
 attention's locations, the consistency's picks) come from generators registered with the
-graph, so each replay draws anew. A capture or replay that fails is logged once with its error
-and shape; that batch, and every later one of its shape, then runs eagerly, exactly as it would
-have without graphs. The graphs read the learning rates from tensors they own: a schedule that
-sets a rate as a float (ReduceLROnPlateau on some torch versions, a resumed optimizer's state)
-is copied into them before the next step.
+graph, so each replay draws anew. A capture refused before CUDA began it, or a replay that fails,
+is logged once with its error and shape; that batch, and every later one of its shape, then runs
+eagerly, exactly as it would have without graphs. A capture that fails inside CUDA raises
+`CaptureBroken`: the process cannot go on safely (`models.cuda_graphs`), and `fit` ends there.
+The graphs read the learning rates from tensors they own: a schedule that sets a rate as a float
+(ReduceLROnPlateau on some torch versions, a resumed optimizer's state) is copied into them before
+the next step.
 
 Shapes: B captions (images for SCST), T tokens.
 """
@@ -31,7 +33,7 @@ from dataclasses import fields
 import torch
 import torch.distributed as torch_dist
 
-from captioner.models.cuda_graphs import GraphCapture, autocast
+from captioner.models.cuda_graphs import FELL_BACK, CaptureBroken, GraphCapture, autocast
 from captioner.train import distributed
 from captioner.train.averaging import WeightAverage
 from captioner.train.config import OptimConfig
@@ -210,9 +212,12 @@ class TrainStep:
         the shape left to eager steps, if the capture fails."""
         static = batch.to(self.device)  # the graph's own input tensors
         static = type(batch)(**{f.name: _clone(getattr(static, f.name)) for f in fields(static)})
+        what = f"the training step for batches of shape {key[1]}"
         try:
-            graph = self.maker.capture(lambda: self._iteration(static), generators=(self.generator,))
-        except Exception as e:  # noqa: BLE001 - nothing captured has run: the step goes on eagerly
+            graph = self.maker.capture(lambda: self._iteration(static), generators=(self.generator,), what=what)
+        except CaptureBroken:
+            raise
+        except Exception as e:  # noqa: BLE001 - refused before CUDA began the capture: the step goes on eagerly
             self._fall_back(key, "capture", e)
             return None
         log.info(f"captured the training step of batches of shape {tuple(batch.captions.shape)} as a CUDA graph")
@@ -223,8 +228,8 @@ class TrainStep:
         self.graphs.pop(key, None)
         self.eager.add(key)
         self.on_fallback(
-            f"the CUDA graph's {what} failed for batches of shape {key[1]} ({type(error).__name__}: {error}); "
-            "steps of that shape run eagerly from here"
+            f"{FELL_BACK}: the training step's {what} failed for batches of shape {key[1]} "
+            f"({type(error).__name__}: {error}); steps of that shape run eagerly from here"
         )
 
 
