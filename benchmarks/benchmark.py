@@ -298,9 +298,7 @@ def bench_decoder(
     for batch_size in sizes:
         fns = {}
         for v in variants:
-            amp = {"fp32": "none", "tf32": "tf32", "bf16": "bf16"}.get(v, "none")
-            fn = fit_step(device, batch_size, amp=amp, compile=v == "compile")[0]
-            fns[f"captioner, {v}"] = with_tf32(fn) if v == "tf32" else fn
+            fns[f"captioner, {v}"] = variant_step(device, batch_size, v)
         if "default" in variants or device.type == "cuda":
             fns["captioner, default objective"] = fit_step(device, batch_size, objective="default")[0]
         fns |= tutorial_steps(device, batch_size, tutorial_models)
@@ -326,6 +324,21 @@ def bench_decoder(
         )
         out[batch_size] = {name: med(ts) for name, ts in t.items()} | {"ours": ours}
     return out
+
+
+def variant_step(device: torch.device, batch_size: int, variant: str):
+    """`fit`'s step in one variant: a precision (fp32, tf32, bf16), optionally `+compile` (`fit --compile`:
+    the decoder's step functions compiled, the project's graph captured around them) or
+    `+reduce-overhead` (the objective under `torch.compile(mode="reduce-overhead")`, PyTorch's own
+    CUDA graphs, with the project's capture off and the optimizer eager). "compile" alone is fp32+compile."""
+    precision, _, how = ("fp32+compile" if variant == "compile" else variant).partition("+")
+    amp = {"fp32": "none", "tf32": "tf32", "bf16": "bf16"}[precision]
+    if how == "reduce-overhead":
+        fn, _, step = fit_step(device, batch_size, amp=amp, shapes="fixed", graphs=False)  # a GPU's shapes
+        step.objective = torch.compile(step.objective, mode="reduce-overhead", dynamic=False)
+    else:
+        fn = fit_step(device, batch_size, amp=amp, compile=how == "compile")[0]
+    return with_tf32(fn) if precision == "tf32" else fn
 
 
 def with_tf32(fn):
@@ -608,7 +621,8 @@ def main(argv=None) -> None:
     p.add_argument(
         "--decoder-variants",
         default=None,
-        help="of fp32, tf32, bf16, compile (default: fp32, tf32, bf16 and compile on a GPU, fp32 on a CPU)",
+        help="of fp32, tf32, bf16, each optionally +compile or +reduce-overhead (PyTorch's CUDA graphs in place of "
+        "the project's); compile alone is fp32+compile (default: fp32, tf32, bf16 and compile on a GPU, fp32 on a CPU)",
     )
     p.add_argument(
         "--batch-sizes", default=None, help="training steps' batch sizes (default: 32 on a CPU; 32,128,512 on a GPU)"

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The GPU checks of one session with a lent GPU (the device tool: 15 minutes, start included), in
-# one run: the self-check of every training mode on CUDA, the tests that need a GPU (CUDA graphs
-# of the training step and of decoding), and benchmark.py's GPU figures. Each part's output goes
-# to $OUT (the device tool brings it back); a part that fails does not stop the others.
+# one run. First, side by side (their timings are not reported): the self-check of every training
+# mode on CUDA, in groups, the tests that need a GPU, and benchmarks/gpu_checks.py (prepare on the GPU
+# against the CPU, a graphed run resumed with --cuda-graphs off, a capture that fails inside CUDA).
+# Then, alone on the machine, benchmark.py's GPU figures beside the tutorial's own models.py.
+# What comes back under $OUT: summary.txt (every pass/fail line), benchmark.txt, gpu_tests.txt,
+# selfcheck.log and gpu_checks.log (each command and its output), runs.tar.gz (every run's metrics.jsonl).
 #
 #   bash benchmarks/gpu_wheels.sh          (here, once: the wheels that machine lacks, into .whl/)
-#   DEVICE=cuda SECONDS_PER_MODE=8 STEPS=10 bash benchmarks/gpu_session.sh     (there, carrying .whl)
-#   DEVICE=cpu  SECONDS_PER_MODE=3 STEPS=2 ONLY=soft bash benchmarks/gpu_session.sh   (a dry run here)
+#   git --git-dir=<a clone of sgrvinod/a-PyTorch-Tutorial-to-Image-Captioning> show HEAD:models.py > .tutorial/models.py
+#   bash benchmarks/gpu_session.sh         (there, carrying .whl and .tutorial)
+#   DEVICE=cpu SECONDS_PER_MODE=3 STEPS=2 GROUPS="hard" SECTIONS=caption BATCH_SIZES=8 \
+#       VARIANTS=fp32 bash benchmarks/gpu_session.sh        (a dry run here)
 #
 # There the package is not installed: it runs from the checkout (PYTHONPATH), with the carried
 # wheels installed into /tmp/site.
@@ -14,7 +19,8 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
 DEVICE=${DEVICE:-cuda}
-mkdir -p "$OUT"
+WORK=${WORK:-/tmp/gpu_work}
+rm -rf "$WORK" && mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -22,18 +28,49 @@ if [ -d .whl ] && ! "$PY" -c "import pycocotools, pycocoevalcap, nltk" 2>/dev/nu
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee "$OUT/torch.txt"
-only=${ONLY:+--only $ONLY}
+SUMMARY=$OUT/summary.txt
+{ "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+  git log -1 --format='commit %h %s' 2>/dev/null; date -u; } | tee "$SUMMARY"
+selfcheck() {  # selfcheck WORK_DIR MODES...
+  local work=$1; shift
+  "$PY" -m captioner selfcheck --device "$DEVICE" --seconds "${SECONDS_PER_MODE:-8}" --scenes 240 --work "$work" --only "$@"
+}
 
-echo "== selfcheck"
-"$PY" -m captioner selfcheck --device "$DEVICE" --seconds "${SECONDS_PER_MODE:-8}" --scenes 240 \
-    --work "$OUT/selfcheck" $only 2>&1 | tee "$OUT/selfcheck.txt"
-cp "$OUT/selfcheck/selfcheck.log" "$OUT/selfcheck_commands.log" 2>/dev/null
+echo "== selfcheck: soft (and the scenes' prepare), then the other modes in groups side by side" | tee -a "$SUMMARY"
+selfcheck "$WORK/g0" soft 2>&1 | tee -a "$SUMMARY"
+GROUPS_=${GROUPS:-"hard,boxes,boxes-choice scst,scst-greedy bf16,bf16-scst,bf16-scst-greedy tune-conv5_1,tune-conv4_1,tune-boxes compile torchrun,ddp-2"}
+pids=()
+i=0
+for group in $GROUPS_; do
+  i=$((i + 1))
+  mkdir -p "$WORK/g$i/runs" && cp -r "$WORK/g0/scenes" "$WORK/g0/data" "$WORK/g$i/" && cp -r "$WORK/g0/runs/soft" "$WORK/g$i/runs/"
+  selfcheck "$WORK/g$i" ${group//,/ } > "$WORK/g$i.txt" 2>&1 &
+  pids+=($!)
+done
+mkdir -p "$WORK/checks" && cp -r "$WORK/g0/scenes" "$WORK/g0/data" "$WORK/checks/"
+"$PY" benchmarks/gpu_checks.py "$WORK/checks" --device "$DEVICE" > "$WORK/checks.txt" 2>&1 &
+pids+=($!)
+"$PY" -m pytest -q -p no:cacheprovider tests/test_shapes.py tests/test_device_guard.py tests/test_gpu_paths.py \
+    > "$OUT/gpu_tests.txt" 2>&1 &
+pids+=($!)
+for p in "${pids[@]}"; do wait "$p"; done
+for f in "$WORK"/g[1-9]*.txt; do grep -v "^selfcheck on\|^prepare " "$f"; done | tee -a "$SUMMARY"
+echo "== gpu_checks" | tee -a "$SUMMARY"
+cat "$WORK/checks.txt" | tee -a "$SUMMARY"
+echo "== gpu tests: $(tail -1 "$OUT/gpu_tests.txt")" | tee -a "$SUMMARY"
+echo "== graph fallbacks in the selfcheck runs" | tee -a "$SUMMARY"
+grep -h "graph_failed\|graph failed\|CUDA graph" "$WORK"/g*/runs/*/metrics.jsonl "$WORK"/g*/selfcheck.log 2>/dev/null \
+    | cut -c1-400 | sort | uniq -c | head -20 | tee -a "$SUMMARY"
+cat "$WORK"/g*/selfcheck.log > "$OUT/selfcheck.log" 2>/dev/null
+cp "$WORK/checks/gpu_checks.log" "$OUT/" 2>/dev/null
+(cd "$WORK" && tar czf "$OUT/runs.tar.gz" $(ls -d */runs/*/metrics.jsonl */runs/*/*/metrics.json 2>/dev/null))
 
-echo "== tests that need a GPU"
-"$PY" -m pytest -q tests/test_shapes.py tests/test_device_guard.py 2>&1 | tee "$OUT/gpu_tests.txt"
-
-echo "== benchmark"
-"$PY" benchmarks/benchmark.py --device "$DEVICE" --steps "${STEPS:-10}" \
-    --only "${SECTIONS:-decoder,kernels,caption,batch,prepare}" 2>&1 | tee "$OUT/benchmark.txt"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>/dev/null | tee "$OUT/gpu.txt"
+echo "== benchmark (alone)" | tee -a "$SUMMARY"
+tutorial=()
+[ -f .tutorial/models.py ] && tutorial=(--tutorial-models .tutorial/models.py)
+"$PY" benchmarks/benchmark.py --device "$DEVICE" --steps "${STEPS:-10}" "${tutorial[@]}" \
+    --only "${SECTIONS:-decoder,kernels,caption,batch,prepare}" --batch-sizes "${BATCH_SIZES:-32,512}" \
+    --decoder-variants "${VARIANTS:-fp32,bf16,bf16+reduce-overhead}" --prepare-images "${PREPARE_IMAGES:-500}" \
+    2>&1 | tee "$OUT/benchmark.txt"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>/dev/null | tee -a "$SUMMARY"
