@@ -120,8 +120,11 @@ def report(run: str) -> None:
         print(f"graph_failed at step {x.get('step')}: {x['message']}")
     for x in (x for x in lines if "seconds" in x):
         print(f"{x['event']} at step {x['step']}: {x['seconds']} s")
-    for what, word in (("peak GPU memory", "memory"), ("data-loading wait", "wait")):
-        print(f"{what}: {sorted({k for x in lines for k in x if word in k}) or 'not logged by fit'}")
+    waited = sum(b.get("load_s", 0.0) for _, b in pairs)
+    share = waited / max(secs, 1e-9)
+    print(f"the host's wait for batches: {waited:.2f} s of {secs:.1f} s between those lines ({share:.1%})")
+    peak = max((x.get("peak_gib", 0.0) for x in train), default=0.0)
+    print(f"peak GPU memory held by tensors: {peak:.2f} GiB" if peak else "peak GPU memory: not logged (CPU)")
 
 
 def main() -> None:

@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_wheels.sh          (here, once: the wheels that machine lacks, into .whl/)
 #   git --git-dir=<a clone of sgrvinod/a-PyTorch-Tutorial-to-Image-Captioning> show HEAD:models.py > .tutorial/models.py
 #   bash benchmarks/gpu_session.sh         (there, carrying .whl and .tutorial)
-#   DEVICE=cpu SECONDS_PER_MODE=3 STEPS=2 GROUPS="hard" SECTIONS=caption BATCH_SIZES=8 \
+#   DEVICE=cpu SECONDS_PER_MODE=3 STEPS=2 GROUPS="hard" SECTIONS=caption BATCH_SIZES=8 DEFAULT_SCENES=60 DEFAULT_EPOCHS=1 \
 #       VARIANTS=fp32 bash benchmarks/gpu_session.sh        (a dry run here)
 #
 # There the package is not installed: it runs from the checkout (PYTHONPATH), with the carried
@@ -32,6 +32,21 @@ SUMMARY=$OUT/summary.txt
 { "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
   git log -1 --format='commit %h %s' 2>/dev/null; date -u; } | tee "$SUMMARY"
+defaults() {  # defaults NAME GENERATOR SEED: fit at its defaults for docs/results.md's steps, then pointing
+  local d=$WORK/defaults_$1 train=("$PY" -m captioner.cli.train)
+  mkdir -p "$d"
+  { "$PY" -m captioner.scenes."$2" "$d/scenes" --n "${DEFAULT_SCENES:-1200}" --seed "$3" \
+    && "${train[@]}" prepare --captions "$d/scenes/captions.json" --images "$d/scenes/images" \
+         --splits "$d/scenes/splits.json" --out "$d/data" --encoder-weights none --device "$DEVICE" \
+    && "${train[@]}" fit --data "$d/data" --out "$d/run" --epochs "${DEFAULT_EPOCHS:-8}" --seed 0 --device "$DEVICE" \
+    && "${train[@]}" evaluate --checkpoint "$d/run/best.pt" --data "$d/data" --split test --out "$d/test.json" \
+         --grounding "$d/scenes/boxes.json" --device "$DEVICE"; } > "$d.log" 2>&1
+  "$PY" -c "import json,sys; from captioner.evaluation.health import problems; m=json.load(open(sys.argv[1])); \
+r=lambda k, g=m: None if g.get(k) is None else round(g[k], 3); \
+print(sys.argv[2], 'step', m['step'], 'BLEU-4', r('BLEU-4'), 'CIDEr', r('CIDEr'), 'pointing', r('pointing'), \
+'chance', r('chance', m['grounding']), 'two objects', r('two_objects'), 'health', problems(m['attention_health']) or 'ok')" \
+    "$d/test.json" "$1" > "$WORK/defaults_$1.txt" 2>&1 || tail -5 "$d.log" > "$WORK/defaults_$1.txt"
+}
 selfcheck() {  # selfcheck WORK_DIR MODES...
   local work=$1; shift
   "$PY" -m captioner selfcheck --device "$DEVICE" --seconds "${SECONDS_PER_MODE:-8}" --scenes 240 --work "$work" --only "$@"
@@ -45,7 +60,12 @@ i=0
 for group in $GROUPS_; do
   i=$((i + 1))
   mkdir -p "$WORK/g$i/runs" && cp -r "$WORK/g0/scenes" "$WORK/g0/data" "$WORK/g$i/" && cp -r "$WORK/g0/runs/soft" "$WORK/g$i/runs/"
-  selfcheck "$WORK/g$i" ${group//,/ } > "$WORK/g$i.txt" 2>&1 &
+  (selfcheck "$WORK/g$i" ${group//,/ }; echo "(selfcheck of $group exited $?)") > "$WORK/g$i.txt" 2>&1 &
+  pids+=($!)
+done
+for run in ${DEFAULTS:-"synthetic:synthetic:21 held-out:heldout:5"}; do
+  IFS=: read -r name generator seed <<< "$run"
+  defaults "$name" "$generator" "$seed" &
   pids+=($!)
 done
 mkdir -p "$WORK/checks" && cp -r "$WORK/g0/scenes" "$WORK/g0/data" "$WORK/checks/"
@@ -56,6 +76,8 @@ pids+=($!)
 pids+=($!)
 for p in "${pids[@]}"; do wait "$p"; done
 for f in "$WORK"/g[1-9]*.txt; do grep -v "^selfcheck on\|^prepare " "$f"; done | tee -a "$SUMMARY"
+echo "== fit at its defaults (docs/results.md has the CPU's figures at about the same steps)" | tee -a "$SUMMARY"
+cat "$WORK"/defaults_*.txt | tee -a "$SUMMARY"
 echo "== gpu_checks" | tee -a "$SUMMARY"
 cat "$WORK/checks.txt" | tee -a "$SUMMARY"
 echo "== gpu tests: $(tail -1 "$OUT/gpu_tests.txt")" | tee -a "$SUMMARY"
@@ -64,13 +86,20 @@ grep -h "graph_failed\|graph failed\|CUDA graph" "$WORK"/g*/runs/*/metrics.jsonl
     | cut -c1-400 | sort | uniq -c | head -20 | tee -a "$SUMMARY"
 cat "$WORK"/g*/selfcheck.log > "$OUT/selfcheck.log" 2>/dev/null
 cp "$WORK/checks/gpu_checks.log" "$OUT/" 2>/dev/null
-(cd "$WORK" && tar czf "$OUT/runs.tar.gz" $(ls -d */runs/*/metrics.jsonl */runs/*/*/metrics.json 2>/dev/null))
+(cd "$WORK" && tar czf "$OUT/runs.tar.gz" $(ls -d */runs/*/metrics.jsonl */runs/*/*/metrics.json defaults_*.log \
+    defaults_*/run/metrics.jsonl defaults_*/test.json 2>/dev/null))
 
 echo "== benchmark (alone)" | tee -a "$SUMMARY"
 tutorial=()
 [ -f .tutorial/models.py ] && tutorial=(--tutorial-models .tutorial/models.py)
 "$PY" benchmarks/benchmark.py --device "$DEVICE" --steps "${STEPS:-10}" "${tutorial[@]}" \
     --only "${SECTIONS:-decoder,kernels,caption,batch,prepare}" --batch-sizes "${BATCH_SIZES:-32,512}" \
-    --decoder-variants "${VARIANTS:-fp32,bf16,bf16+reduce-overhead}" --prepare-images "${PREPARE_IMAGES:-500}" \
+    --decoder-variants "${VARIANTS:-fp32,bf16}" --prepare-images "${PREPARE_IMAGES:-500}" \
     2>&1 | tee "$OUT/benchmark.txt"
+# PyTorch's own CUDA graphs (the whole step compiled), in a run of its own: its compile time is unknown.
+[ "${COMPILED:-}" = none ] && exit 0
+echo "== benchmark: torch.compile(mode='reduce-overhead') beside the project's graphs" | tee -a "$OUT/benchmark.txt"
+timeout "${COMPILE_SECONDS:-200}" "$PY" benchmarks/benchmark.py --device "$DEVICE" --steps "${STEPS:-10}" --only decoder \
+    --batch-sizes "${BATCH_SIZES:-32,512}" --decoder-variants "${COMPILED:-bf16,bf16+reduce-overhead}" 2>&1 \
+    | grep -v "^W[0-9]" | tee -a "$OUT/benchmark.txt"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>/dev/null | tee -a "$SUMMARY"
