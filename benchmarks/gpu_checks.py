@@ -103,6 +103,8 @@ def check_broken_capture(work: str, device: str, log: str) -> dict:
     lines = events(out)
     trained = [x["step"] for x in lines if x.get("event") == "train"]
     failed = [x.get("message", "")[:300] for x in lines if x.get("event") == "graph_failed"]
+    ended = [x.get("message", "")[:400] for x in lines if x.get("event") == "graph_broken"]
+    resumed = run([*TRAIN, *fit, "--epochs", "1", "--dropout", "0.5", "--resume", "--cuda-graphs", "off"], log)
     check = os.path.join(work, "selfcheck_broken")
     shutil.rmtree(check, ignore_errors=True)
     os.makedirs(check)
@@ -110,13 +112,16 @@ def check_broken_capture(work: str, device: str, log: str) -> dict:
         shutil.copytree(os.path.join(work, part), os.path.join(check, part))
     selfcheck = [sys.executable, "-m", "captioner", "selfcheck", "--device", device, "--seconds", "6"]
     sc_code = run([*selfcheck, "--work", check, "--only", "soft"], log, broken)
+    last = os.path.exists(os.path.join(out, "last.pt"))
     return {
         "fit_exit": code,
         "fit_steps_logged": trained[-1] if trained else None,
-        "fit_last_pt": os.path.exists(os.path.join(out, "last.pt")),
+        "fit_last_pt": last,
+        "graph_broken": ended,
         "graph_failed": failed[:3],
+        "resumed_with_graphs_off_exit": resumed,
         "selfcheck_exit": sc_code,
-        "passed": sc_code != 0,
+        "passed": code != 0 and last and bool(ended) and resumed == 0 and sc_code != 0,
     }
 
 

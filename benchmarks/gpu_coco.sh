@@ -22,7 +22,7 @@ fi
 LOG=$OUT/coco.txt
 "$PY" benchmarks/coco_sized.py "$DATA" --images "${IMAGES:-123287}" --device "$DEVICE" 2>&1 | tee -a "$LOG"
 i=0
-for setting in ${SETTINGS:-"--amp=bf16,--batch-size=64 --amp=bf16,--batch-size=256 --batch-size=32"}; do
+for setting in ${SETTINGS:---amp=bf16,--batch-size=64 --amp=bf16,--batch-size=256 --batch-size=32}; do
   i=$((i + 1))
   echo "== fit ${setting//[=,]/ }" | tee -a "$LOG"
   rm -rf "$DATA-run$i"

@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_wheels.sh          (here, once: the wheels that machine lacks, into .whl/)
 #   git --git-dir=<a clone of sgrvinod/a-PyTorch-Tutorial-to-Image-Captioning> show HEAD:models.py > .tutorial/models.py
 #   bash benchmarks/gpu_session.sh         (there, carrying .whl and .tutorial)
-#   DEVICE=cpu SECONDS_PER_MODE=3 STEPS=2 GROUPS="hard" SECTIONS=caption BATCH_SIZES=8 DEFAULT_SCENES=60 DEFAULT_EPOCHS=1 \
+#   DEVICE=cpu SECONDS_PER_MODE=3 STEPS=2 MODE_GROUPS="hard" SECTIONS=caption BATCH_SIZES=8 DEFAULT_SCENES=60 DEFAULT_EPOCHS=1 \
 #       VARIANTS=fp32 bash benchmarks/gpu_session.sh        (a dry run here)
 #
 # There the package is not installed: it runs from the checkout (PYTHONPATH), with the carried
@@ -54,26 +54,31 @@ selfcheck() {  # selfcheck WORK_DIR MODES...
 
 echo "== selfcheck: soft (and the scenes' prepare), then the other modes in groups side by side" | tee -a "$SUMMARY"
 selfcheck "$WORK/g0" soft 2>&1 | tee -a "$SUMMARY"
-GROUPS_=${GROUPS:-"hard,boxes,boxes-choice scst,scst-greedy bf16,bf16-scst,bf16-scst-greedy tune-conv5_1,tune-conv4_1,tune-boxes compile torchrun,ddp-2"}
+MODE_GROUPS=${MODE_GROUPS:-hard,boxes,boxes-choice scst,scst-greedy bf16,bf16-scst,bf16-scst-greedy tune-conv5_1,tune-conv4_1,tune-boxes compile torchrun,ddp-2}
 pids=()
 i=0
-for group in $GROUPS_; do
+for group in $MODE_GROUPS; do
   i=$((i + 1))
   mkdir -p "$WORK/g$i/runs" && cp -r "$WORK/g0/scenes" "$WORK/g0/data" "$WORK/g$i/" && cp -r "$WORK/g0/runs/soft" "$WORK/g$i/runs/"
   (selfcheck "$WORK/g$i" ${group//,/ }; echo "(selfcheck of $group exited $?)") > "$WORK/g$i.txt" 2>&1 &
   pids+=($!)
 done
-for run in ${DEFAULTS:-"synthetic:synthetic:21 held-out:heldout:5"}; do
+for run in ${DEFAULTS:-synthetic:synthetic:21 held-out:heldout:5}; do
   IFS=: read -r name generator seed <<< "$run"
   defaults "$name" "$generator" "$seed" &
   pids+=($!)
 done
 mkdir -p "$WORK/checks" && cp -r "$WORK/g0/scenes" "$WORK/g0/data" "$WORK/checks/"
-"$PY" benchmarks/gpu_checks.py "$WORK/checks" --device "$DEVICE" > "$WORK/checks.txt" 2>&1 &
+"$PY" benchmarks/gpu_checks.py "$WORK/checks" --device "$DEVICE" --only "${CHECKS:-prepare,resume,broken}" \
+    > "$WORK/checks.txt" 2>&1 &
 pids+=($!)
-"$PY" -m pytest -q -p no:cacheprovider tests/test_shapes.py tests/test_device_guard.py tests/test_gpu_paths.py \
+"$PY" -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_shapes.py tests/test_device_guard.py tests/test_gpu_paths.py} \
     > "$OUT/gpu_tests.txt" 2>&1 &
 pids+=($!)
+if [ -n "${COCO_DATA:-}" ]; then  # benchmarks/gpu_coco.sh's data, written meanwhile (its fits run alone, later)
+  "$PY" benchmarks/coco_sized.py "$COCO_DATA" --images "${COCO_IMAGES:-123287}" --device "$DEVICE" > "$WORK/coco_data.txt" 2>&1 &
+  pids+=($!)
+fi
 for p in "${pids[@]}"; do wait "$p"; done
 for f in "$WORK"/g[1-9]*.txt; do grep -v "^selfcheck on\|^prepare " "$f"; done | tee -a "$SUMMARY"
 echo "== fit at its defaults (docs/results.md has the CPU's figures at about the same steps)" | tee -a "$SUMMARY"
@@ -89,6 +94,8 @@ cp "$WORK/checks/gpu_checks.log" "$OUT/" 2>/dev/null
 (cd "$WORK" && tar czf "$OUT/runs.tar.gz" $(ls -d */runs/*/metrics.jsonl */runs/*/*/metrics.json defaults_*.log \
     defaults_*/run/metrics.jsonl defaults_*/test.json 2>/dev/null))
 
+[ -n "${COCO_DATA:-}" ] && cat "$WORK/coco_data.txt" | tee -a "$SUMMARY"
+[ "${SECTIONS:-}" = none ] && exit 0
 echo "== benchmark (alone)" | tee -a "$SUMMARY"
 tutorial=()
 [ -f .tutorial/models.py ] && tutorial=(--tutorial-models .tutorial/models.py)

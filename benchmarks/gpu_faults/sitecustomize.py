@@ -11,11 +11,11 @@ if os.environ.get("CAPTIONER_BREAK_CAPTURE"):
 
     _capture = cuda_graphs.GraphCapture.capture
 
-    def _broken_capture(self, fn, generators=()):
+    def _broken_capture(self, fn, generators=(), **kwargs):
         def broken():
             fn()
             torch.zeros((), device=self.device).item()  # a host read while capturing: CUDA refuses it
 
-        return _capture(self, broken, generators)
+        return _capture(self, broken, generators, **kwargs)
 
     cuda_graphs.GraphCapture.capture = _broken_capture

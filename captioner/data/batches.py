@@ -49,7 +49,7 @@ class FixedShapes:
 class Batch:
     """Training captions with their image features (all tensors; `words` and `dropped` known on the host)."""
 
-    features: torch.Tensor  # (B, L, D) float32; when fine-tuning, the encoder's inputs, one per image
+    features: torch.Tensor  # (B, L, D) float32 (fp16 until `to`); when fine-tuning, the encoder's inputs, one per image
     captions: torch.Tensor  # (B, T) long, <start> ... <end> <pad>...
     lengths: torch.Tensor  # (B,) long, counting <start> and <end>; 0 for a padding row
     words: int = 0  # the predicted positions (words and <end>) of the batch: what its loss is divided by
@@ -71,7 +71,8 @@ class Batch:
             self.count = torch.tensor(float(self.words))
 
     def to(self, device, non_blocking: bool = False) -> Batch:
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        """The batch on `device`; features kept in fp16 on the host (fixed shapes) become float32 there."""
+        return self._map(lambda t: _widened(t.to(device, non_blocking=non_blocking)))
 
     def pin_memory(self) -> Batch:
         return self._map(torch.Tensor.pin_memory)
@@ -83,6 +84,10 @@ class Batch:
         """The batch with fn applied to each of its tensors."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return Batch(**{k: fn(v) if torch.is_tensor(v) else v for k, v in values.items()})
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype == torch.float16 else t
 
 
 @dataclass
@@ -219,26 +224,28 @@ class CaptionBatches:
         """`size` rows padded to a bucket's length; damaged and missing rows have length 0 and zero features."""
         data, B = self.data, self.fixed.size
         T = self.fixed.length(int(data.lengths[idx].max()))
-        features = np.zeros((B, *raw.shape[1:]), dtype=np.float32)
+        # Kept in the cache's fp16 up to the device (`Batch.to`): half the bytes to pin and copy, no host conversion.
+        features = torch.zeros((B, *raw.shape[1:]), dtype=torch.float16)  # (B, L, D)
         tokens, lengths = np.zeros((B, T), dtype=np.int64), np.zeros(B, dtype=np.int64)
         n, width = len(idx), data.tokens.shape[1]
-        features[:n][~bad] = raw[~bad]
+        good = np.flatnonzero(~bad)
+        features[torch.from_numpy(good)] = torch.from_numpy(raw[good])
         tokens[:n, : min(T, width)][~bad] = data.tokens[idx[~bad], : min(T, width)]
         lengths[:n][~bad] = data.lengths[idx[~bad]]
-        batch = Batch(torch.from_numpy(features), torch.from_numpy(tokens), torch.from_numpy(lengths), dropped=dropped)
+        batch = Batch(features, torch.from_numpy(tokens), torch.from_numpy(lengths), dropped=dropped)
         if picked is not None:  # always k views, on real rows (repeated when fewer are left)
             good = np.flatnonzero(~bad[picked])
             take = good[np.arange(len(picked)) % len(good)] if len(good) else np.zeros(len(picked), dtype=np.int64)
-            view = views[take].astype(np.float32)
-            view[~np.isfinite(view).all(axis=(1, 2))] = 0.0
+            view = torch.from_numpy(views[take])  # (k, L, D) fp16
+            view[~torch.isfinite(view).flatten(1).all(1)] = 0.0
             rows = picked[take].astype(np.int64)
             moves = shifts(data.rows[idx[rows]], data.view_shift)
             extra = max(1, math.ceil(self.view_share * B)) - len(rows)
             if extra > 0:  # a short last batch: as many views as any other, on padding rows (which add nothing)
-                view = np.concatenate([view, np.zeros((extra, *view.shape[1:]), dtype=np.float32)])
+                view = torch.cat([view, view.new_zeros((extra, *view.shape[1:]))])
                 rows = np.concatenate([rows, n + np.arange(extra) % (B - n)])
                 moves = np.concatenate([moves, np.zeros((extra, *moves.shape[1:]), dtype=moves.dtype)])
-            batch = batch.with_views(torch.from_numpy(view), torch.from_numpy(rows), torch.from_numpy(moves))
+            batch = batch.with_views(view, torch.from_numpy(rows), torch.from_numpy(moves))
         padded = np.concatenate([idx, np.full(B - n, -1)])  # (B,) caption or -1
         return self._with_targets(batch, padded, real=padded >= 0)
 

@@ -21,6 +21,7 @@ import time
 from tqdm import tqdm
 
 from captioner.data.dataset import CaptionData
+from captioner.data.prefetch import prefetched
 from captioner.errors import CaptionerError
 from captioner.models import graphed_search
 from captioner.models.cuda_graphs import CaptureBroken
@@ -158,7 +159,7 @@ def _train_epoch(
     )
     waits = telemetry.Waits()
     try:
-        for batch in waits.timed(batches):
+        for batch in waits.timed(prefetched(batches)):
             # Captions of damaged feature rows were left out; a non-finite step is not applied.
             if batch.dropped:
                 progress.skipped_captions += len(batch.dropped)
