@@ -8,17 +8,8 @@
 #   IMAGES=600 DEVICE=cpu MINUTES=0.2 SETTINGS="--batch-size=16" bash benchmarks/gpu_coco.sh   (a dry run here)
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_session}
-DEVICE=${DEVICE:-cuda}
+. benchmarks/gpu_env.sh
 DATA=${DATA:-/tmp/coco_sized}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if [ -d .whl ] && ! "$PY" -c "import pycocotools, pycocoevalcap, nltk" 2>/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
 LOG=$OUT/coco.txt
 "$PY" benchmarks/coco_sized.py "$DATA" --images "${IMAGES:-123287}" --device "$DEVICE" 2>&1 | tee -a "$LOG"
 i=0
@@ -31,7 +22,7 @@ for setting in ${SETTINGS:---amp=bf16,--batch-size=64 --amp=bf16,--batch-size=25
     smi=$!
   fi
   "$PY" benchmarks/coco_sized.py "$DATA" --images "${IMAGES:-123287}" --device "$DEVICE" --fit --run "$DATA-run$i" \
-      --max-minutes "${MINUTES:-1}" ${setting//[=,]/ } 2>&1 | grep -v "^W[0-9]\|it/s\]" | tee -a "$LOG"
+      --max-minutes "${MINUTES:-1}" ${setting//[=,]/ } 2>&1 | grep --line-buffered -v "^W[0-9]\|it/s\]" | tee -a "$LOG"
   if [ -n "${smi:-}" ]; then
     kill "$smi"
     echo "nvidia-smi's most memory in use: $(sort -n "$DATA-smi$i.txt" | tail -1) MiB" | tee -a "$LOG"

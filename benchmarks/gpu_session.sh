@@ -17,17 +17,9 @@
 # wheels installed into /tmp/site.
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_session}
-DEVICE=${DEVICE:-cuda}
+. benchmarks/gpu_env.sh
 WORK=${WORK:-/tmp/gpu_work}
-rm -rf "$WORK" && mkdir -p "$OUT" "$WORK"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if [ -d .whl ] && ! "$PY" -c "import pycocotools, pycocoevalcap, nltk" 2>/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+rm -rf "$WORK" && mkdir -p "$WORK"
 SUMMARY=$OUT/summary.txt
 { "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
@@ -108,5 +100,5 @@ tutorial=()
 echo "== benchmark: torch.compile(mode='reduce-overhead') beside the project's graphs" | tee -a "$OUT/benchmark.txt"
 timeout "${COMPILE_SECONDS:-200}" "$PY" benchmarks/benchmark.py --device "$DEVICE" --steps "${STEPS:-10}" --only decoder \
     --batch-sizes "${BATCH_SIZES:-32,512}" --decoder-variants "${COMPILED:-bf16,bf16+reduce-overhead}" 2>&1 \
-    | grep -v "^W[0-9]" | tee -a "$OUT/benchmark.txt"
+    | grep --line-buffered -v "^W[0-9]" | tee -a "$OUT/benchmark.txt"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>/dev/null | tee -a "$SUMMARY"

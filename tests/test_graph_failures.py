@@ -123,3 +123,10 @@ def test_batches_of_any_size_share_a_few_search_shapes():
         plain = beam_search(decoder, feats, beam_size=2, max_len=6, shapes="fixed")
         padded = beam_search(decoder, _padded(feats), beam_size=2, max_len=6, shapes="fixed")[:5]
     assert [[h.tokens for h in b] for b in padded] == [[h.tokens for h in b] for b in plain]
+
+
+def test_a_cuda_error_is_said_in_one_line():
+    from captioner.models.cuda_graphs import first_line
+
+    error = RuntimeError("CUDA error: operation failed due to a previous error during capture\nSearch for ...\n")
+    assert first_line(error) == "RuntimeError: CUDA error: operation failed due to a previous error during capture"

@@ -96,7 +96,10 @@ def _run(command: list[str], log) -> None:
     log.write(p.stdout)
     log.flush()
     if p.returncode != 0:
-        raise RuntimeError(f"`{' '.join(command[2:5])} ...` exited with {p.returncode}")
+        said = [line for line in p.stdout.splitlines() if line.startswith("error: ")][-1:]
+        raise RuntimeError(
+            f"`{' '.join(command[2:5])} ...` exited with {p.returncode}" + "".join(f": {s}" for s in said)
+        )
     fell_back = [line for line in p.stdout.splitlines() if FELL_BACK in line]
     if fell_back:
         raise RuntimeError(f"`{' '.join(command[2:5])} ...`: {fell_back[0].removeprefix('warning: ')}")

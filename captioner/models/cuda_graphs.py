@@ -42,6 +42,11 @@ STOPS = (
 )
 
 
+def first_line(error: BaseException) -> str:
+    """An exception as one line: CUDA's errors go on for several with advice on debugging."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
 class CaptureBroken(CaptionerError):
     """A graph's capture failed after CUDA began it: the process must not go on with CUDA work (module doc)."""
 
@@ -122,7 +127,7 @@ class GraphCapture:
                     fn()
             except Exception as e:
                 if began:
-                    failed = f"the capture of {what} failed inside CUDA ({type(e).__name__}: {e})"
+                    failed = f"the capture of {what} failed inside CUDA ({first_line(e)})"
                     raise CaptureBroken(f"{failed}; {STOPS}") from e
                 raise
             current.wait_stream(self.stream)

@@ -27,7 +27,7 @@ from dataclasses import fields, replace
 import torch
 
 from captioner.models.attention import SAMPLE
-from captioner.models.cuda_graphs import FELL_BACK, CaptureBroken, GraphCapture, no_autocast
+from captioner.models.cuda_graphs import FELL_BACK, CaptureBroken, GraphCapture, first_line, no_autocast
 from captioner.models.decoder import AttentionDecoder, Joined
 from captioner.models.search_state import CHECK_EVERY, Search, fixed_step
 
@@ -64,7 +64,7 @@ def fixed_steps(
             _FAILED[decoder].add(key)
             log.warning(
                 f"{FELL_BACK}: the search's graph for {key[0][0]} images x {key[0][1]} beams on {device} failed "
-                f"({type(e).__name__}: {e}); searches of that shape run without a graph from here"
+                f"({first_line(e)}); searches of that shape run without a graph from here"
             )
             return _eager(decoder, s, max_len, mode, generator)
         for f in fields(s):  # the results, for `decode` to trace back (before the next search overwrites them)

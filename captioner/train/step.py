@@ -33,7 +33,7 @@ from dataclasses import fields
 import torch
 import torch.distributed as torch_dist
 
-from captioner.models.cuda_graphs import FELL_BACK, CaptureBroken, GraphCapture, autocast
+from captioner.models.cuda_graphs import FELL_BACK, CaptureBroken, GraphCapture, autocast, first_line
 from captioner.train import distributed
 from captioner.train.averaging import WeightAverage
 from captioner.train.config import OptimConfig
@@ -229,7 +229,7 @@ class TrainStep:
         self.eager.add(key)
         self.on_fallback(
             f"{FELL_BACK}: the training step's {what} failed for batches of shape {key[1]} "
-            f"({type(error).__name__}: {error}); steps of that shape run eagerly from here"
+            f"({first_line(error)}); steps of that shape run eagerly from here"
         )
 
 
