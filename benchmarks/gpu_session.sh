@@ -23,7 +23,9 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 SUMMARY=$OUT/summary.txt
 { "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
-  git log -1 --format='commit %h %s' 2>/dev/null; date -u; } | tee "$SUMMARY"
+  # The device gets the working tree, not the commits: the package's own hash says which code ran.
+  echo "code: captioner/*.py sha1 $(find captioner -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)"
+  date -u; } | tee "$SUMMARY"
 defaults() {  # defaults NAME GENERATOR SEED: fit at its defaults for docs/results.md's steps, then pointing
   local d=$WORK/defaults_$1 train=("$PY" -m captioner.cli.train)
   mkdir -p "$d"
