@@ -40,12 +40,17 @@ _FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder → 
 _LOCK = threading.Lock()  # one search at a time replays a graph: they share its static state
 
 
+def replays(device: torch.device, mode: str, graphs: bool = True) -> bool:
+    """Whether a fixed-shape search on `device` replays its step as a graph."""
+    return graphs and mode != SAMPLE and GraphCapture.supported(device)
+
+
 def fixed_steps(
     decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator, *, graphs: bool = True
 ) -> int:
     """Run the fixed-shape search on `s` (its fields then hold the results); returns the steps taken."""
     device = s.words.device
-    if not (graphs and mode != SAMPLE and GraphCapture.supported(device)):
+    if not replays(device, mode, graphs):
         return _eager(decoder, s, max_len, mode, generator)
     key = (tuple(s.scores.shape), s.word.size(0), mode, s.feats.dtype, device)
     with _LOCK:

@@ -19,6 +19,7 @@ from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import EncoderSpec, rebuild_encoder
 from captioner.models.familiarity import FamiliarityStats, familiarity
 from captioner.models.fast_encoder import optimize_encoder
+from captioner.models.graphed_search import replays
 from captioner.models.hub import load_trained
 from captioner.models.vocab import Vocabulary
 
@@ -222,7 +223,7 @@ class Captioner:
         feats = self._features(x)  # (b, L, D)
         verdicts = familiarity(feats, self.familiarity)  # is each image like the training ones?
         out, grid = [], self.encoder_spec.grid
-        graphed = search["graphs"] and feats.is_cuda and search["mode"] != SAMPLE
+        graphed = replays(feats.device, search["mode"], search["graphs"])
         beams_of = beam_search(self.decoder, _padded(feats) if graphed else feats, **search)
         for beams, size, verdict in zip(beams_of, sizes, verdicts):
             best = beams[0]
