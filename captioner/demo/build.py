@@ -1,4 +1,4 @@
-"""Build the bundled demo model: `python -m captioner.demo.build [--n 8000 --minutes 50 --device auto]`.
+"""Build the bundled demo model: `python -m captioner.demo.build [--n 8000 --epochs 20 --device auto]`.
 
 Generates synthetic scenes; pretrains VGG16's conv5 block on the training scenes' boxes, as VGG is
 pretrained on ImageNet for photos (`demo.pretrain`: conv1-4 the seeded random ones, no download
@@ -66,11 +66,13 @@ class BuildOptions:
 
     n: Annotated[int, "synthetic scenes to generate"] = 8000
     seed: Annotated[int, "seed of the scenes, the training and the examples drawn"] = 0
-    minutes: Annotated[float, "first stage's training budget (frozen encoder)"] = 50.0
+    epochs: Annotated[int, "first stage's most epochs (frozen encoder); it stops early when validation stalls"] = 20
+    patience: Annotated[int, "validations without improvement before a stage stops early"] = 4
+    minutes: Annotated[float, "first stage's most minutes (0: none; a limit ties the model to the machine)"] = 0.0
     tune_minutes: Annotated[float, "second stage's budget: decoder and conv5 from the first's best (0: none)"] = 0.0
     encoder_scenes: Annotated[int, "training scenes the conv5 block is pretrained on (0: a random encoder)"] = 1600
     encoder_epochs: Annotated[int, "most epochs of the encoder's pretraining"] = 12
-    encoder_minutes: Annotated[float, "the encoder's pretraining budget: no epoch starts after it"] = 8.0
+    encoder_minutes: Annotated[float, "the encoder's pretraining budget: no epoch starts after it"] = 120.0
     examples: Annotated[int, "example scenes drawn at random from the test split, as many of each object count"] = 6
     device: Device = "auto"
     work: Annotated[str | None, "keep the scenes, features and runs here (default: a temporary directory)"] = None
@@ -81,9 +83,10 @@ class BuildOptions:
     @property
     def command(self) -> str:
         return (
-            f"python -m captioner.demo.build --n {self.n} --seed {self.seed} --minutes {self.minutes:g} "
-            f"--tune-minutes {self.tune_minutes:g} --encoder-scenes {self.encoder_scenes} "
-            f"--encoder-epochs {self.encoder_epochs} --encoder-minutes {self.encoder_minutes:g} --device {self.device}"
+            f"python -m captioner.demo.build --n {self.n} --seed {self.seed} --epochs {self.epochs} "
+            f"--patience {self.patience} --minutes {self.minutes:g} --tune-minutes {self.tune_minutes:g} "
+            f"--encoder-scenes {self.encoder_scenes} --encoder-epochs {self.encoder_epochs} "
+            f"--encoder-minutes {self.encoder_minutes:g} --device {self.device}"
         )
 
 
@@ -147,8 +150,14 @@ def _encoder(opts: BuildOptions, scenes_dir: str, work: str, device: str) -> tup
 
 def _train(opts: BuildOptions, work: str, data: str, boxes: str, device: str) -> str:
     """The stages; returns the best.pt of the last."""
-    first = TrainConfig.of(epochs=1000, max_minutes=opts.minutes, patience=1000, seed=opts.seed, boxes=boxes)
-    best = trained(data, os.path.join(work, "run"), None, first, resume=False, device=device, progress_bar=True)
+    first = TrainConfig.of(
+        epochs=opts.epochs, max_minutes=opts.minutes or None, patience=opts.patience, seed=opts.seed, boxes=boxes
+    )
+    # Bounded by epochs alone, an interrupted stage goes on from its last.pt and ends as if it had not
+    # stopped; bounded by minutes, it trains again from its start.
+    best = trained(
+        data, os.path.join(work, "run"), None, first, resume=not opts.minutes, device=device, progress_bar=True
+    )
     if not opts.tune_minutes:
         return best
     second = TrainConfig.of(
