@@ -385,6 +385,45 @@ def bench_kernels(device: torch.device, batch_size: int = B) -> None:
     )
 
 
+def bench_search_profile(device: torch.device, beam_size: int = 3, n: int = 5) -> None:
+    """Where one image's beam search spends its time: GPU kernels per step and their time, host launches,
+    and the host's busiest operations (torch.profiler), on the bundled model's features of one photo."""
+    from PIL import Image
+    from torch.profiler import ProfilerActivity, profile
+
+    from captioner import Captioner
+    from captioner.models.decode import beam_search
+    from captioner.serve.sources import demo_model
+
+    cap = Captioner.load(demo_model(), device=str(device))
+    rs = np.random.RandomState(1)
+    img = Image.fromarray((rs.rand(60, 80, 3) * 255).astype(np.uint8)).resize((640, 480), Image.BICUBIC)
+    with torch.inference_mode():
+        feats, _ = cap.encode([img])
+        search = lambda: beam_search(cap.decoder, feats, beam_size=beam_size, max_len=cap.max_len)  # noqa: E731
+        for _ in range(3):
+            words = len(search()[0][0].tokens)
+        sync(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                search()
+            sync(device)
+            wall = (time.perf_counter() - t0) / n
+    events = prof.events()
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    busy = sum(e.device_time for e in kernels) / 1e6 / n
+    graphs = sum(e.name == "cudaGraphLaunch" for e in events) / n
+    launches = sum(e.name in ("cudaLaunchKernel", "cuLaunchKernel") for e in events) / n
+    print(
+        f"one image's beam search, beam {beam_size}, max {cap.max_len} words ({words} written): {wall * 1e3:.2f} ms; "
+        f"{len(kernels) / n:.0f} GPU kernels taking {busy * 1e3:.2f} ms ({busy / wall:.0%} of it); {graphs:.0f} graph "
+        f"replays and {launches:.0f} other kernel launches from the host"
+    )
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+
+
 def _photo_set(root: str, n: int) -> tuple[str, str]:
     """n COCO-sized photos (640x480 JPEG with texture) and their captions file."""
     from PIL import Image
@@ -490,7 +529,7 @@ def bench_caption(device: torch.device, repeats: int) -> dict:
                 "bare torchvision VGG16 conv stack, eager fp32": lambda: plain(x),
                 "  of which the encoder (ours)": lambda: cap.encoder(x),
                 "  of which beam search": lambda: beam_search(cap.decoder, feats, beam_size=3, max_len=cap.max_len),
-                "  of which preprocessing": lambda: cap.encoder_spec.preprocess(img),
+                "  of which preprocessing (the API's)": lambda: cap._inputs([img]),
             },
             repeats,
             device,
@@ -615,8 +654,8 @@ def main(argv=None) -> None:
     p.add_argument(
         "--only",
         default=None,
-        help="comma-separated sections of encoder, decoder, kernels, prepare, caption, batch, scst, objective "
-        "(default: all; kernels on a GPU only)",
+        help="comma-separated sections of encoder, decoder, kernels, prepare, caption, search, batch, scst, "
+        "objective (default: all; kernels and search on a GPU only)",
     )
     p.add_argument("--steps", type=int, default=10, help="timed repetitions per measurement")
     p.add_argument(
@@ -658,7 +697,7 @@ def main(argv=None) -> None:
     )
     cuda = device.type == "cuda"
     every = (
-        "encoder,decoder,kernels,prepare,caption,batch,scst,objective"
+        "encoder,decoder,kernels,prepare,caption,search,batch,scst,objective"
         if cuda
         else "encoder,decoder,prepare,caption,scst,objective"
     )
@@ -678,6 +717,8 @@ def main(argv=None) -> None:
         prepare = bench_prepare(device, small=large // 5, large=large)
     if "caption" in sections:
         bench_caption(device, args.steps)
+    if "search" in sections and cuda:
+        bench_search_profile(device)
     if "batch" in sections:
         bench_caption_batch(device, args.steps)
     if "scst" in sections:

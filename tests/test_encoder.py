@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torchvision
+from PIL import Image
 
 from captioner.errors import CaptionerError
 from captioner.models.encoder import EncoderSpec, build_encoder
-from captioner.models.preprocess import Preprocess
+from captioner.models.preprocess import IMAGENET_STD, Preprocess
 
 # The seeded random VGG16 must be the same network on every machine and library release:
 # its weights come from NumPy's frozen legacy RandomState. A change here breaks every
@@ -90,6 +92,21 @@ def test_preprocess_shapes_and_grid_box():
     l, t, r, b = Preprocess(crop=True).grid_box(320, 96)
     assert r - l == pytest.approx(b - t) and t == pytest.approx((96 - (b - t)) / 2)
     assert b - t == pytest.approx(96 * 224 / 256)
+
+
+@pytest.mark.parametrize("crop", [False, True])
+@pytest.mark.parametrize("size", [(640, 480), (97, 301), (224, 224)])
+def test_resizing_where_the_pixels_are_matches_pillows(crop, size):
+    """The API's preprocessing on a GPU (`Preprocess.pixels`, the resize done by PyTorch) gives the
+    inputs Pillow's gives `prepare`, to within Pillow's rounding between its passes."""
+    rs = np.random.RandomState(3)
+    small = (rs.rand(size[1] // 8 + 1, size[0] // 8 + 1, 3) * 255).astype(np.uint8)
+    img = Image.fromarray(small).resize(size, Image.BICUBIC)  # a photo's smooth gradients and edges
+    pre = Preprocess(crop=crop)
+    pillow, torch_ = pre(img), pre.pixels(torch.from_numpy(np.array(img)))
+    assert torch_.shape == pillow.shape == (3, 224, 224) and torch_.dtype == torch.float32
+    grey_levels = ((torch_ - pillow) * torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255).abs()
+    assert grey_levels.max() <= 1.01 and grey_levels.mean() < 0.35  # uniform rounding: 0.25 on average
 
 
 def test_the_encoder_is_imagenets_wherever_it_is_not_chosen():

@@ -1,7 +1,10 @@
 """The encoder's input, defined once for feature extraction, the API, the app and notebooks.
 
 `Preprocess` turns an upright RGB image (`data.images.load_image`) into the encoder's input
-tensor (3, S, S) and knows which part of the image the attention grid covers.
+tensor (3, S, S) and knows which part of the image the attention grid covers. Its `pixels` does
+the same resize on a uint8 tensor where it lies (the API's, on a GPU): PyTorch's antialiased
+bilinear is Pillow's filter computed in floats, without Pillow's rounding to uint8 between its
+two passes, so the inputs differ by about one grey level at most.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 # ImageNet statistics, which both the pretrained and the seeded random VGG expect.
@@ -43,22 +47,43 @@ class Preprocess:
         left, top = (width - side) / 2, (height - side) / 2
         return left, top, left + side, top + side
 
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) an image is resized to before any crop."""
+        if not self.crop:
+            return self.size, self.size
+        scale = self.resize_to / min(width, height)
+        return max(1, round(width * scale)), max(1, round(height * scale))
+
+    def _crop(self, width: int, height: int) -> tuple[int, int]:
+        """The (left, top) of the centre crop of a resized image."""
+        return (width - self.size) // 2, (height - self.size) // 2
+
     def __call__(self, img: Image.Image) -> torch.Tensor:
         """An RGB PIL image → float tensor (3, size, size), ImageNet-normalised."""
+        img = img.resize(self.resized(*img.size), Image.BILINEAR, reducing_gap=None)
         if self.crop:
-            w, h = img.size
-            scale = self.resize_to / min(w, h)
-            img = img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BILINEAR, reducing_gap=None)
-            w, h = img.size
-            left, top = (w - self.size) // 2, (h - self.size) // 2
+            left, top = self._crop(*img.size)
             img = img.crop((left, top, left + self.size, top + self.size))
-        else:
-            img = img.resize((self.size, self.size), Image.BILINEAR)
         x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)  # (S, S, 3)
-        x = x.permute(2, 0, 1)  # (3, S, S)
-        mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
-        std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
-        return (x - mean) / std
+        return _normalised(x.permute(2, 0, 1))  # (3, S, S)
+
+    def pixels(self, x: torch.Tensor) -> torch.Tensor:
+        """An RGB uint8 image tensor (H, W, 3), on any device → float tensor (3, size, size) there,
+        ImageNet-normalised: `__call__`'s resize and crop, done where the tensor is."""
+        w, h = self.resized(x.size(1), x.size(0))
+        x = x.permute(2, 0, 1).unsqueeze(0).float()  # (1, 3, H, W)
+        x = F.interpolate(x, size=(h, w), mode="bilinear", antialias=True, align_corners=False)[0]  # (3, h, w)
+        if self.crop:
+            left, top = self._crop(w, h)
+            x = x[:, top : top + self.size, left : left + self.size]
+        return _normalised(x.clamp(0, 255) / 255.0)  # (3, S, S)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _normalised(x: torch.Tensor) -> torch.Tensor:
+    """(3, S, S) in [0, 1] → ImageNet-normalised, on x's device."""
+    mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=x.device).view(3, 1, 1)
+    return (x - mean) / std

@@ -139,11 +139,17 @@ class Captioner:
         )
 
     def _inputs(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Images (paths, bytes, PIL or HxWxC arrays) → the encoder's inputs (B, 3, S, S) on the host
-        (page-locked for a GPU) and the upright images' sizes."""
+        """Images (paths, bytes, PIL or HxWxC arrays) → the encoder's inputs (B, 3, S, S) and the upright
+        images' sizes. On a GPU each image's pixels go there as they are and are resized there
+        (`Preprocess.pixels`); elsewhere Pillow resizes them, as `prepare` does."""
         pils = [load_image(Image.fromarray(im) if isinstance(im, np.ndarray) else im) for im in images]
-        x = torch.stack([self.encoder_spec.preprocess(p) for p in pils])  # (B, 3, S, S)
-        return (x.pin_memory() if self.device.type == "cuda" else x), [p.size for p in pils]
+        preprocess = self.encoder_spec.preprocess
+        if self.device.type == "cuda":
+            on_device = (torch.from_numpy(np.array(p)).to(self.device, non_blocking=True) for p in pils)
+            x = torch.stack([preprocess.pixels(p) for p in on_device])  # (B, 3, S, S)
+        else:
+            x = torch.stack([preprocess(p) for p in pils])  # (B, 3, S, S)
+        return x, [p.size for p in pils]
 
     @torch.inference_mode()
     def encode(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
