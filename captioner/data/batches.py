@@ -183,13 +183,17 @@ class CaptionBatches:
         """
         batches = bucket_batches(self.data.lengths, self.batch_size, seed=seed, epoch=epoch, rank=rank, world=world)
         for k, idx in enumerate(batches[start:], start):
-            batch = self._batch(idx, np.random.RandomState([seed, epoch, k, rank]))
-            yield batch.pin_memory() if pin else batch
+            batch = self._batch(idx, np.random.RandomState([seed, epoch, k, rank]), pin)
+            yield batch.pin_memory() if pin else batch  # fixed shapes' features are page-locked already
 
-    def _batch(self, idx: np.ndarray, rs: np.random.RandomState) -> Batch:
+    def _batch(self, idx: np.ndarray, rs: np.random.RandomState, pin: bool = False) -> Batch:
         data = self.data
-        raw = data.cache[data.rows[idx]]  # (B, L, D) fp16
-        bad = nonfinite_rows(raw)  # (B,)
+        if self.fixed is not None:  # read straight into the batch's padded (and page-locked) features
+            features = torch.empty((self.fixed.size, *data.cache.shape[1:]), dtype=torch.float16, pin_memory=pin)
+            raw = data.cache.read(data.rows[idx], features[: len(idx)].numpy())  # (n, L, D) fp16
+        else:
+            raw = data.cache[data.rows[idx]]  # (n, L, D) fp16
+        bad = nonfinite_rows(raw)  # (n,)
         picked = views = None
         if self.view_share > 0:
             picked = np.sort(rs.permutation(len(idx))[: max(1, math.ceil(self.view_share * len(idx)))])
@@ -203,7 +207,7 @@ class CaptionBatches:
                 "to re-extract bad rows"
             )
         if self.fixed is not None:
-            return self._fixed(idx, raw, bad, picked, views, dropped)
+            return self._fixed(idx, features, bad, picked, views, dropped)
         keep = idx[~bad]
         batch = Batch(
             torch.from_numpy(raw[~bad].astype(np.float32)),
@@ -220,16 +224,19 @@ class CaptionBatches:
             )
         return self._with_targets(batch, keep)
 
-    def _fixed(self, idx, raw, bad, picked, views, dropped) -> Batch:
-        """`size` rows padded to a bucket's length; damaged and missing rows have length 0 and zero features."""
+    def _fixed(self, idx, features, bad, picked, views, dropped) -> Batch:
+        """`size` rows padded to a bucket's length; damaged and missing rows have length 0 and zero features.
+
+        Args:
+            features: (size, L, D) fp16, the captions' rows read into its first len(idx); kept in the
+                cache's fp16 up to the device (`Batch.to`): half the bytes to copy, no host conversion.
+        """
         data, B = self.data, self.fixed.size
         T = self.fixed.length(int(data.lengths[idx].max()))
-        # Kept in the cache's fp16 up to the device (`Batch.to`): half the bytes to pin and copy, no host conversion.
-        features = torch.zeros((B, *raw.shape[1:]), dtype=torch.float16)  # (B, L, D)
         tokens, lengths = np.zeros((B, T), dtype=np.int64), np.zeros(B, dtype=np.int64)
         n, width = len(idx), data.tokens.shape[1]
-        good = np.flatnonzero(~bad)
-        features[torch.from_numpy(good)] = torch.from_numpy(raw[good])
+        features[n:] = 0.0
+        features[torch.from_numpy(np.flatnonzero(bad))] = 0.0
         tokens[:n, : min(T, width)][~bad] = data.tokens[idx[~bad], : min(T, width)]
         lengths[:n][~bad] = data.lengths[idx[~bad]]
         batch = Batch(features, torch.from_numpy(tokens), torch.from_numpy(lengths), dropped=dropped)

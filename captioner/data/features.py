@@ -167,7 +167,10 @@ class FeatureCache:
     def __getitem__(self, rows) -> np.ndarray:
         """Features of the given rows, (n, L, D) fp16, read into a fresh array."""
         rows = np.atleast_1d(np.asarray(rows, dtype=np.int64))
-        out = np.empty((len(rows), *self.shape[1:]), dtype=np.float16)
+        return self.read(rows, np.empty((len(rows), *self.shape[1:]), dtype=np.float16))
+
+    def read(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Features of `rows` read into `out`, a C-contiguous (n, L, D) fp16 array (e.g. page-locked memory)."""
         for i, row in enumerate(rows):
             got = os.preadv(self.fd, [out[i]], self.offset + int(row) * self.row_bytes)
             if got != self.row_bytes:
