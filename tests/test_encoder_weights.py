@@ -22,7 +22,7 @@ from captioner.cli.train import main as train_main
 from captioner.errors import CaptionerError
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import DecoderConfig
-from captioner.models.encoder import EncoderSpec, build_encoder
+from captioner.models.encoder import REGENERATED, EncoderSpec, build_encoder, carried_weights
 from captioner.scenes.synthetic import generate
 from captioner.serve.export import export
 from captioner.train.config import TrainConfig
@@ -156,3 +156,22 @@ def test_prepare_fit_export_load_rebuild_the_same_encoder(tmp_path, tiny_scenes,
         np.testing.assert_allclose(x.attention, y.attention, atol=1e-6)
     with pytest.raises(CaptionerError, match="mine.safetensors"):  # the checkpoint itself needs its file
         Captioner.load(str(run / "best.pt"))
+
+
+def test_layers_left_at_their_seeded_values_are_not_carried_but_drawn_again(tmp_path, vgg16_state, monkeypatch):
+    """A model carries only the layers its file changed (the demo model: conv5); the rest are drawn
+    again from their seed at load, checked by the encoder's fingerprint, from a copy after the first time."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    half = {k: v.half() for k, v in vgg16_state.items()}  # as the demo's pretraining saves its file
+    save_file(half, str(tmp_path / "mine.safetensors"))
+    spec = build_encoder(EncoderSpec(weights=str(tmp_path / "mine.safetensors")))[1]
+    carried = carried_weights(spec)
+    assert sorted(k for k in carried if k != REGENERATED) == ["28.weight"]  # its bias is still the seeded zeros
+    assert carried[REGENERATED].tolist() == [0, 16]
+    assert build_encoder(spec, carried)[1].fingerprint == spec.fingerprint
+    (copy,) = (tmp_path / "torch_home" / "hub" / "captioner").iterdir()
+    save_file({"0.weight": torch.zeros(64, 3, 3, 3)}, str(copy))  # a damaged copy: drawn again
+    assert build_encoder(spec, carried)[1].fingerprint == spec.fingerprint
+    other = {**carried, REGENERATED: torch.tensor([1, 16])}  # drawn otherwise than the file was made
+    with pytest.raises(CaptionerError, match=r"RandomState\(1\)"):
+        build_encoder(spec, other)

@@ -17,11 +17,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Annotated, Literal
 
 import numpy as np
+import safetensors.torch
 import torch
 import torchvision
 from torch import nn
 
 from captioner.errors import CaptionerError
+from captioner.io import atomic_path
 from captioner.models.preprocess import Preprocess
 from captioner.models.weights_file import read_weights_file
 
@@ -90,10 +92,11 @@ class VGGEncoder(nn.Module):
 # helpers
 
 
-def _seeded_init(features: nn.Sequential, seed: int) -> None:
-    """He-normal conv weights (fan-in, keeps activations' scale through ReLUs), zero biases."""
+def _seeded_init(features: nn.Sequential, seed: int, layers: int | None = None) -> None:
+    """He-normal conv weights (fan-in, keeps activations' scale through ReLUs), zero biases; with
+    `layers`, only the first that many modules (the stream is the same up to there)."""
     rs = np.random.RandomState(seed)
-    for m in features:
+    for m in features[:layers]:
         if isinstance(m, nn.Conv2d):
             fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
             w = rs.standard_normal(tuple(m.weight.shape)) * np.sqrt(2.0 / fan_in)
@@ -127,9 +130,7 @@ def _trunk_of(state: dict) -> dict:
 
 def _fits(arch: str, trunk: dict) -> bool:
     """Whether a trunk state dict has every layer of `arch`'s trunk, each of its shape."""
-    builder, _, depth = ARCHS[arch]
-    with torch.device("meta"):
-        wanted = builder(weights=None).features[:depth].state_dict()
+    wanted = _meta_trunk(arch).state_dict()
     return all(k in trunk and tuple(trunk[k].shape) == tuple(v.shape) for k, v in wanted.items())
 
 
@@ -156,7 +157,7 @@ def _load_features(features: nn.Sequential, state: dict, source: str, arch: str)
             )
         if not trunk[k].is_floating_point():
             raise CaptionerError(f"{source}: its {name} holds {trunk[k].dtype}, not floating-point weights")
-    features.load_state_dict({k: trunk[k].to(torch.float32) for k in features.state_dict()})
+    features.load_state_dict({k: trunk[k].to(torch.float32, copy=True) for k in features.state_dict()}, assign=True)
 
 
 def fingerprint(module: nn.Module) -> str:
@@ -188,21 +189,27 @@ def build_encoder(spec: EncoderSpec, carried: dict | None = None) -> tuple[VGGEn
     """
     if spec.arch not in ARCHS:
         raise CaptionerError(f"unknown encoder {spec.arch!r}; choose one of {sorted(ARCHS)}")
-    builder, _, depth = ARCHS[spec.arch]
-    # Build on the meta device: the classifier's 120M parameters are never allocated.
-    with torch.device("meta"):
-        trunk = builder(weights=None).features[:depth]
-    trunk = trunk.to_empty(device="cpu")
+    trunk = _meta_trunk(spec.arch).to_empty(device="cpu")
     if spec.weights == "none":
         _seeded_init(trunk, spec.seed)
     elif spec.weights == "imagenet":
         _load_features(trunk, _imagenet_state(spec.arch), f"ImageNet {spec.arch} weights", spec.arch)
     elif carried is not None:
-        _load_features(trunk, carried, f"the weights carried for {spec.weights}", spec.arch)
+        _load_features(trunk, _completed(spec.arch, carried), f"the weights carried for {spec.weights}", spec.arch)
     else:
         _load_features(trunk, read_weights_file(spec.weights), f"--encoder-weights {spec.weights}", spec.arch)
     encoder = VGGEncoder(trunk).eval().requires_grad_(False)
     fp = fingerprint(encoder)
+    if spec.fingerprint and spec.fingerprint != fp and carried is not None and REGENERATED in carried:
+        _load_features(trunk, _completed(spec.arch, carried, cached=False), spec.weights, spec.arch)  # not the copy
+        fp = fingerprint(encoder)
+    if spec.fingerprint and spec.fingerprint != fp and carried is not None and REGENERATED in carried:
+        seed, bits = carried[REGENERATED].tolist()
+        raise CaptionerError(
+            f"the encoder rebuilt for {spec.weights!r} has fingerprint {fp}, not {spec.fingerprint}: the layers "
+            f"the model does not carry are regenerated from NumPy's RandomState({seed}) in {bits}-bit floats, and "
+            f"NumPy {np.__version__} drew other numbers here; load the model with the NumPy it was made with"
+        )
     if spec.fingerprint and spec.fingerprint != fp:
         raise CaptionerError(
             f"the encoder built from {spec.weights!r} ({spec.arch}, seed {spec.seed}) has fingerprint "
@@ -269,6 +276,11 @@ def from_file(weights: str) -> bool:
 def carried_weights(spec: EncoderSpec) -> dict[str, torch.Tensor]:
     """The trunk of a spec's weights file, for a checkpoint or exported model to carry in its place.
 
+    Layers equal to the seeded random VGG's (`--encoder-weights none` at the spec's seed, rounded to
+    fp16 or not) are left out and rebuilt from that seed at load: the demo model's conv1-4, which
+    its pretraining left random. REGENERATED then says how ([seed, 16 or 32]); the fingerprint
+    checked at load makes the rebuilt encoder exactly the file's.
+
     Returns:
         `VGGEncoder.features`' state dict ("0.weight", ...), each tensor in fp16 where that loses
         nothing (the file was fp16), else fp32, so the rebuilt encoder has the same fingerprint.
@@ -281,4 +293,63 @@ def carried_weights(spec: EncoderSpec) -> dict[str, torch.Tensor]:
     for k, v in encoder.features.state_dict().items():
         half = v.half()
         out[k] = half if torch.equal(half.float(), v) else v.clone()
+    seeded = _seeded_state(spec.arch, spec.seed)
+    for bits in (16, 32):
+        same = [k for k, v in out.items() if torch.equal(v.float(), _rounded(seeded[k], bits))]
+        if any(k.endswith("weight") for k in same):
+            return {k: v for k, v in out.items() if k not in same} | {REGENERATED: torch.tensor([spec.seed, bits])}
     return out
+
+
+REGENERATED = "regenerated"  # carried weights' key: [seed, bits] of the seeded layers left out
+
+
+def _seeded_state(arch: str, seed: int, layers: int | None = None) -> dict[str, torch.Tensor]:
+    """The trunk state dict of the seeded random encoder (its first `layers` modules drawn, the rest empty)."""
+    trunk = _meta_trunk(arch).to_empty(device="cpu")
+    _seeded_init(trunk, seed, layers)
+    return trunk.state_dict()
+
+
+def _rounded(t: torch.Tensor, bits: int) -> torch.Tensor:
+    return t.half().float() if bits == 16 else t
+
+
+def _completed(arch: str, carried: dict, cached: bool = True) -> dict:
+    """Carried weights with the layers they leave out (`REGENERATED`) drawn again from their seed, or
+    read from the copy the first drawing left in torch's hub directory (`cached`: drawing them takes
+    longer than the rest of loading a model)."""
+    if REGENERATED not in carried:
+        return carried
+    seed, bits = carried[REGENERATED].tolist()
+    missing = [k for k in _meta_trunk(arch).state_dict() if k not in carried]
+    layers = 1 + max((int(k.split(".")[0]) for k in missing), default=-1)
+    path = os.path.join(torch.hub.get_dir(), "captioner", f"{arch}-seed{seed}-{layers}-layers-fp{bits}.safetensors")
+    seeded = _read_cached(path) if cached else None
+    if seeded is None or not all(k in seeded for k in missing):
+        state = _seeded_state(arch, seed, layers)
+        seeded = {k: _rounded(state[k], bits) for k in missing}
+        _write_cached(path, seeded)
+    return {k: seeded[k] for k in missing} | {k: v for k, v in carried.items() if k != REGENERATED}
+
+
+def _read_cached(path: str) -> dict | None:
+    try:
+        return safetensors.torch.load_file(path)
+    except Exception:  # noqa: BLE001 - missing or damaged: drawn again (the model's fingerprint checks the result)
+        return None
+
+
+def _write_cached(path: str, state: dict) -> None:
+    try:
+        with atomic_path(path) as tmp:
+            safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, tmp)
+    except OSError:
+        pass  # a read-only home: drawn at every load
+
+
+def _meta_trunk(arch: str) -> nn.Sequential:
+    """`arch`'s trunk on the meta device: its shapes, nothing allocated (not the classifier's 120M parameters)."""
+    builder, _, depth = ARCHS[arch]
+    with torch.device("meta"):
+        return builder(weights=None).features[:depth]
