@@ -351,3 +351,39 @@ def test_bad_flags(data_dir, small_run, tmp_path, capsys):
     assert "encoder" in error("--objective", "scst", "--init", str(tmp_path / "other_encoder.pt"))
     assert "cross-entropy run" in error("--objective", "scst", "--resume", "--out", str(small_run))
     assert "--samples" in error("--objective", "scst", "--init", str(small_run / "best.pt"), "--samples", "1")
+
+
+@pytest.mark.parametrize("baseline", ["greedy", "mean"])
+def test_the_loss_and_its_gradient_are_the_self_critical_formula(baseline, monkeypatch):
+    """Known rewards for a batch of 2 images × 3 samples: the loss is -(1/(B n)) Σ (r(wˢ) - b) log p(wˢ)
+    and its gradient in log p(wˢ) is -(r(wˢ) - b)/(B n) (Rennie et al. 2017, eq. 9), with b the greedy
+    caption's reward or the mean of the image's other samples' rewards (Luo 2020)."""
+    from types import SimpleNamespace
+
+    import captioner.objectives.scst as scst
+
+    B, n = 2, 3
+    sampled = torch.tensor([[1.0, 0.5, 0.0], [0.2, 0.2, 0.8]], dtype=torch.float64)  # r(wˢ), (B, n)
+    greedy = torch.tensor([0.4, 0.3], dtype=torch.float64)  # r(ŵ), (B,)
+    logp = torch.tensor([-1.0, -2.0, -3.0, -1.5, -0.5, -2.5], requires_grad=True)  # (B n,)
+    tokens = torch.zeros(B * n, 2, dtype=torch.long)
+    monkeypatch.setattr(
+        scst, "sample_captions", lambda *a, **k: scst.Samples(tokens, torch.ones(B * n, dtype=torch.long), logp, logp)
+    )
+    monkeypatch.setattr(scst, "greedy_tokens", lambda *a: (tokens[:B], torch.ones(B, dtype=torch.long)))
+    term = SelfCritical(ScstConfig(samples=n, baseline=baseline), scorer=None, max_len=5)
+    monkeypatch.setattr(term, "reward", lambda t, w, rows: sampled.view(-1) if len(t) == B * n else greedy)
+    decoder = SimpleNamespace(config=SimpleNamespace(attention="soft"))
+    ctx = SimpleNamespace(decoder=decoder, features=None, batch=SimpleNamespace(rows=torch.arange(B)), generator=None)
+    ctx.words = B
+
+    loss = term(ctx)
+    loss.backward()
+
+    if baseline == "greedy":
+        b = greedy.unsqueeze(1).expand(B, n)
+    else:
+        b = torch.tensor([[0.25, 0.5, 0.75], [0.5, 0.5, 0.2]], dtype=torch.float64)  # the other two samples' mean
+    advantage = (sampled - b).view(-1).float()
+    assert loss.item() == pytest.approx(-(advantage * logp.detach()).sum().item() / (B * n))
+    torch.testing.assert_close(logp.grad, -advantage / (B * n))
