@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 
 import pytest
 
 from captioner.demo import build
-from captioner.demo.examples import pick_examples
+from captioner.demo.examples import draw_examples
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.vocab import tokenize
 from captioner.scenes.judge import accuracy, judge, read_objects
@@ -50,14 +51,12 @@ def test_the_generators_own_captions_are_judged_right(scenes):
     assert 0.5 < accuracy(first, objects) <= 1.0
 
 
-def test_examples_are_drawn_at_random_from_the_split_as_many_of_each_object_count():
-    ids = list(range(100, 300, 2))
-    objects = {i: [("red", "circle")] * (1 + i % 3) for i in ids}
-    picked = pick_examples(ids, objects, 6, seed=0)
-    assert picked == pick_examples(ids, objects, 6, seed=0) and picked != pick_examples(ids, objects, 6, seed=1)
-    assert len(set(picked)) == 6 and set(picked) <= set(ids) and picked != ids[:6]
-    assert sorted(len(objects[i]) for i in picked) == [1, 1, 2, 2, 3, 3]
-    assert sorted(pick_examples(ids[:4], objects, 6, seed=0)) == ids[:4]  # a small split gives all it has
+def test_examples_are_the_first_scenes_of_their_fixed_seed(tmp_path):
+    paths, objects = draw_examples(6, str(tmp_path / "a"))
+    again, _ = draw_examples(6, str(tmp_path / "b"))
+    assert len(paths) == 6 and set(objects) == set(paths) and all(objects[i] for i in paths)
+    assert [os.path.basename(p) for p in paths.values()] == [os.path.basename(p) for p in again.values()]
+    assert all(open(p, "rb").read() == open(q, "rb").read() for p, q in zip(paths.values(), again.values()))
 
 
 def test_build_reuses_only_stages_that_ran_to_their_end(tmp_path):

@@ -14,9 +14,10 @@ The build scores the result on the held-out test scenes (the
 coco-caption metrics, pointing against the boxes, whether a caption's maps reach both of two
 objects it names, and scene accuracy: the share of scenes whose caption names exactly their
 objects, by `captioner.scenes.judge`) and writes `captioner/assets/demo/` (an exported folder:
-weights, the pretrained encoder's and any trained encoder layers in fp16, no optimizer state, with a
-model card) and six test scenes as example images, two of each object count, drawn at random (seeded), never chosen
-by hand; the card records for each the caption the saved model writes and whether it is right.
+weights, the trained encoder layers in fp16 (the layers its pretraining left at their seeded values
+are drawn again at load), no optimizer state, with a model card) and, as example images, the first
+six scenes of `examples.EXAMPLES_SEED`, a seed fixed before the model was scored, never chosen by
+hand; the card records for each the caption the saved model writes and whether it is right.
 The card names the command and the commit that made the model, and the machine; nothing in the
 folder names a path of the machine it was built on. With `--work DIR`, what a previous build
 left there (scenes, the pretrained encoder, features, a training stage that ran to its end) is
@@ -38,9 +39,8 @@ from typing import Annotated
 
 import torch
 
-from captioner.data.dataset import CaptionData
 from captioner.demo import pretrain
-from captioner.demo.examples import copy_examples, judge_examples
+from captioner.demo.examples import EXAMPLES_SEED, draw_examples, judge_examples
 from captioner.evaluation.evaluate import evaluate, results_path
 from captioner.models.checkpoint import carry_encoder_weights, load_checkpoint, save_checkpoint
 from captioner.models.encoder import EncoderSpec
@@ -73,7 +73,7 @@ class BuildOptions:
     encoder_scenes: Annotated[int, "training scenes the conv5 block is pretrained on (0: a random encoder)"] = 1600
     encoder_epochs: Annotated[int, "most epochs of the encoder's pretraining"] = 12
     encoder_minutes: Annotated[float, "the encoder's pretraining budget: no epoch starts after it"] = 120.0
-    examples: Annotated[int, "example scenes drawn at random from the test split, as many of each object count"] = 6
+    examples: Annotated[int, f"example scenes: the first N of the scenes of seed {EXAMPLES_SEED}"] = 6
     device: Device = "auto"
     work: Annotated[str | None, "keep the scenes, features and runs here (default: a temporary directory)"] = None
 
@@ -128,9 +128,9 @@ def build(opts: BuildOptions, work: str, *, model_dir: str = DEMO_MODEL, example
     packed = os.path.join(work, "demo.pt")
     save_checkpoint(ck, packed)
     export(packed, model_dir)
-    paths = copy_examples(CaptionData(data), objects, opts.examples, opts.seed, examples_dir)
+    paths, drawn = draw_examples(opts.examples, examples_dir)
     # Judged with the exported fp16 model on the copied files: what the page shows for each example.
-    ck["card"]["examples"] = judge_examples(model_dir, paths, objects)
+    ck["card"]["examples"] = judge_examples(model_dir, paths, drawn)
     save_checkpoint(ck, packed)
     export(packed, model_dir)
     return ck["card"]

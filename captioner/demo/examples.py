@@ -1,18 +1,20 @@
-"""The bundled examples: test scenes drawn at random (seeded, never chosen by hand), copied beside the
-demo model, and each judged by the caption the saved model writes for it, as the page shows it."""
+"""The bundled examples: the first scenes of a seed fixed before any model was scored (never chosen
+by hand, never a training or test scene), copied beside the demo model, and each judged by the
+caption the saved model writes for it, as the page shows it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import tempfile
 
-import numpy as np
-
-from captioner.data.dataset import CaptionData
 from captioner.scenes import judge as scenes
+from captioner.scenes.synthetic import generate
 from captioner.serve.api import Captioner
 
 EXAMPLE_BEAM = 3  # the page's default beam size: the card shows what a visitor will see
+EXAMPLES_SEED = 20261127  # the examples' scenes: fixed on 2026-11-27, before the model built then was scored
 
 
 def judge_examples(checkpoint: str, paths: dict[int, str], objects: dict[int, list]) -> list[dict]:
@@ -24,27 +26,14 @@ def judge_examples(checkpoint: str, paths: dict[int, str], objects: dict[int, li
     ]
 
 
-def pick_examples(image_ids, objects: dict[int, list], k: int, seed: int) -> list[int]:
-    """k test image ids drawn at random (seeded), as many with one, two and three objects as there can be."""
-    rng = np.random.default_rng(seed)
-    counts = sorted({len(objects[int(i)]) for i in image_ids})
-    picked = []
-    for j, count in enumerate(counts):
-        pool = [int(i) for i in image_ids if len(objects[int(i)]) == count]
-        share = (k - len(picked)) // (len(counts) - j)
-        picked += [int(i) for i in rng.choice(pool, size=min(share, len(pool)), replace=False)]
-    return picked
-
-
-def copy_examples(data: CaptionData, objects, k: int, seed: int, examples_dir: str) -> dict[int, str]:
-    """k test scenes drawn at random (seeded), copied into examples_dir: image id → path."""
+def draw_examples(k: int, examples_dir: str) -> tuple[dict[int, str], dict[int, list]]:
+    """The first k scenes of `EXAMPLES_SEED`, drawn anew and copied into examples_dir: image id → path,
+    and image id → the objects drawn in it."""
     shutil.rmtree(examples_dir, ignore_errors=True)
     os.makedirs(examples_dir)
-    ids, rows = data.split_images("test")
-    row_of = dict(zip(ids.tolist(), rows.tolist()))
-    paths = {}
-    for image_id in pick_examples(ids, objects, k, seed):
-        path = data.path_of(int(row_of[image_id]))
-        paths[image_id] = os.path.join(examples_dir, os.path.basename(path))
-        shutil.copy(path, paths[image_id])
-    return paths
+    with tempfile.TemporaryDirectory() as tmp:
+        generate(tmp, k, seed=EXAMPLES_SEED)
+        with open(os.path.join(tmp, "captions.json"), encoding="utf-8") as f:
+            files = {int(im["id"]): im["file_name"] for im in json.load(f)["images"]}
+        paths = {i: shutil.copy(os.path.join(tmp, "images", name), examples_dir) for i, name in sorted(files.items())}
+        return paths, scenes.read_objects(os.path.join(tmp, "boxes.json"))
