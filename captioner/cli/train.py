@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 from captioner.cli import coco
 from captioner.cli.run import ArgumentParser, renamed, run
 from captioner.evaluation.evaluate import evaluate, results_path
+from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import DecoderConfig
 from captioner.options import Device, add_options, check_device, from_args
 from captioner.train import distributed
@@ -134,10 +135,18 @@ def _fit(args: argparse.Namespace) -> int:
         return stop.exit_status
     if main:
         print(
-            f"done: {p.step} steps, {p.epoch} epochs; best {cfg.schedule.metric} {p.best:.4f} at step {p.best_step}; "
-            f"checkpoints in {where.out}"
+            f"done: {p.step} steps, {p.epoch} epochs; best {_metric(where.out, cfg)} {p.best:.4f} at step "
+            f"{p.best_step}; checkpoints in {where.out}"
         )
     return 0
+
+
+def _metric(run: str, cfg: TrainConfig) -> str:
+    """The metric that chose the run's best.pt: a resumed run's own, not this command's."""
+    best = os.path.join(run, "best.pt")
+    if not os.path.isfile(best):
+        return cfg.schedule.metric
+    return load_checkpoint(best)["train"]["schedule"]["metric"]
 
 
 def _evaluate(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ import gradio as gr
 from captioner.data.images import set_max_pixels
 from captioner.demo.card import examples_note, model_card, model_notice
 from captioner.demo.handlers import Demo, PageOutputs
-from captioner.demo.options import DemoOptions
+from captioner.demo.options import PAGE_BEAM, DemoOptions
 from captioner.errors import CaptionerError
 from captioner.options import add_options, from_args
 from captioner.serve import heatmaps as viz
@@ -102,7 +102,7 @@ def _inputs(cap, examples: list[str]) -> dict:
     )
     if examples:
         gr.Markdown(examples_note(cap, examples), elem_id="examples-note")
-    beam = gr.Slider(1, 10, value=3, step=1, label="Beam size", info="1 is greedy decoding")
+    beam = gr.Slider(1, 10, value=PAGE_BEAM, step=1, label="Beam size", info="1 is greedy decoding")
     max_len = gr.Slider(1, max(50, cap.max_len), value=cap.max_len, step=1, label="Maximum length (words)")
     opacity = gr.Slider(
         0,

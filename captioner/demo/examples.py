@@ -9,17 +9,17 @@ import os
 import shutil
 import tempfile
 
+from captioner.demo.options import PAGE_BEAM
 from captioner.scenes import judge as scenes
 from captioner.scenes.synthetic import generate
 from captioner.serve.api import Captioner
 
-EXAMPLE_BEAM = 3  # the page's default beam size: the card shows what a visitor will see
 EXAMPLES_SEED = 20261127  # the examples' scenes: fixed on 2026-11-27, before the model built then was scored
 
 
 def judge_examples(checkpoint: str, paths: dict[int, str], objects: dict[int, list]) -> list[dict]:
     """Caption example images with a saved model, as the page does, and judge each caption."""
-    outs = Captioner.load(checkpoint).caption_batch([paths[i] for i in paths], beam_size=EXAMPLE_BEAM)
+    outs = Captioner.load(checkpoint).caption_batch([paths[i] for i in paths], beam_size=PAGE_BEAM)
     return [
         {"file": os.path.basename(paths[i]), "caption": out.text, **scenes.judge(out.words, objects[i])}
         for i, out in zip(paths, outs)

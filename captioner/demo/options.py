@@ -8,6 +8,8 @@ from typing import Annotated
 from captioner.data.images import DEFAULT_MAX_PIXELS
 from captioner.options import Device, check_device
 
+PAGE_BEAM = 3  # where the page's beam-size slider starts; the examples' card records are captioned at it
+
 
 @dataclass(frozen=True)
 class DemoOptions:

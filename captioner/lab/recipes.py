@@ -20,6 +20,7 @@ from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
 from captioner.evaluation.captioning import caption_split
 from captioner.io import read_json
+from captioner.models.attention import EXPECTED
 from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
 from captioner.scenes.synthetic import generate
@@ -212,7 +213,7 @@ def caption_split_images(
         max_len=cap.max_len,
         device=cap.device,
         max_images=max_images,
-        mode=mode or cap.default_mode,
+        mode=mode or EXPECTED,
     )
     g = cap.encoder_spec.grid
     out = []

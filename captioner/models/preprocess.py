@@ -9,7 +9,7 @@ two passes, so the inputs differ by about one grey level at most.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -77,9 +77,6 @@ class Preprocess:
             left, top = self._crop(w, h)
             x = x[:, top : top + self.size, left : left + self.size]
         return _normalised(x.clamp(0, 255) / 255.0)  # (3, S, S)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _normalised(x: torch.Tensor) -> torch.Tensor:

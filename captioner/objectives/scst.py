@@ -21,7 +21,7 @@ D feature size, T steps, V vocabulary.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Annotated, Literal, NamedTuple
 
 import numpy as np
@@ -72,9 +72,6 @@ class ScstConfig:
             )
         if self.context not in (EXPECTED, SAMPLE):
             raise OptionError(f"context must be {EXPECTED!r} or {SAMPLE!r}, got {self.context!r}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def training_scorer(data: CaptionData, end_token: bool = True) -> NgramScorer:

@@ -31,7 +31,7 @@ class Caption:
     text: str
     words: list[str]
     score: float  # log-probability of the caption, <end> included
-    attention: np.ndarray  # (len(words), 14, 14), α used to produce each word
+    attention: np.ndarray  # (len(words), grid, grid): α used to produce each word (14×14 for VGG at 224)
     locations: list[tuple[int, int]] | None = None  # (row, col) chosen per word (hard: argmax/sample)
     alternatives: list[tuple[str, float]] = field(default_factory=list)  # other beams, best first
     size: tuple[int, int] = (0, 0)  # (width, height) of the upright image
@@ -79,10 +79,6 @@ class Captioner:
     @property
     def attention_type(self) -> str:
         return self.decoder.config.attention
-
-    @property
-    def default_mode(self) -> str:
-        return EXPECTED
 
     @property
     def attention_warning(self) -> str | None:
@@ -193,7 +189,7 @@ class Captioner:
         Raises:
             ImageError: an image cannot be read (the message says which and why).
         """
-        mode = mode or self.default_mode
+        mode = mode or EXPECTED
         if mode not in CONTEXT_MODES:
             raise CaptionerError(f"mode must be one of {CONTEXT_MODES}, got {mode!r}")
         if not 1 <= int(beam_size) <= 50:

@@ -20,20 +20,16 @@ import copy
 import torch
 from torch import nn
 
-from captioner.errors import OptionError
-
 
 class WeightAverage:
     """A copy of `model` whose parameters follow its exponential moving average.
 
     Args:
         model: the module being trained (its buffers are copied once: they do not train).
-        decay: how much of the average each step keeps, at most.
+        decay: how much of the average each step keeps, at most (`OptimConfig.ema`, checked there).
     """
 
     def __init__(self, model: nn.Module, decay: float):
-        if not 0 < decay < 1:
-            raise OptionError(f"--ema is a decay between 0 and 1 (exclusive), got {decay}")
         self.decay = decay
         self.model = copy.deepcopy(model).requires_grad_(False)
         self.device = next(model.parameters()).device

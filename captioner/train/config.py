@@ -46,7 +46,7 @@ class OptimConfig:
         "most of the decoder's weights' moving average that each step keeps: validation scores the average and "
         "checkpoints hold it (after step t it keeps min(EMA, (1+t)/(10+t)); 0: off)",
     ] = 0.999
-    seed: Annotated[int, "seed of the initial weights, batches and dropout"] = 0
+    seed: Annotated[int, "seed of the run: initial weights, batch order, dropout, and the familiarity's sample"] = 0
     amp: Annotated[
         Literal["none", "tf32", "bf16", "fp16"],
         "precision: none (float32), tf32 (float32 with TF32 matmuls on GPUs that have them), bf16 or fp16 "

@@ -181,18 +181,15 @@ def _train_epoch(
             # A stop asked of any process, or time up: all stop after this step (under DDP they agree
             # at log lines only, since agreeing reads back from the device).
             if (agree or not d.active) and distributed.any_true(d, resilience.stop_requested(stop), dev):
-                return _end_early(parts, epoch, progress, bar, waits, "stopped")
+                _log_terms(parts, epoch, progress, bar, waits)
+                return "stopped"
             if (agree or not d.active) and distributed.any_true(d, parts.budget.out(), dev):
-                return _end_early(parts, epoch, progress, bar, waits, "out of time")
+                _log_terms(parts, epoch, progress, bar, waits)
+                return "out of time"
         _log_terms(parts, epoch, progress, bar, waits)
     finally:
         bar.close()
     return None
-
-
-def _end_early(parts: Parts, epoch: Epoch, progress: Progress, bar, waits: telemetry.Waits, why: str) -> str:
-    _log_terms(parts, epoch, progress, bar, waits)
-    return why
 
 
 def _log_terms(parts: Parts, epoch: Epoch, progress: Progress, bar, waits: telemetry.Waits) -> None:

@@ -21,7 +21,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from captioner.data.features import damaged_row_message
@@ -38,11 +37,6 @@ log = logging.getLogger(__name__)
 
 
 # helpers
-
-
-def all_finite(values: dict) -> bool:
-    """True if every number in a dict of loss terms is finite."""
-    return all(np.isfinite(v) for v in values.values())
 
 
 def first_nonfinite(state: dict) -> str | None:

@@ -4,8 +4,10 @@
 settings), the run's situation (a fresh start, `--init` weights, or a resumed `last.pt`) and the
 device, and returns frozen configs with nothing left to decide. `DERIVED` says how each derived
 default is settled (and is what `fit --help` says of it); `--shapes auto` is packed on a CPU,
-fixed on a GPU or with --compile. Combinations that cannot train, and options that contradict
-a resumed run, are refused here, before anything is built.
+fixed on a GPU or with --compile. Combinations of settings that cannot train, and options that
+contradict a resumed run, are refused here, before anything is built; what needs the data itself
+(a `--boxes` file naming none of the training captions' objects: `parts.box_targets`) is refused
+where the data is read.
 
 A resumed run keeps what the run is (its saved configs) and takes how this process runs it from
 the command (`config.resumed`: how far it goes, shapes, compile, CUDA graphs, workers, saving and
