@@ -161,7 +161,7 @@ def test_prepare_fit_export_load_rebuild_the_same_encoder(tmp_path, tiny_scenes,
 def test_layers_left_at_their_seeded_values_are_not_carried_but_drawn_again(tmp_path, vgg16_state, monkeypatch):
     """A model carries only the layers its file changed (the demo model: conv5); the rest are drawn
     again from their seed at load, checked by the encoder's fingerprint, from a copy after the first time."""
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path / "hub"))
     half = {k: v.half() for k, v in vgg16_state.items()}  # as the demo's pretraining saves its file
     save_file(half, str(tmp_path / "mine.safetensors"))
     spec = build_encoder(EncoderSpec(weights=str(tmp_path / "mine.safetensors")))[1]
@@ -169,7 +169,7 @@ def test_layers_left_at_their_seeded_values_are_not_carried_but_drawn_again(tmp_
     assert sorted(k for k in carried if k != REGENERATED) == ["28.weight"]  # its bias is still the seeded zeros
     assert carried[REGENERATED].tolist() == [0, 16]
     assert build_encoder(spec, carried)[1].fingerprint == spec.fingerprint
-    (copy,) = (tmp_path / "torch_home" / "hub" / "captioner").iterdir()
+    (copy,) = (tmp_path / "hub" / "captioner").iterdir()
     save_file({"0.weight": torch.zeros(64, 3, 3, 3)}, str(copy))  # a damaged copy: drawn again
     assert build_encoder(spec, carried)[1].fingerprint == spec.fingerprint
     other = {**carried, REGENERATED: torch.tensor([1, 16])}  # drawn otherwise than the file was made

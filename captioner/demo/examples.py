@@ -14,7 +14,7 @@ from captioner.scenes import judge as scenes
 from captioner.scenes.synthetic import generate
 from captioner.serve.api import Captioner
 
-EXAMPLES_SEED = 20261127  # the examples' scenes: fixed on 2026-11-27, before the model built then was scored
+EXAMPLES_SEED = 20261127  # the examples' scenes: a seed fixed before the model was scored, used for nothing else
 
 
 def judge_examples(checkpoint: str, paths: dict[int, str], objects: dict[int, list]) -> list[dict]:
