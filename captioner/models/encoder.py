@@ -11,6 +11,7 @@ Whichever it is, a fingerprint of the weights is recorded and checked when rebui
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from dataclasses import asdict, dataclass, replace
@@ -322,7 +323,7 @@ def _completed(arch: str, carried: dict, cached: bool = True) -> dict:
     if REGENERATED not in carried:
         return carried
     seed, bits = carried[REGENERATED].tolist()
-    missing = [k for k in _meta_trunk(arch).state_dict() if k not in carried]
+    missing = [k for k in _trunk_keys(arch) if k not in carried]
     layers = 1 + max((int(k.split(".")[0]) for k in missing), default=-1)
     path = os.path.join(torch.hub.get_dir(), "captioner", f"{arch}-seed{seed}-{layers}-layers-fp{bits}.safetensors")
     seeded = _read_cached(path) if cached else None
@@ -346,6 +347,11 @@ def _write_cached(path: str, state: dict) -> None:
             safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, tmp)
     except OSError:
         pass  # a read-only home: drawn at every load
+
+
+@functools.cache
+def _trunk_keys(arch: str) -> tuple[str, ...]:
+    return tuple(_meta_trunk(arch).state_dict())
 
 
 def _meta_trunk(arch: str) -> nn.Sequential:
