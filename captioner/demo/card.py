@@ -153,8 +153,8 @@ def examples_note(captioner: Captioner, examples: Sequence[str]) -> str:
     right = sum(bool(e.get("correct")) for e in judged)
     marks = " ".join("✓" if e.get("correct") else "✗" for e in judged)
     text = (
-        f"Drawn at random from the model's test scenes. It names every object right (colour and shape, "
-        f"none missing or extra) in **{right} of these {len(judged)}** ({marks}, in order)"
+        "New scenes, the first of a seed fixed before the model was scored. It names every object right "
+        f"(colour and shape, none missing or extra) in **{right} of these {len(judged)}** ({marks}, in order)"
     )
     if isinstance(card.get("scene_accuracy"), (int, float)):
         text += f" and in **{card['scene_accuracy']:.0%}** of all {card.get('test_images', 'its')} test scenes"
