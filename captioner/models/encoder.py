@@ -204,7 +204,8 @@ def build_encoder(spec: EncoderSpec, carried: dict | None = None) -> tuple[VGGEn
     if spec.fingerprint and spec.fingerprint != fp and carried is not None and REGENERATED in carried:
         _load_features(trunk, _completed(spec.arch, carried, cached=False), spec.weights, spec.arch)  # not the copy
         fp = fingerprint(encoder)
-    if spec.fingerprint and spec.fingerprint != fp and carried is not None and REGENERATED in carried:
+        if fp == spec.fingerprint:
+            return encoder, spec
         seed, bits = carried[REGENERATED].tolist()
         raise CaptionerError(
             f"the encoder rebuilt for {spec.weights!r} has fingerprint {fp}, not {spec.fingerprint}: the layers "
