@@ -388,7 +388,6 @@ def bench_kernels(device: torch.device, batch_size: int = B) -> None:
 def bench_search_profile(device: torch.device, beam_size: int = 3, n: int = 5) -> None:
     """Where one image's beam search spends its time: GPU kernels per step and their time, host launches,
     and the host's busiest operations (torch.profiler), on the bundled model's features of one photo."""
-    from PIL import Image
     from torch.profiler import ProfilerActivity, profile
 
     from captioner import Captioner
@@ -396,8 +395,7 @@ def bench_search_profile(device: torch.device, beam_size: int = 3, n: int = 5) -
     from captioner.serve.sources import demo_model
 
     cap = Captioner.load(demo_model(), device=str(device))
-    rs = np.random.RandomState(1)
-    img = Image.fromarray((rs.rand(60, 80, 3) * 255).astype(np.uint8)).resize((640, 480), Image.BICUBIC)
+    img = photo(np.random.RandomState(1))
     with torch.inference_mode():
         feats, _ = cap.encode([img])
         search = lambda: beam_search(cap.decoder, feats, beam_size=beam_size, max_len=cap.max_len)  # noqa: E731
@@ -424,17 +422,22 @@ def bench_search_profile(device: torch.device, beam_size: int = 3, n: int = 5) -
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
 
 
+def photo(rs: np.random.RandomState):
+    """A 640×480 stand-in for a photo: random colours at 80×60, smoothly enlarged (bicubic)."""
+    from PIL import Image
+
+    return Image.fromarray((rs.rand(480 // 8, 640 // 8, 3) * 255).astype(np.uint8)).resize((640, 480), Image.BICUBIC)
+
+
 def _photo_set(root: str, n: int) -> tuple[str, str]:
     """n COCO-sized photos (640x480 JPEG with texture) and their captions file."""
-    from PIL import Image
 
     images = os.path.join(root, "images")
     os.makedirs(images)
     rs = np.random.RandomState(0)
     entries, anns = [], []
     for i in range(n):
-        arr = (rs.rand(480 // 8, 640 // 8, 3) * 255).astype(np.uint8)
-        Image.fromarray(arr).resize((640, 480), Image.BICUBIC).save(os.path.join(images, f"{i}.jpg"), quality=90)
+        photo(rs).save(os.path.join(images, f"{i}.jpg"), quality=90)
         entries.append({"id": i + 1, "file_name": f"{i}.jpg"})
         anns.append({"id": i + 1, "image_id": i + 1, "caption": "a picture of noise"})
     caps = os.path.join(root, "captions.json")
@@ -508,7 +511,6 @@ def bench_prepare(device: torch.device, small: int, large: int) -> dict:
 
 
 def bench_caption(device: torch.device, repeats: int) -> dict:
-    from PIL import Image
 
     from captioner import Captioner
     from captioner.models.decode import beam_search
@@ -518,8 +520,7 @@ def bench_caption(device: torch.device, repeats: int) -> dict:
     # The floor the goal is set against: torchvision's own VGG16 conv stack up to conv5_3 + ReLU,
     # eager, fp32, contiguous input (random weights: the speed does not depend on them).
     plain = torchvision.models.vgg16(weights=None).features[:30].eval().requires_grad_(False).to(device)
-    rs = np.random.RandomState(1)
-    img = Image.fromarray((rs.rand(480 // 8, 640 // 8, 3) * 255).astype(np.uint8)).resize((640, 480), Image.BICUBIC)
+    img = photo(np.random.RandomState(1))
     x = cap.encoder_spec.preprocess(img).unsqueeze(0).to(device)
     with torch.inference_mode():
         feats = cap.encoder(x)
@@ -545,17 +546,13 @@ def bench_caption(device: torch.device, repeats: int) -> dict:
 def bench_caption_batch(device: torch.device, repeats: int, batch: int = 64) -> dict:
     """`Captioner.caption_batch` at beam 3 on `batch` photos (PIL images: preprocessing included),
     images/s beside the encoder alone on the same batch, already preprocessed and on the device."""
-    from PIL import Image
 
     from captioner import Captioner
     from captioner.serve.sources import demo_model
 
     cap = Captioner.load(demo_model(), device=str(device))
     rs = np.random.RandomState(2)
-    images = [
-        Image.fromarray((rs.rand(60, 80, 3) * 255).astype(np.uint8)).resize((640, 480), Image.BICUBIC)
-        for _ in range(batch)
-    ]
+    images = [photo(rs) for _ in range(batch)]
     x = torch.stack([cap.encoder_spec.preprocess(im) for im in images]).to(device)
     with torch.inference_mode():
         t = interleaved(

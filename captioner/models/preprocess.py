@@ -9,6 +9,7 @@ two passes, so the inputs differ by about one grey level at most.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +82,11 @@ class Preprocess:
 
 def _normalised(x: torch.Tensor) -> torch.Tensor:
     """(3, S, S) in [0, 1] → ImageNet-normalised, on x's device."""
-    mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=x.device).view(3, 1, 1)
+    mean, std = _statistics(x.device)
     return (x - mean) / std
+
+
+@functools.cache
+def _statistics(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ImageNet's mean and std (3, 1, 1) on `device`, copied there once (not once per image)."""
+    return tuple(torch.tensor(v, device=device).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
