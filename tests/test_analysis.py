@@ -17,6 +17,7 @@ from captioner.errors import CaptionerError
 from captioner.evaluation.captioning import caption_split
 from captioner.lab import analysis, plots, recipes
 from captioner.models.decoder import DecoderConfig
+from captioner.models.decoding import Decoding
 from captioner.models.vocab import Vocabulary
 from captioner.serve.api import Caption, Captioner
 from captioner.train.config import TrainConfig
@@ -205,7 +206,7 @@ def test_caption_split_images_match_evaluation(small_run, data_dir):
     out = recipes.caption_split_images(ckpt, str(data_dir), "test", beam_size=2)
     cap = Captioner.load(ckpt, build_encoder=False)
     texts, _ = caption_split(
-        cap.decoder, CaptionData(str(data_dir)), cap.vocab, "test", beam_size=2, max_len=cap.max_len
+        cap.decoder, CaptionData(str(data_dir)), cap.vocab, "test", decoding=Decoding(beam_size=2), max_len=cap.max_len
     )
     assert [s.image_id for s in out] == sorted(texts)
     for s in out:

@@ -29,9 +29,10 @@ from PIL import Image
 from captioner import Captioner, CaptionerError
 from captioner.demo.card import examples_note, model_card, model_notice
 from captioner.demo.handlers import Batcher, Demo, PageOutputs, Session
-from captioner.demo.options import DemoOptions
+from captioner.demo.options import PAGE_TOP_P, DemoOptions
 from captioner.demo.uploads import upload_source
 from captioner.demo.views import fit_view
+from captioner.models.decoding import Decoding
 from captioner.models.hub import download_checkpoint, resolve, sha256_file
 from captioner.serve.api import Caption
 
@@ -364,23 +365,23 @@ class _SlowFake:
         self.calls: list[list[str]] = []
         self.started, self.release = threading.Event(), threading.Event()
 
-    def caption_batch(self, images, beam_size, max_len=None):
+    def caption_batch(self, images, decoding):
         self.calls.append(list(images))
         self.started.set()
         self.release.wait(timeout=60)
         if "bad" in images:
             raise ValueError("cannot caption 'bad'")
-        return [f"{im}@{beam_size}" for im in images]
+        return [f"{im}@{decoding.beam_size}" for im in images]
 
 
 def test_batcher_batches_waiting_requests_and_keeps_errors_apart():
     fake = _SlowFake()
     batcher = Batcher(fake, max_batch_size=8)
     with ThreadPoolExecutor(8) as pool:
-        first = pool.submit(batcher.caption, "a", 2)
+        first = pool.submit(batcher.caption, "a", Decoding(beam_size=2))
         assert fake.started.wait(timeout=60)
         # These queue up while the first batch runs, so they go through the model together.
-        later = [pool.submit(batcher.caption, im, 2) for im in ["b", "bad", "c", "d"]]
+        later = [pool.submit(batcher.caption, im, Decoding(beam_size=2)) for im in ["b", "bad", "c", "d"]]
         deadline = time.monotonic() + 60
         while batcher._queue.qsize() < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -392,6 +393,18 @@ def test_batcher_batches_waiting_requests_and_keeps_errors_apart():
     assert fake.calls[1] == ["b", "bad", "c", "d"]  # one batch of four ...
     assert sorted(map(tuple, fake.calls[2:])) == [("b",), ("bad",), ("c",), ("d",)]  # ... retried alone
     batcher.close()
+
+
+def test_another_caption_draws_a_sample_with_its_maps_a_new_seed_each_click(demo, api, images):
+    """The page's "Another caption": the Python API's sample at the page's top-p and the click's seed."""
+    session, path = Session(), str(images["rgb.jpg"])
+    for seed in (1, 2, 3):
+        page = list(demo.caption_view(path, 2, 8, 0.6, session, sample=True))[-1]
+        want = api.caption(path, method="sampling", top_p=PAGE_TOP_P, max_len=8, seed=seed)
+        assert_same_caption(page.caption, page.data, want)
+        assert len(page.gallery) == len(page.words) == len(want.words) and len(want.samples) == 1
+    beam = shown(demo, path, session=session)  # "Caption" is the beam search's again
+    assert_same_caption(beam.caption, beam.data, api.caption(path, beam_size=2, max_len=8))
 
 
 def test_batched_captions_equal_single_ones(demo, images):

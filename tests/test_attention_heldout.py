@@ -48,7 +48,6 @@ def test_defaults_point_at_objects_not_the_border(heldout_112, tmp_path):
         str(data),
         "test",
         str(run / "m.json"),
-        beam_size=3,
         use_java=False,
         grounding=str(heldout_112 / "scenes" / "boxes.json"),
     )

@@ -12,6 +12,7 @@ from captioner.data.dataset import CaptionData
 from captioner.evaluation.captioning import caption_split, score_validation
 from captioner.models.checkpoint import current_train, load_checkpoint, read_trained
 from captioner.models.decoder import DecoderConfig
+from captioner.models.decoding import Decoding
 from captioner.train.averaging import WeightAverage
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
@@ -57,7 +58,12 @@ def test_checkpoints_hold_the_average_and_the_raw_weights_for_resume(data_dir, t
     best = load_checkpoint(str(tmp_path / "run" / "best.pt"))
     data = CaptionData(str(data_dir))
     texts, _ = caption_split(
-        read_trained(best, "best.pt").decoder, data, data.vocab, "val", beam_size=1, max_len=data.max_len
+        read_trained(best, "best.pt").decoder,
+        data,
+        data.vocab,
+        "val",
+        decoding=Decoding(beam_size=1),
+        max_len=data.max_len,
     )
     assert score_validation(texts, data.references["val"])["CIDEr"] == pytest.approx(best["progress"]["best"])
 

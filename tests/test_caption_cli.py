@@ -96,6 +96,33 @@ def test_folder_in_batches_with_attention_resume_and_one_id_type(small_run, fold
     assert "--resume" in capsys.readouterr().err
 
 
+def test_sampled_captions_each_with_its_maps_the_same_for_the_same_seed(small_run, folder, tmp_path, capsys):
+    """`--decoding sampling --n 3`: three captions an image, each with its words and maps, in the log and
+    the JSON; the same seed draws the same ones; a sampling setting without sampling is refused."""
+    model = ["--checkpoint", str(small_run / "best.pt")]
+
+    def drawn(name: str, seed: str) -> list[dict]:
+        out = tmp_path / name
+        sampling = ["--decoding", "sampling", "--n", "3", "--top-k", "5", "--seed", seed]
+        assert cli.main(["caption", str(folder), *model, "--json", str(out), "--attention", *sampling]) == 0
+        return json.loads(out.read_text())
+
+    first, again, other = drawn("a.json", "4"), drawn("b.json", "4"), drawn("c.json", "5")
+    for r in first:
+        assert len(r["samples"]) == 3 and r["caption"] == r["samples"][0]["caption"]
+        for s in r["samples"]:
+            assert s["caption"] == " ".join(s["words"]) and len(s["attention"]) == len(s["words"])
+            assert abs(sum(map(sum, s["attention"][0])) - 1) < 1e-3
+
+    def captions(results):
+        return [[s["caption"] for s in r["samples"]] for r in results]
+
+    assert captions(first) == captions(again) and captions(first) != captions(other)
+    capsys.readouterr()
+    assert cli.main(["caption", str(folder), *model, "--temperature", "0.5"]) == 2
+    assert "--temperature: for sampling only; add --decoding sampling" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_default_model_unfamiliar_note_and_guarded_cuda(folder, tmp_path, capsys, monkeypatch):
     from captioner.serve.api import Captioner

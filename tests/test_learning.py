@@ -36,9 +36,7 @@ def test_short_training_beats_untrained(scenes_112, tmp_path):
     ):
         run = tmp_path / name
         fit(str(scenes_112), str(run), SMALL, cfg, device="cpu", progress_bar=False)
-        scores[name] = evaluate(
-            str(run / "best.pt"), str(scenes_112), "test", str(run / "m.json"), beam_size=3, use_java=False
-        )
+        scores[name] = evaluate(str(run / "best.pt"), str(scenes_112), "test", str(run / "m.json"), use_java=False)
     trained, untrained = scores["trained"], scores["untrained"]
     assert trained["BLEU-4"] >= untrained["BLEU-4"] + 0.1, scores
     assert trained["CIDEr"] >= untrained["CIDEr"] + 0.4, scores

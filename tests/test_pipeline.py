@@ -14,10 +14,12 @@ from conftest import prepare_scenes, run_cli
 from PIL import Image
 
 from captioner import Captioner, CaptionerError
+from captioner.cli import train as train_cli
 from captioner.data.dataset import CaptionData
 from captioner.evaluation.evaluate import evaluate
 from captioner.evaluation.maps import upsample
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.decoding import Decoding
 from captioner.serve.heatmaps import attention_figure
 
 METRICS = ["BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr"]
@@ -65,6 +67,25 @@ def test_evaluate_cli_writes_metrics_and_results(small_run, data_dir, scenes, tm
     assert all(isinstance(r["caption"], str) and "<" not in r["caption"] for r in results)
 
 
+def test_evaluate_decodes_as_its_settings_say(small_run, data_dir, tmp_path, capsys):
+    """evaluate with sampling at temperature 0 writes the greedy captions; the settings go in the metrics;
+    `--decoding sampling --n 2` is refused (one caption per image is scored)."""
+    ckpt = str(small_run / "best.pt")
+
+    def evaluated(name: str, decoding: Decoding) -> tuple[dict, list]:
+        out = tmp_path / f"{name}.json"
+        metrics = evaluate(ckpt, str(data_dir), "test", str(out), decoding=decoding, use_java=False)
+        return metrics, json.loads((tmp_path / f"{name}_results.json").read_text())
+
+    greedy, greedy_texts = evaluated("greedy", Decoding(beam_size=1))
+    drawn, drawn_texts = evaluated("drawn", Decoding(method="sampling", temperature=0.0, seed=3))
+    assert drawn_texts == greedy_texts and drawn["decoding"]["method"] == "sampling"
+    assert greedy["decoding"]["beam_size"] == greedy["beam_size"] == 1
+    args = ["evaluate", "--checkpoint", ckpt, "--data", str(data_dir), "--out", str(tmp_path / "n.json")]
+    assert train_cli.main([*args, "--decoding", "sampling", "--n", "2"]) == 2
+    assert "--n must be 1" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_evaluate_without_java_says_so_and_marks_the_figures(small_run, data_dir, tmp_path):
     """No `java` on the PATH: evaluate still scores, but warns naming Java and writes official: false."""
@@ -105,7 +126,14 @@ def test_evaluate_counts_the_split_images_it_could_not_score(small_run, scenes, 
     data = tmp_path / "data"
     prepare_scenes(copy, data, min_count=1, skip_bad=True)
     caplog.set_level(logging.WARNING, logger="captioner")
-    m = evaluate(str(small_run / "best.pt"), str(data), "test", str(tmp_path / "m.json"), beam_size=1, use_java=False)
+    m = evaluate(
+        str(small_run / "best.pt"),
+        str(data),
+        "test",
+        str(tmp_path / "m.json"),
+        decoding=Decoding(beam_size=1),
+        use_java=False,
+    )
     assert m["missing_images"] == 1 and m["missing_image_ids"] == [bad["id"]]
     assert m["split_images"] == m["images"] + 1 == len(test_ids)
     assert f"1 of the {len(test_ids)} test images were not scored" in caplog.text

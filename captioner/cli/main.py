@@ -7,8 +7,8 @@ import argparse
 import os
 import re
 import sys
-from dataclasses import dataclass
-from typing import Annotated, Literal
+from dataclasses import dataclass, field
+from typing import Annotated
 
 from tqdm import tqdm
 
@@ -17,6 +17,7 @@ from captioner.cli.selfcheck import SelfCheckOptions, selfcheck
 from captioner.demo.options import DemoOptions
 from captioner.errors import CaptionerError, OptionError
 from captioner.io import write_json_atomic
+from captioner.models.decoding import Decoding
 from captioner.options import Device, add_options, check_device, check_positive, from_args
 from captioner.serve import bulk
 from captioner.serve.api import Captioner
@@ -33,13 +34,7 @@ class CaptionOptions:
         "(default: the bundled demo model, which knows synthetic coloured shapes only)",
     ] = None
     recursive: Annotated[bool, "also take images in subdirectories of a directory"] = False
-    beam_size: Annotated[int, "beams per image (1: greedy)"] = 3
-    max_len: Annotated[int | None, "most words per caption (default: the checkpoint's training maximum)"] = None
-    mode: Annotated[
-        Literal["expected", "argmax", "sample"] | None,
-        "context for hard-attention models: expected (default), argmax or sampled location",
-    ] = None
-    seed: Annotated[int, "random seed of --mode sample"] = 0
+    decoding: Decoding = field(default_factory=Decoding)
     json: Annotated[
         str | None,
         "write the results at the end as COCO results JSON [{image_id, caption, "
@@ -61,7 +56,7 @@ class CaptionOptions:
     progress: Annotated[bool | None, "progress bar on stderr (default: when stderr is a terminal)"] = None
 
     def __post_init__(self):
-        check_positive(self, "beam_size", "max_len", "batch_size")
+        check_positive(self, "batch_size")
         if self.workers < 0:
             raise OptionError(f"--workers must be 0 or more, got {self.workers}")
         check_device(self.device)
@@ -158,10 +153,7 @@ def _caption(args: argparse.Namespace) -> int:
             log=log,
             on_result=_shown(cap, opts, bar),
             on_error=on_error,
-            beam_size=opts.beam_size,
-            max_len=opts.max_len,
-            mode=opts.mode,
-            seed=opts.seed,
+            decoding=opts.decoding,
         )
     finally:
         bar.close()

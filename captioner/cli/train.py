@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Annotated, Literal
 
 from captioner.cli import coco
@@ -21,6 +21,7 @@ from captioner.cli.run import ArgumentParser, renamed, run
 from captioner.evaluation.evaluate import evaluate, results_path
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import DecoderConfig
+from captioner.models.decoding import Decoding
 from captioner.options import Device, add_options, check_device, from_args
 from captioner.train import distributed
 from captioner.train.config import TrainConfig
@@ -55,11 +56,7 @@ class EvaluateOptions:
     data_dir: Annotated[str, "--data", "a data directory written by prepare"]
     out: Annotated[str, "the metrics JSON; the captions go beside it in *_results.json"]
     split: Annotated[Literal["test", "val"], "which split to caption and score"] = "test"
-    beam_size: Annotated[int, "beam width (1: greedy)"] = 3
-    max_len: Annotated[int | None, "most words per caption (default: the training maximum)"] = None
-    mode: Annotated[
-        Literal["expected", "argmax", "sample"] | None, "context for hard-attention models (default: expected)"
-    ] = None
+    decoding: Decoding = field(default_factory=Decoding)
     grounding: Annotated[
         str | None,
         "COCO instances file of object boxes (instances_val2014.json or a scene "
@@ -151,7 +148,8 @@ def _metric(run: str, cfg: TrainConfig) -> str:
 
 def _evaluate(args: argparse.Namespace) -> int:
     opts = from_args(EvaluateOptions, args)
-    m = evaluate(**{**asdict(opts), "device": str(distributed.choose_device(opts.device))})
+    given = {f.name: getattr(opts, f.name) for f in fields(opts)}
+    m = evaluate(**{**given, "device": str(distributed.choose_device(opts.device))})
     shown = {
         k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items() if k not in ("checkpoint", "grounding")
     }

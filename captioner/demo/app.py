@@ -23,7 +23,7 @@ import gradio as gr
 from captioner.data.images import set_max_pixels
 from captioner.demo.card import examples_note, model_card, model_notice
 from captioner.demo.handlers import Demo, PageOutputs
-from captioner.demo.options import PAGE_BEAM, DemoOptions
+from captioner.demo.options import PAGE_BEAM, PAGE_TOP_P, DemoOptions
 from captioner.errors import CaptionerError
 from captioner.options import add_options, from_args
 from captioner.serve import heatmaps as viz
@@ -112,7 +112,14 @@ def _inputs(cap, examples: list[str]) -> dict:
         label="Heatmap opacity",
         info="at the most attended place; elsewhere it fades with the attention",
     )
-    run = gr.Button("Caption", variant="primary")
+    with gr.Row():
+        run = gr.Button("Caption", variant="primary")
+        another = gr.Button("Another caption", elem_id="another")
+    gr.Markdown(
+        "*Another caption* draws one word at a time from the model's probabilities (among the likeliest "
+        f"words holding {PAGE_TOP_P:.0%}), not the beam search's likeliest caption: a new one each click.",
+        elem_id="another-note",
+    )
     with gr.Accordion("Model", open=True):
         gr.Markdown(model_card(cap), elem_id="model-card")
     return {
@@ -123,6 +130,7 @@ def _inputs(cap, examples: list[str]) -> dict:
         "max_len": max_len,
         "opacity": opacity,
         "run": run,
+        "another": another,
     }
 
 
@@ -156,8 +164,8 @@ def _outputs() -> dict:
             buttons=[],
         ),
         "alternatives": gr.Dataframe(
-            headers=["Beam", "log-probability"],
-            label="Top beams",
+            headers=["Caption", "log-probability"],
+            label="Top beams, or the caption drawn",
             interactive=False,
             wrap=True,
             column_widths=["80%", "20%"],
@@ -182,17 +190,20 @@ def _wire(demo: Demo, examples: list[str], p: dict) -> None:
         else:
             yield from demo.caption_view(picture, beam_size, length, alpha, state)
 
+    def another_event(picture, beam_size, length, alpha, state):
+        yield from demo.caption_view(picture, beam_size, length, alpha, state, sample=True)
+
     settings = [p["beam"], p["max_len"], p["opacity"], p["session"]]
+    page = dict(api_visibility="private", trigger_mode="always_last", show_progress="minimal", **model_events)
+    outputs = [p[name] for name in PageOutputs._fields]
     gr.on(
         [p["image"].input, p["run"].click, p["chooser"].click],
         caption_event,
         [p["image"], p["chooser"], *settings],
-        [p[name] for name in PageOutputs._fields],
-        api_visibility="private",
-        trigger_mode="always_last",
-        show_progress="minimal",
-        **model_events,
+        outputs,
+        **page,
     )
+    p["another"].click(another_event, [p["image"], *settings], outputs, **page)
     shown = [p["words"], p["large_label"], p["large"], p["gallery"]]
     p["words"].select(demo.select_word, [p["session"], p["opacity"]], shown, **draw_events)
     p["gallery"].select(demo.select_word, [p["session"], p["opacity"]], shown, **draw_events)

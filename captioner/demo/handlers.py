@@ -26,6 +26,7 @@ from typing import NamedTuple
 import gradio as gr
 from PIL import Image, ImageOps
 
+from captioner.demo.options import PAGE_TOP_P
 from captioner.demo.uploads import read_upload
 from captioner.demo.views import (
     THUMB_SIDE,
@@ -38,6 +39,7 @@ from captioner.demo.views import (
     large_label,
 )
 from captioner.errors import CaptionerError
+from captioner.models.decoding import Decoding
 from captioner.serve import heatmaps as viz
 from captioner.serve.api import Caption, Captioner
 from captioner.serve.batcher import Batcher
@@ -53,6 +55,7 @@ class Session:
     def __init__(self):
         self.view: View | None = None
         self.newest = 0  # the ticket of the newest caption request
+        self.draws = 0  # "Another caption" clicks: the seed of the next sample
         self._lock = threading.Lock()
 
     def ticket(self) -> int:
@@ -60,6 +63,12 @@ class Session:
         with self._lock:
             self.newest += 1
             return self.newest
+
+    def draw(self) -> int:
+        """The seed of a new sample: each click of "Another caption" draws another."""
+        with self._lock:
+            self.draws += 1
+            return self.draws
 
 
 class PageOutputs(NamedTuple):
@@ -126,15 +135,18 @@ class Demo:
         session: Session | None,
         *,
         show: str | None = None,
+        sample: bool = False,
     ):
         """The page's caption event: yields `PageOutputs`, first with the outputs cleared, then filled.
 
         Args:
             image: the upload (gr.Image's payload, or a path); None clears the page.
             show: a path to put in the image input first (an example was chosen).
+            sample: draw a caption ("Another caption"), a new one each time, instead of the beam search.
         """
         session = session or Session()
         ticket = session.ticket()
+        seed = session.draw() if sample else None
         session.view = None
         cleared = self._cleared(session, image=show if show is not None else gr.skip())
         yield cleared
@@ -143,21 +155,12 @@ class Demo:
         cleared = cleared._replace(image=gr.skip())  # an example's picture is sent once
         try:
             picture = read_upload(image)
-            out = self._caption(picture, beam_size, max_len)
+            out = self._caption(picture, beam_size, max_len, seed)
         except gr.Error as e:  # shown beside the image: no toast, no error badge on every output
             if ticket == session.newest:
                 yield cleared._replace(error=gr.update(value=error_html(str(e.message)), visible=True))
             return
-        view_image = fit_view(picture)
-        view = View(
-            view_image,
-            viz.fit_side(view_image, THUMB_SIDE),
-            out.text,
-            out.words,
-            out.attention,
-            out.locations,
-            self.captioner.encoder_spec.preprocess,
-        )
+        view = self._view(picture, out)
         large, gallery = self.heatmaps(view, opacity)
         if ticket != session.newest:  # a newer request started meanwhile: its results win
             return
@@ -175,6 +178,14 @@ class Demo:
             alternatives=rows,
             data=caption_data(out),
             download=gr.update(interactive=bool(view.words)),
+        )
+
+    def _view(self, picture: Image.Image, out: Caption) -> View:
+        """What the page shows of a caption: the image at the view's size, its thumbnail, the words and maps."""
+        image = fit_view(picture)
+        thumb = viz.fit_side(image, THUMB_SIDE)
+        return View(
+            image, thumb, out.text, out.words, out.attention, out.locations, self.captioner.encoder_spec.preprocess
         )
 
     def select_word(self, session: Session | None, opacity: float, evt: gr.SelectData):
@@ -242,7 +253,10 @@ class Demo:
             session=session,
         )
 
-    def _caption(self, picture: Image.Image, beam_size: float, max_len: float | None = None) -> Caption:
+    def _caption(
+        self, picture: Image.Image, beam_size: float, max_len: float | None = None, seed: int | None = None
+    ) -> Caption:
+        """The beam search's caption, or with a `seed` a sampled one."""
         # The caption events skip Gradio's preprocessing, so the numbers arrive unchecked.
         try:
             beam, length = int(beam_size), int(max_len) if max_len else None
@@ -252,7 +266,11 @@ class Demo:
                 print_exception=False,
             ) from None
         try:
-            return self.batcher.caption(picture, beam, length)
+            if seed is None:
+                decoding = Decoding(beam_size=beam, max_len=length)
+            else:
+                decoding = Decoding(method="sampling", top_p=PAGE_TOP_P, max_len=length, seed=seed)
+            return self.batcher.caption(picture, decoding)
         except CaptionerError as e:  # e.g. a beam size out of range: the caller can fix it
             raise gr.Error(str(e), print_exception=False) from None
 

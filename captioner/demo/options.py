@@ -9,6 +9,7 @@ from captioner.data.images import DEFAULT_MAX_PIXELS
 from captioner.options import Device, check_device
 
 PAGE_BEAM = 3  # where the page's beam-size slider starts; the examples' card records are captioned at it
+PAGE_TOP_P = 0.9  # "Another caption" samples from the likeliest words holding 90%: the tail writes nonsense
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ import torch
 from captioner.data.dataset import CaptionData
 from captioner.data.encoder_inputs import complete_input_cache, encoded_features
 from captioner.evaluation.metrics import score_captions
-from captioner.models.attention import EXPECTED
-from captioner.models.decode import Hypothesis, beam_search
+from captioner.models.decode import Hypothesis
 from captioner.models.decoder import AttentionDecoder
+from captioner.models.decoding import Decoding, decode, seeded
 from captioner.models.encoder import VGGEncoder, apply_encoder_state
 from captioner.models.tuned import TunedEncoder, layers_of
 from captioner.models.vocab import Vocabulary
@@ -29,27 +29,30 @@ def caption_split(
     vocab: Vocabulary,
     split: str,
     *,
-    beam_size: int = 3,
+    decoding: Decoding | None = None,
     max_len: int = 20,
     batch_size: int = 50,
     device: torch.device | str = "cpu",
     max_images: int | None = None,
-    mode: str = EXPECTED,
     shard: tuple[int, int] = (0, 1),
     features: Callable[[np.ndarray], torch.Tensor] | None = None,
     graphs: bool = True,
 ) -> tuple[dict[int, str], dict[int, Hypothesis]]:
-    """Beam-search captions for a split's images.
+    """Captions for a split's images, one each (a beam search's best, or the first sample).
 
     Args:
+        decoding: how to decode (default: beam search at 3 beams).
+        max_len: most words where `decoding` does not say (the training maximum).
         shard: (rank, world): caption only every world-th image from rank on.
         features: rows → (n, L, D) features; default the data's cache (a fine-tuned encoder's
             features are not in it: see finetune.py).
         graphs: on a GPU, replay the search's step as a CUDA graph (`models.graphed_search`).
 
     Returns:
-        image id → caption text, and image id → the best hypothesis (with its attention).
+        image id → caption text, and image id → its hypothesis (with its attention).
     """
+    device, decoding = torch.device(device), decoding or Decoding()
+    generator = seeded(decoding.seed, device) if decoding.randomised else None  # one for all batches
     ids, rows = data.split_images(split)
     if max_images:
         ids, rows = ids[:max_images], rows[:max_images]
@@ -60,9 +63,9 @@ def caption_split(
     texts, hyps = {}, {}
     for i in range(0, len(ids), batch_size):
         feats = (features or data.features)(rows[i : i + batch_size]).to(device)  # (b, L, D)
-        beams_of = beam_search(decoder, feats, beam_size=beam_size, max_len=max_len, mode=mode, graphs=graphs)
-        for image_id, beams in zip(ids[i : i + batch_size], beams_of):
-            best = beams[0]
+        found = decode(decoder, feats, decoding, max_len=max_len, generator=generator, graphs=graphs)
+        for image_id, written in zip(ids[i : i + batch_size], found):
+            best = written[0]
             hyps[int(image_id)] = best
             texts[int(image_id)] = " ".join(vocab.decode(best.tokens))
     decoder.train(was_training)

@@ -16,7 +16,7 @@ from captioner.evaluation.grounding import pointing_accuracy
 from captioner.evaluation.health import attention_health
 from captioner.evaluation.metrics import ALL_METRICS, score_captions
 from captioner.io import write_json_atomic
-from captioner.models.attention import EXPECTED
+from captioner.models.decoding import Decoding
 from captioner.models.encoder import build_encoder
 from captioner.models.hub import load_trained
 
@@ -35,10 +35,8 @@ def evaluate(
     split: str,
     out: str,
     *,
-    beam_size: int = 3,
-    max_len: int | None = None,
+    decoding: Decoding | None = None,
     device: str = "cpu",
-    mode: str | None = None,
     use_java: bool | None = None,
     grounding: str | None = None,
     cuda_graphs: str = "auto",
@@ -51,6 +49,7 @@ def evaluate(
 
     Args:
         checkpoint: the model: a checkpoint, an exported folder, a pinned URL or hf://ORG/NAME.
+        decoding: how to decode (default: beam search at 3 beams); one caption per image is scored.
         grounding: a COCO instances file of object boxes: adds pointing accuracy and its chance rate,
             and how often the maps of captions naming two separate objects peak on both.
         use_java: None uses Java when present; False forces the Python figures.
@@ -60,11 +59,10 @@ def evaluate(
         The metrics written: the seven coco-caption metrics, "official", the images scored
         against the split's size, attention health, and pointing with `grounding`.
     """
+    decoding = _one_each(decoding or Decoding())
     model = load_trained(checkpoint)
     data = _data_for(model, data_dir, checkpoint, split)
-    search = dict(
-        beam_size=beam_size, max_len=max_len or model.max_len, mode=mode or EXPECTED, graphs=cuda_graphs == "auto"
-    )
+    search = dict(decoding=decoding, max_len=model.max_len, graphs=cuda_graphs == "auto")
     texts, hyps = _captions(model, data, checkpoint, split, torch.device(device), search)
     metrics = score_captions(texts, data.references[split], metrics=ALL_METRICS, use_java=use_java)
     if not metrics["official"]:
@@ -79,7 +77,8 @@ def evaluate(
     metrics.update(
         _coverage(data, split, texts),
         split=split,
-        beam_size=beam_size,
+        beam_size=decoding.beam_size,
+        decoding=decoding.to_dict(),
         step=model.step,
         mean_length=float(np.mean([len(h.tokens) for h in hyps.values()])) if hyps else 0.0,
         cut_captions=sum(not h.ended for h in hyps.values()),
@@ -89,6 +88,12 @@ def evaluate(
     write_json_atomic(results_path(out), [{"image_id": i, "caption": texts[i]} for i in sorted(texts)])
     write_json_atomic(out, metrics)
     return metrics
+
+
+def _one_each(decoding: Decoding) -> Decoding:
+    if decoding.n != 1:
+        raise CaptionerError(f"evaluate scores one caption per image: --n must be 1, got {decoding.n}")
+    return decoding
 
 
 def _grounding(model, texts: dict, hyps: dict, boxes: str) -> dict:

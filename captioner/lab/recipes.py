@@ -20,8 +20,8 @@ from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
 from captioner.evaluation.captioning import caption_split
 from captioner.io import read_json
-from captioner.models.attention import EXPECTED
 from captioner.models.decoder import DecoderConfig
+from captioner.models.decoding import Decoding
 from captioner.models.encoder import EncoderSpec
 from captioner.scenes.synthetic import generate
 from captioner.serve.api import Caption, Captioner
@@ -209,11 +209,10 @@ def caption_split_images(
         data,
         cap.vocab,
         split,
-        beam_size=beam_size,
+        decoding=Decoding(beam_size=beam_size, mode=mode),
         max_len=cap.max_len,
         device=cap.device,
         max_images=max_images,
-        mode=mode or EXPECTED,
     )
     g = cap.encoder_spec.grid
     out = []

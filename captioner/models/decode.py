@@ -62,6 +62,7 @@ def beam_search(
     generator: torch.Generator | None = None,
     shapes: str | None = None,
     graphs: bool = True,
+    sharpness: float | None = None,
 ) -> list[list[Hypothesis]]:
     """Decode a batch of images.
 
@@ -76,29 +77,31 @@ def beam_search(
         generator: random source for mode="sample".
         shapes: "packed" or "fixed" (see the module doc); default: fixed on a GPU, packed elsewhere.
         graphs: on a GPU, replay the fixed-shape step as a CUDA graph (`models.graphed_search`).
+        sharpness: k of the maps softmax(k e_t) (None: the model's `decode_sharpness`).
 
     Returns:
         For each image, its K hypotheses, best first.
     """
     if beam_size < 1 or max_len < 1:
         raise ValueError(f"beam_size and max_len must be positive, got {beam_size} and {max_len}")
-    B, K = features.size(0), beam_size
-    s = Search.start(decoder, features, K, max_len + 1, ban_unk)
+    s = Search.start(decoder, features, beam_size, max_len + 1, ban_unk)
     if (shapes or ("fixed" if features.is_cuda else "packed")) == "packed":
-        steps = _packed(decoder, s, max_len, mode, generator, ban_unk)
+        steps = _packed(decoder, s, max_len, mode, generator, ban_unk, sharpness)
     else:
-        steps = fixed_steps(decoder, s, max_len, mode, generator, graphs=graphs)
-    return _collect(*_trace(s.word, s.parent, s.alpha, s.loc, steps), s.scores, B, K, length_norm, max_len)
+        steps = fixed_steps(decoder, s, max_len, mode, generator, graphs=graphs, sharpness=sharpness)
+    found = hypotheses(*_trace(s.word, s.parent, s.alpha, s.loc, steps), s.scores, max_len)
+    key = (lambda hyp: hyp.normalized_score) if length_norm else (lambda hyp: hyp.score)
+    return [sorted(hyps, key=key, reverse=True) for hyps in found]
 
 
-def _packed(decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator, ban_unk: bool) -> int:
+def _packed(decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator, ban_unk: bool, sharpness) -> int:
     """The search stepping only the beams still writing; returns the steps taken."""
     B, K = s.scores.shape
     V = decoder.config.vocab_size
     offsets = (torch.arange(B, device=s.words.device) * K).unsqueeze(1)  # (B, 1)
     for t in range(max_len + 1):
         rows = s.writing.nonzero().squeeze(1)  # (n,) only the beams still writing take a step
-        logits, alpha, loc = _step(decoder, s, rows, mode, generator)
+        logits, alpha, loc = _step(decoder, s, rows, mode, generator, sharpness)
         s.alpha[t].index_copy_(0, rows, alpha.to(s.alpha.dtype))
         if loc is not None:
             s.loc[t].index_copy_(0, rows, loc)
@@ -121,13 +124,15 @@ def _packed(decoder: AttentionDecoder, s: Search, max_len: int, mode: str, gener
     return t + 1
 
 
-def _step(decoder: AttentionDecoder, s: Search, rows: torch.Tensor, mode: str, generator):
+def _step(decoder: AttentionDecoder, s: Search, rows: torch.Tensor, mode: str, generator, sharpness):
     """The decoder's step for the beams in `rows` (all of them without copying when all write)."""
     if rows.numel() == s.words.numel():
-        logits, s.h, s.c, alpha, loc = decoder.step(s.feats, s.projected, s.words, s.h, s.c, mode, generator, s.joined)
+        logits, s.h, s.c, alpha, loc = decoder.step(
+            s.feats, s.projected, s.words, s.h, s.c, mode, generator, s.joined, sharpness
+        )
         return logits, alpha, loc
     logits, h, c, alpha, loc = decoder.step(
-        s.feats[rows], s.projected[rows], s.words[rows], s.h[rows], s.c[rows], mode, generator, s.joined
+        s.feats[rows], s.projected[rows], s.words[rows], s.h[rows], s.c[rows], mode, generator, s.joined, sharpness
     )
     s.h, s.c = s.h.index_copy(0, rows, h), s.c.index_copy(0, rows, c)
     return logits, alpha, loc
@@ -158,7 +163,10 @@ def _trace(hist_word, hist_parent, hist_alpha, hist_loc, steps: int):
     return tokens, alphas, locs
 
 
-def _collect(tokens, alphas, locs, scores, B, K, length_norm, max_len) -> list[list[Hypothesis]]:
+def hypotheses(tokens, alphas, locs, scores, max_len: int) -> list[list[Hypothesis]]:
+    """Each image's captions, in row order, from the rows' tokens (N, T), maps (N, T, L), locations (N, T)
+    and scores (B, K); a row with no finite score (a beam that never had a live parent) is left out."""
+    B, K = scores.shape
     tokens, scores = tokens.cpu().numpy(), scores.float().cpu().numpy()
     alphas, locs = alphas.float().cpu().numpy(), locs.cpu().numpy()
     out = []
@@ -173,6 +181,5 @@ def _collect(tokens, alphas, locs, scores, B, K, length_norm, max_len) -> list[l
             n = int(ends[0]) if len(ends) else len(seq)
             # A caption of max_len words had <end> forced on it: it was cut, not ended.
             hyps.append(Hypothesis(seq[:n].tolist(), float(scores[b, k]), alphas[i, :n], locs[i, :n], n < max_len))
-        key = (lambda hyp: hyp.normalized_score) if length_norm else (lambda hyp: hyp.score)
-        out.append(sorted(hyps, key=key, reverse=True))
+        out.append(hyps)
     return out

@@ -1,7 +1,7 @@
 """Beam search with fixed shapes (`models.search_state`), its step replayed as a CUDA graph on a GPU.
 
 A search of B images × K beams over at most T steps has the same shapes at every step, so on
-CUDA its step is captured once per (decoder, B, K, T, context mode, dtype, device) and replayed:
+CUDA its step is captured once per (decoder, B, K, T, context mode, map sharpness, dtype, device) and replayed:
 one launch per word instead of some fifty, and no Python in between. The graph works on its own
 static copy of the search's state; each search copies its start into it, replays the step,
 looks at the device every `CHECK_EVERY` steps to see whether a beam still writes, and copies its
@@ -46,19 +46,27 @@ def replays(device: torch.device, mode: str, graphs: bool = True) -> bool:
 
 
 def fixed_steps(
-    decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator, *, graphs: bool = True
+    decoder: AttentionDecoder,
+    s: Search,
+    max_len: int,
+    mode: str,
+    generator,
+    *,
+    graphs: bool = True,
+    sharpness: float | None = None,
 ) -> int:
     """Run the fixed-shape search on `s` (its fields then hold the results); returns the steps taken."""
     device = s.words.device
     if not replays(device, mode, graphs):
-        return _eager(decoder, s, max_len, mode, generator)
-    key = (tuple(s.scores.shape), s.word.size(0), mode, s.feats.dtype, device)
+        return _eager(decoder, s, max_len, mode, generator, sharpness)
+    # The sharpness is a number inside the captured kernels: a graph per value.
+    key = (tuple(s.scores.shape), s.word.size(0), mode, sharpness, s.feats.dtype, device)
     with _LOCK:
         if key in _FAILED.setdefault(decoder, set()):
-            return _eager(decoder, s, max_len, mode, generator)
+            return _eager(decoder, s, max_len, mode, generator, sharpness)
         try:
             with no_autocast(device):
-                graphed = _cached(decoder, s, key, max_len, mode)
+                graphed = _cached(decoder, s, key, max_len, mode, sharpness)
                 graphed.load(s)
                 steps = _run(graphed.graph.replay, graphed.state, max_len)
         except CaptureBroken:
@@ -71,18 +79,18 @@ def fixed_steps(
                 f"{FELL_BACK}: the search's graph for {key[0][0]} images x {key[0][1]} beams on {device} failed "
                 f"({first_line(e)}); searches of that shape run without a graph from here"
             )
-            return _eager(decoder, s, max_len, mode, generator)
+            return _eager(decoder, s, max_len, mode, generator, sharpness)
         for f in fields(s):  # the results, for `decode` to trace back (before the next search overwrites them)
             setattr(s, f.name, _copy(getattr(graphed.state, f.name)))
     return steps
 
 
-def _eager(decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator) -> int:
+def _eager(decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator, sharpness) -> int:
     t = torch.zeros((), dtype=torch.long, device=s.words.device)
-    return _run(lambda: fixed_step(decoder, s, t, max_len, mode, generator), s, max_len)
+    return _run(lambda: fixed_step(decoder, s, t, max_len, mode, generator, sharpness), s, max_len)
 
 
-def _cached(decoder: AttentionDecoder, s: Search, key: tuple, max_len: int, mode: str) -> _Graphed:
+def _cached(decoder: AttentionDecoder, s: Search, key: tuple, max_len: int, mode: str, sharpness) -> _Graphed:
     """The decoder's graph for `key`, captured now if it has none (dropping the least recently used)."""
     graphs = _GRAPHS.setdefault(decoder, OrderedDict())
     if key in graphs:
@@ -90,7 +98,7 @@ def _cached(decoder: AttentionDecoder, s: Search, key: tuple, max_len: int, mode
         return graphs[key]
     while len(graphs) >= MAX_GRAPHS:
         graphs.popitem(last=False)
-    graphs[key] = _Graphed(decoder, s, max_len, mode)
+    graphs[key] = _Graphed(decoder, s, max_len, mode, sharpness)
     return graphs[key]
 
 
@@ -111,15 +119,18 @@ def _copy(value):
 class _Graphed:
     """A captured fixed-shape step on a static copy of a search's state."""
 
-    def __init__(self, decoder: AttentionDecoder, s: Search, max_len: int, mode: str):
+    def __init__(self, decoder: AttentionDecoder, s: Search, max_len: int, mode: str, sharpness: float | None):
         self.state = replace(s, **{f.name: _copy(getattr(s, f.name)) for f in fields(s)})
         self.t = torch.zeros((), dtype=torch.long, device=s.words.device)
         capture = GraphCapture(s.words.device)
+
+        def step():
+            fixed_step(decoder, self.state, self.t, max_len, mode, None, sharpness)
+
         with capture.side():
             for _ in range(WARMUP):
-                fixed_step(decoder, self.state, self.t, max_len, mode, None)
-        what = f"the search for {tuple(s.scores.shape)} (images, beams)"
-        self.graph = capture.capture(lambda: fixed_step(decoder, self.state, self.t, max_len, mode, None), what=what)
+                step()
+        self.graph = capture.capture(step, what=f"the search for {tuple(s.scores.shape)} (images, beams)")
 
     def load(self, s: Search) -> None:
         """Copy a new search's start into the graph's state."""

@@ -82,15 +82,20 @@ class Search:
         )
 
 
-def fixed_step(decoder: AttentionDecoder, s: Search, t: torch.Tensor, max_len: int, mode: str, generator) -> None:
+def fixed_step(
+    decoder: AttentionDecoder, s: Search, t: torch.Tensor, max_len: int, mode: str, generator, sharpness=None
+) -> None:
     """One step of every beam, its state updated in place: the same shapes at every step, no host read.
 
     Args:
         t: () long, the step (a tensor, so that a captured graph can count it).
+        sharpness: k of the maps softmax(k e_t) (None: the model's).
     """
     B, K = s.scores.shape
     V = decoder.config.vocab_size
-    logits, h, c, alpha, loc = decoder.step(s.feats, s.projected, s.words, s.h, s.c, mode, generator, s.joined)
+    logits, h, c, alpha, loc = decoder.step(
+        s.feats, s.projected, s.words, s.h, s.c, mode, generator, s.joined, sharpness
+    )
     s.alpha.index_copy_(0, t.view(1), alpha.to(s.alpha.dtype).unsqueeze(0))
     if loc is not None:
         s.loc.index_copy_(0, t.view(1), loc.unsqueeze(0))

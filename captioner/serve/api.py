@@ -5,17 +5,17 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 from PIL import Image
 
 from captioner.data.images import load_image
-from captioner.errors import CaptionerError
-from captioner.models.attention import ARGMAX, CONTEXT_MODES, EXPECTED, SAMPLE
-from captioner.models.decode import beam_search
+from captioner.models.attention import ARGMAX, SAMPLE
+from captioner.models.decode import Hypothesis
 from captioner.models.decoder import AttentionDecoder
+from captioner.models.decoding import Decoding, decode, seeded
 from captioner.models.encoder import EncoderSpec, rebuild_encoder
 from captioner.models.familiarity import FamiliarityStats, familiarity
 from captioner.models.fast_encoder import optimize_encoder
@@ -33,7 +33,8 @@ class Caption:
     score: float  # log-probability of the caption, <end> included
     attention: np.ndarray  # (len(words), grid, grid): α used to produce each word (14×14 for VGG at 224)
     locations: list[tuple[int, int]] | None = None  # (row, col) chosen per word (hard: argmax/sample)
-    alternatives: list[tuple[str, float]] = field(default_factory=list)  # other beams, best first
+    alternatives: list[tuple[str, float]] = field(default_factory=list)  # (text, score) of every beam or sample
+    samples: list[Caption] = field(default_factory=list)  # sampling: the n captions drawn, each with its maps
     size: tuple[int, int] = (0, 0)  # (width, height) of the upright image
     # Is the image like the training images? {"score", "unfamiliar", "message", "threshold"}
     # (captioner.familiarity); None when the checkpoint holds no training-feature statistics.
@@ -159,56 +160,44 @@ class Captioner:
             self.encoder = self._ready(built)
         return self.encoder(x.to(self.device, non_blocking=True))  # (B, L, D)
 
-    def caption(self, image, beam_size: int = 3, **kwargs) -> Caption:
-        """Caption one image; see `caption_batch` for the options."""
-        return self.caption_batch([image], beam_size=beam_size, **kwargs)[0]
+    def caption(self, image, beam_size: int | None = None, **settings) -> Caption:
+        """Caption one image; see `caption_batch` for the settings."""
+        return self.caption_batch([image], beam_size=beam_size, **settings)[0]
 
     @torch.inference_mode()
     def caption_batch(
         self,
         images: Sequence,
-        beam_size: int = 3,
+        beam_size: int | None = None,
         *,
-        max_len: int | None = None,
-        length_norm: bool = False,
-        mode: str | None = None,
-        seed: int | None = None,
         batch_size: int = 16,
+        decoding: Decoding | None = None,
+        **settings,
     ) -> list[Caption]:
-        """Caption several images with one batched beam search per chunk.
+        """Caption several images, a chunk at a time.
 
         Args:
             images: paths, bytes, PIL images or HxWxC uint8 arrays.
-            beam_size: K (1 is greedy).
-            max_len: most words (default: the training maximum).
-            length_norm: rank beams by log-probability per word.
-            mode: "expected" (soft; the default), "argmax" or "sample" for hard-attention models.
-            seed: random seed for mode="sample".
+            beam_size: K (1 is greedy; default 3).
             batch_size: images per forward pass.
+            decoding: the decoding settings (`models.decoding.Decoding`); keywords change them.
+            **settings: any of `Decoding`'s fields: max_len (default: the training maximum),
+                length_norm, mode ("expected", or "argmax" or "sample" for hard-attention models),
+                seed, sharpness; method="sampling" with temperature, top_k, top_p and n.
+
+        Returns:
+            One caption per image: the best beam, or the first of its n samples, all of them in
+            `samples`. The same images, settings and seed give the same captions.
 
         Raises:
             ImageError: an image cannot be read (the message says which and why).
+            OptionError: a setting that does not exist or is out of range.
         """
-        mode = mode or EXPECTED
-        if mode not in CONTEXT_MODES:
-            raise CaptionerError(f"mode must be one of {CONTEXT_MODES}, got {mode!r}")
-        if not 1 <= int(beam_size) <= 50:
-            raise CaptionerError(f"beam size must be between 1 and 50, got {beam_size}")
-        max_len = int(max_len or self.max_len)
-        generator = None
-        if mode == SAMPLE:
-            generator = torch.Generator(device=self.device).manual_seed(0 if seed is None else int(seed))
-        search = dict(
-            beam_size=int(beam_size),
-            max_len=max_len,
-            length_norm=length_norm,
-            mode=mode,
-            generator=generator,
-            graphs=self.graphs,
-        )
+        settings = (decoding or Decoding()).with_settings(beam_size=beam_size, **settings)
+        generator = seeded(settings.seed, self.device) if settings.randomised else None  # one for all chunks
         chunks = [images[i : i + batch_size] for i in range(0, len(images), batch_size)]
         if len(chunks) == 1:
-            return self._captions(*self._inputs(chunks[0]), search)
+            return self._captions(*self._inputs(chunks[0]), settings, generator)
         out = []
         # A thread decodes and preprocesses the next chunk while the model works on this one.
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -217,35 +206,49 @@ class Captioner:
                 x, sizes = ahead.result()
                 if k + 1 < len(chunks):
                     ahead = pool.submit(self._inputs, chunks[k + 1])
-                out += self._captions(x, sizes, search)
+                out += self._captions(x, sizes, settings, generator)
         return out
 
-    def _captions(self, x: torch.Tensor, sizes: list, search: dict) -> list[Caption]:
-        """The captions of one chunk's encoder inputs (b, 3, S, S), with `beam_search`'s arguments."""
+    def _captions(self, x: torch.Tensor, sizes: list, settings: Decoding, generator) -> list[Caption]:
+        """The captions of one chunk's encoder inputs (b, 3, S, S)."""
         feats = self._features(x)  # (b, L, D)
         verdicts = familiarity(feats, self.familiarity)  # is each image like the training ones?
-        out, grid = [], self.encoder_spec.grid
-        graphed = replays(feats.device, search["mode"], search["graphs"])
-        beams_of = beam_search(self.decoder, _padded(feats) if graphed else feats, **search)
-        for beams, size, verdict in zip(beams_of, sizes, verdicts):
-            best = beams[0]
-            words = self.vocab.decode(best.tokens)
-            locs = None
-            if search["mode"] in (ARGMAX, SAMPLE):
-                locs = [(int(l) // grid, int(l) % grid) for l in best.locations]
+        graphed = settings.method == "beam" and replays(feats.device, settings.context, self.graphs)
+        found = decode(
+            self.decoder,
+            _padded(feats) if graphed else feats,
+            settings,
+            max_len=self.max_len,
+            generator=generator,
+            graphs=self.graphs,
+        )
+        out = []
+        for hyps, size, verdict in zip(found, sizes, verdicts):
+            made = [self._made(h, settings) for h in hyps]
             out.append(
-                Caption(
-                    text=" ".join(words),
-                    words=words,
-                    score=best.score,
-                    attention=best.attention.reshape(len(words), grid, grid),
-                    locations=locs,
-                    alternatives=[(" ".join(self.vocab.decode(h.tokens)), h.score) for h in beams],
+                replace(
+                    made[0],
+                    alternatives=[(c.text, c.score) for c in made],
+                    samples=made if settings.method == "sampling" else [],
                     size=size,
                     familiarity=verdict,
                 )
             )
         return out
+
+    def _made(self, hyp: Hypothesis, settings: Decoding) -> Caption:
+        """One hypothesis as a caption: its words, score and per-word maps on the grid."""
+        grid, words = self.encoder_spec.grid, self.vocab.decode(hyp.tokens)
+        locs = None
+        if settings.context in (ARGMAX, SAMPLE):
+            locs = [(int(l) // grid, int(l) % grid) for l in hyp.locations]
+        return Caption(
+            text=" ".join(words),
+            words=words,
+            score=hyp.score,
+            attention=hyp.attention.reshape(len(words), grid, grid),
+            locations=locs,
+        )
 
 
 def _padded(feats: torch.Tensor) -> torch.Tensor:

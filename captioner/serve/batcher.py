@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from PIL import Image
 
 from captioner.models.cuda_graphs import CaptureBroken
+from captioner.models.decoding import Decoding
 from captioner.serve.api import Caption, Captioner
 
 
@@ -17,20 +18,20 @@ class Batcher:
     """Runs concurrent caption requests through the model together, one thread owning it.
 
     Requests that wait while a batch runs form the next batch (up to `max_batch_size`,
-    grouped by beam size and maximum length). If a batch fails, its images are retried one
-    at a time, so an error reaches only the request that caused it.
+    grouped by their decoding settings). If a batch fails, its images are retried one at a
+    time, so an error reaches only the request that caused it.
     """
 
     def __init__(self, captioner: Captioner, *, max_batch_size: int = 8):
         self.captioner, self.max_batch_size = captioner, max_batch_size
-        self._queue: queue.Queue[tuple | None] = queue.Queue()  # (image, beam_size, max_len, Future)
+        self._queue: queue.Queue[tuple | None] = queue.Queue()  # (image, Decoding, Future)
         self._thread = threading.Thread(target=self._loop, name="captioner-batcher", daemon=True)
         self._thread.start()
 
-    def caption(self, image: Image.Image, beam_size: int = 3, max_len: int | None = None) -> Caption:
+    def caption(self, image: Image.Image, decoding: Decoding | None = None) -> Caption:
         """Caption one decoded image, sharing a forward pass with concurrent callers."""
         done: Future[Caption] = Future()
-        self._queue.put((image, int(beam_size), max_len, done))
+        self._queue.put((image, decoding or Decoding(), done))
         return done.result()
 
     def close(self) -> None:
@@ -50,15 +51,15 @@ class Batcher:
                     self._queue.put(None)
                     break
                 batch.append(nxt)
-            groups = collections.defaultdict(list)  # caption_batch takes one beam size and length
-            for image, beam_size, max_len, done in batch:
-                groups[beam_size, max_len].append((image, done))
-            for (beam_size, max_len), group in groups.items():
-                self._run(group, beam_size, max_len)
+            groups = collections.defaultdict(list)  # caption_batch takes one set of settings
+            for image, decoding, done in batch:
+                groups[decoding].append((image, done))
+            for decoding, group in groups.items():
+                self._run(group, decoding)
 
-    def _run(self, group: list[tuple[Image.Image, Future]], beam_size: int, max_len: int | None) -> None:
+    def _run(self, group: list[tuple[Image.Image, Future]], decoding: Decoding) -> None:
         try:
-            outs = self.captioner.caption_batch([im for im, _ in group], beam_size=beam_size, max_len=max_len)
+            outs = self.captioner.caption_batch([im for im, _ in group], decoding=decoding)
         except CaptureBroken as e:  # no one request's fault, and no retry may capture again
             for _, done in group:
                 done.set_exception(e)
@@ -68,7 +69,7 @@ class Batcher:
                 group[0][1].set_exception(e)
             else:  # find the culprit: retry alone, so the others still get their captions
                 for item in group:
-                    self._run([item], beam_size, max_len)
+                    self._run([item], decoding)
             return
         for (_, done), out in zip(group, outs):
             done.set_result(out)

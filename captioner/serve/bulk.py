@@ -172,16 +172,24 @@ class Outcome:
 
 
 def record(path: str, image_id: int | str, out, attention: bool) -> dict:
-    """One result as JSON: COCO's image_id and caption, the file, and what was asked for."""
-    r = {"image_id": image_id, "caption": out.text, "file_name": path, "score": round(float(out.score), 4)}
+    """One result as JSON: COCO's image_id and caption, the file, and what was asked for; with several
+    samples drawn, all of them under "samples", each as its own caption."""
+    r = {"image_id": image_id, "file_name": path, **_written(out, attention)}
+    if len(getattr(out, "samples", [])) > 1:
+        r["samples"] = [_written(s, attention) for s in out.samples]
+    familiarity = getattr(out, "familiarity", None)  # present once the model scores it
+    if familiarity is not None:
+        r["familiarity"] = familiarity
+    return r
+
+
+def _written(out, attention: bool) -> dict:
+    r = {"caption": out.text, "score": round(float(out.score), 4)}
     if attention:
         r["words"] = list(out.words)
         r["attention"] = np.round(np.asarray(out.attention, dtype=np.float64), 5).tolist()  # (words, g, g)
         if out.locations is not None:
             r["locations"] = [list(map(int, rc)) for rc in out.locations]
-    familiarity = getattr(out, "familiarity", None)  # present once the model scores it
-    if familiarity is not None:
-        r["familiarity"] = familiarity
     return r
 
 
@@ -210,7 +218,7 @@ def caption_files(
         log: where each batch's records are appended as soon as they are made.
         on_result: called as on_result(path, image, caption, record) after each batch is logged.
         on_error: called as on_error(path, ImageError) for an image that cannot be read.
-        **caption_kwargs: beam_size, max_len, mode, seed for `caption_batch`.
+        **caption_kwargs: `caption_batch`'s decoding settings (`decoding=`, or any of its fields).
     """
     outcome = Outcome()
     batch: list[tuple[str, object]] = []

@@ -13,6 +13,7 @@ import time
 from captioner.evaluation.captioning import caption_split, score_validation
 from captioner.evaluation.health import advice, attention_health, problems
 from captioner.evaluation.health import summary as health_summary
+from captioner.models.decoding import Decoding
 from captioner.train import distributed
 from captioner.train.config import Progress, ScheduleConfig
 from captioner.train.parts import Parts
@@ -28,7 +29,7 @@ def validate(parts: Parts, schedule: ScheduleConfig, progress_bar: bool) -> dict
         parts.data,
         parts.data.vocab,
         "val",
-        beam_size=schedule.val_beam_size,
+        decoding=Decoding(beam_size=schedule.val_beam_size),
         max_len=parts.data.max_len,
         device=parts.device,
         max_images=schedule.val_images,

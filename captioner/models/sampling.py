@@ -1,0 +1,134 @@
+"""Sampled captions: each word drawn from the decoder's distribution, with temperature, top-k and top-p.
+
+Every image gets n captions, drawn independently, each with the map the decoder drew for each of its
+words. The words a beam search bans are banned here too, and at `max_len` words <end> is the only
+word left, so a temperature of 0 (always the likeliest word), or top-k = 1, writes the greedy
+caption: beam search at one beam (a test holds them equal).
+
+The search's state and fixed-shape step are the beam search's (`models.search_state`): every row
+steps every time, a finished row writes <pad>, and the host looks at the device only every
+`CHECK_EVERY` steps. On a GPU the steps run eagerly, not as a CUDA graph: each draws from the
+caller's seeded generator, whose state a graph would have to carry between replays; hard
+attention's sampled locations run eagerly for the same reason (`models.graphed_search`).
+
+Symbols: B images, n samples, N = B·n, L locations, V vocabulary, T steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from captioner.models.attention import EXPECTED, sample_from
+from captioner.models.decode import Hypothesis, hypotheses
+from captioner.models.decoder import AttentionDecoder
+from captioner.models.search_state import CHECK_EVERY, Search
+from captioner.models.vocab import END_ID, PAD_ID
+
+
+@torch.inference_mode()
+def sample_captions(
+    decoder: AttentionDecoder,
+    features: torch.Tensor,
+    *,
+    n: int = 1,
+    max_len: int = 20,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    mode: str = EXPECTED,
+    generator: torch.Generator | None = None,
+    ban_unk: bool = True,
+    sharpness: float | None = None,
+) -> list[list[Hypothesis]]:
+    """Draw n captions for each image of a batch.
+
+    Args:
+        decoder: the model (in eval mode).
+        features: (B, L, D) annotation vectors.
+        n: captions per image.
+        max_len: most words per caption (before <end>).
+        temperature: T of softmax(logits / T); 0 takes the likeliest word.
+        top_k: draw among the k likeliest words only (0: all).
+        top_p: draw among the fewest likeliest words whose probability reaches p (1: all).
+        mode: the attention's context: "expected", or hard attention's "argmax" or "sample".
+        generator: the random source (words, and locations in mode "sample").
+        ban_unk: never write <unk>.
+        sharpness: k of decoding's maps softmax(k e_t) (None: the model's).
+
+    Returns:
+        For each image its n samples, in the order drawn; a sample's score is the decoder's
+        log-probability of its words and <end> (not the tempered or truncated one).
+    """
+    if n < 1 or max_len < 1:
+        raise ValueError(f"n and max_len must be positive, got {n} and {max_len}")
+    s = Search.start(decoder, features, n, max_len + 1, ban_unk)
+    s.scores.zero_()  # every row is a caption of its own from the start
+    s.writing.fill_(True)
+    t = torch.zeros((), dtype=torch.long, device=features.device)
+    draw = Draw(temperature, top_k, top_p)
+    steps = max_len + 1
+    for k in range(max_len + 1):
+        sampling_step(decoder, s, t, max_len, draw, mode, generator, sharpness)
+        if (k + 1) % CHECK_EVERY == 0 and not bool(s.writing.any()):  # the host looks every few steps
+            steps = k + 1
+            break
+    tokens, alphas, locs = s.word[:steps].T, s.alpha[:steps].transpose(0, 1), s.loc[:steps].T  # rows never reorder
+    return hypotheses(tokens, alphas, locs, s.scores, max_len)
+
+
+class Draw:
+    """How a word is drawn from a step's logits: temperature, then top-k, then top-p."""
+
+    def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+        self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
+
+    def __call__(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """One word per row (N,) from logits (N, V), banned words already at -inf."""
+        if self.temperature == 0 or self.top_k == 1:
+            return logits.argmax(dim=1)  # (N,)
+        logits = logits / self.temperature  # (N, V)
+        if 0 < self.top_k < logits.size(1):
+            kth = logits.topk(self.top_k, dim=1).values[:, -1:]  # (N, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1:
+            ordered, order = logits.sort(dim=1, descending=True)  # (N, V)
+            p = ordered.softmax(dim=1)
+            # A word is left out when the likelier words before it already hold top_p: the first never is.
+            out = (p.cumsum(dim=1) - p) >= self.top_p  # (N, V)
+            logits = logits.scatter(1, order, ordered.masked_fill(out, float("-inf")))
+        return sample_from(logits.softmax(dim=1), generator)  # (N,)
+
+
+def sampling_step(
+    decoder: AttentionDecoder,
+    s: Search,
+    t: torch.Tensor,
+    max_len: int,
+    draw: Draw,
+    mode: str,
+    generator: torch.Generator | None,
+    sharpness: float | None = None,
+) -> None:
+    """One word for every row, the state updated in place: the same shapes at every step, no host read.
+
+    Args:
+        t: () long, the step.
+    """
+    logits, h, c, alpha, loc = decoder.step(
+        s.feats, s.projected, s.words, s.h, s.c, mode, generator, s.joined, sharpness
+    )
+    s.alpha.index_copy_(0, t.view(1), alpha.to(s.alpha.dtype).unsqueeze(0))
+    if loc is not None:
+        s.loc.index_copy_(0, t.view(1), loc.unsqueeze(0))
+    ban = s.ban + torch.where(t == 0, s.ban_first, 0.0) + torch.where(t == max_len, s.only_end, 0.0)  # (V,)
+    logits = logits.float()  # (N, V)
+    words = torch.where(s.finished, PAD_ID, draw(logits + ban, generator))  # (N,) a finished row writes <pad>
+    logp = logits.log_softmax(dim=1).gather(1, words.unsqueeze(1)).squeeze(1)  # (N,) as the beams score it
+    s.scores.view(-1).add_(torch.where(s.finished, 0.0, logp))
+    s.words.copy_(words)
+    s.word.index_copy_(0, t.view(1), words.unsqueeze(0))
+    s.h.copy_(h)
+    s.c.copy_(c)
+    s.finished.logical_or_(words == END_ID)
+    s.writing.copy_(~s.finished)
+    t.add_(1)
