@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ from captioner import Captioner, CaptionerError
 from captioner.demo.card import examples_note, model_card, model_notice
 from captioner.demo.handlers import Batcher, Demo, PageOutputs, Session
 from captioner.demo.options import PAGE_TOP_P, DemoOptions
-from captioner.demo.uploads import upload_source
+from captioner.demo.uploads import read_upload, upload_source
 from captioner.demo.views import fit_view
 from captioner.models.decoding import Decoding
 from captioner.models.hub import download_checkpoint, resolve, sha256_file
@@ -310,6 +311,21 @@ def test_uploads_reach_load_image_undecoded(images):
     raw = images["gray.png"].read_bytes()
     inline = {"path": None, "url": "data:image/png;base64," + base64.b64encode(raw).decode()}
     assert upload_source(inline) == raw  # webcam and clipboard images can come inline
+
+
+def test_an_image_the_server_put_on_the_page_is_read_from_its_cache(tmp_path, monkeypatch):
+    """A chosen example shown in the input comes back from the page with a URL and no path: the file is
+    the server's cached copy, read there; a URL naming any other file is refused."""
+    cache = tmp_path / "gradio"
+    (cache / "0f3a").mkdir(parents=True)
+    shown = cache / "0f3a" / "scene 1.jpg"
+    Image.new("RGB", (8, 8), "red").save(shown)
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(cache))
+    url = "http://127.0.0.1:7860/gradio_api/file=" + urllib.parse.quote(str(shown))
+    assert upload_source({"path": None, "url": url, "orig_name": None}) == str(shown)
+    for outside in ("/etc/passwd", str(cache / ".." / "secret.jpg")):
+        with pytest.raises(gr.Error, match="not an image this page was given"):
+            read_upload({"path": None, "url": "http://127.0.0.1:7860/gradio_api/file=" + outside})
 
 
 def test_no_image_says_so(demo):

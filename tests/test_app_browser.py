@@ -116,6 +116,34 @@ def test_example_click_shows_the_apis_caption_and_a_map_per_word(browser, server
     page.close()
 
 
+ROWS = "() => document.querySelector('#alternatives [role=grid]')?.getAttribute('aria-rowcount') - 1"
+
+
+def rows(page) -> int:
+    """Rows of the beams' table (under its header)."""
+    return page.evaluate(ROWS)
+
+
+def test_another_caption_of_a_chosen_example_and_then_its_beam_caption_again(browser, server, tmp_path):
+    """An example shown in the input comes back from the page as a URL to the server's copy: "Another
+    caption" and "Caption" both read it, each with its maps, and no error shows."""
+    page, _ = open_page(browser, server)
+    page.locator("#examples button").nth(1).click()
+    beam, _ = wait_for_caption(page)
+    assert rows(page) == 3  # the beams
+    # A sample may repeat the beam search's caption, maps and all: the table, one row, says it is there.
+    page.locator("#another").click()
+    page.wait_for_function(f"({ROWS})() === 1", polling=25)
+    drawn, _ = wait_for_caption(page)
+    assert page.locator("#word-gallery img").count() == len(drawn.split())
+    page.get_by_role("button", name="Caption", exact=True).click()
+    page.wait_for_function(f"({ROWS})() === 3", polling=25)
+    again, _ = wait_for_caption(page)
+    assert again == beam and not page.locator("#image-error").is_visible()
+    page.screenshot(path=str(tmp_path / "another.png"), full_page=True)
+    page.close()
+
+
 def test_one_request_per_upload_and_an_error_beside_the_image(browser, server, tmp_path):
     scenes = example_images()
     notes = tmp_path / "notes.jpg"

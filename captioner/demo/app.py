@@ -166,6 +166,7 @@ def _outputs() -> dict:
         "alternatives": gr.Dataframe(
             headers=["Caption", "log-probability"],
             label="Top beams, or the caption drawn",
+            elem_id="alternatives",
             interactive=False,
             wrap=True,
             column_widths=["80%", "20%"],

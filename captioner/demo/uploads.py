@@ -7,8 +7,10 @@ Uploads arrive undecoded (the caption events skip gr.Image's preprocessing) and 
 from __future__ import annotations
 
 import os
+import urllib.parse
 
 import gradio as gr
+from gradio.utils import get_upload_folder
 from gradio_client.utils import decode_base64_to_binary
 from PIL import Image
 
@@ -27,7 +29,22 @@ def upload_source(payload: dict | str | None) -> str | bytes | None:
         return payload
     if (payload.get("url") or "").startswith("data:"):  # webcam/clipboard sent inline
         return decode_base64_to_binary(payload["url"])[0]
+    if payload.get("path") is None and FILE_ROUTE in (payload.get("url") or ""):
+        return _served(payload["url"])
     return payload["path"]
+
+
+FILE_ROUTE = "/gradio_api/file="  # where the server serves the files it put on the page
+
+
+def _served(url: str) -> str:
+    """The file behind a URL the server gave the page (an example it showed in the input): its copy in
+    Gradio's cache. A URL naming a file anywhere else is refused."""
+    path = os.path.realpath(urllib.parse.unquote(url.split(FILE_ROUTE, 1)[1]))
+    cache = os.path.realpath(get_upload_folder())
+    if os.path.commonpath([path, cache]) != cache:
+        raise gr.Error(f"{os.path.basename(path)}: not an image this page was given", print_exception=False)
+    return path
 
 
 def upload_name(payload: dict | str | None) -> str | None:
