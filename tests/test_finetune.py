@@ -23,7 +23,7 @@ from captioner.demo.card import model_card
 from captioner.evaluation.captioning import checkpoint_features
 from captioner.models.checkpoint import current_train, load_checkpoint
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
-from captioner.models.encoder import FEATURE_DIM, EncoderSpec, build_encoder
+from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.models.familiarity import FamiliarityStats, pool
 from captioner.models.fast_encoder import native_bf16
 from captioner.models.tuned import TunedEncoder, start_index
@@ -69,7 +69,7 @@ def test_conv_names_of_both_vggs():
     with torch.device("meta"):
         vgg16, vgg19 = torchvision.models.vgg16().features[:30], torchvision.models.vgg19().features[:36]
     assert (start_index(vgg16, "conv5_1"), start_index(vgg16, "conv4_1")) == (24, 17)
-    assert (start_index(vgg19, "conv5_1"), start_index(vgg19, "conv4_1")) == (28, 19)
+    assert (start_index(vgg19, "conv5_1", "vgg19"), start_index(vgg19, "conv4_1", "vgg19")) == (28, 19)
 
 
 def test_image_batches_hold_whole_images_once():
@@ -113,7 +113,7 @@ def test_round_trip_gives_the_features_training_saw(tuned_run, tuned_data, scene
     tuned = TunedEncoder(trunk.features, 24, from_cache=True)
     tuned.load_encoder_state(ck["encoder_state"], "test")
     pool4 = FeatureCache(
-        str(tuned_data), len(data.meta["image_ids"]), data.meta["locations"], FEATURE_DIM, name="pool4"
+        str(tuned_data), len(data.meta["image_ids"]), data.meta["locations"], data.meta["feature_dim"], name="pool4"
     )[[int(rows[0])]]
     with torch.inference_mode():
         seen = tuned(torch.from_numpy(pool4.astype(np.float32)))

@@ -6,7 +6,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from captioner.demo.pretrain import CONV5, PretrainConfig, base_trunk, cell_targets, pretrain, scene_split
+from captioner.demo.pretrain import (
+    PretrainConfig,
+    base_trunk,
+    cell_targets,
+    pretrain,
+    scene_split,
+    trained_on,
+    tuned_from,
+)
 from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.scenes.synthetic import generate
 from captioner.scenes.synthetic_drawing import COLORS, SHAPES
@@ -39,7 +47,22 @@ def test_pretraining_lowers_the_loss_and_writes_a_vgg16_state_dict(scenes, tmp_p
     assert set(state) == {f"features.{k}" for k in seeded}  # torchvision's names
     assert all(v.dtype == torch.float16 for v in state.values())
     assert torch.equal(state["features.0.weight"].float(), seeded["0.weight"])  # conv1-4 stay the seeded ones
-    assert not torch.equal(state[f"features.{CONV5}.weight"].float(), seeded[f"{CONV5}.weight"])  # conv5 trained
+    conv5 = tuned_from("vgg16")
+    assert conv5 == 24 and not torch.equal(state[f"features.{conv5}.weight"].float(), seeded[f"{conv5}.weight"])
     encoder, spec = build_encoder(EncoderSpec(weights=path))  # as `prepare --encoder-weights PATH` takes it
     assert encoder(torch.zeros(1, 3, 224, 224)).shape == (1, 196, 512)
     assert pretrain(str(scenes), str(tmp_path), cfg) == (path, report)  # made once
+
+
+@pytest.mark.slow
+def test_a_resnets_last_stage_pretrains_into_a_file_its_row_takes(scenes, tmp_path):
+    cfg = PretrainConfig(scenes=6, val_scenes=3, epochs=2, batch_size=3, lr=3e-4, arch="resnet50")
+    path, report = pretrain(str(scenes), str(tmp_path), cfg)
+    assert path.endswith("resnet50_scenes.safetensors") and "--encoder resnet50" in trained_on(report)
+    state, seeded = load_file(path), base_trunk(0, "resnet50").state_dict()
+    assert set(state) == set(seeded)  # torchvision's names: conv1.weight, ..., layer4.2.bn3.running_var
+    assert torch.equal(state["layer3.0.conv1.weight"].float(), seeded["layer3.0.conv1.weight"])  # left seeded
+    assert not torch.equal(state["layer4.0.conv1.weight"].float(), seeded["layer4.0.conv1.weight"])  # trained
+    assert torch.equal(state["layer4.0.bn1.running_var"], seeded["layer4.0.bn1.running_var"].half())  # stats kept
+    encoder, _ = build_encoder(EncoderSpec(arch="resnet50", weights=path, image_size=64))
+    assert encoder(torch.zeros(1, 3, 64, 64)).shape == (1, 196, 2048)

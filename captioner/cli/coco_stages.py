@@ -25,7 +25,7 @@ from captioner.data.fetch import COCO_2014, fetch
 from captioner.errors import CaptionerError
 from captioner.evaluation.evaluate import results_path
 from captioner.io import read_json
-from captioner.models.encoder import FEATURE_DIM
+from captioner.models.encoder import Arch, EncoderSpec
 
 # The training CLI, run by this Python (`python -m captioner.cli.train` is `train.py`).
 TRAIN_MODULE = "captioner.cli.train"
@@ -33,7 +33,6 @@ TRAIN = [sys.executable, "-m", TRAIN_MODULE]
 # fit's settings for COCO on one GPU (per process under torchrun), before --fit-args.
 FIT = ("--epochs", "20", "--batch-size", "64", "--dropout", "0.5")
 FIT_CUDA = ("--amp", "bf16")
-FEATURE_BYTES = 14 * 14 * FEATURE_DIM * 2  # one image's fp16 (196, 512) features
 # Room for the stages whose output does not grow with the data: checkpoints, scores, the export.
 ROOM = {"fit": 2 * 10**9, "evaluate": 100 * 10**6, "export": 500 * 10**6}
 
@@ -63,6 +62,9 @@ class CocoOptions:
         "existing captions_train2014.json and captions_val2014.json: the annotation zip is not fetched",
     ] = None
     splits: Annotated[str | None, "an existing Karpathy dataset_coco.json: caption_datasets.zip is not fetched"] = None
+    encoder: Annotated[Arch, "prepare's --encoder: the backbone (vgg16, vgg19, resnet50, resnet101, resnet152)"] = (
+        "vgg16"
+    )
     encoder_weights: Annotated[str, "prepare's --encoder-weights: imagenet, none (random, seeded) or a path"] = (
         "imagenet"
     )
@@ -116,6 +118,12 @@ def java_warning() -> str | None:
         "written are not the official ones (no METEOR; BLEU, ROUGE-L and CIDEr on Python tokens). Install "
         "Java 8 or later, remove the metrics file and run --stage evaluate again for the official scores"
     )
+
+
+def feature_bytes(arch: str) -> int:
+    """One image's fp16 features on disk: (L, D) of the backbone's row (VGG: 196 × 512; ResNet: 196 × 2048)."""
+    spec = EncoderSpec(arch=arch)
+    return spec.grid**2 * spec.channels * 2
 
 
 def _du(path: str) -> int:
@@ -186,10 +194,10 @@ def _prepare(opts: CocoOptions, paths: Paths) -> dict | int:
     extra = shlex.split(opts.prepare_args or "")
     images = sum(sum(1 for e in os.scandir(d) if e.is_file()) for d in inputs["images"])
     views = 1 if "--no-views" in extra or "--no-rotated" in extra else 2
-    need = images * views * FEATURE_BYTES - (_du(paths.data) if os.path.isdir(paths.data) else 0)
+    need = images * views * feature_bytes(opts.encoder) - (_du(paths.data) if os.path.isdir(paths.data) else 0)
     require_space(paths.data, max(0, need), f"prepare's features of {images:,} images (x{views} with their views)")
     args = ["--images", *inputs["images"], "--captions", *inputs["captions"], "--splits", inputs["splits"]]
-    args += ["--out", paths.data, "--encoder-weights", opts.encoder_weights, *extra]
+    args += ["--out", paths.data, "--encoder", opts.encoder, "--encoder-weights", opts.encoder_weights, *extra]
     status = call(train_command("prepare", args, opts.gpus))
     meta = os.path.join(paths.data, "meta.json")
     if status or not (os.path.exists(meta) and read_json(meta, "data directory metadata").get("complete")):

@@ -1,14 +1,15 @@
 """`captioner selfcheck [--device cuda]`: does every training mode run on this machine's device?
 
-It makes a few hundred synthetic scenes, prepares them with the seeded random encoder, then runs
-each training mode briefly, exactly as a user runs it (`train.py prepare`, `fit`, `torchrun`,
-`evaluate`, `captioner export`, `captioner caption`, each in its own process), and prints one
-line per mode: whether it passed and its training steps per second. A mode in which a CUDA graph
-fell back to eager work, or broke, fails, naming the graph and its shape. A fine-tuned model's
-checkpoint is also captioned on the CPU, where its encoder layers must load too. The compiled
-run's validation is checked against the same weights evaluated without compiling, and one run
-trains as two DDP processes (gloo on a CPU; on one GPU the two share it through gloo). Run it
-first on a new GPU machine: a mode that fails here would fail on COCO after hours of preparation.
+It makes a few hundred synthetic scenes, prepares them with the seeded random encoder (VGG16, and
+ResNet-101 for its own modes), then runs each training mode briefly, exactly as a user runs it
+(`train.py prepare`, `fit`, `torchrun`, `evaluate`, `captioner export`, `captioner caption`, each in
+its own process), and prints one line per mode: whether it passed and its training steps per
+second. A mode in which a CUDA graph fell back to eager work, or broke, fails, naming the graph and
+its shape. A fine-tuned model's checkpoint is also captioned on the CPU, where its encoder layers
+must load too. The compiled run's validation is checked against the same weights evaluated without
+compiling, and one run trains as two DDP processes (gloo on a CPU; on one GPU the two share it
+through gloo). Run it first on a new GPU machine: a mode that fails here would fail on COCO after
+hours of preparation.
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ class Mode:
     processes: int = 0  # run under torchrun with this many processes (0: a plain process)
     caption_on_cpu: bool = False  # also caption with the checkpoint on the CPU (fine-tuned encoders)
     same_validation: bool = False  # fit's validation of best.pt equals `evaluate`'s, uncompiled
+    encoder: str = "vgg16"  # the backbone the scenes are prepared with (`prepare --encoder`)
 
 
 def modes(boxes: str) -> list[Mode]:
     """Every training mode, briefly: the defaults, hard attention, SCST with both baselines, boxes,
-    fine-tuning, precision, compile with the weights' average, torchrun with one and two processes."""
+    fine-tuning, precision, compile with the weights' average, torchrun with one and two processes;
+    then a ResNet-101 encoder with boxes, and its last stage fine-tuned."""
     tune = ["--fine-tune-encoder", "--tune-after", "0"]
     scst = ["--objective", "scst"]
     return [
@@ -84,6 +87,8 @@ def modes(boxes: str) -> list[Mode]:
         Mode("compile", ["--compile"], same_validation=True),
         Mode("torchrun", [], processes=1),
         Mode("ddp-2", [], processes=2),
+        Mode("resnet101", ["--boxes", boxes], encoder="resnet101"),
+        Mode("resnet101-tune", tune, caption_on_cpu=True, encoder="resnet101"),
     ]
 
 
@@ -122,9 +127,26 @@ def steps_per_second(run: str) -> float | None:
     return trained[-1]["step"] / trained[-1]["time"]
 
 
+def data_dir(work: str, encoder: str) -> str:
+    """Where the scenes are prepared with an encoder (VGG16's where earlier versions kept them)."""
+    return os.path.join(work, "data" if encoder == "vgg16" else f"data-{encoder}")
+
+
+def prepare_scenes(work: str, encoder: str, opts: SelfCheckOptions, log) -> None:
+    """`prepare` the scenes with the seeded random `encoder`, unless done."""
+    scenes, data = os.path.join(work, "scenes"), data_dir(work, encoder)
+    if os.path.exists(os.path.join(data, "meta.json")):
+        return
+    prepare = ["prepare", "--images", os.path.join(scenes, "images"), "--captions"]
+    prepare += [os.path.join(scenes, "captions.json"), "--splits", os.path.join(scenes, "splits.json")]
+    prepare += ["--out", data, "--encoder", encoder, "--encoder-weights", "none", "--device", opts.device]
+    _run([*TRAIN, *prepare], log)
+
+
 def check_mode(mode: Mode, work: str, opts: SelfCheckOptions, log) -> str:
     """Train one mode, then evaluate, export and caption with what it made; the result's line."""
-    data, run = os.path.join(work, "data"), os.path.join(work, "runs", mode.name)
+    prepare_scenes(work, mode.encoder, opts, log)
+    data, run = data_dir(work, mode.encoder), os.path.join(work, "runs", mode.name)
     shutil.rmtree(run, ignore_errors=True)
     fit = ["fit", "--data", data, "--out", run, "--device", opts.device, "--max-minutes", str(opts.seconds / 60)]
     fit += ["--val-images", str(VAL_IMAGES), "--val-beam-size", "2", "--log-every", "1", *mode.args]
@@ -189,9 +211,7 @@ def selfcheck(opts: SelfCheckOptions, out=sys.stdout) -> bool:
                 [sys.executable, "-m", "captioner.scenes.synthetic", scenes, "--n", str(opts.scenes), "--seed", "0"],
                 log,
             )
-            prepare = ["prepare", "--images", os.path.join(scenes, "images"), "--captions"]
-            prepare += [os.path.join(scenes, "captions.json"), "--splits", os.path.join(scenes, "splits.json")]
-            _run([*TRAIN, *prepare, "--out", data, "--encoder-weights", "none", "--device", opts.device], log)
+            prepare_scenes(work, "vgg16", opts, log)
         print(f"{'prepare':<14} passed  {time.monotonic() - t0:.0f} s", file=out, flush=True)
         for mode in modes(os.path.join(scenes, "boxes.json")):
             if opts.only and mode.name not in opts.only:

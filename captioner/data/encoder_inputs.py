@@ -1,7 +1,8 @@
 """What a fine-tuned encoder reads: the pool4 cache beside the features, or the images themselves.
 
-Fine-tuning from conv5_1 runs the trained layers on VGG's pool4 output, cached once in the
-data directory (DATA/pool4.npy and pool4.done, the feature cache's format; made by
+Fine-tuning from conv5_1 runs the trained layers on the output of the layers before them (VGG's
+pool4, ResNet's conv4_x), cached once in the data directory (DATA/pool4.npy and pool4.done, the
+feature cache's format, its rows of `encoder.layer_input_shape`; made by
 `train.finetune.input_cache`); from conv4_1 it runs on the images, decoded and preprocessed by
 DataLoader workers ahead of the step.
 Shapes: n images, L locations, D feature size, S image side.
@@ -23,10 +24,10 @@ from captioner.data.dataset import CaptionData
 from captioner.data.features import TODO, FeatureCache
 from captioner.data.images import load_image
 from captioner.errors import CaptionerError, ImageError
-from captioner.models.encoder import FEATURE_DIM
+from captioner.models.encoder import layer_input_shape
 from captioner.models.preprocess import Preprocess
 
-INPUT_CACHE = "pool4"  # DATA/pool4.npy: the frozen layers' output for conv5_1 fine-tuning
+INPUT_CACHE = "pool4"  # DATA/pool4.npy: the frozen layers' output for conv5_1 fine-tuning (its name from VGG)
 
 
 def input_cache_info(data: CaptionData, start: int) -> dict:
@@ -68,7 +69,7 @@ def complete_input_cache(data: CaptionData, start: int) -> FeatureCache | None:
         info = json.load(f)
     if info != input_cache_info(data, start):
         return None
-    cache = FeatureCache(data.dir, info["rows"], data.meta["locations"], FEATURE_DIM, name=INPUT_CACHE)
+    cache = FeatureCache(data.dir, info["rows"], *layer_input_shape(data.encoder, start), name=INPUT_CACHE)
     return cache if not (cache.done == TODO).any() else None
 
 
@@ -85,7 +86,7 @@ def encoded_features(
     """Features (n, L, D) of rows by `encoder`, on the cached pool4 rows or on the images.
 
     Args:
-        encoder: a `TunedEncoder` from the cache, or any encoder of images (`VGGEncoder`, `TunedEncoder`).
+        encoder: a `TunedEncoder` from the cache, or any encoder of images (`Encoder`, `TunedEncoder`).
         cache: the pool4 cache when the encoder reads it; None to decode the images.
     """
     if cache is not None:

@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 
 from captioner.evaluation.health import summary as health_summary
+from captioner.models.backbones import backbone
 from captioner.serve.api import Captioner
 
 METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "pointing", "two_objects")
@@ -34,7 +35,8 @@ def trained_on(captioner: Captioner) -> str:
         if isinstance(text, str) and text.strip():
             return text.strip()
     if captioner.encoder_spec.weights == "none":
-        return "synthetic scenes of coloured shapes (`captioner.synthetic`), with a random, seeded VGG encoder"
+        name = backbone(captioner.encoder_spec.arch).name
+        return f"synthetic scenes of coloured shapes (`captioner.synthetic`), with a random, seeded {name} encoder"
     data = captioner.info.get("data") or {}
     return f"the data prepared in `{data['dir']}`" if data.get("dir") else "unknown (the checkpoint does not say)"
 
@@ -98,7 +100,7 @@ def model_card(captioner: Captioner) -> str:
         f"- **Checkpoint:** `{os.path.basename(info.get('checkpoint', '?'))}`, {info.get('step', 0)} optimizer steps",
         f"- **Attention:** {captioner.attention_type}",
         f"- **Vocabulary:** {len(captioner.vocab)} words (special tokens included)",
-        f"- **Encoder:** {spec.arch.upper()} ({weights} weights{tuned}), {spec.image_size}×{spec.image_size} "
+        f"- **Encoder:** {backbone(spec.arch).name} ({weights} weights{tuned}), {spec.image_size}×{spec.image_size} "
         f"input → {spec.grid}×{spec.grid} attention grid",
         f"- **Decoder:** embedding {cfg.embed_dim}, LSTM {cfg.hidden_dim}, attention {cfg.attention_dim}",
     ]

@@ -1,20 +1,22 @@
 """The demo's encoder, pretrained on the scenes as VGG is pretrained on ImageNet for photos.
 
 The demo cannot download ImageNet weights, and a random VGG reads the scenes' shapes poorly. So
-VGG16's last block (conv5_1 to conv5_3) is trained on the scenes themselves with a dense
-objective from their boxes: from each cell of the 14×14 grid, two 1×1 heads read the shape and
-the colour of the object covering it (background is a class of each). conv1 to conv4 keep the
-seeded random weights (`--encoder-weights none`), so their pool4 output is computed once per
-image and cached; training conv5 on it is cheap. The epoch kept is the one whose validation
-scenes' objects are read best (the test split is never read); its block, frozen, is written with
-the other layers as a VGG16 state dict (fp16 safetensors, "features.N.weight" as torchvision
-names them), the file `prepare --encoder-weights PATH` takes as it would a user's own VGG.
+the backbone's last block or stage (VGG16's conv5_1 to conv5_3 by default; any row's conv5_1
+stage, `models.backbones`) is trained on the scenes themselves with a dense objective from their
+boxes: from each cell of the 14×14 grid, two 1×1 heads read the shape and the colour of the object
+covering it (background is a class of each). The layers before it keep the seeded random weights
+(`--encoder-weights none`), so their output (VGG's pool4) is computed once per image and cached;
+training the last block on it is cheap. The epoch kept is the one whose validation scenes' objects
+are read best (the test split is never read); its block, frozen, is written with the other layers
+as a state dict of the backbone (fp16 safetensors, "features.N.weight" as torchvision names VGG's),
+the file `prepare --encoder-weights PATH` takes as it would a user's own.
 
-Shapes: n images, B batch, D=512 channels, g=14 grid side, L=g*g cells, C classes.
+Shapes: n images, B batch, D channels (VGG: 512), g=14 grid side, L=g*g cells, C classes.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -29,14 +31,14 @@ from captioner.data.boxes import grid_cells
 from captioner.data.extraction import extract_features
 from captioner.data.features import TODO, FeatureCache
 from captioner.io import atomic_path, read_json, write_json_atomic
-from captioner.models.encoder import FEATURE_DIM, EncoderSpec, VGGEncoder, build_encoder
+from captioner.models.backbones import backbone, meta_trunk
+from captioner.models.encoder import Encoder, EncoderSpec, build_encoder, layer_input_shape
 from captioner.models.fast_encoder import native_bf16, optimize_encoder
+from captioner.models.tuned import CACHED, start_index
 from captioner.scenes.synthetic_drawing import COLORS, SHAPES
 
-CONV5 = 24  # index of conv5_1 in VGG16's features: the block after the fourth max-pool
 SHAPE_CLASSES = ("background", *SHAPES)
 COLOUR_CLASSES = ("background", *COLORS)
-WEIGHTS_FILE = "vgg16_scenes.safetensors"
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,20 @@ class PretrainConfig:
     batch_size: int = 32
     lr: float = 1e-4
     seed: int = 0
+    arch: str = "vgg16"  # the backbone (`models.backbones`), its conv5_1 stage trained
 
 
 # helpers
+
+
+def weights_file(arch: str) -> str:
+    """The name of the file `pretrain` writes for a backbone."""
+    return f"{arch}_scenes.safetensors"
+
+
+def tuned_from(arch: str) -> int:
+    """Index in the trunk of the first trained layer: the row's conv5_1 (VGG16's 24, ResNet's layer4)."""
+    return start_index(meta_trunk(arch), CACHED, arch)
 
 
 def scene_split(scenes_dir: str, split: str, most: int) -> tuple[list[dict], dict[int, list[dict]]]:
@@ -89,9 +102,9 @@ def cell_targets(images: list[dict], anns: dict[int, list[dict]], spec: EncoderS
     return out
 
 
-def base_trunk(seed: int) -> nn.Sequential:
-    """The seeded random VGG16 trunk, its weights rounded to fp16 as the written file holds them."""
-    encoder, _ = build_encoder(EncoderSpec(arch="vgg16", weights="none", seed=seed))
+def base_trunk(seed: int, arch: str = "vgg16") -> nn.Sequential:
+    """The seeded random trunk, its weights rounded to fp16 as the written file holds them."""
+    encoder, _ = build_encoder(EncoderSpec(arch=arch, weights="none", seed=seed))
     trunk = encoder.features
     for p in trunk.parameters():
         p.data = p.data.half().float()
@@ -99,42 +112,55 @@ def base_trunk(seed: int) -> nn.Sequential:
 
 
 def pool4(trunk: nn.Sequential, paths: list[str], cache_dir: str, name: str, spec: EncoderSpec, device: str):
-    """The frozen conv1-4's output for each image, cached in `cache_dir` (resumable).
+    """The frozen layers' output (VGG's conv1-4, to pool4) for each image, cached in `cache_dir` (resumable).
 
     Returns:
-        (n, L, D) fp16 array.
+        (n, L', D') fp16 array.
     """
     os.makedirs(cache_dir, exist_ok=True)
-    cache = FeatureCache(cache_dir, len(paths), spec.grid**2, FEATURE_DIM, mode="r+", name=name)
+    start = tuned_from(spec.arch)
+    cache = FeatureCache(cache_dir, len(paths), *layer_input_shape(spec, start), mode="r+", name=name)
     if (cache.done == TODO).any():
-        frozen = optimize_encoder(VGGEncoder(trunk[:CONV5]), torch.device(device), image_size=spec.image_size)
+        frozen = optimize_encoder(Encoder(trunk[:start]), torch.device(device), image_size=spec.image_size)
         extract_features(cache, paths, frozen, spec.preprocess, batch_size=8, workers=2, device=device, progress=True)
     return cache[np.arange(len(paths))]
 
 
-def vgg16_state(trunk: nn.Sequential) -> dict[str, torch.Tensor]:
-    """The trunk as a VGG16 state dict under torchvision's names ("features.24.weight"), fp16."""
-    return {f"features.{k}": v.detach().half().contiguous() for k, v in trunk.state_dict().items()}
+def file_state(trunk: nn.Sequential, arch: str = "vgg16") -> dict[str, torch.Tensor]:
+    """The trunk as a state dict under torchvision's names ("features.24.weight", "layer4.0.conv1.weight"), fp16."""
+    prefix = backbone(arch).prefix
+    return {
+        f"{prefix}{k}": (v.detach().half() if v.is_floating_point() else v.detach()).contiguous()
+        for k, v in trunk.state_dict().items()
+    }
 
 
 # classes
 
 
 class CellReader(nn.Module):
-    """conv5_1..conv5_3 (the trunk's own modules, trained in place) and two 1×1 heads reading
-    each cell's shape and colour class."""
+    """The trunk's last block or stage (its own modules, trained in place; BatchNorm's statistics
+    kept) and two 1×1 heads reading each cell's shape and colour class."""
 
-    def __init__(self, trunk: nn.Sequential):
+    def __init__(self, trunk: nn.Sequential, arch: str = "vgg16"):
         super().__init__()
-        self.block = trunk[CONV5:].requires_grad_(True)  # conv5_1, ReLU, ..., conv5_3, ReLU
-        self.shape = nn.Conv2d(FEATURE_DIM, len(SHAPE_CLASSES), 1)
-        self.colour = nn.Conv2d(FEATURE_DIM, len(COLOUR_CLASSES), 1)
+        self.block = trunk[tuned_from(arch) :].requires_grad_(True)  # VGG16: conv5_1, ReLU, ..., conv5_3, ReLU
+        channels = backbone(arch).channels
+        self.shape = nn.Conv2d(channels, len(SHAPE_CLASSES), 1)
+        self.colour = nn.Conv2d(channels, len(COLOUR_CLASSES), 1)
+
+    def train(self, mode: bool = True) -> CellReader:
+        super().train(mode)
+        for m in self.block.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()  # the seeded statistics, as fine-tuning keeps them (`models.tuned`)
+        return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, L, D) pool4 → shape logits (B, C_shape, L) and colour logits (B, C_colour, L)."""
+        """(B, L', D') cached maps → shape logits (B, C_shape, L) and colour logits (B, C_colour, L)."""
         B, L, D = x.shape
-        g = int(L**0.5)
-        f = self.block(x.transpose(1, 2).reshape(B, D, g, g))  # (B, D, g, g) conv5_3 after ReLU
+        s = math.isqrt(L)
+        f = self.block(x.transpose(1, 2).reshape(B, D, s, s))  # (B, D, g, g): VGG16's conv5_3 after ReLU
         return self.shape(f).flatten(2), self.colour(f).flatten(2)  # (B, C, L) each
 
 
@@ -187,7 +213,7 @@ def evaluate(reader: CellReader, x: np.ndarray, y: torch.Tensor, amp: bool) -> d
 
 
 def pretrain(scenes_dir: str, work: str, cfg: PretrainConfig, *, device: str = "cpu") -> tuple[str, dict]:
-    """Train the conv5 block on the scenes and write it, with the frozen layers, as a VGG16 state dict.
+    """Train the last block on the scenes and write it, with the frozen layers, as a state dict of the backbone.
 
     Made once: a later call with the same `work` finds the file and its report and returns them.
 
@@ -198,20 +224,20 @@ def pretrain(scenes_dir: str, work: str, cfg: PretrainConfig, *, device: str = "
         device: where to run (the pool4 pass and the training).
 
     Returns:
-        The path of the weights file (`WEIGHTS_FILE` in `work`), and a report: the settings, the
+        The path of the weights file (`weights_file(cfg.arch)` in `work`), and a report: the settings, the
         validation figures of every epoch and the epoch kept.
     """
-    path, report_path = os.path.join(work, WEIGHTS_FILE), os.path.join(work, "pretrain.json")
+    path, report_path = os.path.join(work, weights_file(cfg.arch)), os.path.join(work, "pretrain.json")
     if os.path.isfile(path) and os.path.isfile(report_path):
         return path, read_json(report_path, "encoder pretraining report")
     torch.manual_seed(cfg.seed)
-    spec, trunk = EncoderSpec(arch="vgg16", weights="none", seed=cfg.seed), base_trunk(cfg.seed)
+    spec, trunk = EncoderSpec(arch=cfg.arch, weights="none", seed=cfg.seed), base_trunk(cfg.seed, cfg.arch)
     data = {}
     for split, most in (("train", cfg.scenes), ("val", cfg.val_scenes)):
         images, anns = scene_split(scenes_dir, split, most)
         paths = [os.path.join(scenes_dir, "images", im["file_name"]) for im in images]
         data[split] = (pool4(trunk, paths, work, f"pool4-{split}", spec, device), cell_targets(images, anns, spec))
-    reader = CellReader(trunk).to(device)
+    reader = CellReader(trunk, cfg.arch).to(device)
     amp = torch.device(device).type == "cpu" and native_bf16()  # bf16 where the CPU computes it natively
     opt = torch.optim.Adam(reader.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -227,7 +253,7 @@ def pretrain(scenes_dir: str, work: str, cfg: PretrainConfig, *, device: str = "
             best = (score, epoch, {k: v.detach().clone() for k, v in reader.block.state_dict().items()})
     reader.block.load_state_dict(best[2])  # the epoch the validation scenes chose, frozen from here
     with atomic_path(path) as tmp:
-        save_file(vgg16_state(trunk), tmp)
+        save_file(file_state(trunk, cfg.arch), tmp)
     report = {
         "config": asdict(cfg),
         "epochs": history,
@@ -242,11 +268,16 @@ def pretrain(scenes_dir: str, work: str, cfg: PretrainConfig, *, device: str = "
 
 def trained_on(report: dict) -> str:
     """What the card says the features came from, given `pretrain`'s report."""
-    return (
-        f"VGG16 whose conv5 block was pretrained on {report['train_scenes']} of the training scenes' pool4 outputs "
-        "(conv1-4 seeded random), to read each grid cell's shape and colour from the boxes "
-        "(prepare --encoder-weights vgg16_scenes.safetensors)"
-    )
+    arch = report["config"].get("arch", "vgg16")
+    if arch.startswith("vgg"):
+        what = f"{backbone(arch).name} whose conv5 block was pretrained on {report['train_scenes']} of the training "
+        what += "scenes' pool4 outputs (conv1-4 seeded random)"
+    else:
+        what = f"{backbone(arch).name} whose last stage was pretrained on {report['train_scenes']} of the training "
+        what += "scenes' conv4_x outputs (the earlier layers seeded random)"
+    encoder = "" if arch == "vgg16" else f"--encoder {arch} "
+    how = f"(prepare {encoder}--encoder-weights {weights_file(arch)})"
+    return f"{what}, to read each grid cell's shape and colour from the boxes {how}"
 
 
 def card_record(report: dict) -> dict:

@@ -18,7 +18,7 @@ from captioner.evaluation.metrics import score_captions
 from captioner.models.decode import Hypothesis
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.decoding import Decoding, decode, seeded
-from captioner.models.encoder import VGGEncoder, apply_encoder_state
+from captioner.models.encoder import Encoder, apply_encoder_state
 from captioner.models.tuned import TunedEncoder, layers_of
 from captioner.models.vocab import Vocabulary
 
@@ -84,7 +84,7 @@ def score_validation(texts: dict[int, str], references: dict[int, list[str]]) ->
 
 
 def checkpoint_features(
-    spec_encoder: VGGEncoder, encoder_state: dict, data: CaptionData, device, source: str, workers: int = 2
+    spec_encoder: Encoder, encoder_state: dict, data: CaptionData, device, source: str, workers: int = 2
 ) -> Callable[[np.ndarray], torch.Tensor]:
     """rows → features of a fine-tuned checkpoint's encoder, for `evaluate`.
 

@@ -1,17 +1,17 @@
-"""The VGG encoder: image (B, 3, 224, 224) → annotation vectors (B, L=196, D=512) (paper §3.1.1).
+"""The encoder: image (B, 3, S, S) → annotation vectors (B, L, D) (paper §3.1.1), of any backbone
+in `models.backbones` (VGG16 at 224: L = 196 = 14×14, D = 512; ResNet at 256: L = 196, D = 2048).
 
 The encoder is described by an `EncoderSpec` that travels with the feature cache and every
 checkpoint, so inference rebuilds exactly the encoder that made the training features:
 - `imagenet`: torchvision's pretrained weights, through its weights API and download cache;
 - `none`: random weights drawn from NumPy's legacy `RandomState(seed)`, a stream NumPy keeps
   fixed across releases (torch's own layer initialisation may change between versions);
-- a path: a VGG state dict on disk.
+- a path: a state dict of the chosen backbone on disk, checked against its row.
 Whichever it is, a fingerprint of the weights is recorded and checked when rebuilding.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 from dataclasses import asdict, dataclass, replace
@@ -20,20 +20,23 @@ from typing import Annotated, Literal
 import numpy as np
 import safetensors.torch
 import torch
-import torchvision
 from torch import nn
 
 from captioner.errors import CaptionerError
 from captioner.io import atomic_path
+from captioner.models.backbones import (
+    BACKBONES,
+    backbone,
+    layer_index,
+    layer_names,
+    meta_trunk,
+    seed_trunk,
+    trunk_shapes,
+)
 from captioner.models.preprocess import Preprocess
 from captioner.models.weights_file import read_weights_file
 
-# arch → (torchvision builder, ImageNet weights enum, layers kept: up to conv5_3 / conv5_4 + ReLU)
-ARCHS = {
-    "vgg16": (torchvision.models.vgg16, torchvision.models.VGG16_Weights.IMAGENET1K_V1, 30),
-    "vgg19": (torchvision.models.vgg19, torchvision.models.VGG19_Weights.IMAGENET1K_V1, 36),
-}
-FEATURE_DIM = 512  # channels of VGG's last conv block
+Arch = Literal[tuple(BACKBONES)]  # --encoder's choices: the table's rows
 
 
 @dataclass(frozen=True)
@@ -45,22 +48,31 @@ class EncoderSpec:
     """
 
     arch: Annotated[
-        Literal["vgg16", "vgg19"],
+        Arch,
         "--encoder",
-        "VGG variant: vgg16 up to conv5_3, vgg19 up to conv5_4 (the paper's layer)",
+        "the backbone: vgg16 up to conv5_3, vgg19 up to conv5_4 (the paper's layer), resnet50/101/152 up to "
+        "their last stage, average-pooled to 14x14 (2048-d; a departure from the paper)",
     ] = "vgg16"
     weights: Annotated[
         str,
         "--encoder-weights",
         "imagenet (torchvision's, through its download cache), none "
-        "(random, seeded: offline tests and demos) or a path to a VGG state dict",
+        "(random, seeded: offline tests and demos) or a path to a state dict of the --encoder backbone",
     ] = "imagenet"
     seed: Annotated[int, "--encoder-seed", "seed of --encoder-weights none"] = 0
-    image_size: Annotated[int, "side of the square encoder input (224 gives the 14x14 grid)"] = 224
+    image_size: Annotated[
+        int | None,
+        "side of the square encoder input (default: the backbone's: 224 for VGG, whose 14x14 grid it gives; "
+        "256 for ResNet, as in sgrvinod's tutorial)",
+    ] = None
     crop: Annotated[
         bool, "resize-256/centre-crop-224 as in the paper instead of resizing the whole image to 224x224"
     ] = False
     fingerprint: str = ""
+
+    def __post_init__(self):
+        if self.image_size is None:  # settled here, once: the spec travels with its size
+            object.__setattr__(self, "image_size", backbone(self.arch).input_size)
 
     @property
     def preprocess(self) -> Preprocess:
@@ -68,7 +80,13 @@ class EncoderSpec:
 
     @property
     def grid(self) -> int:
-        return self.image_size // 16  # four 2×2 poolings: 224 → 14
+        """The side of the attention grid (VGG16 at 224: 14, its four 2×2 poolings; ResNet: 14, pooled)."""
+        return backbone(self.arch).grid(self.image_size)
+
+    @property
+    def channels(self) -> int:
+        """D, the size of an annotation vector."""
+        return backbone(self.arch).channels
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,35 +96,24 @@ class EncoderSpec:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-class VGGEncoder(nn.Module):
-    """VGG convolutional trunk, its last ReLU'd conv map flattened to annotation vectors."""
+class Encoder(nn.Module):
+    """A backbone's trunk (`models.backbones`), its last map flattened to annotation vectors."""
 
     def __init__(self, features: nn.Sequential):
         super().__init__()
         self.features = features
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        f = self.features(images)  # (B, D, 14, 14)
-        return f.flatten(2).transpose(1, 2)  # (B, L, D): location i = row * 14 + col
+        f = self.features(images)  # (B, D, g, g): VGG's conv5 map, ResNet's pooled to the grid
+        return f.flatten(2).transpose(1, 2)  # (B, L, D): location i = row * g + col
 
 
 # helpers
 
 
-def _seeded_init(features: nn.Sequential, seed: int, layers: int | None = None) -> None:
-    """He-normal conv weights (fan-in, keeps activations' scale through ReLUs), zero biases; with
-    `layers`, only the first that many modules (the stream is the same up to there)."""
-    rs = np.random.RandomState(seed)
-    for m in features[:layers]:
-        if isinstance(m, nn.Conv2d):
-            fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
-            w = rs.standard_normal(tuple(m.weight.shape)) * np.sqrt(2.0 / fan_in)
-            m.weight.data = torch.from_numpy(w.astype(np.float32))
-            m.bias.data = torch.zeros(m.out_channels)
-
-
 def _imagenet_state(arch: str) -> dict:
-    weights = ARCHS[arch][1]
+    row = backbone(arch)
+    weights = row.weights
     fname = os.path.basename(weights.url)
     target = os.path.join(torch.hub.get_dir(), "checkpoints", fname)
     try:
@@ -115,50 +122,64 @@ def _imagenet_state(arch: str) -> dict:
         raise CaptionerError(
             f"cannot get the ImageNet weights for {arch} ({weights.url}): {e}.\n"
             f"Offline? Download that file elsewhere and put it at {target} "
-            f"(torch's hub cache; TORCH_HOME moves it), or pass --encoder-weights PATH to a VGG "
+            f"(torch's hub cache; TORCH_HOME moves it), or pass --encoder-weights PATH to a {row.name} "
             "state dict, or --encoder-weights none for a random seeded encoder."
         ) from None
 
 
-def _trunk_of(state: dict) -> dict:
-    # A whole VGG state dict ("features.0.weight") or the trunk alone ("0.weight").
+def _trunk_of(arch: str, state: dict) -> dict:
+    """The trunk's tensors of a state dict: the whole model's ("features.0.weight", "layer1.0.conv1.weight")
+    or the trunk's alone ("0.weight"), under the trunk's names; the head's are left out."""
+    prefix, names = backbone(arch).prefix, set(layer_names(arch))
     return {
-        k.removeprefix("features."): v
+        k.removeprefix(prefix) if prefix and k.startswith(prefix) else k: v
         for k, v in state.items()
-        if k.startswith("features.") or k.split(".")[0].isdigit()
+        if (prefix and k.startswith(prefix)) or k.split(".")[0] in names
     }
 
 
-def _fits(arch: str, trunk: dict) -> bool:
-    """Whether a trunk state dict has every layer of `arch`'s trunk, each of its shape."""
-    wanted = _meta_trunk(arch).state_dict()
-    return all(k in trunk and tuple(trunk[k].shape) == tuple(v.shape) for k, v in wanted.items())
+def _fits(arch: str, state: dict) -> bool:
+    """Whether a state dict holds `arch`'s trunk: every tensor of its shape, and none it lacks."""
+    trunk, wanted = _trunk_of(arch, state), trunk_shapes(arch)
+    return set(trunk) <= set(wanted) and all(
+        k in trunk and tuple(trunk[k].shape) == shape for k, shape in wanted.items() if _required(k)
+    )
 
 
-def _other_arch(arch: str, trunk: dict) -> str:
-    other = next((a for a in ARCHS if a != arch and _fits(a, trunk)), None)
+def _other_arch(arch: str, state: dict) -> str:
+    other = next((a for a in BACKBONES if a != arch and _fits(a, state)), None)
     return f"; it fits {other}: pass --encoder {other}" if other else ""
 
 
+def _required(key: str) -> bool:
+    # Files saved before BatchNorm counted its batches lack the count; loading starts it at 0.
+    return not key.endswith("num_batches_tracked")
+
+
 def _load_features(features: nn.Sequential, state: dict, source: str, arch: str) -> None:
-    """Load a VGG state dict's trunk into `features`; one that does not fit is refused by its first wrong key."""
-    trunk = _trunk_of(state)
-    for k, v in features.state_dict().items():
-        name = f"features.{k}"
-        if k not in trunk:
+    """Load a state dict's trunk into `features`; one that does not fit is refused by its first wrong key."""
+    row = backbone(arch)
+    trunk, wrong = _trunk_of(arch, state), f"{source}: not a {row.name} state dict"
+    own = features.state_dict()
+    for k, v in own.items():
+        name = f"{row.prefix}{k}"
+        if k not in trunk and _required(k):
             held = ", ".join(list(state)[:3]) + (", ..." if len(state) > 3 else "")
             raise CaptionerError(
-                f"{source}: not a {arch.upper()} state dict: it lacks {name} (it holds {len(state)} tensors: "
-                f"{held}){_other_arch(arch, trunk)}"
+                f"{wrong}: it lacks {name} (it holds {len(state)} tensors: {held}){_other_arch(arch, state)}"
             )
-        if tuple(trunk[k].shape) != tuple(v.shape):
+        if k in trunk and tuple(trunk[k].shape) != tuple(v.shape):
             raise CaptionerError(
-                f"{source}: not a {arch.upper()} state dict: its {name} is {tuple(trunk[k].shape)}, "
-                f"{arch.upper()}'s is {tuple(v.shape)}{_other_arch(arch, trunk)}"
+                f"{wrong}: its {name} is {tuple(trunk[k].shape)}, {row.name}'s is {tuple(v.shape)}"
+                f"{_other_arch(arch, state)}"
             )
-        if not trunk[k].is_floating_point():
+        if k in trunk and v.is_floating_point() and not trunk[k].is_floating_point():
             raise CaptionerError(f"{source}: its {name} holds {trunk[k].dtype}, not floating-point weights")
-    features.load_state_dict({k: trunk[k].to(torch.float32, copy=True) for k in features.state_dict()}, assign=True)
+    extra = next((k for k in trunk if k not in own), None)
+    if extra is not None:
+        raise CaptionerError(f"{wrong}: it holds {row.prefix}{extra}, which {row.name} lacks{_other_arch(arch, state)}")
+    loaded = {k: trunk[k].to(v.dtype, copy=True) if k in trunk else torch.zeros_like(v) for k, v in own.items()}
+    features.load_state_dict(loaded, assign=True)
 
 
 def fingerprint(module: nn.Module) -> str:
@@ -173,7 +194,7 @@ def fingerprint(module: nn.Module) -> str:
 # classes
 
 
-def build_encoder(spec: EncoderSpec, carried: dict | None = None) -> tuple[VGGEncoder, EncoderSpec]:
+def build_encoder(spec: EncoderSpec, carried: dict | None = None) -> tuple[Encoder, EncoderSpec]:
     """Build the encoder a spec describes.
 
     Args:
@@ -188,18 +209,16 @@ def build_encoder(spec: EncoderSpec, carried: dict | None = None) -> tuple[VGGEn
         CaptionerError: unknown arch, weights unreachable or unreadable, or a fingerprint that
             differs from the one in the spec (the features were made by another encoder).
     """
-    if spec.arch not in ARCHS:
-        raise CaptionerError(f"unknown encoder {spec.arch!r}; choose one of {sorted(ARCHS)}")
-    trunk = _meta_trunk(spec.arch).to_empty(device="cpu")
+    trunk = meta_trunk(spec.arch).to_empty(device="cpu")
     if spec.weights == "none":
-        _seeded_init(trunk, spec.seed)
+        seed_trunk(trunk, spec.seed)
     elif spec.weights == "imagenet":
         _load_features(trunk, _imagenet_state(spec.arch), f"ImageNet {spec.arch} weights", spec.arch)
     elif carried is not None:
         _load_features(trunk, _completed(spec.arch, carried), f"the weights carried for {spec.weights}", spec.arch)
     else:
         _load_features(trunk, read_weights_file(spec.weights), f"--encoder-weights {spec.weights}", spec.arch)
-    encoder = VGGEncoder(trunk).eval().requires_grad_(False)
+    encoder = Encoder(trunk).eval().requires_grad_(False)
     fp = fingerprint(encoder)
     if spec.fingerprint and spec.fingerprint != fp and carried is not None and REGENERATED in carried:
         _load_features(trunk, _completed(spec.arch, carried, cached=False), spec.weights, spec.arch)  # not the copy
@@ -221,20 +240,20 @@ def build_encoder(spec: EncoderSpec, carried: dict | None = None) -> tuple[VGGEn
     return encoder, replace(spec, fingerprint=fp)
 
 
-def apply_encoder_state(encoder: VGGEncoder, state: dict, source: str) -> VGGEncoder:
+def apply_encoder_state(encoder: Encoder, state: dict, source: str) -> Encoder:
     """Put fine-tuned layers into a built encoder (before any inference optimisation).
 
     Args:
         encoder: from `build_encoder`, with the weights the features were made with.
         state: a checkpoint's "encoder_state": the trained layers under the names of
-            `VGGEncoder.features`' state dict ("24.weight", "24.bias", ...), plain tensors.
+            `Encoder.features`' state dict ("24.weight", "layer4.0.conv1.weight", ...), plain tensors.
         source: the checkpoint, for messages.
 
     Returns:
         The same encoder, its trained layers replaced.
 
     Raises:
-        CaptionerError: the state names layers this VGG lacks or has tensors of other shapes.
+        CaptionerError: the state names layers this encoder lacks or has tensors of other shapes.
     """
     own = encoder.features.state_dict()
     if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -254,7 +273,7 @@ def apply_encoder_state(encoder: VGGEncoder, state: dict, source: str) -> VGGEnc
 
 def rebuild_encoder(
     spec: EncoderSpec, encoder_state: dict | None, source: str, carried: dict | None = None
-) -> tuple[VGGEncoder, EncoderSpec]:
+) -> tuple[Encoder, EncoderSpec]:
     """A checkpoint's image encoder: the spec's weights (or those it carries), then its fine-tuned layers if any.
 
     Raises:
@@ -278,14 +297,14 @@ def from_file(weights: str) -> bool:
 def carried_weights(spec: EncoderSpec) -> dict[str, torch.Tensor]:
     """The trunk of a spec's weights file, for a checkpoint or exported model to carry in its place.
 
-    Layers equal to the seeded random VGG's (`--encoder-weights none` at the spec's seed, rounded to
+    Layers equal to the seeded random encoder's (`--encoder-weights none` at the spec's seed, rounded to
     fp16 or not) are left out and rebuilt from that seed at load: the demo model's conv1-4, which
     its pretraining left random. REGENERATED then says how ([seed, 16 or 32]); the fingerprint
     checked at load makes the rebuilt encoder exactly the file's.
 
     Returns:
-        `VGGEncoder.features`' state dict ("0.weight", ...), each tensor in fp16 where that loses
-        nothing (the file was fp16), else fp32, so the rebuilt encoder has the same fingerprint.
+        `Encoder.features`' state dict ("0.weight", ...), each floating-point tensor in fp16 where that
+        loses nothing (the file was fp16), else fp32, so the rebuilt encoder has the same fingerprint.
 
     Raises:
         CaptionerError: the file is missing, unreadable or not the one the spec's fingerprint names.
@@ -293,11 +312,13 @@ def carried_weights(spec: EncoderSpec) -> dict[str, torch.Tensor]:
     encoder, _ = build_encoder(spec)
     out = {}
     for k, v in encoder.features.state_dict().items():
-        half = v.half()
-        out[k] = half if torch.equal(half.float(), v) else v.clone()
+        half = v.half() if v.is_floating_point() else v
+        out[k] = half if torch.equal(half.to(v.dtype), v) else v.clone()
     seeded = _seeded_state(spec.arch, spec.seed)
     for bits in (16, 32):
-        same = [k for k, v in out.items() if torch.equal(v.float(), _rounded(seeded[k], bits))]
+        same = [
+            k for k, v in out.items() if v.is_floating_point() and torch.equal(v.float(), _rounded(seeded[k], bits))
+        ]
         if any(k.endswith("weight") for k in same):
             return {k: v for k, v in out.items() if k not in same} | {REGENERATED: torch.tensor([spec.seed, bits])}
     return out
@@ -307,9 +328,9 @@ REGENERATED = "regenerated"  # carried weights' key: [seed, bits] of the seeded 
 
 
 def _seeded_state(arch: str, seed: int, layers: int | None = None) -> dict[str, torch.Tensor]:
-    """The trunk state dict of the seeded random encoder (its first `layers` modules drawn, the rest empty)."""
-    trunk = _meta_trunk(arch).to_empty(device="cpu")
-    _seeded_init(trunk, seed, layers)
+    """The trunk state dict of the seeded random encoder (its first `layers` layers drawn, the rest empty)."""
+    trunk = meta_trunk(arch).to_empty(device="cpu")
+    seed_trunk(trunk, seed, layers)
     return trunk.state_dict()
 
 
@@ -324,8 +345,8 @@ def _completed(arch: str, carried: dict, cached: bool = True) -> dict:
     if REGENERATED not in carried:
         return carried
     seed, bits = carried[REGENERATED].tolist()
-    missing = [k for k in _trunk_keys(arch) if k not in carried]
-    layers = 1 + max((int(k.split(".")[0]) for k in missing), default=-1)
+    missing = [k for k in trunk_shapes(arch) if k not in carried]
+    layers = 1 + max((layer_index(k) for k in missing), default=-1)
     path = os.path.join(torch.hub.get_dir(), "captioner", f"{arch}-seed{seed}-{layers}-layers-fp{bits}.safetensors")
     seeded = _read_cached(path) if cached else None
     if seeded is None or not all(k in seeded for k in missing):
@@ -350,13 +371,10 @@ def _write_cached(path: str, state: dict) -> None:
         pass  # a read-only home: drawn at every load
 
 
-@functools.cache
-def _trunk_keys(arch: str) -> tuple[str, ...]:
-    return tuple(_meta_trunk(arch).state_dict())
-
-
-def _meta_trunk(arch: str) -> nn.Sequential:
-    """`arch`'s trunk on the meta device: its shapes, nothing allocated (not the classifier's 120M parameters)."""
-    builder, _, depth = ARCHS[arch]
-    with torch.device("meta"):
-        return builder(weights=None).features[:depth]
+def layer_input_shape(spec: EncoderSpec, start: int) -> tuple[int, int]:
+    """(L, D) of the map the trunk's layer `start` reads at the spec's input side: the rows of the
+    cache that fine-tuning from there reads (VGG16's pool4 at 224: (196, 512); ResNet's conv4_x at 256:
+    (256, 1024)). Computed on the meta device."""
+    x = torch.empty(1, 3, spec.image_size, spec.image_size, device="meta")  # (1, 3, S, S)
+    f = meta_trunk(spec.arch)[:start](x)  # (1, D, h, w)
+    return f.shape[2] * f.shape[3], f.shape[1]

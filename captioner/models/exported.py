@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from captioner.errors import CaptionerError
 from captioner.io import atomic_path, read_json, write_json_atomic
 from captioner.models.checkpoint import Trained, carry_encoder_weights, read_trained
+from captioner.models.encoder import EncoderSpec
 from captioner.models.preprocess import IMAGENET_MEAN, IMAGENET_STD
 
 FORMAT, VERSION = "captioner-model", 2
@@ -46,15 +47,15 @@ def write_exported(ck: dict, out_dir: str) -> None:
         tensors[f"familiarity.{k}"] = familiarity.pop(k)
     with atomic_path(os.path.join(out_dir, "model.safetensors")) as tmp:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
-    encoder = ck["encoder"]
+    encoder, spec = ck["encoder"], EncoderSpec.from_dict(ck["encoder"])
     config = {
         "format": FORMAT,
         "version": VERSION,
         "decoder": ck["decoder"],
         "encoder": encoder,
         "preprocess": {
-            "size": encoder.get("image_size", 224),
-            "crop": encoder.get("crop", False),
+            "size": spec.image_size,
+            "crop": spec.crop,
             "mean": list(IMAGENET_MEAN),
             "std": list(IMAGENET_STD),
         },

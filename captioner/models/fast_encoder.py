@@ -13,6 +13,8 @@ same oneDNN calls as this module, which needs no compiling.
 bf16: only on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX), where oneDNN runs it
 much faster than fp32; elsewhere it is emulated and slower, so fp32 is kept.
 
+Other backbones (ResNet) run as PyTorch runs them on a CPU.
+
 On CUDA the encoder is made channels-last (cuDNN's fast layout) and kept fp32, so features
 match those the decoder was trained on.
 """
@@ -136,6 +138,7 @@ def _winograd_fits(conv: nn.Conv2d) -> bool:
 
 
 WINOGRAD_MIN_CHANNELS = 256
+FUSABLE = (nn.Conv2d, nn.ReLU, nn.MaxPool2d)  # the layers of a VGG trunk, which `FusedVGG` runs
 
 
 class FusedVGG(nn.Module):
@@ -214,7 +217,8 @@ def optimize_encoder(
     """The encoder, on `device`, made fast for inference; call it after all weights are loaded.
 
     Args:
-        encoder: a `VGGEncoder` (anything else is returned as it is, moved to the device).
+        encoder: an `Encoder` (anything else is returned as it is, moved to the device); on a CPU, a VGG
+            trunk becomes a `FusedVGG`, another backbone's runs as it is.
         device: where it will run.
         image_size: the input side it will mostly see.
         bf16: compute in bf16 on CPU; default: only where the CPU has native bf16.
@@ -231,8 +235,8 @@ def optimize_encoder(
         return encoder
     if device.type == "cuda":
         return _ChannelsLast(encoder).eval()
-    if device.type != "cpu" or not onednn_available():
-        return encoder
+    if device.type != "cpu" or not onednn_available() or not all(isinstance(m, FUSABLE) for m in features):
+        return encoder  # a ResNet's BatchNorm and residual blocks run as PyTorch runs them
     dtypes = [torch.bfloat16, torch.float32] if (native_bf16() if bf16 is None else bf16) else [torch.float32]
     for dtype in dtypes:
         try:

@@ -1,9 +1,12 @@
 """The encoder's trained layers (`fit --fine-tune-encoder`): which layers, and a module holding them.
 
-Training starts at conv5_1 (on cached pool4 outputs) or conv4_1 (on the images). The trained
-layers go into checkpoints as "encoder_state" under the names of `VGGEncoder.features`
-("24.weight", ...); `encoder.apply_encoder_state` puts them back into a whole encoder.
-Shapes: n images, B captions, L locations, D feature size, S image side.
+Training starts at a stage of the backbone's row (`models.backbones`): conv5_1 (VGG's conv5 block,
+ResNet's conv5_x stage, torchvision's layer4) on the cached output of the layers before it, or
+conv4_1 on the images. The trained layers go into checkpoints as "encoder_state" under the names
+of `Encoder.features` ("24.weight", "layer4.0.conv1.weight", ...); `encoder.apply_encoder_state`
+puts them back into a whole encoder. BatchNorm keeps its running statistics (ImageNet's, or the
+seeded ones) while its scale and shift train: a batch of a few images would give poor ones.
+Shapes: n images, B captions, L locations, D feature size, S image side, g grid side.
 """
 
 from __future__ import annotations
@@ -14,32 +17,32 @@ import torch
 from torch import nn
 
 from captioner.errors import CaptionerError
+from captioner.models.backbones import backbone, layer_index
 from captioner.models.views import view
 
 STARTS = ("conv5_1", "conv4_1")
+CACHED = "conv5_1"  # the stage whose inputs are cached once (the others read the images)
 
 
-def start_index(features: nn.Sequential, start: str) -> int:
-    """Index in `VGGEncoder.features` of layer `start`: conv{b}_1 follows the (b-1)-th max-pool."""
+def start_index(features: nn.Sequential, start: str, arch: str = "vgg16") -> int:
+    """Index in `Encoder.features` of stage `start`'s first layer, as `arch`'s row names it."""
     if start not in STARTS:
         raise CaptionerError(f"--fine-tune-from must be one of {STARTS}, got {start!r}")
-    block = int(start[4])
-    pools = [i for i, m in enumerate(features) if isinstance(m, nn.MaxPool2d)]
-    return pools[block - 2] + 1
+    return list(features._modules).index(backbone(arch).stage(start))
 
 
 def layers_of(state: dict) -> int:
-    """The first trained layer's index, from an encoder_state's names ("24.weight" → 24)."""
-    return min(int(k.split(".")[0]) for k in state)
+    """The first trained layer's index, from an encoder_state's names ("24.weight" → 24, "layer4.…" → 7)."""
+    return min(layer_index(k) for k in state)
 
 
 class TunedEncoder(nn.Module):
     """The trained layers of the trunk (and, from images, the frozen ones before them).
 
     Args:
-        trunk: `VGGEncoder.features`, with the weights the cached features were made with.
+        trunk: `Encoder.features`, with the weights the cached features were made with.
         start: index of the first trained layer.
-        from_cache: inputs are cached (n, L, D) outputs of layer start-1 (pool4), else images.
+        from_cache: inputs are cached (n, L', D') outputs of layer start-1 (VGG's pool4), else images.
     """
 
     def __init__(self, trunk: nn.Sequential, start: int, *, from_cache: bool):
@@ -48,33 +51,47 @@ class TunedEncoder(nn.Module):
         # Slices of a Sequential keep its names, so state_dict() gives "24.weight" as in the trunk.
         self.frozen = None if from_cache else trunk[:start].requires_grad_(False)
         self.tuned = trunk[start:].requires_grad_(True)
+        # The grid: a pooled trunk's pool size (ResNet's), else the map's, which VGG's max-pools alone shrink.
+        last = trunk[-1]
+        self.pooled = last.output_size if isinstance(last, nn.AdaptiveAvgPool2d) else None
+        self.stride = 2 ** sum(isinstance(m, nn.MaxPool2d) for m in trunk)
+
+    def train(self, mode: bool = True) -> TunedEncoder:
+        super().train(mode)
+        for m in self.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()  # running statistics kept (module doc)
+        return self
 
     def forward(self, inputs: torch.Tensor, index: torch.Tensor | None = None, moves: torch.Tensor | None = None):
-        """(n, L, D) cached inputs or (n, 3, S, S) images → (n, L, D), or (B, L, D) per caption by index.
+        """(n, L', D') cached inputs or (n, 3, S, S) images → (n, L, D), or (B, L, D) per caption by index.
 
         Args:
             moves: (n, 2) cells: the features of the inputs' views instead (`models.views`, the
-                consistency's): the images themselves turned and moved, or, from the pool4
-                cache, the pool4 maps turned and moved.
+                consistency's): the images themselves turned and moved, or, from the cache, the
+                cached maps turned and moved by as many of their cells as fit in a grid cell.
         """
+        g = self.grid(inputs)
         if self.frozen is None:
             n, L, D = inputs.shape
-            g = math.isqrt(L)
-            x = inputs.transpose(1, 2).reshape(n, D, g, g)  # (n, D, 14, 14) pool4 maps
+            side = math.isqrt(L)
+            x = inputs.transpose(1, 2).reshape(n, D, side, side)  # (n, D', s, s): VGG's pool4, ResNet's conv4_x
             x = x if moves is None else view(x, moves, g)
         else:
-            images = inputs if moves is None else view(inputs, moves, inputs.size(-1) // 16)
+            images = inputs if moves is None else view(inputs, moves, g)
             with torch.no_grad():
-                x = self.frozen(images)  # (n, 256, 28, 28) pool3 maps
+                x = self.frozen(images)  # (n, D', s, s): VGG's pool3 maps, ResNet's conv3_x
         f = self.tuned(x).flatten(2).transpose(1, 2)  # (n, L, D)
         return f if index is None else f[index]  # (B, L, D)
 
     def grid(self, inputs: torch.Tensor) -> int:
         """The side of the feature grid the inputs give."""
-        return math.isqrt(inputs.size(1)) if self.frozen is None else inputs.size(-1) // 16
+        if self.pooled:
+            return self.pooled
+        return math.isqrt(inputs.size(1)) if self.frozen is None else inputs.size(-1) // self.stride
 
     def encoder_state(self) -> dict:
-        """The trained layers as plain tensors, under `VGGEncoder.features`' names."""
+        """The trained layers as plain tensors, under `Encoder.features`' names."""
         return {k: v.detach().cpu().contiguous().clone() for k, v in self.tuned.state_dict().items()}
 
     def load_encoder_state(self, state: dict, source: str) -> None:

@@ -1,8 +1,8 @@
-"""A VGG state-dict file, as `--encoder-weights PATH` names it: read safely, or refused by name.
+"""A backbone's state-dict file, as `--encoder-weights PATH` names it: read safely, or refused by name.
 
 torch's format (`torch.save(model.state_dict(), PATH)`, .pt/.pth) is read with `weights_only`, so a
 file that would need the full unpickler is refused and its code never runs; safetensors files are
-read as they are. Whether the tensors fit the architecture is `models.encoder`'s check.
+read as they are. Whether the tensors fit the `--encoder` backbone's row is `models.encoder`'s check.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from captioner.io import read_torch
 
 
 def read_weights_file(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of a VGG state-dict file: safetensors, or torch's format read with weights_only.
+    """The tensors of a state-dict file: safetensors, or torch's format read with weights_only.
 
     Args:
         path: the file; torch's zip (or legacy) format is told from safetensors by its first bytes.
@@ -32,7 +32,8 @@ def read_weights_file(path: str) -> dict[str, torch.Tensor]:
     """
     if not os.path.isfile(path):
         raise CaptionerError(
-            f"--encoder-weights {path}: no such file (expected 'imagenet', 'none' or a path to a VGG state dict)"
+            f"--encoder-weights {path}: no such file (expected 'imagenet', 'none' or a path to a state dict of "
+            "the --encoder backbone)"
         )
     if os.path.getsize(path) == 0:
         raise CaptionerError(f"--encoder-weights {path}: the file is empty")

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 
 from captioner.evaluation.health import summary
+from captioner.models.backbones import backbone
 from captioner.models.checkpoint import load_checkpoint
+from captioner.models.encoder import EncoderSpec
 from captioner.models.exported import write_exported
 from captioner.models.hub import resolve
 
@@ -35,6 +37,7 @@ def export(checkpoint: str, out_dir: str) -> str:
 def model_card(ck: dict) -> str:
     """The README.md of an exported model, from what its checkpoint records."""
     enc, dec, card = ck["encoder"], ck["decoder"], ck.get("card") or {}
+    g = EncoderSpec.from_dict(enc).grid
     weights = {"none": f"random, seeded ({enc.get('seed', 0)})", "imagenet": "ImageNet"}.get(
         enc["weights"], f"`{os.path.basename(enc['weights'])}`"
     )
@@ -49,11 +52,10 @@ def model_card(ck: dict) -> str:
         "",
         f"A {dec.get('attention', 'soft')}-attention LSTM decoder (embedding {dec['embed_dim']}, LSTM "
         f"{dec['hidden_dim']}, attention {dec['attention_dim']}, {len(ck['vocab'])} words) over "
-        f"{enc['arch'].upper()} features ({weights} weights"
+        f"{backbone(enc['arch']).name} features ({weights} weights"
         + (", its last layers trained with the decoder" if ck.get("encoder_state") else "")
         + f"), {ck['step']} optimizer steps. It writes a caption and, for each word, the "
-        f"{enc.get('image_size', 224) // 16}×{enc.get('image_size', 224) // 16} map of where it looked"
-        + _sharpness(dec),
+        f"{g}×{g} map of where it looked" + _sharpness(dec),
         "",
         "## Trained on",
         "",

@@ -1,16 +1,19 @@
 """Fine-tuning the encoder's last layers with the decoder (`fit --fine-tune-encoder`).
 
-Where training starts decides where its inputs come from:
-- conv5_1 (default): at 224×224 VGG's pool4 output is 14×14×512, the size of the cached conv5
-  features, so it is cached the same way, once (DATA/pool4.npy and pool4.done: same format,
-  resumable, made by the first `fit` that needs it and shared by later ones), and each step
-  runs conv5_1..conv5_3 on cached rows: no image is decoded in the training loop.
+Where training starts (a stage of the backbone's row, `models.backbones`) decides where its inputs
+come from:
+- conv5_1 (default): the output of the layers before it (VGG16's pool4 at 224: 14×14×512, the size
+  of the cached conv5 features; ResNet's conv4_x at 256: 16×16×1024) is cached the same way, once
+  (DATA/pool4.npy and pool4.done: the feature cache's format, resumable, made by the first `fit`
+  that needs it and shared by later ones), and each step runs the last block or stage on cached
+  rows: no image is decoded in the training loop.
 - conv4_1: DataLoader workers decode and preprocess the images of upcoming batches; the layers
-  up to pool3 run without gradients, conv4_1..conv5_3 train.
+  before it run without gradients, the last two blocks or stages train.
 A batch holds all the captions of a few images (about `batch_size` captions in all), so the
 encoder runs once per image rather than once per caption; the features are then indexed per
 caption. The trained layers go into checkpoints as "encoder_state" under the names of
-`VGGEncoder.features` ("24.weight", ...); `encoder.apply_encoder_state` puts them back.
+`Encoder.features` ("24.weight", "layer4.0.conv1.weight", ...); `encoder.apply_encoder_state`
+puts them back.
 
 The decoder's standardisation of features (feature_mean/std, measured by `prepare` on the frozen
 encoder's output) is kept fixed: at step 0 the fine-tuned layers are the frozen ones, so the
@@ -41,9 +44,9 @@ from captioner.errors import CaptionerError, OptionError
 from captioner.evaluation.captioning import checkpoint_features
 from captioner.io import write_json_atomic
 from captioner.models.checkpoint import load_checkpoint
-from captioner.models.encoder import FEATURE_DIM, VGGEncoder, apply_encoder_state, build_encoder
+from captioner.models.encoder import Encoder, apply_encoder_state, build_encoder, layer_input_shape
 from captioner.models.fast_encoder import optimize_encoder
-from captioner.models.tuned import TunedEncoder, start_index
+from captioner.models.tuned import CACHED, TunedEncoder, start_index
 from captioner.train import distributed
 from captioner.train.familiarity import fit_stats
 
@@ -57,7 +60,8 @@ class FineTuneConfig:
     start: Annotated[
         Literal["conv5_1", "conv4_1"],
         "--fine-tune-from",
-        "first trained layer: conv5_1 runs on cached pool4 outputs, conv4_1 on the images",
+        "first trained layer: conv5_1 (VGG's conv5 block; ResNet's last stage, conv5_x, torchvision's layer4) "
+        "runs on the cached output of the layers before it, conv4_1 (a block or stage earlier) on the images",
     ] = "conv5_1"
     lr: Annotated[
         float,
@@ -132,10 +136,10 @@ class FineTuning:
         self.data, self.cfg, self.device = data, cfg, device
         self.batch_size, self.targets = batch_size, targets
         base, _ = build_encoder(data.encoder)
-        start = start_index(base.features, cfg.start)
+        start = start_index(base.features, cfg.start, data.encoder.arch)
         self.cache = (
             input_cache(data, base, start, d, device, workers=cfg.workers, progress=progress)
-            if cfg.start == "conv5_1"
+            if cfg.start == CACHED
             else None
         )
         self.encoder = TunedEncoder(base.features, start, from_cache=self.cache is not None).to(device)
@@ -154,7 +158,7 @@ class FineTuning:
         groups = groups[start:]
         rows = [np.unique(self.data.rows[idx]) for idx in groups]  # each batch's distinct images
         if self.cache is not None:
-            inputs = (torch.from_numpy(self.cache[r].astype(np.float32)) for r in rows)  # (n, L, D) pool4
+            inputs = (torch.from_numpy(self.cache[r].astype(np.float32)) for r in rows)  # (n, L', D') cached maps
         else:
             inputs = image_groups(self.data.meta["paths"], rows, self.data.encoder.preprocess, self.cfg.workers)
         for idx, r, x in zip(groups, rows, inputs):
@@ -182,7 +186,7 @@ class FineTuning:
 
 def input_cache(
     data: CaptionData,
-    base: VGGEncoder,
+    base: Encoder,
     start: int,
     d: distributed.Dist,
     device: torch.device,
@@ -190,13 +194,13 @@ def input_cache(
     workers: int = 2,
     progress: bool = True,
 ) -> FeatureCache:
-    """The frozen layers' output (pool4) for every image, cached beside the features; made if missing.
+    """The frozen layers' output (VGG's pool4) for every image, cached beside the features; made if missing.
 
     Resumable like `prepare`: rows are marked done once on disk, and a later call finishes the
     rest. Under torchrun each process makes its share. Images the feature cache could not read
     are skipped here too.
     """
-    n, L = len(data.meta["image_ids"]), data.meta["locations"]
+    n, (L, D) = len(data.meta["image_ids"]), layer_input_shape(data.encoder, start)
     info = input_cache_info(data, start)
     info_path = os.path.join(data.dir, f"{INPUT_CACHE}.json")
     if d.main:
@@ -210,18 +214,18 @@ def input_cache(
                         )
             else:
                 write_json_atomic(info_path, info)
-            cache = FeatureCache(data.dir, n, L, FEATURE_DIM, mode="r+", name=INPUT_CACHE)
+            cache = FeatureCache(data.dir, n, L, D, mode="r+", name=INPUT_CACHE)
         except OSError as e:
             raise CaptionerError(
-                f"{data.dir}: cannot write the {INPUT_CACHE} cache that conv5_1 fine-tuning "
+                f"{data.dir}: cannot write the {INPUT_CACHE} cache that {CACHED} fine-tuning "
                 f"reads ({e.strerror}); make the data directory writable"
             ) from None
         unreadable = np.flatnonzero((data.cache.done == BAD) & (cache.done == TODO))
         cache.mark_bad(unreadable)
     distributed.barrier(d)
-    cache = FeatureCache(data.dir, n, L, FEATURE_DIM, mode="r+", name=INPUT_CACHE)
+    cache = FeatureCache(data.dir, n, L, D, mode="r+", name=INPUT_CACHE)
     if len(cache.todo(d.rank, d.world)):
-        frozen = optimize_encoder(VGGEncoder(base.features[:start]), device)  # same outputs, faster (prepare's)
+        frozen = optimize_encoder(Encoder(base.features[:start]), device)  # same outputs, faster (prepare's)
         extract_features(
             cache,
             data.meta["paths"],

@@ -73,7 +73,8 @@ def fit(
     data = CaptionData(data_dir)
     init, saved = start_from(data, out_dir, cfg.init, resume, dev)
     views = data.views is not None
-    model_cfg, cfg = settle(model_cfg, cfg, vocab_size=len(data.vocab), device=dev, init=init, saved=saved, views=views)
+    sizes = {"vocab_size": len(data.vocab), "encoder_dim": data.encoder.channels}  # the backbone row's D
+    model_cfg, cfg = settle(model_cfg, cfg, **sizes, device=dev, init=init, saved=saved, views=views)
     parts, progress = build(
         data, out_dir, model_cfg, cfg, d=d, device=dev, init=init, saved=saved, progress_bar=progress_bar
     )

@@ -25,7 +25,7 @@ from captioner.data.features import DONE, TODO, FeatureCache
 from captioner.data.karpathy import load_karpathy
 from captioner.errors import CaptionerError
 from captioner.io import check_free_space, describe_os_error, read_json, write_json_atomic
-from captioner.models.encoder import FEATURE_DIM, EncoderSpec, build_encoder
+from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.views import max_shift, shifts, view
 from captioner.options import Device, check_device, check_positive
@@ -169,7 +169,7 @@ def _begin_meta(cfg: PrepareConfig, spec: EncoderSpec, records: list, sources: d
         "format": FORMAT,
         "encoder": spec.to_dict(),
         "locations": spec.grid * spec.grid,
-        "feature_dim": FEATURE_DIM,
+        "feature_dim": spec.channels,
         "max_len": cfg.max_len,
         "min_count": cfg.min_count,
         "image_ids": [r.image_id for r in records],
@@ -223,7 +223,7 @@ def _read_records(cfg: PrepareConfig):
 
 def _open_caches(cfg: PrepareConfig, meta: dict, dist: Dist, progress: bool) -> list[FeatureCache]:
     """The feature caches to fill (the views' too, with cfg.views), created once by rank 0."""
-    n, shape = len(meta["image_ids"]), (meta["locations"], FEATURE_DIM)
+    n, shape = len(meta["image_ids"]), (meta["locations"], meta["feature_dim"])
     names = ["features", VIEWS[_views_key(cfg.out)]][: 1 + cfg.views]
     os.makedirs(cfg.out, exist_ok=True)
     if dist.main:

@@ -57,6 +57,7 @@ def settle(
     init: dict | None = None,
     saved: dict | None = None,
     views: bool = True,
+    encoder_dim: int | None = None,
 ) -> tuple[DecoderConfig, TrainConfig]:
     """The settled (decoder, training) configs of a run.
 
@@ -70,6 +71,9 @@ def settle(
         saved: the checkpoint a resumed run continues from.
         views: the data directory holds the features of the images' views (the consistency's); without
             them (and without a fine-tuned encoder to make its own) the consistency is settled as 0.
+        encoder_dim: D of the data's features, its backbone row's channels (`EncoderSpec.channels`): a
+            fresh decoder's `encoder_dim`; None keeps the config's. --init and resumed checkpoints hold
+            their own, checked against the data's encoder before this.
 
     Raises:
         CaptionerError: options that cannot train together (`_refuse`, `_terms`, `_optim`), or that
@@ -84,6 +88,8 @@ def settle(
     if init is not None:  # the checkpoint's sizes; how to decode is not the weights' to say
         model = replace(DecoderConfig(**init["decoder"]), decode_sharpness=given.decode_sharpness)
     model = replace(model or given, vocab_size=vocab_size)
+    if encoder_dim is not None and init is None:
+        model = replace(model, encoder_dim=encoder_dim)
     return _derived(model, cfg, device=device, init=init, views=views)
 
 
