@@ -515,7 +515,7 @@ def test_api_bad_files_get_their_message_and_the_server_goes_on(server, images):
         with pytest.raises(Exception) as err:
             client.predict(handle_file(str(images[name])), 2, api_name="/caption")
         assert name in str(err.value) and words in str(err.value), name
-    with pytest.raises(Exception, match="beam size must be between 1 and 50"):
+    with pytest.raises(Exception, match=r"beam size \(--beam-size\) must be a whole number between 1 and 50"):
         client.predict(handle_file(str(images["rgb.jpg"])), 0, api_name="/caption")
     assert client.predict(handle_file(str(images["rgb.jpg"])), 1, api_name="/caption")[0]
 

@@ -123,7 +123,7 @@ def test_decoding_settings_refuse_what_cannot_be_decoded_by_name():
         Decoding(beam_size=0)
     with pytest.raises(OptionError, match="--top-p"):
         Decoding(method="sampling", top_p=0.0)
-    with pytest.raises(OptionError, match="--n must"):
+    with pytest.raises(OptionError, match=r"n \(--n\) must be a whole number between 1 and 50"):
         Decoding(method="sampling", n=0)
     with pytest.raises(OptionError, match="unknown decoding setting 'beams'"):
         Decoding().with_settings(beams=2)

@@ -72,7 +72,8 @@ class Decoding:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < low or (high and value > high)):
                 limits = f"between {low} and {high}" if high else f"{low} or more"
-                raise OptionError(f"{_flag(name)} must be a whole number {limits}, got {value}")
+                what = f"{name.replace('_', ' ')} ({_flag(name)})"
+                raise OptionError(f"{what} must be a whole number {limits}, got {value}")
         if self.sharpness is not None and not self.sharpness > 0:
             raise OptionError(f"--sharpness must be positive, got {self.sharpness}")
         if not (self.temperature >= 0 and 0 < self.top_p <= 1):
