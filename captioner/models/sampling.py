@@ -21,7 +21,7 @@ import torch
 from captioner.models.attention import EXPECTED, sample_from
 from captioner.models.decode import Hypothesis, hypotheses
 from captioner.models.decoder import AttentionDecoder
-from captioner.models.search_state import CHECK_EVERY, Search
+from captioner.models.search_state import CHECK_EVERY, Search, step_every_row
 from captioner.models.vocab import END_ID, PAD_ID
 
 
@@ -114,13 +114,7 @@ def sampling_step(
     Args:
         t: () long, the step.
     """
-    logits, h, c, alpha, loc = decoder.step(
-        s.feats, s.projected, s.words, s.h, s.c, mode, generator, s.joined, sharpness
-    )
-    s.alpha.index_copy_(0, t.view(1), alpha.to(s.alpha.dtype).unsqueeze(0))
-    if loc is not None:
-        s.loc.index_copy_(0, t.view(1), loc.unsqueeze(0))
-    ban = s.ban + torch.where(t == 0, s.ban_first, 0.0) + torch.where(t == max_len, s.only_end, 0.0)  # (V,)
+    logits, h, c, ban = step_every_row(decoder, s, t, max_len, mode, generator, sharpness)
     logits = logits.float()  # (N, V)
     words = torch.where(s.finished, PAD_ID, draw(logits + ban, generator))  # (N,) a finished row writes <pad>
     logp = logits.log_softmax(dim=1).gather(1, words.unsqueeze(1)).squeeze(1)  # (N,) as the beams score it

@@ -82,6 +82,25 @@ class Search:
         )
 
 
+def step_every_row(
+    decoder: AttentionDecoder, s: Search, t: torch.Tensor, max_len: int, mode: str, generator, sharpness=None
+):
+    """The decoder's step for every row at step t, its maps and locations written into the history.
+
+    Returns:
+        logits (N, V), h (N, H), c (N, H), and what the step adds to the log-probabilities (V,): the
+        banned words, <end> at the first step, all but <end> at the last.
+    """
+    logits, h, c, alpha, loc = decoder.step(
+        s.feats, s.projected, s.words, s.h, s.c, mode, generator, s.joined, sharpness
+    )
+    s.alpha.index_copy_(0, t.view(1), alpha.to(s.alpha.dtype).unsqueeze(0))
+    if loc is not None:
+        s.loc.index_copy_(0, t.view(1), loc.unsqueeze(0))
+    ban = s.ban + torch.where(t == 0, s.ban_first, 0.0) + torch.where(t == max_len, s.only_end, 0.0)  # (V,)
+    return logits, h, c, ban
+
+
 def fixed_step(
     decoder: AttentionDecoder, s: Search, t: torch.Tensor, max_len: int, mode: str, generator, sharpness=None
 ) -> None:
@@ -93,13 +112,7 @@ def fixed_step(
     """
     B, K = s.scores.shape
     V = decoder.config.vocab_size
-    logits, h, c, alpha, loc = decoder.step(
-        s.feats, s.projected, s.words, s.h, s.c, mode, generator, s.joined, sharpness
-    )
-    s.alpha.index_copy_(0, t.view(1), alpha.to(s.alpha.dtype).unsqueeze(0))
-    if loc is not None:
-        s.loc.index_copy_(0, t.view(1), loc.unsqueeze(0))
-    ban = s.ban + torch.where(t == 0, s.ban_first, 0.0) + torch.where(t == max_len, s.only_end, 0.0)  # (V,)
+    logits, h, c, ban = step_every_row(decoder, s, t, max_len, mode, generator, sharpness)
     logp = logits.float().log_softmax(dim=-1) + ban  # (N, V)
     logp = torch.where(s.finished.unsqueeze(1), s.pad_only, logp)  # frozen beams go on through <pad>, free
     scores, flat = (s.scores.view(-1, 1) + logp).view(B, K * V).topk(K, dim=1)  # (B, K)
