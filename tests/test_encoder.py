@@ -109,6 +109,33 @@ def test_resizing_where_the_pixels_are_matches_pillows(crop, size):
     assert grey_levels.max() <= 1.01 and grey_levels.mean() < 0.35  # uniform rounding: 0.25 on average
 
 
+def test_resizing_a_batch_where_the_pixels_are_resizes_each_image_alike():
+    rs = np.random.RandomState(4)
+    images = torch.from_numpy((rs.rand(3, 61, 83, 3) * 255).astype(np.uint8))  # (B, H, W, 3)
+    for crop in (False, True):
+        pre = Preprocess(crop=crop)
+        batch = pre.pixels(images)  # (B, 3, S, S)
+        assert batch.shape == (3, 3, 224, 224)
+        for x, one in zip(batch, images):
+            torch.testing.assert_close(x, pre.pixels(one))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_apis_inputs_on_a_gpu_are_each_images_own_whatever_the_sizes_mixed():
+    """On a GPU the API copies the images of one size together: each row is still its own image's, in order."""
+    from captioner import Captioner
+    from captioner.serve.sources import demo_model
+
+    rs = np.random.RandomState(5)
+    images = [(rs.rand(h, w, 3) * 255).astype(np.uint8) for h, w in ((48, 64), (64, 48), (48, 64), (30, 30))]
+    cap = Captioner.load(demo_model(), device="cuda")
+    x, sizes = cap._inputs(images)  # (B, 3, S, S)
+    assert sizes == [(64, 48), (48, 64), (64, 48), (30, 30)]
+    pre = cap.encoder_spec.preprocess
+    for row, im in zip(x, images):
+        torch.testing.assert_close(row.cpu(), pre.pixels(torch.from_numpy(im)), atol=1e-4, rtol=1e-4)
+
+
 def test_the_encoder_is_imagenets_wherever_it_is_not_chosen():
     """The Python API, `prepare`'s config and its command line agree: random weights only when asked."""
     from captioner.cli.train import get_parser

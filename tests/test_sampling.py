@@ -150,3 +150,19 @@ def test_end_is_the_only_word_at_max_len():
     for hyps in sample_captions(decoder, feats, n=5, max_len=3, generator=torch.Generator().manual_seed(0)):
         assert all(len(s.tokens) <= 3 and END_ID not in s.tokens for s in hyps)
         assert any(not s.ended for s in hyps)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_sampling_on_a_gpu_writes_the_greedy_caption_at_temperature_zero_and_repeats_with_its_seed():
+    """On CUDA (fixed shapes, eager): temperature 0 writes the graphed beam search's greedy caption, and the
+    same seed draws the same samples."""
+    decoder, feats = tiny(**DECODERS["soft"]).cuda(), features(4, seed=1).cuda()
+    (beams,) = zip(*beam_search(decoder, feats, beam_size=1, max_len=7))
+    greedy = sample_captions(decoder, feats, n=2, max_len=7, temperature=0.0)
+    for hyps, best in zip(greedy, beams):
+        assert all(s.tokens == best.tokens for s in hyps)
+    drawn = [
+        sample_captions(decoder, feats, n=3, max_len=7, generator=seeded(11, torch.device("cuda")), top_p=0.9)
+        for _ in range(2)
+    ]
+    assert [[s.tokens for s in hyps] for hyps in drawn[0]] == [[s.tokens for s in hyps] for hyps in drawn[1]]

@@ -97,16 +97,26 @@ def test_the_fixed_step_equals_the_packed_one(data_dir, scenes, attention, monke
             torch.testing.assert_close(grads_f[name], g, msg=name)
 
 
-@pytest.mark.parametrize("beam_size", [1, 3, 5])
-def test_decoding_with_fixed_shapes_gives_todays_captions_and_maps(beam_size):
-    """The bundled model on its own examples: the same captions, scores and maps either way."""
+@pytest.fixture(scope="module")
+def bundled():
+    """The bundled model and its examples' features."""
     from captioner import Captioner
     from captioner.serve.sources import demo_model, example_images
 
     cap = Captioner.load(demo_model())
-    feats, _ = cap.encode(example_images())
-    packed = beam_search(cap.decoder, feats, beam_size=beam_size, max_len=cap.max_len, shapes="packed")
-    fixed = beam_search(cap.decoder, feats, beam_size=beam_size, max_len=cap.max_len, shapes="fixed")
+    return cap, cap.encode(example_images())[0]
+
+
+@pytest.mark.parametrize("beam_size, max_len", [(1, None), (3, None), (5, None), (3, 3), (2, 4), (3, 6)])
+def test_decoding_with_fixed_shapes_gives_todays_captions_and_maps(bundled, beam_size, max_len):
+    """The bundled model on its own examples: the same captions, scores and maps either way, captions cut
+    at max_len too (the fixed shapes step in blocks, some steps past max_len)."""
+    cap, feats = bundled
+    max_len = max_len or cap.max_len
+    packed = beam_search(cap.decoder, feats, beam_size=beam_size, max_len=max_len, shapes="packed")
+    fixed = beam_search(cap.decoder, feats, beam_size=beam_size, max_len=max_len, shapes="fixed")
+    if max_len < 5:
+        assert any(not h.ended for hyps in packed for h in hyps)  # some were cut
     for a, b in zip(packed, fixed):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         for x, y in zip(a, b):
@@ -134,6 +144,9 @@ def test_graphed_decoding_equals_the_packed_search_on_the_cpu():
                 assert [h.tokens for h in b] == [h.tokens for h in c]
                 assert a[0].tokens == c[0].tokens
                 np.testing.assert_allclose(a[0].attention, c[0].attention, atol=1e-3)
+        cut = beam_search(on_cpu.decoder, feats, beam_size=3, max_len=3, shapes="packed")
+        graphed = beam_search(gpu, feats.cuda()[:5], beam_size=3, max_len=3)  # another graph: 5 images, 4 steps
+        assert [h.tokens for h in graphed[0]] == [h.tokens for h in cut[0]] and not graphed[0][0].ended
 
 
 @cuda

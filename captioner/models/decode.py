@@ -30,7 +30,7 @@ import torch
 from captioner.models.attention import EXPECTED
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.graphed_search import fixed_steps
-from captioner.models.search_state import Search, banned
+from captioner.models.search_state import Search, banned, fixed_length
 from captioner.models.vocab import END_ID, PAD_ID
 
 
@@ -84,12 +84,15 @@ def beam_search(
     """
     if beam_size < 1 or max_len < 1:
         raise ValueError(f"beam_size and max_len must be positive, got {beam_size} and {max_len}")
-    s = Search.start(decoder, features, beam_size, max_len + 1, ban_unk)
     if (shapes or ("fixed" if features.is_cuda else "packed")) == "packed":
+        s = Search.start(decoder, features, beam_size, max_len + 1, ban_unk)
         steps = _packed(decoder, s, max_len, mode, generator, ban_unk, sharpness)
     else:
+        s = Search.start(decoder, features, beam_size, fixed_length(max_len), ban_unk)
         steps = fixed_steps(decoder, s, max_len, mode, generator, graphs=graphs, sharpness=sharpness)
-    found = hypotheses(*_trace(s.word, s.parent, s.alpha, s.loc, steps), s.scores, max_len)
+    # The history goes to the host in one copy each, and is traced back there.
+    history = (x[:steps].cpu() for x in (s.word, s.parent, s.alpha, s.loc))
+    found = hypotheses(*_trace(*history), s.scores, max_len)
     key = (lambda hyp: hyp.normalized_score) if length_norm else (lambda hyp: hyp.score)
     return [sorted(hyps, key=key, reverse=True) for hyps in found]
 
@@ -147,8 +150,9 @@ def _allowed(step_logp: torch.Tensor, banned: list[int], *, last: bool) -> torch
     return step_logp
 
 
-def _trace(hist_word, hist_parent, hist_alpha, hist_loc, steps: int):
-    """Follow the back-pointers from the final beams: tokens (N, steps), α (N, steps, L), locations."""
+def _trace(hist_word, hist_parent, hist_alpha, hist_loc):
+    """Follow the back-pointers (steps, N) from the final beams: tokens (N, steps), α (N, steps, L), locations."""
+    steps = hist_word.size(0)
     N = hist_word.size(1)
     tokens = torch.empty(N, steps, dtype=torch.long, device=hist_word.device)
     alphas = hist_alpha.new_empty(N, steps, hist_alpha.size(2))

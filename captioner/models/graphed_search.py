@@ -1,12 +1,12 @@
 """Beam search with fixed shapes (`models.search_state`), its step replayed as a CUDA graph on a GPU.
 
 A search of B images × K beams over at most T steps has the same shapes at every step, so on
-CUDA its step is captured once per (decoder, B, K, T, context mode, map sharpness, dtype, device) and replayed:
-one launch per word instead of some fifty, and no Python in between. The graph works on its own
-static copy of the search's state; each search copies its start into it, replays the step,
-looks at the device every `CHECK_EVERY` steps to see whether a beam still writes, and copies its
-results back for `decode` to trace. Searches that sample locations (hard attention's
-mode="sample"), CPU searches and searches with `graphs=False` run the same step without a graph.
+CUDA a block of `CHECK_EVERY` steps is captured once per (decoder, B, K, T, context mode, map
+sharpness, dtype, device) and replayed: one launch per block of words instead of some fifty per
+word, and no Python in between. The graph works on its own static copy of the search's state; each
+search copies its start into it, replays the block until the look after it finds no beam writing,
+and copies its results back for `decode` to trace. Searches that sample locations (hard attention's
+mode="sample"), CPU searches and searches with `graphs=False` run the same blocks without a graph.
 
 Each decoder keeps its graphs in a small least-recently-used cache (`MAX_GRAPHS`), so a demo whose
 visitors move the beam and length sliders holds a bounded number. A graph is captured and
@@ -32,7 +32,8 @@ from captioner.models.decoder import AttentionDecoder, Joined
 from captioner.models.search_state import CHECK_EVERY, Search, fixed_step
 
 MAX_GRAPHS = 8  # graphs a decoder keeps, the least recently used dropped first
-WARMUP = 2  # eager steps on a side stream before a capture
+WARMUP = 1  # eager blocks on a side stream before a capture
+RESULTS = ("scores", "word", "parent", "alpha", "loc")  # what a search's graph hands back
 
 log = logging.getLogger(__name__)
 _GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder → OrderedDict {shape key: _Graphed}
@@ -55,7 +56,10 @@ def fixed_steps(
     graphs: bool = True,
     sharpness: float | None = None,
 ) -> int:
-    """Run the fixed-shape search on `s` (its fields then hold the results); returns the steps taken."""
+    """Run the fixed-shape search on `s`, whose history has room for whole blocks
+    (`search_state.fixed_length`); its fields then hold the results. Returns the steps taken."""
+    if s.word.size(0) % CHECK_EVERY:
+        raise ValueError(f"a fixed-shape search steps in blocks of {CHECK_EVERY}: room for {s.word.size(0)} steps")
     device = s.words.device
     if not replays(device, mode, graphs):
         return _eager(decoder, s, max_len, mode, generator, sharpness)
@@ -68,7 +72,7 @@ def fixed_steps(
             with no_autocast(device):
                 graphed = _cached(decoder, s, key, max_len, mode, sharpness)
                 graphed.load(s)
-                steps = _run(graphed.graph.replay, graphed.state, max_len)
+                steps = _run(graphed.graph.replay, graphed.state)
         except CaptureBroken:
             _GRAPHS.get(decoder, {}).pop(key, None)
             raise
@@ -80,14 +84,20 @@ def fixed_steps(
                 f"({first_line(e)}); searches of that shape run without a graph from here"
             )
             return _eager(decoder, s, max_len, mode, generator, sharpness)
-        for f in fields(s):  # the results, for `decode` to trace back (before the next search overwrites them)
-            setattr(s, f.name, _copy(getattr(graphed.state, f.name)))
+        for name in RESULTS:  # for `decode` to trace back, before the next search overwrites them
+            setattr(s, name, getattr(graphed.state, name).clone())
     return steps
 
 
 def _eager(decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator, sharpness) -> int:
     t = torch.zeros((), dtype=torch.long, device=s.words.device)
-    return _run(lambda: fixed_step(decoder, s, t, max_len, mode, generator, sharpness), s, max_len)
+    return _run(lambda: _block(decoder, s, t, max_len, mode, generator, sharpness), s)
+
+
+def _block(decoder: AttentionDecoder, s: Search, t: torch.Tensor, max_len: int, mode: str, generator, sharpness):
+    """`CHECK_EVERY` steps of the search: what a graph holds."""
+    for _ in range(CHECK_EVERY):
+        fixed_step(decoder, s, t, max_len, mode, generator, sharpness)
 
 
 def _cached(decoder: AttentionDecoder, s: Search, key: tuple, max_len: int, mode: str, sharpness) -> _Graphed:
@@ -102,12 +112,15 @@ def _cached(decoder: AttentionDecoder, s: Search, key: tuple, max_len: int, mode
     return graphs[key]
 
 
-def _run(step, s: Search, max_len: int) -> int:
-    for k in range(max_len + 1):
-        step()
-        if (k + 1) % CHECK_EVERY == 0 and not bool(s.writing.any()):  # the host looks every few steps
-            return k + 1
-    return max_len + 1
+def _run(block, s: Search) -> int:
+    """Run blocks of steps until none writes (the host looks after each) or the history is full."""
+    T = s.word.size(0)
+    for steps in range(CHECK_EVERY, T, CHECK_EVERY):
+        block()
+        if not bool(s.writing.any()):
+            return steps
+    block()
+    return T
 
 
 def _copy(value):
@@ -124,13 +137,13 @@ class _Graphed:
         self.t = torch.zeros((), dtype=torch.long, device=s.words.device)
         capture = GraphCapture(s.words.device)
 
-        def step():
-            fixed_step(decoder, self.state, self.t, max_len, mode, None, sharpness)
+        def block():
+            _block(decoder, self.state, self.t, max_len, mode, None, sharpness)
 
         with capture.side():
             for _ in range(WARMUP):
-                step()
-        self.graph = capture.capture(step, what=f"the search for {tuple(s.scores.shape)} (images, beams)")
+                block()
+        self.graph = capture.capture(block, what=f"the search for {tuple(s.scores.shape)} (images, beams)")
 
     def load(self, s: Search) -> None:
         """Copy a new search's start into the graph's state."""

@@ -69,19 +69,23 @@ class Preprocess:
         return _normalised(x.permute(2, 0, 1))  # (3, S, S)
 
     def pixels(self, x: torch.Tensor) -> torch.Tensor:
-        """An RGB uint8 image tensor (H, W, 3), on any device → float tensor (3, size, size) there,
-        ImageNet-normalised: `__call__`'s resize and crop, done where the tensor is."""
-        w, h = self.resized(x.size(1), x.size(0))
-        x = x.permute(2, 0, 1).unsqueeze(0).float()  # (1, 3, H, W)
-        x = F.interpolate(x, size=(h, w), mode="bilinear", antialias=True, align_corners=False)[0]  # (3, h, w)
+        """RGB uint8 images of one size (B, H, W, 3), or one (H, W, 3), on any device → float tensors
+        (B, 3, size, size) or (3, size, size) there, ImageNet-normalised: `__call__`'s resize and crop,
+        done where the pixels are."""
+        one = x.dim() == 3
+        x = x.unsqueeze(0) if one else x  # (B, H, W, 3)
+        w, h = self.resized(x.size(2), x.size(1))
+        x = x.permute(0, 3, 1, 2).float()  # (B, 3, H, W)
+        x = F.interpolate(x, size=(h, w), mode="bilinear", antialias=True, align_corners=False)  # (B, 3, h, w)
         if self.crop:
             left, top = self._crop(w, h)
-            x = x[:, top : top + self.size, left : left + self.size]
-        return _normalised(x.clamp(0, 255) / 255.0)  # (3, S, S)
+            x = x[:, :, top : top + self.size, left : left + self.size]
+        x = _normalised(x.clamp(0, 255) / 255.0)  # (B, 3, S, S)
+        return x[0] if one else x
 
 
 def _normalised(x: torch.Tensor) -> torch.Tensor:
-    """(3, S, S) in [0, 1] → ImageNet-normalised, on x's device."""
+    """(..., 3, S, S) in [0, 1] → ImageNet-normalised, on x's device."""
     mean, std = _statistics(x.device)
     return (x - mean) / std
 

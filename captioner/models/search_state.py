@@ -16,6 +16,12 @@ from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
 CHECK_EVERY = 4  # fixed shapes: steps between looks at whether any beam still writes
 
 
+def fixed_length(max_len: int) -> int:
+    """The steps a fixed-shape search has room for: max_len words and <end>, in whole blocks of
+    `CHECK_EVERY` (after <end> is forced at max_len every beam writes only <pad>, free)."""
+    return -(-(max_len + 1) // CHECK_EVERY) * CHECK_EVERY
+
+
 def banned(*, first: bool, ban_unk: bool = True) -> list[int]:
     """The words a caption may not have at a step, in decoding and in SCST's sampling alike:
     <pad>, <start>, <unk> (unless allowed), and <end> as the first word (every caption has one)."""
@@ -57,12 +63,13 @@ class Search:
         h, c = (x.repeat_interleave(K, dim=0) for x in decoder.init_state(features))  # (N, H)
         scores = torch.full((B, K), float("-inf"), device=device)
         scores[:, 0] = 0.0  # one live beam at first: no duplicates
-        masks = torch.zeros(4, V, device=device)  # ban, ban_first, only_end, pad_only
+        masks = torch.zeros(4, V)  # ban, ban_first, only_end, pad_only: made here, one copy to the device
         masks[0, banned(first=False, ban_unk=ban_unk)] = float("-inf")
         masks[1, END_ID] = float("-inf")
         masks[2, :END_ID] = masks[2, END_ID + 1 :] = float("-inf")
         masks[3] = float("-inf")
         masks[3, PAD_ID] = 0.0
+        masks = masks.to(device)
         return cls(
             features.repeat_interleave(K, dim=0),
             decoder.attention.project(features).repeat_interleave(K, dim=0),

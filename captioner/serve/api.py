@@ -137,16 +137,23 @@ class Captioner:
 
     def _inputs(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Images (paths, bytes, PIL or HxWxC arrays) → the encoder's inputs (B, 3, S, S) and the upright
-        images' sizes. On a GPU each image's pixels go there as they are and are resized there
-        (`Preprocess.pixels`); elsewhere Pillow resizes them, as `prepare` does."""
+        images' sizes. On a GPU the pixels go there as they are, one page-locked copy per image size,
+        and are resized there (`Preprocess.pixels`); elsewhere Pillow resizes them, as `prepare` does."""
         pils = [load_image(Image.fromarray(im) if isinstance(im, np.ndarray) else im) for im in images]
         preprocess = self.encoder_spec.preprocess
-        if self.device.type == "cuda":
-            on_device = (torch.from_numpy(np.array(p)).to(self.device, non_blocking=True) for p in pils)
-            x = torch.stack([preprocess.pixels(p) for p in on_device])  # (B, 3, S, S)
-        else:
-            x = torch.stack([preprocess(p) for p in pils])  # (B, 3, S, S)
-        return x, [p.size for p in pils]
+        if self.device.type != "cuda":
+            return torch.stack([preprocess(p) for p in pils]), [p.size for p in pils]  # (B, 3, S, S)
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for i, p in enumerate(pils):
+            by_size.setdefault(p.size, []).append(i)
+        rows: list[torch.Tensor] = [None] * len(pils)
+        for (w, h), which in by_size.items():
+            host = torch.empty((len(which), h, w, 3), dtype=torch.uint8, pin_memory=True)  # (n, H, W, 3)
+            for j, i in enumerate(which):
+                host[j].numpy()[...] = np.asarray(pils[i])
+            for i, x in zip(which, preprocess.pixels(host.to(self.device, non_blocking=True))):
+                rows[i] = x  # (3, S, S)
+        return torch.stack(rows), [p.size for p in pils]  # (B, 3, S, S)
 
     @torch.inference_mode()
     def encode(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
