@@ -235,7 +235,7 @@ def fit_step(
     )
     model_cfg = DecoderConfig(V, encoder_dim=D, dropout=0.5, attention=attention)
     model_cfg, cfg = settle(model_cfg, cfg, vocab_size=V, device=device)
-    decoder = AttentionDecoder.from_config(model_cfg).to(device)
+    decoder = AttentionDecoder(model_cfg).to(device)
     if compile:
         decoder.compile_step()
     views = objective == "default"

@@ -44,7 +44,7 @@ def time_steps(
         None, TrainConfig.of(batch_size=batch_size, fine_tune=fine_tune), vocab_size=len(data.vocab), device=cpu,
         views=data.views is not None,
     )  # fmt: skip
-    decoder = AttentionDecoder.from_config(model_cfg)
+    decoder = AttentionDecoder(model_cfg)
     decoder.set_feature_stats(*data.feature_stats())
     groups, encoder = [{"params": list(decoder.parameters())}], None
     views = cfg.terms.consistency > 0 and (fine_tune is not None or data.views is not None)

@@ -53,6 +53,19 @@ def test_contract_signature_with_paper_sizes():
     assert logits.shape == (3, 4, 50) and alphas.shape == (3, 4, 196)
 
 
+def test_the_decoder_is_built_from_its_config_alone():
+    """A settled config is the model's own; keywords are the paper's config with those fields; an unsettled
+    config, or a config and keywords both, are refused."""
+    cfg = DecoderConfig(vocab_size=V, encoder_dim=D, embed_dim=8, dropout=0.1, word_query=True, decode_sharpness=2.0)
+    assert AttentionDecoder(cfg).config is cfg
+    assert AttentionDecoder(vocab_size=V, embed_dim=8).config == DecoderConfig.paper(vocab_size=V, embed_dim=8)
+    assert DecoderConfig.paper(vocab_size=V) == DecoderConfig(V, dropout=0.5, word_query=False, decode_sharpness=1.0)
+    with pytest.raises(ValueError, match="word_query, decode_sharpness not settled"):
+        AttentionDecoder(DecoderConfig(vocab_size=V, dropout=0.0))
+    with pytest.raises(TypeError):
+        AttentionDecoder(cfg, dropout=0.0)
+
+
 def test_padding_is_masked():
     """What sits in the padding changes neither the loss nor the real positions' outputs."""
     dec = tiny()

@@ -218,7 +218,7 @@ def read_trained(ck: dict, source: str) -> Trained:
             is malformed (the message names `source`).
     """
     try:
-        decoder = AttentionDecoder.from_config(DecoderConfig(**current_decoder(ck["decoder"])))
+        decoder = AttentionDecoder(DecoderConfig(**current_decoder(ck["decoder"])))
         decoder.load_state_dict(ck["model"])
         vocab = Vocabulary(ck["vocab"])
         spec = EncoderSpec.from_dict(ck["encoder"])

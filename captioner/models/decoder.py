@@ -44,48 +44,28 @@ class Joined(NamedTuple):
 
 
 class AttentionDecoder(nn.Module):
-    """Caption generator over annotation vectors.
+    """Caption generator over annotation vectors, built from its config alone.
 
-    Args:
-        vocab_size: V, including <pad>, <start>, <end>, <unk>.
-        encoder_dim: D, size of an annotation vector.
-        embed_dim: E, word embedding size (also the deep output layer's width).
-        hidden_dim: H, LSTM size.
-        attention_dim: A, hidden size of the attention MLP.
-        dropout: dropout before the output layer L_o.
-        attention: "soft" or "hard" (how it is trained; both decode with the expected context).
-        word_query: attend from h_{t-1} and the word just written (False: h_{t-1} alone, the paper).
-        decode_sharpness: k, decoding's maps are softmax(k e_t) (1: the maps as trained).
+    `AttentionDecoder(config)` takes a settled config (`train.settle` settles a run's);
+    `AttentionDecoder(vocab_size=V, ...)` is `AttentionDecoder(DecoderConfig.paper(vocab_size=V, ...))`:
+    the fields given, and the paper's settings for the rest.
     """
 
-    def __init__(
-        self,
-        *,
-        vocab_size: int,
-        encoder_dim: int = 512,
-        embed_dim: int = 512,
-        hidden_dim: int = 512,
-        attention_dim: int = 512,
-        dropout: float = 0.5,
-        attention: str = "soft",
-        word_query: bool = False,
-        decode_sharpness: float = 1.0,
-    ):
+    def __init__(self, config: DecoderConfig | None = None, /, **fields):
         super().__init__()
-        self.config = DecoderConfig(
-            vocab_size,
-            encoder_dim,
-            embed_dim,
-            hidden_dim,
-            attention_dim,
-            float(dropout),
-            attention,
-            bool(word_query),
-            float(decode_sharpness),
-        )
-        E, D, H = embed_dim, encoder_dim, hidden_dim
-        self.embedding = nn.Embedding(vocab_size, E)  # E, the word embedding matrix
-        self.attention = Attention(D, H, attention_dim, E if word_query else None)  # f_att
+        if (config is None) == (not fields):
+            raise TypeError("AttentionDecoder takes a DecoderConfig or its fields as keywords, one of the two")
+        config = config or DecoderConfig.paper(**fields)
+        unsettled = [k for k, v in asdict(config).items() if v is None]
+        if unsettled:
+            raise ValueError(
+                f"DecoderConfig.{', '.join(unsettled)} not settled: `train.settle` settles a run's, "
+                "DecoderConfig.paper(...) gives the paper's"
+            )
+        self.config = config
+        V, D, E, H, A = config.vocab_size, config.encoder_dim, config.embed_dim, config.hidden_dim, config.attention_dim
+        self.embedding = nn.Embedding(V, E)  # E, the word embedding matrix
+        self.attention = Attention(D, H, A, E if config.word_query else None)  # f_att
         self.f_beta = nn.Linear(H, 1)  # gating scalar β_t = σ(f_β(h_{t-1})), §4.2.1
         self.init_h = nn.Linear(D, H)  # f_init,h on the mean annotation
         self.init_c = nn.Linear(D, H)  # f_init,c on the mean annotation
@@ -97,21 +77,13 @@ class AttentionDecoder(nn.Module):
         # Eq. (7), deep output: p(y_t) ∝ exp(L_o(E y_{t-1} + L_h h_t + L_z ẑ_t)).
         self.L_h = nn.Linear(H, E)
         self.L_z = nn.Linear(D, E, bias=False)
-        self.L_o = nn.Linear(E, vocab_size)
-        self.dropout = nn.Dropout(self.config.dropout)
+        self.L_o = nn.Linear(E, V)
+        self.dropout = nn.Dropout(config.dropout)
         # Fixed per-channel standardisation of the annotation vectors, set from the training
         # features by `fit` (VGG channels differ in scale by orders of magnitude; standardised
         # inputs train much faster). Saved with the weights.
-        self.register_buffer("feature_mean", torch.zeros(encoder_dim))
-        self.register_buffer("feature_std", torch.ones(encoder_dim))
-
-    @classmethod
-    def from_config(cls, config: DecoderConfig) -> AttentionDecoder:
-        """The model of a settled config (`fit` settles the fields left None: `train.settle`)."""
-        unsettled = [k for k, v in asdict(config).items() if v is None]
-        if unsettled:
-            raise ValueError(f"DecoderConfig.{', '.join(unsettled)} not settled: `train.settle` settles them")
-        return cls(**asdict(config))
+        self.register_buffer("feature_mean", torch.zeros(D))
+        self.register_buffer("feature_std", torch.ones(D))
 
     # the step: attend, then advance
 

@@ -41,5 +41,11 @@ class DecoderConfig:
             raise OptionError(f"--attention must be 'soft' or 'hard', got {self.attention!r}")
         check_positive(self, "decode_sharpness")
 
+    @classmethod
+    def paper(cls, **fields) -> DecoderConfig:
+        """A settled config for a model built by hand: the given fields, and the paper's settings for the
+        others that `fit` settles (dropout 0.5, attention from h_{t-1} alone, maps as trained)."""
+        return cls(**{"dropout": 0.5, "word_query": False, "decode_sharpness": 1.0, **fields})
+
     def to_dict(self) -> dict:
         return asdict(self)

@@ -153,7 +153,7 @@ def build(
 
 def _decoder(data: CaptionData, model_cfg: DecoderConfig, device, init: dict | None, *, compile: bool):
     """The decoder to train: fresh, or --init's weights; its step compiled with --compile."""
-    decoder = AttentionDecoder.from_config(model_cfg)
+    decoder = AttentionDecoder(model_cfg)
     decoder.set_feature_stats(*data.feature_stats())
     decoder = decoder.to(device)
     if init is not None:
