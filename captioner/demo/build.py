@@ -46,7 +46,6 @@ from captioner.models.checkpoint import carry_encoder_weights, load_checkpoint, 
 from captioner.models.encoder import EncoderSpec
 from captioner.options import Device, add_options, check_device, from_args
 from captioner.scenes import judge as scenes
-from captioner.scenes.synthetic import generate
 from captioner.serve.export import export
 from captioner.serve.sources import DEMO_MODEL, EXAMPLES_DIR
 from captioner.train.config import TrainConfig
@@ -93,7 +92,7 @@ class BuildOptions:
 def build(opts: BuildOptions, work: str, *, model_dir: str = DEMO_MODEL, examples_dir: str = EXAMPLES_DIR) -> dict:
     """Make the demo model (an exported folder) and its examples; returns the model card."""
     t0, device = time.monotonic(), str(choose_device(opts.device))
-    src = scene_set(os.path.join(work, "scenes"), opts.n, opts.seed, generate)
+    src = scene_set(os.path.join(work, "scenes"), opts.n, opts.seed)
     encoder, pretrained = _encoder(opts, src, work, device)
     data = prepared(src, os.path.join(work, "data"), device=device, progress=True, encoder=encoder)
     boxes = os.path.join(src, "boxes.json")

@@ -23,7 +23,6 @@ from captioner.io import read_json
 from captioner.models.decoder import DecoderConfig
 from captioner.models.decoding import Decoding
 from captioner.models.encoder import EncoderSpec
-from captioner.scenes.synthetic import generate
 from captioner.serve.api import Caption, Captioner
 from captioner.train.config import TrainConfig
 from captioner.train.recipe import prepared, scene_set, trained
@@ -103,7 +102,7 @@ def work_dir() -> str:
 
 def synthetic_scenes(root: str, n: int, seed: int) -> str:
     """Generate n synthetic scenes under root (reused if already there); returns their directory."""
-    return scene_set(os.path.join(root, f"scenes-n{n}-s{seed}"), n, seed, generate)
+    return scene_set(os.path.join(root, f"scenes-n{n}-s{seed}"), n, seed)
 
 
 def scene_images(root: str, n: int = 6, seed: int = 1234) -> list[str]:

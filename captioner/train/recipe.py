@@ -13,20 +13,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
 
 import torch
 
 from captioner.io import read_json
 from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
+from captioner.scenes.synthetic import generate
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
 from captioner.train.prepare import PrepareConfig, prepare
 
 
-def scene_set(out: str, n: int, seed: int, generate: Callable) -> str:
-    """n scenes of `generate(out, n, seed=seed)` (a `captioner.scenes` generator) in `out`, made once."""
+def scene_set(out: str, n: int, seed: int) -> str:
+    """n scenes of `python -m captioner.scenes.synthetic OUT --n N --seed SEED` in `out`, made once."""
     if not os.path.isfile(os.path.join(out, "boxes.json")):  # written last
         generate(out, n, seed=seed)
     return out
