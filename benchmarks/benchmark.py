@@ -45,8 +45,8 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sgrvinod_decoder import TutorialDecoder, load_tutorial_models, tutorial_loss, tutorial_train_step  # noqa: E402
 
+from captioner.cuda_graphs import GraphCapture  # noqa: E402
 from captioner.data.batches import Batch, FixedShapes  # noqa: E402
-from captioner.models.cuda_graphs import GraphCapture  # noqa: E402
 from captioner.models.decoder import AttentionDecoder, DecoderConfig  # noqa: E402
 from captioner.models.encoder import EncoderSpec, build_encoder  # noqa: E402
 from captioner.models.fast_encoder import optimize_encoder  # noqa: E402
@@ -391,7 +391,7 @@ def bench_search_profile(device: torch.device, beam_size: int = 3, n: int = 5) -
     from torch.profiler import ProfilerActivity, profile
 
     from captioner import Captioner
-    from captioner.models.decode import beam_search
+    from captioner.decoding.decode import beam_search
     from captioner.serve.sources import demo_model
 
     cap = Captioner.load(demo_model(), device=str(device))
@@ -513,7 +513,7 @@ def bench_prepare(device: torch.device, small: int, large: int) -> dict:
 def bench_caption(device: torch.device, repeats: int) -> dict:
 
     from captioner import Captioner
-    from captioner.models.decode import beam_search
+    from captioner.decoding.decode import beam_search
     from captioner.serve.sources import demo_model
 
     cap = Captioner.load(demo_model(), device=str(device))
@@ -549,7 +549,7 @@ def bench_caption_batch(device: torch.device, repeats: int, batch: int = 64) -> 
     then its parts, each alone: the API's preprocessing and the beam search."""
 
     from captioner import Captioner
-    from captioner.models.decode import beam_search
+    from captioner.decoding.decode import beam_search
     from captioner.serve.sources import demo_model
 
     cap = Captioner.load(demo_model(), device=str(device))

@@ -13,11 +13,11 @@ from matplotlib.figure import Figure
 from pycocotools.coco import COCO
 
 from captioner.data.dataset import CaptionData
+from captioner.decoding.settings import Decoding
 from captioner.errors import CaptionerError
 from captioner.evaluation.captioning import caption_split
 from captioner.lab import analysis, plots, recipes
 from captioner.models.decoder import DecoderConfig
-from captioner.models.decoding import Decoding
 from captioner.models.vocab import Vocabulary
 from captioner.serve.api import Caption, Captioner
 from captioner.train.config import TrainConfig

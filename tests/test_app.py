@@ -28,12 +28,12 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 from captioner import Captioner, CaptionerError
+from captioner.decoding.settings import Decoding
 from captioner.demo.card import examples_note, model_card, model_notice
 from captioner.demo.handlers import Batcher, Demo, PageOutputs, Session
 from captioner.demo.options import PAGE_TOP_P, DemoOptions
 from captioner.demo.uploads import read_upload, upload_source
 from captioner.demo.views import fit_view
-from captioner.models.decoding import Decoding
 from captioner.models.hub import download_checkpoint, resolve, sha256_file
 from captioner.serve.api import Caption
 

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from captioner.data.dataset import CaptionData
+from captioner.decoding.settings import Decoding
 from captioner.evaluation.captioning import caption_split, score_validation
 from captioner.models.checkpoint import current_train, load_checkpoint, read_trained
 from captioner.models.decoder import DecoderConfig
-from captioner.models.decoding import Decoding
 from captioner.train.averaging import WeightAverage
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from captioner.decoding.decode import Hypothesis, beam_search
+from captioner.decoding.search_state import banned
 from captioner.models.attention import ARGMAX, EXPECTED
-from captioner.models.decode import Hypothesis, beam_search
 from captioner.models.decoder import AttentionDecoder
-from captioner.models.search_state import banned
 from captioner.models.vocab import END_ID, PAD_ID, START_ID
 
 L, D = 16, 8  # a small grid and feature size: the search does not care how large

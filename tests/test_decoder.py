@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from captioner.decoding.decode import beam_search
 from captioner.models.attention import ARGMAX, EXPECTED, SAMPLE
 from captioner.models.checkpoint import current_decoder
-from captioner.models.decode import beam_search
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.fused import fused_unroll
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID

@@ -17,10 +17,10 @@ import torch
 
 import captioner.train.parts as parts_module
 from captioner.cli import selfcheck
+from captioner.cuda_graphs import FELL_BACK, CaptureBroken
+from captioner.decoding import graphed_search
+from captioner.decoding.decode import beam_search
 from captioner.errors import CaptionerError
-from captioner.models import graphed_search
-from captioner.models.cuda_graphs import FELL_BACK, CaptureBroken
-from captioner.models.decode import beam_search
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
@@ -126,7 +126,7 @@ def test_batches_of_any_size_share_a_few_search_shapes():
 
 
 def test_a_cuda_error_is_said_in_one_line():
-    from captioner.models.cuda_graphs import first_line
+    from captioner.cuda_graphs import first_line
 
     error = RuntimeError("CUDA error: operation failed due to a previous error during capture\nSearch for ...\n")
     assert first_line(error) == "RuntimeError: CUDA error: operation failed due to a previous error during capture"

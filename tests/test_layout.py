@@ -118,6 +118,7 @@ def test_subpackages_are_the_layers():
     assert subpackages == [
         "cli",
         "data",
+        "decoding",
         "demo",
         "evaluation",
         "lab",

@@ -16,10 +16,10 @@ from PIL import Image
 from captioner import Captioner, CaptionerError
 from captioner.cli import train as train_cli
 from captioner.data.dataset import CaptionData
+from captioner.decoding.settings import Decoding
 from captioner.evaluation.evaluate import evaluate
 from captioner.evaluation.maps import upsample
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
-from captioner.models.decoding import Decoding
 from captioner.serve.heatmaps import attention_figure
 
 METRICS = ["BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr"]

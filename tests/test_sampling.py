@@ -1,4 +1,4 @@
-"""Sampled captions (`models.sampling`) and the decoding settings (`models.decoding`): a temperature of 0
+"""Sampled captions (`decoding.sampling`) and the decoding settings (`decoding.settings`): a temperature of 0
 and top-k = 1 write the greedy caption; every sample's score and maps are the decoder's under teacher
 forcing on that sample; the words come from the distribution asked for; the same seed, the same
 samples; the settings refuse what cannot be decoded, by name."""
@@ -10,12 +10,12 @@ import pytest
 import torch
 from test_beam_teacher import DECODERS, Forced, features, tiny
 
+from captioner.decoding.decode import beam_search
+from captioner.decoding.sampling import Draw, sample_captions, sampling_step
+from captioner.decoding.search_state import Search, banned
+from captioner.decoding.settings import Decoding, decode, seeded
 from captioner.errors import OptionError
 from captioner.models.attention import ARGMAX, EXPECTED, SAMPLE
-from captioner.models.decode import beam_search
-from captioner.models.decoding import Decoding, decode, seeded
-from captioner.models.sampling import Draw, sample_captions, sampling_step
-from captioner.models.search_state import Search, banned
 from captioner.models.vocab import END_ID
 
 

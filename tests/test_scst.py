@@ -174,7 +174,7 @@ def _batch(feats):
 
 
 def test_greedy_baseline_is_the_greedy_captions_reward():
-    from captioner.models.decode import beam_search
+    from captioner.decoding.decode import beam_search
 
     dec, scorer, feats = toy()
     objective = Objective(dec, [SelfCritical(ScstConfig(samples=4, baseline="greedy"), scorer, max_len=6)])

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from captioner.cuda_graphs import GraphCapture
 from captioner.data.batches import CaptionBatches, FixedShapes
 from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
+from captioner.decoding.decode import beam_search
 from captioner.models import attention as f_att
 from captioner.models import decoder
-from captioner.models.cuda_graphs import GraphCapture
-from captioner.models.decode import beam_search
 from captioner.models.decoder import AttentionDecoder
 from captioner.objectives import consistency
 from captioner.objectives.objective import Objective, objective_terms

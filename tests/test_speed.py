@@ -9,7 +9,7 @@ import pytest
 import torch
 import torchvision
 
-from captioner.models.decode import beam_search
+from captioner.decoding.decode import beam_search
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.models.fast_encoder import FusedVGG, _WinogradConv, native_bf16, onednn_available, optimize_encoder

@@ -7,7 +7,7 @@ import os
 if os.environ.get("CAPTIONER_BREAK_CAPTURE"):
     import torch
 
-    from captioner.models import cuda_graphs
+    from captioner import cuda_graphs
 
     _capture = cuda_graphs.GraphCapture.capture
 

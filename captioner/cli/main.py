@@ -14,10 +14,10 @@ from tqdm import tqdm
 
 from captioner.cli.run import ArgumentParser, run
 from captioner.cli.selfcheck import SelfCheckOptions, selfcheck
+from captioner.decoding.settings import Decoding
 from captioner.demo.options import DemoOptions
 from captioner.errors import CaptionerError, OptionError
 from captioner.io import write_json_atomic
-from captioner.models.decoding import Decoding
 from captioner.options import Device, add_options, check_device, check_positive, from_args
 from captioner.serve import bulk
 from captioner.serve.api import Captioner

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Annotated
 
-from captioner.models.cuda_graphs import FELL_BACK
+from captioner.cuda_graphs import FELL_BACK
 from captioner.options import Device, check_device
 
 TRAIN = [sys.executable, "-m", "captioner.cli.train"]

@@ -18,10 +18,10 @@ from typing import Annotated, Literal
 
 from captioner.cli import coco
 from captioner.cli.run import ArgumentParser, renamed, run
+from captioner.decoding.settings import Decoding
 from captioner.evaluation.evaluate import evaluate, results_path
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import DecoderConfig
-from captioner.models.decoding import Decoding
 from captioner.options import Device, add_options, check_device, from_args
 from captioner.train import distributed
 from captioner.train.config import TrainConfig

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import gradio as gr
 from PIL import Image, ImageOps
 
+from captioner.decoding.settings import Decoding
 from captioner.demo.options import PAGE_TOP_P
 from captioner.demo.uploads import read_upload
 from captioner.demo.views import (
@@ -39,7 +40,6 @@ from captioner.demo.views import (
     large_label,
 )
 from captioner.errors import CaptionerError
-from captioner.models.decoding import Decoding
 from captioner.serve import heatmaps as viz
 from captioner.serve.api import Caption, Captioner
 from captioner.serve.batcher import Batcher

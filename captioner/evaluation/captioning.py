@@ -14,10 +14,10 @@ import torch
 
 from captioner.data.dataset import CaptionData
 from captioner.data.encoder_inputs import complete_input_cache, encoded_features
+from captioner.decoding.decode import Hypothesis
+from captioner.decoding.settings import Decoding, decode, seeded
 from captioner.evaluation.metrics import score_captions
-from captioner.models.decode import Hypothesis
 from captioner.models.decoder import AttentionDecoder
-from captioner.models.decoding import Decoding, decode, seeded
 from captioner.models.encoder import Encoder, apply_encoder_state
 from captioner.models.tuned import TunedEncoder, layers_of
 from captioner.models.vocab import Vocabulary
@@ -46,7 +46,7 @@ def caption_split(
         shard: (rank, world): caption only every world-th image from rank on.
         features: rows → (n, L, D) features; default the data's cache (a fine-tuned encoder's
             features are not in it: see finetune.py).
-        graphs: on a GPU, replay the search's step as a CUDA graph (`models.graphed_search`).
+        graphs: on a GPU, replay the search's step as a CUDA graph (`decoding.graphed_search`).
 
     Returns:
         image id → caption text, and image id → its hypothesis (with its attention).

@@ -17,11 +17,11 @@ import numpy as np
 from PIL import Image
 
 from captioner.data.dataset import CaptionData
+from captioner.decoding.settings import Decoding
 from captioner.errors import CaptionerError
 from captioner.evaluation.captioning import caption_split
 from captioner.io import read_json
 from captioner.models.decoder import DecoderConfig
-from captioner.models.decoding import Decoding
 from captioner.models.encoder import EncoderSpec
 from captioner.serve.api import Caption, Captioner
 from captioner.train.config import TrainConfig

@@ -27,13 +27,13 @@ from typing import Annotated, Literal, NamedTuple
 import numpy as np
 import torch
 
+from captioner.cuda_graphs import no_autocast
 from captioner.data.dataset import CaptionData
+from captioner.decoding.decode import beam_search
+from captioner.decoding.search_state import CHECK_EVERY, banned
 from captioner.errors import OptionError
 from captioner.models.attention import EXPECTED, SAMPLE, sample_from
-from captioner.models.cuda_graphs import no_autocast
-from captioner.models.decode import beam_search
 from captioner.models.decoder import AttentionDecoder
-from captioner.models.search_state import CHECK_EVERY, banned
 from captioner.models.vocab import END_ID, PAD_ID, START_ID
 from captioner.objectives.cider import NgramScorer, References, cached_document_frequency
 from captioner.objectives.reinforce import LOG_EPS
@@ -109,7 +109,7 @@ def sample_captions(
     """Draw n captions per image from the decoder, step by step, keeping the graph for log p.
 
     Uses the decoder's own `step`, as beam search does; the same words are banned
-    (`models.decode.banned`: <pad>, <start>, <unk>, and <end> as the first word, so no caption
+    (`decoding.search_state.banned`: <pad>, <start>, <unk>, and <end> as the first word, so no caption
     is empty) and a caption reaching max_len words is ended there, as in decoding.
 
     Args:

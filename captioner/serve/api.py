@@ -12,14 +12,14 @@ import torch
 from PIL import Image
 
 from captioner.data.images import load_image
+from captioner.decoding.decode import Hypothesis
+from captioner.decoding.graphed_search import replays
+from captioner.decoding.settings import Decoding, decode, seeded
 from captioner.models.attention import ARGMAX, SAMPLE
-from captioner.models.decode import Hypothesis
 from captioner.models.decoder import AttentionDecoder
-from captioner.models.decoding import Decoding, decode, seeded
 from captioner.models.encoder import EncoderSpec, rebuild_encoder
 from captioner.models.familiarity import FamiliarityStats, familiarity
 from captioner.models.fast_encoder import optimize_encoder
-from captioner.models.graphed_search import replays
 from captioner.models.hub import load_trained
 from captioner.models.vocab import Vocabulary
 
@@ -187,7 +187,7 @@ class Captioner:
             images: paths, bytes, PIL images or HxWxC uint8 arrays.
             beam_size: K (1 is greedy; default 3).
             batch_size: images per forward pass.
-            decoding: the decoding settings (`models.decoding.Decoding`); keywords change them.
+            decoding: the decoding settings (`decoding.settings.Decoding`); keywords change them.
             **settings: any of `Decoding`'s fields: max_len (default: the training maximum),
                 length_norm, mode ("expected", or "argmax" or "sample" for hard-attention models),
                 seed, sharpness; method="sampling" with temperature, top_k, top_p and n.

@@ -9,8 +9,8 @@ from concurrent.futures import Future
 
 from PIL import Image
 
-from captioner.models.cuda_graphs import CaptureBroken
-from captioner.models.decoding import Decoding
+from captioner.cuda_graphs import CaptureBroken
+from captioner.decoding.settings import Decoding
 from captioner.serve.api import Caption, Captioner
 
 

@@ -20,11 +20,11 @@ import time
 
 from tqdm import tqdm
 
+from captioner.cuda_graphs import CaptureBroken
 from captioner.data.dataset import CaptionData
 from captioner.data.prefetch import prefetched
+from captioner.decoding import graphed_search
 from captioner.errors import CaptionerError
-from captioner.models import graphed_search
-from captioner.models.cuda_graphs import CaptureBroken
 from captioner.models.decoder import DecoderConfig
 from captioner.train import distributed, resilience, telemetry
 from captioner.train.config import CheckpointConfig, Progress, ScheduleConfig, TrainConfig

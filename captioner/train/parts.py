@@ -18,11 +18,11 @@ from typing import NamedTuple
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from captioner.cuda_graphs import GraphCapture
 from captioner.data.batches import CaptionBatches, TrainingImages
 from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
-from captioner.models.cuda_graphs import GraphCapture
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.objectives.terms import TermState
 from captioner.options import command_line

@@ -245,7 +245,7 @@ class FaultLog:
 
 
 def end_broken(checkpoints, run_log, progress, metrics: dict, error: CaptionerError) -> None:
-    """A graph's capture failed inside CUDA (`models.cuda_graphs.CaptureBroken`): log it, save last.pt as of
+    """A graph's capture failed inside CUDA (`cuda_graphs.CaptureBroken`): log it, save last.pt as of
     the last whole step, and raise the one line that says how the run goes on.
 
     Args:

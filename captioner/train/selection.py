@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import time
 
+from captioner.decoding.settings import Decoding
 from captioner.evaluation.captioning import caption_split, score_validation
 from captioner.evaluation.health import advice, attention_health, problems
 from captioner.evaluation.health import summary as health_summary
-from captioner.models.decoding import Decoding
 from captioner.train import distributed
 from captioner.train.config import Progress, ScheduleConfig
 from captioner.train.parts import Parts

@@ -11,13 +11,13 @@ summed over processes on the device, and so is the skip flag, so that all proces
 With fixed shapes on CUDA (`objectives.passes`), when every term is capturable and the run is
 one process, each length bucket's step is captured once as a CUDA graph after a few eager
 steps on a side stream (PyTorch's "whole-network capture": forward, backward, clipping, Adam,
-the average, the terms' state; `models.cuda_graphs`) and then replayed: one launch per step,
+the average, the terms' state; `cuda_graphs`) and then replayed: one launch per step,
 the batch first copied into the graph's static inputs. The random draws (dropout, hard
 attention's locations, the consistency's picks) come from generators registered with the
 graph, so each replay draws anew. A capture refused before CUDA began it, or a replay that fails,
 is logged once with its error and shape; that batch, and every later one of its shape, then runs
 eagerly, exactly as it would have without graphs. A capture that fails inside CUDA raises
-`CaptureBroken`: the process cannot go on safely (`models.cuda_graphs`), and `fit` ends there.
+`CaptureBroken`: the process cannot go on safely (`cuda_graphs`), and `fit` ends there.
 The graphs read the learning rates from tensors they own: a schedule that sets a rate as a float
 (ReduceLROnPlateau on some torch versions, a resumed optimizer's state) is copied into them before
 the next step.
@@ -33,7 +33,7 @@ from dataclasses import fields
 import torch
 import torch.distributed as torch_dist
 
-from captioner.models.cuda_graphs import FELL_BACK, CaptureBroken, GraphCapture, autocast, first_line
+from captioner.cuda_graphs import FELL_BACK, CaptureBroken, GraphCapture, autocast, first_line
 from captioner.train import distributed
 from captioner.train.averaging import WeightAverage
 from captioner.train.config import OptimConfig
@@ -66,7 +66,7 @@ class TrainStep:
         generator: the terms' random draws (one stream per process).
         d, device: this process's place and device.
         steps: optimizer steps taken so far (a resumed run's), for the average's ramp.
-        graphs: what captures and replays the graphs (`models.cuda_graphs.GraphCapture`), or None for
+        graphs: what captures and replays the graphs (`cuda_graphs.GraphCapture`), or None for
             eager steps only; used where the module doc says a step can be captured.
         on_fallback: called with a message when a graph fails and its shape goes eager.
     """

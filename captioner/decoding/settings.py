@@ -3,8 +3,8 @@
 `Decoding` is the one set of settings that the Python API, `captioner caption`, `evaluate`, the
 demo's request batcher and its page, and the search-graph cache read; the command lines derive
 their flags and help from its fields. `decode` runs the routine it names:
-- "beam": the batched beam search (`models.decode`; greedy is one beam);
-- "sampling": captions drawn word by word, with temperature, top-k and top-p (`models.sampling`).
+- "beam": the batched beam search (`decoding.decode`; greedy is one beam);
+- "sampling": captions drawn word by word, with temperature, top-k and top-p (`decoding.sampling`).
 
 A new method is a new routine, one more `Literal` value and one line in `decode`.
 Symbols: B images, L locations, D feature size.
@@ -17,11 +17,11 @@ from typing import Annotated, Literal
 
 import torch
 
+from captioner.decoding.decode import Hypothesis, beam_search
+from captioner.decoding.sampling import sample_captions
 from captioner.errors import OptionError
 from captioner.models.attention import CONTEXT_MODES, EXPECTED, SAMPLE
-from captioner.models.decode import Hypothesis, beam_search
 from captioner.models.decoder import AttentionDecoder
-from captioner.models.sampling import sample_captions
 
 MAX_BEAMS = 50  # most beams, and most samples, per image
 SAMPLING_ONLY = ("temperature", "top_k", "top_p", "n")
@@ -138,7 +138,7 @@ def decode(
         max_len: most words where `settings.max_len` is None (the model's training maximum).
         generator: the random source of sampling and of mode "sample"; default one seeded with
             `settings.seed` on the features' device (pass one to go on drawing across batches).
-        shapes, graphs: the beam search's (`models.decode.beam_search`).
+        shapes, graphs: the beam search's (`decoding.decode.beam_search`).
 
     Returns:
         For each image its hypotheses: the beams, best first, or the samples in the order drawn.

@@ -14,8 +14,8 @@ One search, two shapes (the same captions and maps: tests):
   the K−1 empty beams of the first step), and the search stops as soon as none writes;
 - fixed (GPUs): every beam steps every time, a finished beam's step thrown away, and the host
   looks at the device only every `CHECK_EVERY` steps to see whether all beams have ended
-  (`models.search_state`). On CUDA each step runs as a captured CUDA graph, replayed
-  (`models.graphed_search`).
+  (`decoding.search_state`). On CUDA each step runs as a captured CUDA graph, replayed
+  (`decoding.graphed_search`).
 
 Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 """
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from captioner.decoding.graphed_search import fixed_steps
+from captioner.decoding.search_state import Search, banned, fixed_length
 from captioner.models.attention import EXPECTED
 from captioner.models.decoder import AttentionDecoder
-from captioner.models.graphed_search import fixed_steps
-from captioner.models.search_state import Search, banned, fixed_length
 from captioner.models.vocab import END_ID, PAD_ID
 
 
@@ -76,7 +76,7 @@ def beam_search(
         mode: context from α: "expected" (soft), "argmax" or "sample" (hard models).
         generator: random source for mode="sample".
         shapes: "packed" or "fixed" (see the module doc); default: fixed on a GPU, packed elsewhere.
-        graphs: on a GPU, replay the fixed-shape step as a CUDA graph (`models.graphed_search`).
+        graphs: on a GPU, replay the fixed-shape step as a CUDA graph (`decoding.graphed_search`).
         sharpness: k of the maps softmax(k e_t) (None: the model's `decode_sharpness`).
 
     Returns:

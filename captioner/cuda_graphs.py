@@ -1,5 +1,5 @@
 """Capturing CUDA graphs as PyTorch's CUDA notes document it, in one place: the training step
-(`train.step`) and the fixed-shape search (`models.graphed_search`) both capture through it.
+(`train.step`) and the fixed-shape search (`decoding.graphed_search`) both capture through it.
 
 The rules it keeps, each of which the callers would otherwise have to remember:
 - warm-up and capture run on one side stream of the tensors' own device (not the current one);

@@ -1,5 +1,5 @@
 """The state of a batched beam search, and its fixed-shape step: what the one decoding routine
-(`models.decode`) and its CUDA graphs (`models.graphed_search`) share.
+(`decoding.decode`) and its CUDA graphs (`decoding.graphed_search`) share.
 
 Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 """

@@ -5,11 +5,11 @@ words. The words a beam search bans are banned here too, and at `max_len` words 
 word left, so a temperature of 0 (always the likeliest word), or top-k = 1, writes the greedy
 caption: beam search at one beam (a test holds them equal).
 
-The search's state and fixed-shape step are the beam search's (`models.search_state`): every row
+The search's state and fixed-shape step are the beam search's (`decoding.search_state`): every row
 steps every time, a finished row writes <pad>, and the host looks at the device only every
 `CHECK_EVERY` steps. On a GPU the steps run eagerly, not as a CUDA graph: each draws from the
 caller's seeded generator, whose state a graph would have to carry between replays; hard
-attention's sampled locations run eagerly for the same reason (`models.graphed_search`).
+attention's sampled locations run eagerly for the same reason (`decoding.graphed_search`).
 
 Symbols: B images, n samples, N = B·n, L locations, V vocabulary, T steps.
 """
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from captioner.decoding.decode import Hypothesis, hypotheses
+from captioner.decoding.search_state import CHECK_EVERY, Search, step_every_row
 from captioner.models.attention import EXPECTED, sample_from
-from captioner.models.decode import Hypothesis, hypotheses
 from captioner.models.decoder import AttentionDecoder
-from captioner.models.search_state import CHECK_EVERY, Search, step_every_row
 from captioner.models.vocab import END_ID, PAD_ID
 
 

@@ -1,4 +1,4 @@
-"""Beam search with fixed shapes (`models.search_state`), its step replayed as a CUDA graph on a GPU.
+"""Beam search with fixed shapes (`decoding.search_state`), its step replayed as a CUDA graph on a GPU.
 
 A search of B images × K beams over at most T steps has the same shapes at every step, so on
 CUDA a block of `CHECK_EVERY` steps is captured once per (decoder, B, K, T, context mode, map
@@ -10,7 +10,7 @@ mode="sample"), CPU searches and searches with `graphs=False` run the same block
 
 Each decoder keeps its graphs in a small least-recently-used cache (`MAX_GRAPHS`), so a demo whose
 visitors move the beam and length sliders holds a bounded number. A graph is captured and
-replayed outside any autocast region, in the model's own precision (`models.cuda_graphs`), in the
+replayed outside any autocast region, in the model's own precision (`cuda_graphs`), in the
 memory pool every graph of the process shares on that device. A capture refused before CUDA began
 it, or a replay that fails, is logged once with its error; that search, and every later one of its
 shape, runs without a graph. A capture that fails inside CUDA raises `CaptureBroken`.
@@ -26,10 +26,10 @@ from dataclasses import fields, replace
 
 import torch
 
+from captioner.cuda_graphs import FELL_BACK, CaptureBroken, GraphCapture, first_line, no_autocast
+from captioner.decoding.search_state import CHECK_EVERY, Search, fixed_step
 from captioner.models.attention import SAMPLE
-from captioner.models.cuda_graphs import FELL_BACK, CaptureBroken, GraphCapture, first_line, no_autocast
 from captioner.models.decoder import AttentionDecoder, Joined
-from captioner.models.search_state import CHECK_EVERY, Search, fixed_step
 
 MAX_GRAPHS = 8  # graphs a decoder keeps, the least recently used dropped first
 WARMUP = 1  # eager blocks on a side stream before a capture

@@ -1,0 +1,12 @@
+"""Decoding a trained decoder's captions with their maps: the one batched beam search (greedy is its
+beam size 1), sampling beside it, the settings that choose between them, and the fixed-shape
+search state and CUDA graphs they share.
+
+    from captioner.decoding import Decoding, decode
+    found = decode(decoder, features, Decoding(beam_size=3), max_len=20)   # per image, best first
+"""
+
+from captioner.decoding.decode import Hypothesis, beam_search
+from captioner.decoding.settings import Decoding, decode
+
+__all__ = ["Decoding", "Hypothesis", "beam_search", "decode"]
