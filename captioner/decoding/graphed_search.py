@@ -5,7 +5,7 @@ CUDA a block of `CHECK_EVERY` steps is captured once per (decoder, B, K, T, cont
 sharpness, dtype, device) and replayed: one launch per block of words instead of some fifty per
 word, and no Python in between. The graph works on its own static copy of the search's state; each
 search copies its start into it, replays the block until the look after it finds no beam writing,
-and copies its results back for `decode` to trace. Searches that sample locations (hard attention's
+and copies its results to the host, where `decode` traces them. Searches that sample locations (hard attention's
 mode="sample"), CPU searches and searches with `graphs=False` run the same blocks without a graph.
 
 Each decoder keeps its graphs in a small least-recently-used cache (`MAX_GRAPHS`), so a demo whose
@@ -84,8 +84,8 @@ def fixed_steps(
                 f"({first_line(e)}); searches of that shape run without a graph from here"
             )
             return _eager(decoder, s, max_len, mode, generator, sharpness)
-        for name in RESULTS:  # for `decode` to trace back, before the next search overwrites them
-            setattr(s, name, getattr(graphed.state, name).clone())
+        for name in RESULTS:  # to the host, where `decode` traces them, before the next search overwrites them
+            setattr(s, name, getattr(graphed.state, name).cpu())
     return steps
 
 
