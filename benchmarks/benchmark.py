@@ -56,8 +56,8 @@ from captioner.objectives.terms import TermState  # noqa: E402
 from captioner.train.averaging import WeightAverage  # noqa: E402
 from captioner.train.config import TrainConfig  # noqa: E402
 from captioner.train.distributed import Dist  # noqa: E402
+from captioner.train.parts import cross_entropy_objective  # noqa: E402
 from captioner.train.settle import settle  # noqa: E402
-from captioner.train.stages import cross_entropy_objective  # noqa: E402
 from captioner.train.step import WARMUP, TrainStep, make_optimizer  # noqa: E402
 
 B, L, D, V = 32, 196, 512, 10_000

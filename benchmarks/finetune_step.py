@@ -28,8 +28,8 @@ from captioner.objectives.terms import TermState
 from captioner.train import distributed
 from captioner.train.config import TrainConfig
 from captioner.train.finetune import FineTuneConfig, FineTuning
+from captioner.train.parts import cross_entropy_objective
 from captioner.train.settle import settle
-from captioner.train.stages import cross_entropy_objective
 from captioner.train.step import TrainStep, make_optimizer
 
 

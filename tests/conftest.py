@@ -18,9 +18,9 @@ from captioner.train.config import TrainConfig
 from captioner.train.distributed import Dist
 from captioner.train.finetune import FineTuning
 from captioner.train.loop import fit
+from captioner.train.parts import cross_entropy_objective
 from captioner.train.prepare import PrepareConfig, prepare
 from captioner.train.settle import settle
-from captioner.train.stages import cross_entropy_objective
 from captioner.train.step import TrainStep, make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]

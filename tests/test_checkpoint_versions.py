@@ -3,7 +3,8 @@
 The older layouts are written out from a current checkpoint as each version wrote them: version 1
 (the first `fit`: a flat training config without the attention terms), 2 (the half-turn
 equivariance term, fine-tuning without --tune-after), 3 (the consistency; still flat, with
-`fused`; decoders before the word query and the decoding sharpness lacked those fields).
+`fused`; decoders before the word query and the decoding sharpness lacked those fields), 5 (grouped; the
+--init and --boxes files among the settings, where 1 to 3 held them too).
 """
 
 from __future__ import annotations
@@ -25,9 +26,19 @@ V1_PROGRESS = ("step", "epoch", "batch_in_epoch", "best", "best_step", "stale", 
 V2_NEW_IN_3 = ("consistency", "consistency_share", "boxes", "boxes_weight", "boxes_choice_weight", "cooldown", "ema")
 
 
-def older(ck: dict, version: int, *, early_decoder: bool = False) -> dict:
-    """A current checkpoint written out in an earlier version's layout."""
+FILES = {"init": "first/best.pt", "boxes": "scenes/boxes.json"}  # what an older run read, among its settings
+
+
+def older(ck: dict, version: int, *, early_decoder: bool = False, files: dict | None = None) -> dict:
+    """A current checkpoint written out in an earlier version's layout (`files`: the --init and --boxes
+    it read, its own by default)."""
     old = {k: v for k, v in ck.items() if k != "format"}
+    files = files or {k: old["data"][k] for k in FILES}
+    old["data"] = {k: v for k, v in old["data"].items() if k not in FILES}
+    terms = {**old["train"]["terms"], "boxes": files["boxes"]}
+    old["train"] = {**old["train"], "init": files["init"], "terms": terms}
+    if version == 5:
+        return {**old, "format": "captioner-checkpoint/5"}
     train = {k: v for group in TRAIN_GROUPS for k, v in old["train"][group].items()}
     train |= {k: v for k, v in old["train"].items() if k not in TRAIN_GROUPS and k != "optim"}
     train["fused"] = old["train"]["optim"]["shapes"] != "fixed"
@@ -45,18 +56,22 @@ def older(ck: dict, version: int, *, early_decoder: bool = False) -> dict:
     return {**old, "format": f"captioner-checkpoint/{version}"}
 
 
-@pytest.mark.parametrize("version, early_decoder", [(1, True), (2, True), (3, True), (3, False)])
+@pytest.mark.parametrize("version, early_decoder", [(1, True), (2, True), (3, True), (3, False), (5, False)])
 def test_each_older_layout_loads_as_the_current_one(small_run, scenes, tmp_path, version, early_decoder):
     current = load_checkpoint(str(small_run / "last.pt"))
     current["decoder"]["decode_sharpness"] = 2.0
     path = tmp_path / "old.pt"
-    torch.save(older(current, version, early_decoder=early_decoder), path)
+    torch.save(older(current, version, early_decoder=early_decoder, files=FILES), path)
     ck = load_checkpoint(str(path))
     assert ck["format"] == f"captioner-checkpoint/{VERSION}"
     decoder = DecoderConfig(**ck["decoder"])  # decoders from before these fields decode as trained, with h alone
     assert (decoder.word_query, decoder.decode_sharpness) == (False, 1.0 if early_decoder else 2.0)
     cfg = TrainConfig.from_dict(ck["train"])
-    if version < 3:  # trained without the consistency (and, before --ema, without the average)
+    if version == 5:  # the files it read are kept beside its data, out of its settings
+        assert cfg == TrainConfig.from_dict(current["train"])
+    if version >= 3:
+        assert ck["data"] == {**current["data"], **FILES}
+    elif version < 3:  # trained without the consistency (and, before --ema, without the average)
         assert cfg.terms.consistency == 0.0 and cfg.optim.ema == 0.0 and "equivariance" not in str(ck["train"])
     else:  # `fused` said only which pass; the shapes are settled for the device the run resumes on
         assert cfg.optim.shapes == "auto"

@@ -99,10 +99,9 @@ def test_the_targets_of_predicted_words_are_those_of_the_same_words_in_a_caption
 @pytest.mark.slow
 def test_fit_learns_from_the_boxes_and_refuses_a_file_without_training_images(data_dir, scenes, tmp_path):
     small = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0)
-    cfg = TrainConfig.of(
-        epochs=2, batch_size=8, val_images=4, log_every=1, boxes=str(scenes / "boxes.json"), boxes_choice_weight=10
-    )
-    fit(str(data_dir), str(tmp_path / "run"), small, cfg, device="cpu", progress_bar=False)
+    cfg = TrainConfig.of(epochs=2, batch_size=8, val_images=4, log_every=1, boxes_choice_weight=10)
+    boxes = str(scenes / "boxes.json")
+    fit(str(data_dir), str(tmp_path / "run"), small, cfg, boxes=boxes, device="cpu", progress_bar=False)
     log = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     terms = [r["boxes"] for r in log if r["event"] == "train"]
     assert terms and np.mean(terms[-5:]) < np.mean(terms[:5])  # attention moves onto the objects
@@ -122,7 +121,8 @@ def test_fit_learns_from_the_boxes_and_refuses_a_file_without_training_images(da
             str(data_dir),
             str(tmp_path / "bad"),
             small,
-            TrainConfig.of(epochs=1, boxes=str(tmp_path / "held.json")),
+            TrainConfig.of(epochs=1),
+            boxes=str(tmp_path / "held.json"),
             device="cpu",
             progress_bar=False,
         )

@@ -82,14 +82,15 @@ def meta_step(objective, decoder: AttentionDecoder, params, average: bool = True
     )
 
 
-# attention, TermsConfig fields: the modes `captioner selfcheck` trains on cached features whose step a
-# graph captures (--boxes-choice-weight looks its words up on the host, on purpose, so no graph captures it)
+# attention, TermsConfig fields (and "boxes": `fit --boxes`): the modes `captioner selfcheck` trains on cached
+# features whose step a graph captures (--boxes-choice-weight looks its words up on the host, on purpose, so no
+# graph captures it)
 MODES = {
     "soft": ("soft", {}),
     "hard": ("hard", {}),
     "paper": ("soft", {"alpha_c": 1.0, "consistency": 0.0}),
-    "boxes": ("soft", {"boxes": "b.json"}),
-    "hard-boxes": ("hard", {"boxes": "b.json"}),
+    "boxes": ("soft", {"boxes": True}),
+    "hard-boxes": ("hard", {"boxes": True}),
 }
 
 
@@ -97,9 +98,9 @@ MODES = {
 def test_the_fixed_shape_step_never_reads_the_device(data_dir, scenes, mode):
     """`TrainStep._iteration` itself, the code a CUDA graph captures (forward, backward, clipping, the
     optimizer's step, the average, the terms' own state and the sums), touches no value on the host."""
-    attention, fields = MODES[mode]
+    attention, fields = MODES[mode][0], dict(MODES[mode][1])
     data = CaptionData(str(data_dir))
-    boxes = "boxes" in fields
+    boxes = fields.pop("boxes", False)
     targets = (
         BoxTargets(data, GroundingBoxes(str(scenes / "boxes.json")), data.encoder.preprocess, 14) if boxes else None
     )

@@ -228,8 +228,8 @@ def test_decoder_trains_alone_first_then_with_the_encoder(tuned_data, tmp_path, 
 @pytest.mark.slow
 def test_the_encoder_trains_with_boxes_too(tuned_data, scenes, tmp_path):
     """`--fine-tune-encoder --boxes`: whole-image batches carry their box masks to the term."""
-    cfg = replace(tune_cfg(1), terms=replace(tune_cfg(1).terms, boxes=str(scenes / "boxes.json")))
-    fit(str(tuned_data), str(tmp_path / "run"), TINY, cfg, device="cpu", progress_bar=False)
+    boxes = str(scenes / "boxes.json")
+    fit(str(tuned_data), str(tmp_path / "run"), TINY, tune_cfg(1), boxes=boxes, device="cpu", progress_bar=False)
     log = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     terms = [r for r in log if r["event"] == "train"]
     assert terms and all(r["boxes"] > 0 and r["consistency"] > 0 for r in terms)

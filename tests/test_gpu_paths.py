@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import captioner.train.parts as parts_module
-import captioner.train.stages as stages_module
 from captioner.data.batches import Batch
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
@@ -200,7 +199,7 @@ def test_a_terms_state_survives_resume(data_dir, tmp_path, monkeypatch):
     the checkpoints keep its state, and `--resume` goes on from it."""
     real = objective_module.objective_terms
     monkeypatch.setattr(objective_module, "objective_terms", lambda cfg, **kw: [*real(cfg, **kw), Counter(kw["state"])])
-    monkeypatch.setattr(stages_module, "objective_terms", objective_module.objective_terms)
+    monkeypatch.setattr(parts_module, "objective_terms", objective_module.objective_terms)
     cfg = TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, val_images=4, seed=2)
     first = fit(str(data_dir), str(tmp_path / "run"), SMALL, cfg, device="cpu", progress_bar=False)
     saved = load_checkpoint(str(tmp_path / "run" / "last.pt"))
@@ -232,13 +231,14 @@ def test_resume_on_another_device_reseeds_the_streams_it_cannot_map(data_dir, tm
 def test_boxes_choice_weight_with_hard_attention_is_refused(data_dir, scenes, tmp_path):
     from captioner.errors import CaptionerError
 
-    cfg = TrainConfig.of(epochs=1, boxes=str(scenes / "boxes.json"), boxes_choice_weight=1.0)
+    cfg = TrainConfig.of(epochs=1, boxes_choice_weight=1.0)
     with pytest.raises(CaptionerError, match="--boxes-choice-weight"):
         fit(
             str(data_dir),
             str(tmp_path / "run"),
             DecoderConfig(0, attention="hard"),
             cfg,
+            boxes=str(scenes / "boxes.json"),
             device="cpu",
             progress_bar=False,
         )

@@ -69,15 +69,15 @@ def test_accepts_grids_and_flat_maps(shape):
     assert health["words"] == 4 and health["stay"] == 0.5
 
 
-class _Parts:
-    """What `selection.select` reads of a run's parts."""
+class _Run:
+    """What `selection.select` reads of a run and its live objects."""
 
     def __init__(self):
         self.logged = []
         self.scheduler = type("S", (), {"step": lambda self, score: None})()
         self.optimizer = type("O", (), {"param_groups": [{"lr": 1e-3}]})()
         self.d = type("D", (), {"main": False})()
-        self.targets = None
+        self.boxed = False
         self.log = type("L", (), {"write": lambda _, record: self.logged.append(record)})()
 
 
@@ -89,15 +89,15 @@ def test_best_is_the_best_scoring_validation_whose_health_is_ok():
     from captioner.train.config import Progress
     from captioner.train.selection import select
 
-    parts, progress = _Parts(), Progress()
+    run, progress = _Run(), Progress()
     chosen = [
-        select(parts, "CIDEr", progress, {"CIDEr": c, "BLEU-4": 0.1, "example": "", "attention_health": h})
+        select(run, run, "CIDEr", progress, {"CIDEr": c, "BLEU-4": 0.1, "example": "", "attention_health": h})
         for c, h in ((1.0, PARKED), (0.8, HEALTHY), (1.5, PARKED), (0.9, HEALTHY), (0.85, HEALTHY))
     ]
     # a healthy one replaces a flagged best.pt whatever its score; a flagged one never replaces a healthy one
     assert chosen == [True, True, False, True, False]
     assert progress.best == 0.9 and progress.best_healthy and progress.stale == 1
-    assert len(parts.logged) == 5
+    assert len(run.logged) == 5
 
 
 @pytest.mark.slow

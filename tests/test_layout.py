@@ -21,6 +21,8 @@ LONGER = {
     "carried or seeded), checked by its fingerprint",
     "captioner/models/decoder.py": "one concept: the decoder and the config it is built from, which travels in "
     "every checkpoint (nanoGPT keeps GPTConfig beside GPT)",
+    "captioner/train/parts.py": "one concept: a training run's parts (its Run, Live objects and Stages), built "
+    "once from the settled configs; a reader of one epoch meets them in one module",
 }
 MAX_FUNCTION_LINES = 60
 

@@ -171,3 +171,24 @@ def test_cuda_streams_are_set_without_entering_any_device(monkeypatch):
     assert torch.equal(gpus[0].get_state(), one)
     assert all(not torch.equal(gpus[i].get_state(), fresh[i]) for i in (1, 2))
     assert "CUDA" in reseeded(notes)[0]
+
+
+def test_a_resumed_run_is_given_its_boxes_again_and_records_where_it_started(small_run, data_dir, tmp_path):
+    """The files a run read (`fit --init`, `--boxes`) are arguments, like --data: a resumed run is given its
+    boxes again, and its checkpoints record both beside the data."""
+    from captioner.data.dataset import CaptionData
+    from captioner.errors import CaptionerError
+    from captioner.models.checkpoint import save_checkpoint
+    from captioner.train.resume import start_from
+
+    data, cpu = CaptionData(str(data_dir)), torch.device("cpu")
+    ck = load_checkpoint(str(small_run / "last.pt"))
+    assert (ck["data"]["init"], ck["data"]["boxes"]) == (None, None)
+    with pytest.raises(CaptionerError, match="trained without --boxes"):
+        start_from(data, str(small_run), None, True, cpu, boxes="boxes.json")
+    boxed = tmp_path / "boxed"
+    boxed.mkdir()
+    save_checkpoint({**ck, "data": {**ck["data"], "boxes": "scenes/boxes.json"}}, str(boxed / "last.pt"))
+    with pytest.raises(CaptionerError, match="trained with --boxes scenes/boxes.json: pass it again"):
+        start_from(data, str(boxed), None, True, cpu)
+    assert start_from(data, str(boxed), None, True, cpu, boxes="scenes/boxes.json")[1]["step"] == ck["step"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -265,10 +264,9 @@ def test_training_images_are_each_seen_once_per_epoch(data_dir):
     assert rows(1) == rows(1) != rows(2)
 
 
-def scst_config(init, **kw) -> TrainConfig:
+def scst_config(**kw) -> TrainConfig:
     return TrainConfig.of(
         objective="scst",
-        init=str(init),
         epochs=2,
         batch_size=8,
         lr=1e-3,
@@ -284,7 +282,9 @@ def scst_config(init, **kw) -> TrainConfig:
 @pytest.mark.slow
 def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkeypatch):
     init = small_run / "best.pt"
-    whole = fit(str(data_dir), str(tmp_path / "whole"), cfg=scst_config(init), device="cpu", progress_bar=False)
+    whole = fit(
+        str(data_dir), str(tmp_path / "whole"), cfg=scst_config(), init=str(init), device="cpu", progress_bar=False
+    )
     real = faults.save_checkpoint  # fit saves through faults.CheckpointSaver
 
     def save_then_die(ck, path):
@@ -294,7 +294,7 @@ def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkey
 
     monkeypatch.setattr(faults, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        fit(str(data_dir), str(tmp_path / "run"), cfg=scst_config(init), device="cpu", progress_bar=False)
+        fit(str(data_dir), str(tmp_path / "run"), cfg=scst_config(), init=str(init), device="cpu", progress_bar=False)
     monkeypatch.setattr(faults, "save_checkpoint", real)
     resumed = fit(
         str(data_dir),
@@ -308,7 +308,7 @@ def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkey
     a, b = (load_checkpoint(str(tmp_path / r / "last.pt")) for r in ("whole", "run"))
     for name, value in a["model"].items():
         assert torch.equal(b["model"][name], value), name
-    assert b["train"]["objective"] == "scst" and b["train"]["init"] == str(init)
+    assert b["train"]["objective"] == "scst" and b["data"]["init"] == str(init)  # where the run began
     log = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in log if r["event"] == "train"]
     assert all({"reward", "baseline", "entropy"} <= set(r) for r in train)
@@ -317,10 +317,9 @@ def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkey
 
 @pytest.mark.slow
 def test_init_starts_from_the_checkpoint_weights(data_dir, small_run, tmp_path):
-    cfg = TrainConfig.of(
-        objective="scst", init=str(small_run / "best.pt"), epochs=1, batch_size=8, lr=1e-12, val_beam_size=1
-    )
-    fit(str(data_dir), str(tmp_path / "run"), cfg=cfg, device="cpu", progress_bar=False)
+    cfg = TrainConfig.of(objective="scst", epochs=1, batch_size=8, lr=1e-12, val_beam_size=1)
+    init = str(small_run / "best.pt")
+    fit(str(data_dir), str(tmp_path / "run"), cfg=cfg, init=init, device="cpu", progress_bar=False)
     start, end = (load_checkpoint(str(p)) for p in (small_run / "best.pt", tmp_path / "run" / "last.pt"))
     assert end["decoder"] == start["decoder"]  # sizes come from --init
     for name, value in start["model"].items():  # a vanishing lr: still the same weights
@@ -328,10 +327,10 @@ def test_init_starts_from_the_checkpoint_weights(data_dir, small_run, tmp_path):
     assert end["step"] == end["progress"]["step"] > 0 and end["train"]["optim"]["lr"] == 1e-12
     # How to decode is the command line's when it says (--decode-sharpness), the weights' otherwise.
     sharp = DecoderConfig(0, decode_sharpness=2.0)
-    fit(str(data_dir), str(tmp_path / "sharp"), sharp, cfg, device="cpu", progress_bar=False)
+    fit(str(data_dir), str(tmp_path / "sharp"), sharp, cfg, init=init, device="cpu", progress_bar=False)
     assert load_checkpoint(str(tmp_path / "sharp" / "last.pt"))["decoder"]["decode_sharpness"] == 2.0
-    again = replace(cfg, init=str(tmp_path / "sharp" / "last.pt"))
-    fit(str(data_dir), str(tmp_path / "again"), cfg=again, device="cpu", progress_bar=False)
+    again = str(tmp_path / "sharp" / "last.pt")
+    fit(str(data_dir), str(tmp_path / "again"), cfg=cfg, init=again, device="cpu", progress_bar=False)
     assert load_checkpoint(str(tmp_path / "again" / "last.pt"))["decoder"]["decode_sharpness"] == 2.0
 
 

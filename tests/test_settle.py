@@ -21,14 +21,14 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 # Every field whose default is decided from other settings, and the fields that are optional on purpose.
 DERIVED_FIELDS = {"lr", "dropout", "alpha_c", "consistency", "word_query", "decode_sharpness", "after"}
 DERIVED = DERIVED_FIELDS | {"shapes"}  # shapes: "auto", which its help explains
-OPTIONAL = {"boxes", "max_minutes", "init", "fine_tune", "cuda_graphs"}  # cuda_graphs "auto": where they can be
+OPTIONAL = {"max_minutes", "fine_tune", "cuda_graphs"}  # cuda_graphs "auto": where they can be
 
 
 INIT = {"decoder": DecoderConfig(9).to_dict()}  # an --init checkpoint, as settle reads it
 
 
-def settled(model=None, device=CPU, init=None, **train):
-    return settle(model, TrainConfig.of(**train), vocab_size=9, device=device, init=init)
+def settled(model=None, device=CPU, init=None, boxes=False, **train):
+    return settle(model, TrainConfig.of(**train), vocab_size=9, device=device, init=init, boxes=boxes)
 
 
 def undecided(config) -> set[str]:
@@ -57,11 +57,11 @@ def test_each_derived_default():
     assert (model.word_query, model.decode_sharpness, cfg.optim.shapes) == (False, 1.0, "packed")
     assert settled(objective="scst", init=INIT)[1].optim.lr == 5e-5
     assert settled(DecoderConfig(0, attention="hard"))[0].dropout == 0.5
-    boxed, _ = settled(boxes="b.json")
+    boxed, _ = settled(boxes=True)
     assert boxed.word_query and boxed.decode_sharpness == 3.0
-    hard_boxed, _ = settled(DecoderConfig(0, attention="hard"), boxes="b.json")
+    hard_boxed, _ = settled(DecoderConfig(0, attention="hard"), boxes=True)
     assert hard_boxed.word_query and hard_boxed.decode_sharpness == 1.0
-    paper, paper_cfg = settled(boxes="b.json", paper=True)
+    paper, paper_cfg = settled(boxes=True, paper=True)
     assert (paper.word_query, paper.decode_sharpness) == (False, 1.0)
     assert (paper_cfg.terms.alpha_c, paper_cfg.terms.consistency) == (1.0, 0.0)
     assert settled(device=CUDA)[1].optim.shapes == "fixed"
@@ -88,7 +88,7 @@ def test_init_takes_the_checkpoints_decoder_and_its_sharpness_unless_given():
     init = {"decoder": DecoderConfig(9, embed_dim=8, dropout=0.1, word_query=True, decode_sharpness=2.0).to_dict()}
     model, cfg = settle(
         DecoderConfig(0, embed_dim=64),
-        TrainConfig.of(init="run/best.pt", fine_tune=FineTuneConfig()),
+        TrainConfig.of(fine_tune=FineTuneConfig()),
         vocab_size=9,
         device=CPU,
         init=init,
@@ -111,12 +111,12 @@ def test_the_paper_objective_refuses_options_that_contradict_it():
 
 
 def test_a_resumed_run_keeps_its_settings_but_how_long_and_how_often():
-    model, cfg = settled(lr=0.01, epochs=3, boxes="b.json")
+    model, cfg = settled(lr=0.01, epochs=3, boxes=True)
     saved = {"decoder": model.to_dict(), "train": cfg.to_dict()}
-    command = TrainConfig.of(epochs=9, lr=0.5, log_every=3, checkpoint_every=7, boxes=None)
-    model2, cfg2 = settle(None, command, vocab_size=9, device=CPU, saved=saved)
-    assert model2 == model
-    assert (cfg2.optim.lr, cfg2.terms.boxes, cfg2.schedule.epochs) == (0.01, "b.json", 9)
+    command = TrainConfig.of(epochs=9, lr=0.5, log_every=3, checkpoint_every=7)
+    model2, cfg2 = settle(None, command, vocab_size=9, device=CPU, saved=saved, boxes=True)
+    assert model2 == model and model2.word_query
+    assert (cfg2.optim.lr, cfg2.schedule.epochs) == (0.01, 9)
     assert (cfg2.checkpoints.log_every, cfg2.checkpoints.checkpoint_every) == (3, 7)
 
 
@@ -185,10 +185,11 @@ def test_a_resumed_run_settles_the_derived_settings_its_checkpoint_lacks():
 
 
 def test_a_per_process_setting_is_declared_so_where_it_is_declared():
-    """`config.per_process` marks a field: `resumed` takes it from the command, whatever its group."""
+    """`config.per_process` marks a field: a resumed run takes it from the command, whatever its group."""
     from dataclasses import dataclass, field
 
-    from captioner.train.config import per_process, resumed
+    from captioner.train.config import per_process
+    from captioner.train.settle import _kept
 
     @dataclass(frozen=True)
     class Group:
@@ -202,7 +203,7 @@ def test_a_per_process_setting_is_declared_so_where_it_is_declared():
         verbose: bool = per_process(False)
 
     saved, command = Whole(Group(2, 2), "b", False), Whole(Group(3, 3), "c", True)
-    assert resumed(saved, command) == Whole(Group(2, 3), "b", True)
+    assert _kept(saved, command) == Whole(Group(2, 3), "b", True)
 
 
 def test_a_run_resumed_with_cuda_graphs_off_records_it(data_dir, tmp_path, monkeypatch):
@@ -283,9 +284,10 @@ REFUSALS = [
 def test_every_refusal_is_made_by_settle_before_anything_is_built(model, train, saved, refused):
     """A refusal is written once, in `settle`, which `fit` calls before it builds anything: each is
     listed here, and settle alone raises it, from the options and the checkpoints read."""
-    init = INIT if train.get("init") else None
+    files = {k: train[k] for k in ("init", "boxes") if k in train}  # fit's arguments, not settings
+    train = {k: v for k, v in train.items() if k not in files}
     with pytest.raises(CaptionerError, match=refused):
-        settle(model, TrainConfig.of(**train), vocab_size=9, device=CPU, init=init, saved=saved)
+        settle(model, TrainConfig.of(**train), vocab_size=9, device=CPU, saved=saved, **files)
 
 
 def test_a_refused_fit_leaves_no_trace(data_dir, tmp_path):
@@ -293,7 +295,7 @@ def test_a_refused_fit_leaves_no_trace(data_dir, tmp_path):
     from captioner.train.loop import fit
 
     before = sorted(p.name for p in data_dir.iterdir())
-    cfg = TrainConfig.of(objective="scst", init=None, fine_tune=FineTuneConfig())
+    cfg = TrainConfig.of(objective="scst", fine_tune=FineTuneConfig())
     with pytest.raises(CaptionerError, match="--init"):
         fit(str(data_dir), str(tmp_path / "run"), None, cfg, device="cpu", progress_bar=False)
     assert not (tmp_path / "run").exists() and sorted(p.name for p in data_dir.iterdir()) == before

@@ -69,10 +69,11 @@ def test_the_fixed_step_equals_the_packed_one(data_dir, scenes, attention, monke
         ).double()
         dec.set_feature_stats(*data.feature_stats())
         terms = objective_terms(
-            TermsConfig(alpha_c=0.3, consistency=1.0, boxes="b.json"),
+            TermsConfig(alpha_c=0.3, consistency=1.0),
             attention=attention,
             hard=HardAttentionConfig(),
             views=True,
+            targets=targets,
             state=TermState("cpu", {"reinforce": {"baseline": torch.tensor(-3.0, dtype=torch.float64)}}),
         )
         objective = Objective(

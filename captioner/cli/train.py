@@ -2,7 +2,7 @@
 
 Each subcommand's options are the fields of its dataclasses (`captioner.options`): prepare's
 `PrepareConfig`, fit's `FitOptions`, `DecoderConfig` and `TrainConfig` (its groups are sections
-of `fit --help`), evaluate's `EvaluateOptions`, coco's `CocoOptions` (in `coco_stages`).
+of `fit --help`), evaluate's `EvaluateOptions`, coco's `CocoOptions` (in `cli.coco`).
 SIGTERM and Ctrl-C make `fit` and `prepare` finish their step or batch, save, and exit with 0
 (SIGTERM, a clean preemption) or 130 (Ctrl-C); `fit --resume` and a second `prepare` go on.
 """
@@ -37,6 +37,17 @@ class FitOptions:
 
     data: Annotated[str, "a data directory written by prepare"]
     out: Annotated[str, "the run directory: writes last.pt, best.pt, metrics.jsonl"]
+    init: Annotated[
+        str | None,
+        "start from this checkpoint's weights and decoder sizes, with a fresh optimizer "
+        "(e.g. RUN/best.pt of a cross-entropy run)",
+    ] = None
+    boxes: Annotated[
+        str | None,
+        "object boxes in COCO instances format (optionally a 'color' per annotation) for the training images: "
+        "caption words that name a boxed object also teach attention where it is (attention correctness); "
+        "a resumed run is given them again",
+    ] = None
     resume: Annotated[bool, "continue from RUN_DIR/last.pt"] = False
     device: Device = "auto"
 
@@ -120,7 +131,17 @@ def _fit(args: argparse.Namespace) -> int:
     )
     main = int(os.environ.get("RANK", "0")) == 0
     with GracefulStop(announce=main) as stop:
-        p = fit(where.data, where.out, model, cfg, resume=where.resume, device=where.device, stop=stop)
+        p = fit(
+            where.data,
+            where.out,
+            model,
+            cfg,
+            init=where.init,
+            boxes=where.boxes,
+            resume=where.resume,
+            device=where.device,
+            stop=stop,
+        )
     distributed.cleanup()
     if stop.requested:
         if main:

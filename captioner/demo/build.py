@@ -149,14 +149,11 @@ def _encoder(opts: BuildOptions, scenes_dir: str, work: str, device: str) -> tup
 
 def _train(opts: BuildOptions, work: str, data: str, boxes: str, device: str) -> str:
     """The stages; returns the best.pt of the last."""
-    first = TrainConfig.of(
-        epochs=opts.epochs, max_minutes=opts.minutes or None, patience=opts.patience, seed=opts.seed, boxes=boxes
-    )
+    first = TrainConfig.of(epochs=opts.epochs, max_minutes=opts.minutes or None, patience=opts.patience, seed=opts.seed)
     # Bounded by epochs alone, an interrupted stage goes on from its last.pt and ends as if it had not
     # stopped; bounded by minutes, it trains again from its start.
-    best = trained(
-        data, os.path.join(work, "run"), None, first, resume=not opts.minutes, device=device, progress_bar=True
-    )
+    run = os.path.join(work, "run")
+    best = trained(data, run, None, first, boxes=boxes, resume=not opts.minutes, device=device, progress_bar=True)
     if not opts.tune_minutes:
         return best
     second = TrainConfig.of(
@@ -165,11 +162,10 @@ def _train(opts: BuildOptions, work: str, data: str, boxes: str, device: str) ->
         patience=1000,
         seed=opts.seed,
         lr=TUNE_LR,
-        init=best,
-        boxes=boxes,
         fine_tune=FineTuneConfig(lr=TUNE_ENCODER_LR),
     )
-    return trained(data, os.path.join(work, "tuned"), None, second, resume=False, device=device, progress_bar=True)
+    tuned = os.path.join(work, "tuned")
+    return trained(data, tuned, None, second, init=best, boxes=boxes, resume=False, device=device, progress_bar=True)
 
 
 def choose_sharpness(best: str, data: str, boxes: str, objects: dict, device: str) -> tuple[str, str]:
@@ -225,10 +221,8 @@ def _packed(ck: dict) -> dict:
     weights and trained encoder layers in fp16."""
     keep = {k: v for k, v in ck.items() if k not in ("format", "optimizer", "scheduler", "rng", "training_model")}
     keep.pop("command", None)  # the card's `rebuild` says how it was made
-    keep["data"] = {"fingerprint": ck["data"]["fingerprint"]}
-    train = ck["train"]
-    keep["train"] = {**train, "init": train["init"] and os.path.basename(train["init"])}
-    keep["train"]["terms"] = {**train["terms"], "boxes": train["terms"]["boxes"] and "boxes.json"}
+    files = {k: ck["data"][k] and os.path.basename(ck["data"][k]) for k in ("init", "boxes")}
+    keep["data"] = {"fingerprint": ck["data"]["fingerprint"], **files}
     keep["model"] = _half(ck["model"])
     if "encoder_state" in ck:
         keep["encoder_state"] = _half(ck["encoder_state"])  # loaded into the fp32 encoder as floats

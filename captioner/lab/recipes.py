@@ -157,7 +157,6 @@ def synthetic_scst_run(root: str) -> SyntheticRun:
     # visibly only with a larger step.
     scst = TrainConfig.of(
         objective="scst",
-        init=base.checkpoint,
         epochs=8,
         batch_size=16,
         lr=1e-3,
@@ -168,7 +167,8 @@ def synthetic_scst_run(root: str) -> SyntheticRun:
     )
     rec = replace(recipe("soft"), train=scst, name="soft-quick-scst")
     run = os.path.join(root, f"run-{rec.name}")
-    return SyntheticRun(base.scenes, base.data, run, train_or_load(base.data, run, rec))
+    best = trained(base.data, run, rec.decoder, rec.train, init=base.checkpoint, threads=rec.threads)
+    return SyntheticRun(base.scenes, base.data, run, best)
 
 
 class SplitCaption(NamedTuple):

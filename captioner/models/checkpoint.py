@@ -9,7 +9,8 @@ any earlier version up to the current one (`migrate`), so every reader sees one 
 Versions: 1 and 2 trained attention with the half-turn equivariance term (2), later replaced by
 the view consistency; 3 added the consistency and kept `train` flat; 4 groups `train` by concern
 (optim, schedule, checkpoints, terms, hard, fine_tune, scst) and records every decoder setting;
-5 keeps the loss terms' own state under "terms" (4 kept hard attention's baseline in `progress`).
+5 keeps the loss terms' own state under "terms" (4 kept hard attention's baseline in `progress`); 6
+keeps the files a run read beside its data, under "data" ("init", "boxes"), out of its settings.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from captioner.models.encoder import EncoderSpec, carried_weights, from_file
 from captioner.models.vocab import Vocabulary
 
 FORMAT = "captioner-checkpoint"
-VERSION = 5
+VERSION = 6
 REQUIRED = ("model", "decoder", "vocab", "encoder", "step")
 
 
@@ -47,7 +48,7 @@ class Checkpoint:
     attention: dict | None = None  # whether its heatmaps are meaningful: {"meaningful", "problems", "health"}
     card: dict | None = None  # what a model card says (data, limits, test scores)
     command: str | None = None  # fit's: the command line that made it
-    data: dict | None = None  # fit's: {"dir", "fingerprint"} of the prepared data it was trained on
+    data: dict | None = None  # fit's: {"dir", "fingerprint"} of its prepared data, and the "init" and "boxes" files
     train: dict | None = None  # fit's: the training config (`train.config.TrainConfig`) as a dict
     progress: dict | None = None  # fit's: `train.config.Progress` as a dict
     optimizer: dict | None = None  # fit's: the state a resumed run continues from exactly ...
@@ -77,25 +78,43 @@ def current_decoder(d: dict) -> dict:
 
 
 def current_train(d: dict | None) -> dict | None:
-    """A training config of any version, grouped as version 4 groups it (a grouped one is returned as is).
+    """A training config of any version, grouped as version 4 groups it, without the files a run read.
 
-    Flat configs without "consistency" trained with the half-turn equivariance term or without
-    any attention term: a resumed run goes on with neither (`consistency` 0). Those without "ema"
-    trained without the weights' average, those without "boxes_choice_weight" without that
-    term, and fine-tuning without "after" trained the encoder from the first step.
+    The files a run started from and read boxes from (`fit --init`, `--boxes`) are not settings: they
+    are left out (`migrate` keeps them under "data"). Flat configs without "consistency" trained with
+    the half-turn equivariance term or without any attention term: a resumed run goes on with neither
+    (`consistency` 0). Those without "ema" trained without the weights' average, those without
+    "boxes_choice_weight" without that term, and fine-tuning without "after" trained the encoder from
+    the first step.
     """
-    if not isinstance(d, dict) or "optim" in d:
+    if not isinstance(d, dict):
         return d
-    flat = {k: v for k, v in d.items() if k != "equivariance"}
+    if "optim" in d:
+        return {**_without(d, "init"), "terms": _without(d.get("terms") or {}, "boxes")}
+    flat = {k: v for k, v in d.items() if k not in ("equivariance", "init")}
     flat.setdefault("consistency", 0.0)
     flat.setdefault("ema", 0.0)
     flat.setdefault("boxes_choice_weight", 0.0)
     fused = flat.pop("fused", True)
     grouped = {name: {k: flat.pop(k) for k in keys if k in flat} for name, keys in TRAIN_GROUPS.items()}
     grouped["optim"]["shapes"] = "auto" if fused else "fixed"
+    grouped["terms"].pop("boxes", None)
     if flat.get("fine_tune"):
         flat["fine_tune"] = {"after": 0, **flat["fine_tune"]}
     return {**flat, **grouped}
+
+
+def _without(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+def _files(ck: dict) -> dict:
+    """The checkpoint's "data", with the --init and --boxes files that configs up to version 5 held."""
+    data = dict(ck.get("data") or {})
+    train = ck.get("train") if isinstance(ck.get("train"), dict) else {}
+    data.setdefault("init", train.get("init"))
+    data.setdefault("boxes", train.get("boxes", (train.get("terms") or {}).get("boxes")))
+    return data
 
 
 class _Writer:
@@ -170,6 +189,7 @@ def migrate(ck, path: str) -> dict:
         raise CaptionerError(f"{path}: checkpoint lacks {missing}")
     ck["decoder"] = current_decoder(ck["decoder"]) if isinstance(ck["decoder"], dict) else ck["decoder"]
     if "train" in ck:
+        ck["data"] = _files(ck)
         ck["train"] = current_train(ck["train"])
     if isinstance(ck.get("progress"), dict) and "baseline" in ck["progress"]:  # up to version 4
         baseline = float(ck["progress"].pop("baseline"))

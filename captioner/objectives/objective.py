@@ -43,7 +43,7 @@ def objective_terms(
         attention: "soft" or "hard".
         views: the batches carry the views' features (or a fine-tuned encoder makes them).
         state: the run's terms' state (saved in checkpoints), which terms with state claim theirs from.
-        targets: `data.boxes.BoxTargets` of `--boxes`.
+        targets: `data.boxes.BoxTargets` of `fit --boxes` (None: the attention correctness terms are off).
     """
     terms: list[Term] = [CrossEntropy()]
     if cfg.alpha_c > 0:
@@ -52,9 +52,9 @@ def objective_terms(
         terms += [Reinforce(hard, state), EntropyBonus(hard.entropy_weight)]
     if views and cfg.consistency > 0:
         terms.append(ViewConsistency(cfg.consistency))
-    if cfg.boxes and cfg.boxes_weight > 0:
+    if targets is not None and cfg.boxes_weight > 0:
         terms.append(AttentionCorrectness(cfg.boxes_weight))
-    if cfg.boxes and cfg.boxes_choice_weight > 0:
+    if targets is not None and cfg.boxes_choice_weight > 0:
         terms.append(ChosenWordCorrectness(cfg.boxes_choice_weight, targets))
     return terms
 

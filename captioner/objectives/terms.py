@@ -39,12 +39,11 @@ class TermsConfig:
         "(sharp maps that follow the content); needs the views' features prepare writes by default",
     ] = None
     consistency_share: Annotated[float, "share of each batch's captions the consistency is estimated on"] = 0.25
-    boxes: Annotated[
-        str | None,
-        "object boxes in COCO instances format (optionally a 'color' per annotation) for the training images: "
-        "caption words that name a boxed object also teach attention where it is (attention correctness)",
-    ] = None
-    boxes_weight: Annotated[float, "weight of the attention correctness term of --boxes"] = 10.0
+    boxes_weight: Annotated[
+        float,
+        "weight of the attention correctness term of `fit --boxes`: caption words that name a boxed object "
+        "also teach attention where it is",
+    ] = 10.0
     boxes_choice_weight: Annotated[
         float,
         "weight of the same term at the word the model itself would write at each step (its most likely word), "

@@ -8,13 +8,13 @@ settles it; the settled configs are frozen and travel in every checkpoint (`Trai
 A resumed run keeps what the run is (model, objective, data, optimisation and schedule) and takes
 how this process runs it (how far it goes, the time budget, shapes, compile, CUDA graphs, workers,
 logging and saving) from its own command line: a field declared with `per_process(default)` is of
-the second kind, wherever its group is, and `resumed` puts the two together.
+the second kind, wherever its group is, and `train.settle` puts the two together.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Annotated, Literal
 
 from captioner.errors import OptionError
@@ -122,11 +122,6 @@ class TrainConfig:
         "xe: cross-entropy; scst: self-critical training on CIDEr-D, from --init or --resume "
         "(a resumed run keeps its own objective)",
     ] = "xe"
-    init: Annotated[
-        str | None,
-        "start from this checkpoint's weights and decoder sizes, with a fresh optimizer "
-        "(e.g. RUN/best.pt of a cross-entropy run)",
-    ] = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -163,7 +158,7 @@ class TrainConfig:
         for key, value in settings.items():
             group = next((name for name, g in GROUPS.items() if key in {f.name for f in fields(g)}), None)
             if group is None:
-                grouped[key] = value  # objective, init, fine_tune, or a whole group
+                grouped[key] = value  # objective, fine_tune, or a whole group
             else:
                 grouped[group][key] = value
         return cls(**{k: GROUPS[k](**v) if k in GROUPS and isinstance(v, dict) else v for k, v in grouped.items()})
@@ -183,25 +178,6 @@ def _groups(cls) -> dict[str, type]:
 
 
 GROUPS = _groups(TrainConfig)
-
-
-def resumed(saved, command):
-    """A resumed run's config: what the run is from `saved`, how this process runs it (the `per_process`
-    fields, group by group) from this `command`.
-
-    Args:
-        saved: the config the checkpoint records (a dataclass, e.g. `TrainConfig`).
-        command: the same class, as this process's command line gives it; an optional group it leaves
-            out gives its per-process fields their defaults.
-    """
-    changes = {}
-    for f in fields(saved):
-        kept, given = getattr(saved, f.name), getattr(command, f.name)
-        if f.metadata.get(PER_PROCESS):
-            changes[f.name] = given
-        elif is_dataclass(kept):
-            changes[f.name] = resumed(kept, given if given is not None else type(kept)())
-    return replace(saved, **changes)
 
 
 @dataclass

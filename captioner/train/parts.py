@@ -1,10 +1,12 @@
 """The parts of a training run, built once from the settled configs (`train.settle`).
 
-`build` makes the long-lived parts (decoder, its average, a fine-tuned encoder,
-optimizer, schedule, random stream, log, checkpoints, and the objectives with their batch
-sources), restoring a resumed run's state into them; `for_epoch` makes an epoch's step of the
-stage it is in (until the encoder trains, the decoder's alone, on the cached features). After
-`build`, the loop reads only the schedule and checkpoint groups of the config.
+`build` makes three named things, putting a resumed run's state back into them: the `Run` (where it
+reads, runs and writes), its `Live` objects (what a checkpoint holds: `train.checkpoints`) and its
+`Stage`s, what each stretch of it trains. A run has one stage (the decoder alone on the cached
+features; SCST on the training images) or, with `--fine-tune-encoder`, two: from `fine_tune.after`
+on, the decoder trains with the encoder's layers on the encoder's inputs. Each stage's batches have
+the shapes its source makes them in (`source.shapes`: a fine-tuned encoder's are packed), and its
+objective takes them from there. `for_epoch` gives the stage an epoch is in and the step it trains with.
 """
 
 from __future__ import annotations
@@ -19,21 +21,24 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from captioner.cuda_graphs import GraphCapture
-from captioner.data.batches import CaptionBatches, TrainingImages
+from captioner.data.batches import CaptionBatches, FixedShapes, TrainingImages
 from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
-from captioner.objectives.terms import TermState
+from captioner.objectives.objective import Objective, objective_terms
+from captioner.objectives.passes import Shapes
+from captioner.objectives.reinforce import HardAttentionConfig
+from captioner.objectives.scst import SelfCritical, training_scorer
+from captioner.objectives.terms import TermsConfig, TermState
 from captioner.options import command_line
 from captioner.train import distributed, resilience
 from captioner.train.averaging import WeightAverage
 from captioner.train.checkpoints import Checkpoints, Live, RunLog
 from captioner.train.config import OptimConfig, Progress, ScheduleConfig, TrainConfig
 from captioner.train.familiarity import fit_stats
-from captioner.train.finetune import FineTuning
+from captioner.train.finetune import FineTuneConfig, FineTuning
 from captioner.train.resume import restore
-from captioner.train.stages import Stage, stage
 from captioner.train.step import TrainStep, make_optimizer
 
 log = logging.getLogger(__name__)
@@ -63,36 +68,30 @@ class Budget:
         return min(1.0, max(0.0, (self.seconds - elapsed) / (self.cooldown * self.seconds)))
 
 
-class Parts(NamedTuple):
-    """What a run keeps from start to end."""
+class Run(NamedTuple):
+    """Where a run reads, runs and writes."""
 
     data: CaptionData
-    optim: OptimConfig  # how each step runs; its seed is the run's (weights, batches with the epoch, familiarity)
     d: distributed.Dist
     device: torch.device
-    decoder: AttentionDecoder
-    average: WeightAverage | None
-    tuning: FineTuning | None
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.ReduceLROnPlateau
-    generator: torch.Generator  # the terms' random draws, one stream per process
-    terms: TermState  # the loss terms' own state (hard attention's baseline)
     graphs: GraphCapture | None  # the run's CUDA graphs (`--cuda-graphs auto`), sharing one memory pool
-    targets: BoxTargets | None
     log: RunLog
-    budget: Budget
-    notes: resilience.FaultLog
+    notes: resilience.FaultLog  # what went wrong and was survived, in the log
     checkpoints: Checkpoints
-    first: Stage  # the decoder alone, on the cached features (SCST: on the training images)
-    joint: Stage | None  # the decoder with the encoder's layers (`--fine-tune-encoder`), from `after` on
+    budget: Budget
+
+    @property
+    def boxed(self) -> bool:
+        """The run reads object boxes (`fit --boxes`), as its checkpoints record."""
+        return self.checkpoints.record["data"]["boxes"] is not None
 
 
-class Epoch(NamedTuple):
-    """What an epoch trains with: the objective's step and where its batches come from."""
+class Stage(NamedTuple):
+    """What a stretch of the run trains: its objective, where its batches come from, whether the encoder trains."""
 
-    step: TrainStep
+    objective: Objective
     source: CaptionBatches | FineTuning | TrainingImages
-    tuned: bool  # the encoder trains
+    tuned: bool
 
 
 def build(
@@ -105,14 +104,20 @@ def build(
     device: torch.device,
     init: dict | None,
     saved: dict | None,
+    files: dict,
     progress_bar: bool,
-) -> tuple[Parts, Progress]:
-    """The run's parts, and where it is (a resumed run's progress, with its state put back)."""
+) -> tuple[Run, Live, list[Stage], Progress]:
+    """The run, its live objects, its stages (in the order it trains them), and where it is (a resumed
+    run's progress, with its state put back).
+
+    Args:
+        files: the paths `fit` was given as "init" and "boxes" (each None where not given).
+    """
     torch.manual_seed(cfg.optim.seed)
     if cfg.optim.amp == "tf32":  # for the whole process, which is this run
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     decoder = _decoder(data, model_cfg, device, init, compile=cfg.optim.compile)
-    targets = box_targets(data, cfg.terms.boxes, d) if cfg.terms.boxes else None
+    targets = box_targets(data, files["boxes"], d) if files["boxes"] else None
     groups = [{"params": list(decoder.parameters())}]
     tuning = None
     if cfg.fine_tune is not None:
@@ -140,15 +145,15 @@ def build(
         TermState(device, saved.get("terms") if saved is not None else None),
     )
     progress = restore(live, saved, out_dir, notes) if saved is not None else Progress()
-    record = _record(data, out_dir, model_cfg, cfg, familiarity(data, tuning, saved, cfg.optim.seed, d.main))
+    record = _record(data, out_dir, model_cfg, cfg, files, familiarity(data, tuning, saved, cfg.optim.seed, d.main))
     resumed = progress if saved is not None else None
     checkpoints = Checkpoints(out_dir, main=d.main, live=live, record=record, notes=notes, resumed=resumed)
     graphs = GraphCapture(device) if cfg.optim.cuda_graphs == "auto" else None
-    first = stage(data, decoder, cfg, state=live.terms, targets=targets)
-    joint = stage(data, decoder, cfg, state=live.terms, targets=targets, tuning=tuning) if tuning else None
-    budget = Budget(cfg.schedule, started=run_log.started)
-    parts = Parts(data, cfg.optim, d, device, *live, graphs, targets, run_log, budget, notes, checkpoints, first, joint)
-    return parts, progress
+    stages = [stage(data, decoder, cfg, state=live.terms, targets=targets)]
+    if tuning is not None:
+        stages.append(stage(data, decoder, cfg, state=live.terms, targets=targets, tuning=tuning))
+    run = Run(data, d, device, graphs, run_log, notes, checkpoints, Budget(cfg.schedule, started=run_log.started))
+    return run, live, stages, progress
 
 
 def _decoder(data: CaptionData, model_cfg: DecoderConfig, device, init: dict | None, *, compile: bool):
@@ -163,26 +168,29 @@ def _decoder(data: CaptionData, model_cfg: DecoderConfig, device, init: dict | N
     return decoder
 
 
-def for_epoch(parts: Parts, progress: Progress) -> Epoch:
-    """The step and batch source of the stage the current epoch is in (DDP-wrapped under torchrun)."""
-    tuned = parts.joint is not None and progress.epoch >= parts.tuning.cfg.after
-    objective, source = parts.joint if tuned else parts.first
-    if parts.d.active:
-        device_ids = [parts.device.index] if parts.device.type == "cuda" else None
+def for_epoch(
+    run: Run, live: Live, stages: list[Stage], fine_tune: FineTuneConfig | None, optim: OptimConfig, progress: Progress
+) -> tuple[Stage, TrainStep]:
+    """The stage the current epoch is in, and the step it trains with (DDP-wrapped under torchrun)."""
+    tuned = len(stages) > 1 and progress.epoch >= fine_tune.after
+    current = stages[-1] if tuned else stages[0]
+    objective = current.objective
+    if run.d.active:
+        device_ids = [run.device.index] if run.device.type == "cuda" else None
         objective = DistributedDataParallel(objective, device_ids=device_ids)
     step = TrainStep(
         objective,
-        parts.optimizer,
-        parts.optim,
-        average=parts.average,
-        generator=parts.generator,
-        d=parts.d,
-        device=parts.device,
+        live.optimizer,
+        optim,
+        average=live.average,
+        generator=live.generator,
+        d=run.d,
+        device=run.device,
         steps=progress.step,
-        graphs=parts.graphs,
-        on_fallback=lambda message: parts.notes.warn("graph_failed", message, step=progress.step),
+        graphs=run.graphs,
+        on_fallback=lambda message: run.notes.warn("graph_failed", message, step=progress.step),
     )
-    return Epoch(step, source, tuned)
+    return current, step
 
 
 def box_targets(data: CaptionData, path: str, d: distributed.Dist) -> BoxTargets:
@@ -214,16 +222,96 @@ def familiarity(data: CaptionData, tuning, saved: dict | None, seed: int, main: 
     return stats.to_dict() if stats is not None else None
 
 
-def _record(data: CaptionData, out_dir: str, model_cfg: DecoderConfig, cfg: TrainConfig, familiarity) -> dict:
+def _record(
+    data: CaptionData, out_dir: str, model_cfg: DecoderConfig, cfg: TrainConfig, files: dict, familiarity
+) -> dict:
     """What every checkpoint of the run says of it."""
-    command = ["python train.py fit --data", data.dir, "--out", out_dir, *command_line(model_cfg), *command_line(cfg)]
+    read = [f"--{name} {path}" for name, path in files.items() if path]
+    command = [
+        "python train.py fit --data",
+        data.dir,
+        "--out",
+        out_dir,
+        *read,
+        *command_line(model_cfg),
+        *command_line(cfg),
+    ]
     return {
         "decoder": model_cfg.to_dict(),
         "train": cfg.to_dict(),
         "vocab": data.vocab.words,
         "encoder": data.encoder.to_dict(),
         "max_len": data.max_len,
-        "data": {"dir": os.path.abspath(data.dir), "fingerprint": data.encoder.fingerprint},
+        "data": {"dir": os.path.abspath(data.dir), "fingerprint": data.encoder.fingerprint, **files},
         "familiarity": familiarity,
         "command": " ".join(command),
     }
+
+
+def stage(
+    data: CaptionData,
+    decoder: AttentionDecoder,
+    cfg: TrainConfig,
+    *,
+    state: TermState,
+    targets: BoxTargets | None,
+    tuning: FineTuning | None = None,
+) -> Stage:
+    """The objective of the settled configs and its batch source: on the cached features, or on a
+    fine-tuned encoder's inputs (which also makes the views of the consistency's share of captions)."""
+    if cfg.objective == "scst":
+        scorer, graphs = training_scorer(data, cfg.scst.end_token), cfg.optim.cuda_graphs == "auto"
+        terms = [SelfCritical(cfg.scst, scorer, data.max_len, graphs=graphs)]
+        return Stage(Objective(decoder, terms), TrainingImages(data, cfg.optim.batch_size), tuned=False)
+    # `settle` set the consistency to 0 where neither the prepared views nor an encoder's own will be
+    views = cfg.terms.consistency > 0 and (tuning is not None or data.views is not None)
+    share = cfg.terms.consistency_share if views else 0.0
+    fixed = None
+    if tuning is None and cfg.optim.shapes == "fixed":
+        fixed = FixedShapes.for_data(cfg.optim.batch_size, int(data.lengths.max()))
+    source = tuning
+    if tuning is None:
+        source = CaptionBatches(data, cfg.optim.batch_size, view_share=share, targets=targets, fixed=fixed)
+    objective = cross_entropy_objective(
+        decoder,
+        cfg.terms,
+        cfg.hard,
+        shapes=source.shapes,
+        views=views,
+        state=state,
+        targets=targets,
+        encoder=tuning.encoder if tuning is not None else None,
+        view_share=share,
+    )
+    return Stage(objective, source, tuned=tuning is not None)
+
+
+def cross_entropy_objective(
+    decoder: AttentionDecoder,
+    terms_cfg: TermsConfig,
+    hard: HardAttentionConfig,
+    *,
+    shapes: Shapes,
+    views: bool,
+    state: TermState,
+    targets: BoxTargets | None = None,
+    encoder=None,
+    view_share: float = 0.0,
+) -> Objective:
+    """The cross-entropy objective of settled term configs, in its batches' shapes.
+
+    Args:
+        views: the consistency has views (prepared, or the encoder's own).
+        state: the run's terms' state.
+        encoder: a fine-tuned encoder, which makes the views of `view_share` of the captions.
+    """
+    attention = decoder.config.attention
+    terms = objective_terms(terms_cfg, attention=attention, hard=hard, views=views, state=state, targets=targets)
+    return Objective(
+        decoder,
+        terms,
+        shapes=shapes,
+        semi_sampling=hard.semi_sampling if attention == "hard" else None,
+        encoder=encoder,
+        view_share=view_share,
+    )

@@ -71,6 +71,8 @@ def trained(
     model: DecoderConfig | None,
     cfg: TrainConfig,
     *,
+    init: str | None = None,
+    boxes: str | None = None,
     resume: bool = True,
     device: str = "cpu",
     threads: int | None = None,
@@ -79,6 +81,7 @@ def trained(
     """A model trained on `data` into `run` (its best.pt), unless a finished one is there.
 
     Args:
+        init, boxes: `fit`'s.
         resume: go on from the last.pt of a run that did not end (else train it again from the start).
         threads: torch threads while training (None: as they are).
     """
@@ -92,7 +95,7 @@ def trained(
     try:
         if threads:
             torch.set_num_threads(threads)
-        fit(data, run, model, cfg, resume=again, device=device, progress_bar=progress_bar)
+        fit(data, run, model, cfg, init=init, boxes=boxes, resume=again, device=device, progress_bar=progress_bar)
     finally:
         torch.set_num_threads(before)
     return best

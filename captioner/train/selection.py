@@ -15,38 +15,40 @@ from captioner.evaluation.captioning import caption_split, score_validation
 from captioner.evaluation.health import advice, attention_health, problems
 from captioner.evaluation.health import summary as health_summary
 from captioner.train import distributed
+from captioner.train.checkpoints import Live
 from captioner.train.config import Progress, ScheduleConfig
-from captioner.train.parts import Parts
+from captioner.train.parts import Run
 
 log = logging.getLogger(__name__)
 
 
-def validate(parts: Parts, schedule: ScheduleConfig, progress_bar: bool) -> dict:
-    """Generation-based validation, split over processes and scored on the gathered captions."""
-    t0, d = time.monotonic(), parts.d
+def validate(run: Run, live: Live, schedule: ScheduleConfig, progress_bar: bool) -> dict:
+    """Generation-based validation of the weights' average (or the weights), split over processes and scored
+    on the gathered captions."""
+    t0, d = time.monotonic(), run.d
     texts, hyps = caption_split(
-        parts.average.model if parts.average else parts.decoder,
-        parts.data,
-        parts.data.vocab,
+        live.average.model if live.average else live.decoder,
+        run.data,
+        run.data.vocab,
         "val",
         decoding=Decoding(beam_size=schedule.val_beam_size),
-        max_len=parts.data.max_len,
-        device=parts.device,
+        max_len=run.data.max_len,
+        device=run.device,
         max_images=schedule.val_images,
         shard=(d.rank, d.world),
-        features=parts.tuning.features if parts.tuning else None,
-        graphs=parts.graphs is not None,
+        features=live.tuning.features if live.tuning else None,
+        graphs=run.graphs is not None,
     )
     texts = distributed.gather_dicts(d, texts)
     maps = distributed.gather_dicts(d, {i: h.attention.astype("float16") for i, h in hyps.items()})
     metrics = None
     if d.main:
-        metrics = score_validation(texts, parts.data.references["val"])
+        metrics = score_validation(texts, run.data.references["val"])
         metrics["attention_health"] = attention_health(maps.values())
     return {**distributed.broadcast(d, metrics), "seconds": round(time.monotonic() - t0, 2)}
 
 
-def select(parts: Parts, metric: str, progress: Progress, metrics: dict) -> bool:
+def select(run: Run, live: Live, metric: str, progress: Progress, metrics: dict) -> bool:
     """Is this validation the new best.pt by `metric`? The best score among checkpoints whose attention
     is healthy, when any is; a healthy one replaces a flagged best.pt whatever its score."""
     score, found = metrics[metric], problems(metrics["attention_health"])
@@ -57,9 +59,9 @@ def select(parts: Parts, metric: str, progress: Progress, metrics: dict) -> bool
     else:
         progress.stale += 1
     if progress.cooldown_from is None:  # the cooldown sets the rate from here on
-        parts.scheduler.step(score)
-    lr = float(parts.optimizer.param_groups[0]["lr"])
-    parts.log.write(
+        live.scheduler.step(score)
+    lr = float(live.optimizer.param_groups[0]["lr"])
+    run.log.write(
         {
             "event": "val",
             "step": progress.step,
@@ -71,7 +73,7 @@ def select(parts: Parts, metric: str, progress: Progress, metrics: dict) -> bool
             "healthy": healthy,
         }
     )
-    if parts.d.main:
+    if run.d.main:
         other = metric if metric != "BLEU-4" else "CIDEr"
         log.info(
             f"epoch {progress.epoch}: step {progress.step}, BLEU-4 {metrics['BLEU-4']:.3f}, {other} "
@@ -79,7 +81,7 @@ def select(parts: Parts, metric: str, progress: Progress, metrics: dict) -> bool
             f"{health_summary(metrics['attention_health'])}"
         )
         if found:
-            log.warning(f"step {progress.step}: {'; '.join(found)}: {advice(boxes=parts.targets is not None)}")
+            log.warning(f"step {progress.step}: {'; '.join(found)}: {advice(boxes=run.boxed)}")
     return improved
 
 

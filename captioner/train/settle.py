@@ -7,10 +7,10 @@ default is settled (and is what `fit --help` says of it); `--shapes auto` is pac
 fixed on a GPU or with --compile. Combinations of settings that cannot train, and options that
 contradict a resumed run, are refused here, before anything is built; what needs the data itself
 (a `--boxes` file naming none of the training captions' objects: `parts.box_targets`) is refused
-where the data is read.
+where the data is read, and the files a resumed run read (`resume.start_from`) where its checkpoint is.
 
 A resumed run keeps what the run is (its saved configs) and takes how this process runs it from
-the command (`config.resumed`: how far it goes, shapes, compile, CUDA graphs, workers, saving and
+the command (`config.per_process` fields: how far it goes, shapes, compile, CUDA graphs, workers, saving and
 logging); the command's other settings are left out with a warning. Its derived defaults are then
 settled as a fresh run's are, so that a setting its checkpoint lacks is derived, not left None.
 """
@@ -18,7 +18,7 @@ settled as a fresh run's are, so that a setting its checkpoint lacks is derived,
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 
 import torch
 
@@ -27,7 +27,7 @@ from captioner.models.decoder import DecoderConfig
 from captioner.objectives.scst import LR as SCST_LR
 from captioner.objectives.terms import TermsConfig
 from captioner.options import command_line
-from captioner.train.config import XE_LR, OptimConfig, TrainConfig, resumed
+from captioner.train.config import PER_PROCESS, XE_LR, OptimConfig, TrainConfig
 from captioner.train.finetune import DECODER_FIRST
 
 log = logging.getLogger(__name__)
@@ -58,29 +58,32 @@ def settle(
     saved: dict | None = None,
     views: bool = True,
     encoder_dim: int | None = None,
+    boxes: bool = False,
 ) -> tuple[DecoderConfig, TrainConfig]:
     """The settled (decoder, training) configs of a run.
 
     Args:
         model: the decoder options given (None: the defaults); with --init its checkpoint sets the
             sizes, and on resume the saved run sets them all (those given otherwise are warned of).
-        cfg: the training options given (on resume: their per-process settings, `config.resumed`).
+        cfg: the training options given (on resume: their per-process settings, `_kept`).
         vocab_size: the data's vocabulary size.
         device: where the run trains (the shapes' default).
-        init: the checkpoint of `cfg.init`, migrated (`models.checkpoint.load_checkpoint`).
+        init: the checkpoint of `fit --init`, migrated (`models.checkpoint.load_checkpoint`).
         saved: the checkpoint a resumed run continues from.
         views: the data directory holds the features of the images' views (the consistency's); without
             them (and without a fine-tuned encoder to make its own) the consistency is settled as 0.
         encoder_dim: D of the data's features, its backbone row's channels (`EncoderSpec.channels`): a
             fresh decoder's `encoder_dim`; None keeps the config's. --init and resumed checkpoints hold
             their own, checked against the data's encoder before this.
+        boxes: the run reads object boxes (`fit --boxes`), which set the word query's and the
+            decoding sharpness's defaults.
 
     Raises:
         CaptionerError: options that cannot train together (`_refuse`, `_terms`, `_optim`), or that
             contradict the run being resumed (`_refuse_resumed`).
     """
     if saved is not None:
-        settled = _derived(*_resumed(saved, cfg), device=device, init=None, views=views)
+        settled = _derived(*_resumed(saved, cfg), device=device, init=None, views=views, boxes=boxes)
         _warn_overruled((model, cfg), settled)
         return settled
     _refuse(model, cfg, init)
@@ -90,15 +93,15 @@ def settle(
     model = replace(model or given, vocab_size=vocab_size)
     if encoder_dim is not None and init is None:
         model = replace(model, encoder_dim=encoder_dim)
-    return _derived(model, cfg, device=device, init=init, views=views)
+    return _derived(model, cfg, device=device, init=init, views=views, boxes=boxes)
 
 
 def _derived(
-    model: DecoderConfig, cfg: TrainConfig, *, device: torch.device, init: dict | None, views: bool
+    model: DecoderConfig, cfg: TrainConfig, *, device: torch.device, init: dict | None, views: bool, boxes: bool
 ) -> tuple[DecoderConfig, TrainConfig]:
     """The configs with every derived default settled (`DERIVED`); values already set are kept."""
     terms = _terms(cfg.terms, views or cfg.fine_tune is not None)
-    soft_boxes = bool(terms.boxes) and not terms.paper
+    soft_boxes = boxes and not terms.paper
     hard = model.attention == "hard"
     model = replace(
         model,
@@ -115,7 +118,7 @@ def _derived(
     )
     fine_tune = cfg.fine_tune
     if fine_tune is not None:
-        fine_tune = replace(fine_tune, after=_given(fine_tune.after, 0 if cfg.init else DECODER_FIRST))
+        fine_tune = replace(fine_tune, after=_given(fine_tune.after, 0 if init is not None else DECODER_FIRST))
     return model, replace(cfg, optim=_optim(cfg.optim, cfg.objective, device), terms=terms, fine_tune=fine_tune)
 
 
@@ -173,10 +176,10 @@ def _optim(o: OptimConfig, objective: str, device: torch.device) -> OptimConfig:
 
 def _resumed(saved: dict, cfg: TrainConfig) -> tuple[DecoderConfig, TrainConfig]:
     """A resumed run's configs, before its derived defaults are settled: the saved ones, with how this
-    process runs them taken from the command (`config.resumed`; --shapes auto then follows this device)."""
+    process runs them taken from the command (`_kept`; --shapes auto then follows this device)."""
     kept = TrainConfig.from_dict(saved["train"])
     _refuse_resumed(kept, cfg)
-    return DecoderConfig(**saved["decoder"]), resumed(kept, cfg)
+    return DecoderConfig(**saved["decoder"]), _kept(kept, cfg)
 
 
 def _warn_overruled(given: tuple, settled: tuple) -> None:
@@ -218,3 +221,22 @@ def _refuse_resumed(kept: TrainConfig, cfg: TrainConfig) -> None:
             f"--resume: --out holds a run trained {'with other' if theirs else 'without'} --fine-tune-encoder "
             "settings; resume without those flags to continue as it was"
         )
+
+
+def _kept(saved, command):
+    """A resumed run's config: what the run is from `saved`, how this process runs it (the `per_process`
+    fields, group by group) from this `command`.
+
+    Args:
+        saved: the config the checkpoint records (a dataclass, e.g. `TrainConfig`).
+        command: the same class, as this process's command line gives it; an optional group it leaves
+            out gives its per-process fields their defaults.
+    """
+    changes = {}
+    for f in fields(saved):
+        kept, given = getattr(saved, f.name), getattr(command, f.name)
+        if f.metadata.get(PER_PROCESS):
+            changes[f.name] = given
+        elif is_dataclass(kept):
+            changes[f.name] = _kept(kept, given if given is not None else type(kept)())
+    return replace(saved, **changes)

@@ -11,13 +11,13 @@ from collections.abc import Iterable, Iterator
 import torch
 
 
-def start_record(parts, epoch, progress, resume: bool) -> dict:
+def start_record(run, stage, progress, resume: bool) -> dict:
     """The log's first line: the run's settled configs, as its checkpoints record them, and where it starts.
 
     Args:
-        parts, epoch, progress: the run's `train.parts.Parts`, the current `Epoch`, its `Progress`.
+        run, stage, progress: the `train.parts.Run`, the `Stage` it starts in, its `Progress`.
     """
-    record = parts.checkpoints.record
+    record = run.checkpoints.record
     return {
         "event": "start",
         "step": progress.step,
@@ -25,10 +25,10 @@ def start_record(parts, epoch, progress, resume: bool) -> dict:
         "resume": resume,
         "decoder": record["decoder"],
         "train": record["train"],
-        "device": str(parts.device),
-        "world": parts.d.world,
-        "train_captions": int(len(parts.data.lengths)),
-        "batches_per_epoch": epoch.source.num_batches(world=parts.d.world),
+        "device": str(run.device),
+        "world": run.d.world,
+        "train_captions": int(len(run.data.lengths)),
+        "batches_per_epoch": stage.source.num_batches(world=run.d.world),
     }
 
 
