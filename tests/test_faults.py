@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -106,6 +107,10 @@ def test_sigterm_stops_fit_after_the_step_and_resume_equals_uninterrupted(data_d
     assert resumed["step"] == reference["step"]
     for name, value in reference["model"].items():
         assert torch.equal(resumed["model"][name], value), name
+    # The command line as typed, of the run's start: the resumed one keeps it.
+    assert resumed["command"] == shlex.join(
+        ["python", "train.py", "fit", "--data", str(data_dir), "--out", str(out), *FIT]
+    )
     assert not temp_files(out)
 
 

@@ -185,10 +185,11 @@ def test_a_resumed_run_is_given_its_boxes_again_and_records_where_it_started(sma
     ck = load_checkpoint(str(small_run / "last.pt"))
     assert (ck["data"]["init"], ck["data"]["boxes"]) == (None, None)
     with pytest.raises(CaptionerError, match="trained without --boxes"):
-        start_from(data, str(small_run), None, True, cpu, boxes="boxes.json")
+        start_from(data, str(small_run), None, True, cpu, boxes="boxes.json", command=None)
     boxed = tmp_path / "boxed"
     boxed.mkdir()
     save_checkpoint({**ck, "data": {**ck["data"], "boxes": "scenes/boxes.json"}}, str(boxed / "last.pt"))
     with pytest.raises(CaptionerError, match="trained with --boxes scenes/boxes.json: pass it again"):
-        start_from(data, str(boxed), None, True, cpu)
-    assert start_from(data, str(boxed), None, True, cpu, boxes="scenes/boxes.json")[1]["step"] == ck["step"]
+        start_from(data, str(boxed), None, True, cpu, boxes=None, command="python train.py fit --resume")
+    _, saved, began = start_from(data, str(boxed), None, True, cpu, boxes="scenes/boxes.json", command="again")
+    assert saved["step"] == ck["step"] and began == {"init": None, "boxes": "scenes/boxes.json", "command": None}

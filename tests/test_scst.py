@@ -97,6 +97,19 @@ def test_document_frequency_cache(tmp_path):
     assert os.listdir(tmp_path) == ["df.npz"]  # no temporary file left
 
 
+def test_the_document_frequencies_follow_whether_end_counts(data_dir):
+    """One cache file in the data directory: counted with `<end>` or without (--no-end-token), each is
+    rebuilt when the other was cached, never read for it."""
+    from captioner.data.dataset import CaptionData
+    from captioner.objectives.scst import training_scorer
+
+    data = CaptionData(str(data_dir))
+    with_end, without = training_scorer(data, end_token=True).df, training_scorer(data, end_token=False).df
+    assert with_end.counts.sum() > without.counts.sum()  # the n-grams with <end> are counted too
+    again = training_scorer(data, end_token=True).df
+    assert torch.equal(again.codes, with_end.codes) and torch.equal(again.counts, with_end.counts)
+
+
 # the objective on a toy problem
 
 V = 9
@@ -312,7 +325,7 @@ def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkey
     log = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in log if r["event"] == "train"]
     assert all({"reward", "baseline", "entropy"} <= set(r) for r in train)
-    assert os.path.exists(data_dir / "cider_df_end.npz")  # df cached in the data directory
+    assert os.path.exists(data_dir / "cider_df.npz")  # df cached in the data directory
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Literal
@@ -141,6 +142,7 @@ def _fit(args: argparse.Namespace) -> int:
             resume=where.resume,
             device=where.device,
             stop=stop,
+            command=shlex.join(["python", "train.py", *args.typed]),
         )
     distributed.cleanup()
     if stop.requested:
@@ -181,7 +183,9 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python train.py` and `captioner-train`."""
-    args = get_parser().parse_args(renamed(sys.argv[1:] if argv is None else argv, RENAMED))
+    typed = sys.argv[1:] if argv is None else argv
+    args = get_parser().parse_args(renamed(typed, RENAMED))
+    args.typed = typed  # fit records the command line as typed
     handlers = {"prepare": _prepare, "fit": _fit, "evaluate": _evaluate, "coco": coco.run}
     return run(handlers[args.command], args)
 

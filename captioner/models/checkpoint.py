@@ -47,7 +47,7 @@ class Checkpoint:
     metrics: dict | None = None  # the last validation's figures, attention health included
     attention: dict | None = None  # whether its heatmaps are meaningful: {"meaningful", "problems", "health"}
     card: dict | None = None  # what a model card says (data, limits, test scores)
-    command: str | None = None  # fit's: the command line that made it
+    command: str | None = None  # fit's: the command line that started the run, as typed
     data: dict | None = None  # fit's: {"dir", "fingerprint"} of its prepared data, and the "init" and "boxes" files
     train: dict | None = None  # fit's: the training config (`train.config.TrainConfig`) as a dict
     progress: dict | None = None  # fit's: `train.config.Progress` as a dict

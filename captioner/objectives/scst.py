@@ -80,8 +80,7 @@ def training_scorer(data: CaptionData, end_token: bool = True) -> NgramScorer:
     words = torch.from_numpy(data.tokens[:, 1:].astype(np.int64))  # (C, T) words, <end>, <pad>...
     lengths = torch.from_numpy(data.lengths.astype(np.int64)) - 2 + int(end_token)
     refs = References(words, lengths, torch.from_numpy(data.rows.astype(np.int64)), base=len(data.vocab))
-    name = "cider_df_end.npz" if end_token else "cider_df.npz"
-    df = cached_document_frequency(os.path.join(data.dir, name), refs, salt="\n".join(data.vocab.words))
+    df = cached_document_frequency(os.path.join(data.dir, "cider_df.npz"), refs, salt="\n".join(data.vocab.words))
     return NgramScorer(refs, df)
 
 

@@ -52,12 +52,12 @@ def fit(
     device: str = "auto",
     progress_bar: bool = True,
     stop: resilience.GracefulStop | None = None,
+    command: str | None = None,
 ) -> Progress:
     """Train a decoder on a prepared data directory, writing last.pt, best.pt and metrics.jsonl.
 
     Args:
-        data_dir: made by `prepare`.
-        out_dir: the run directory.
+        data_dir, out_dir: the data directory `prepare` made; the run directory.
         model_cfg: decoder sizes (vocab_size is taken from the data); ignored on resume and with `init`.
         cfg: training settings (default: `TrainConfig()`); a resumed run keeps its own, but for how this
             process runs it (`train.config.per_process`); objective "scst" needs `init` or a resume.
@@ -67,6 +67,7 @@ def fit(
         resume: continue from out_dir/last.pt (`init` is then ignored).
         device: "auto", "cpu" or "cuda" (under torchrun each process takes its local GPU).
         stop: once requested (SIGTERM, SIGINT), each process ends its step, rank 0 saves last.pt, fit returns.
+        command: the command line as typed, which checkpoints record (a resumed run keeps its first one).
 
     Raises:
         CaptionerError: the final save of last.pt or best.pt failed (e.g. a full disk); the
@@ -75,13 +76,12 @@ def fit(
     cfg = cfg or TrainConfig()
     d, dev = distributed.setup(device)
     data = CaptionData(data_dir)
-    start, saved = start_from(data, out_dir, init, resume, dev, boxes)
+    start, saved, began = start_from(data, out_dir, init, resume, dev, boxes=boxes, command=command)
     sizes = {"vocab_size": len(data.vocab), "encoder_dim": data.encoder.channels}  # the backbone row's D
     views, boxed = data.views is not None, boxes is not None
     model_cfg, cfg = settle(model_cfg, cfg, **sizes, device=dev, init=start, saved=saved, views=views, boxes=boxed)
-    files = {"init": saved["data"].get("init") if saved else init, "boxes": boxes}  # what checkpoints record
     run, live, stages, progress = build(
-        data, out_dir, model_cfg, cfg, d=d, device=dev, init=start, saved=saved, files=files, progress_bar=progress_bar
+        data, out_dir, model_cfg, cfg, d=d, device=dev, init=start, saved=saved, origin=began, progress_bar=progress_bar
     )
     stage, step = for_epoch(run, live, stages, cfg.fine_tune, cfg.optim, progress)
     run.log.write(telemetry.start_record(run, stage, progress, resume))

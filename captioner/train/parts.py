@@ -31,7 +31,6 @@ from captioner.objectives.passes import Shapes
 from captioner.objectives.reinforce import HardAttentionConfig
 from captioner.objectives.scst import SelfCritical, training_scorer
 from captioner.objectives.terms import TermsConfig, TermState
-from captioner.options import command_line
 from captioner.train import distributed, resilience
 from captioner.train.averaging import WeightAverage
 from captioner.train.checkpoints import Checkpoints, Live, RunLog
@@ -104,20 +103,19 @@ def build(
     device: torch.device,
     init: dict | None,
     saved: dict | None,
-    files: dict,
+    origin: dict,
     progress_bar: bool,
 ) -> tuple[Run, Live, list[Stage], Progress]:
-    """The run, its live objects, its stages (in the order it trains them), and where it is (a resumed
-    run's progress, with its state put back).
+    """The run, its live objects, its stages (in the order it trains them), and where it is (its progress).
 
     Args:
-        files: the paths `fit` was given as "init" and "boxes" (each None where not given).
+        origin: how the run began, as its checkpoints record it (`resume.start_from`).
     """
     torch.manual_seed(cfg.optim.seed)
     if cfg.optim.amp == "tf32":  # for the whole process, which is this run
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     decoder = _decoder(data, model_cfg, device, init, compile=cfg.optim.compile)
-    targets = box_targets(data, files["boxes"], d) if files["boxes"] else None
+    targets = box_targets(data, origin["boxes"], d) if origin["boxes"] else None
     groups = [{"params": list(decoder.parameters())}]
     tuning = None
     if cfg.fine_tune is not None:
@@ -145,7 +143,7 @@ def build(
         TermState(device, saved.get("terms") if saved is not None else None),
     )
     progress = restore(live, saved, out_dir, notes) if saved is not None else Progress()
-    record = _record(data, out_dir, model_cfg, cfg, files, familiarity(data, tuning, saved, cfg.optim.seed, d.main))
+    record = _record(data, model_cfg, cfg, origin, familiarity(data, tuning, saved, cfg.optim.seed, d.main))
     resumed = progress if saved is not None else None
     checkpoints = Checkpoints(out_dir, main=d.main, live=live, record=record, notes=notes, resumed=resumed)
     graphs = GraphCapture(device) if cfg.optim.cuda_graphs == "auto" else None
@@ -222,29 +220,22 @@ def familiarity(data: CaptionData, tuning, saved: dict | None, seed: int, main: 
     return stats.to_dict() if stats is not None else None
 
 
-def _record(
-    data: CaptionData, out_dir: str, model_cfg: DecoderConfig, cfg: TrainConfig, files: dict, familiarity
-) -> dict:
+def _record(data: CaptionData, model_cfg: DecoderConfig, cfg: TrainConfig, origin: dict, familiarity) -> dict:
     """What every checkpoint of the run says of it."""
-    read = [f"--{name} {path}" for name, path in files.items() if path]
-    command = [
-        "python train.py fit --data",
-        data.dir,
-        "--out",
-        out_dir,
-        *read,
-        *command_line(model_cfg),
-        *command_line(cfg),
-    ]
     return {
         "decoder": model_cfg.to_dict(),
         "train": cfg.to_dict(),
         "vocab": data.vocab.words,
         "encoder": data.encoder.to_dict(),
         "max_len": data.max_len,
-        "data": {"dir": os.path.abspath(data.dir), "fingerprint": data.encoder.fingerprint, **files},
+        "data": {
+            "dir": os.path.abspath(data.dir),
+            "fingerprint": data.encoder.fingerprint,
+            "init": origin["init"],
+            "boxes": origin["boxes"],
+        },
         "familiarity": familiarity,
-        "command": " ".join(command),
+        "command": origin["command"],
     }
 
 

@@ -156,23 +156,26 @@ def _seed(base: int, rank: int, step: int) -> int:
 
 
 def start_from(
-    data: CaptionData, out_dir: str, init: str | None, resume: bool, device, boxes: str | None = None
-) -> tuple:
-    """The checkpoints a run starts from: (--init's, the resumed last.pt), each checked against the data
-    (`train.settle` checks the options against them). A resumed run reads its boxes again, as it reads its data.
+    data: CaptionData, out_dir: str, init: str | None, resume: bool, device, *, boxes: str | None, command: str | None
+) -> tuple[dict | None, dict | None, dict]:
+    """The checkpoints a run starts from, (--init's, the resumed last.pt), each checked against the data
+    (`train.settle` checks the options against them), and how the run began as its checkpoints record it:
+    {"init", "boxes", "command"} (a resumed run keeps its first --init and command line, and reads its boxes
+    again, as it reads its data).
     """
-    if resume:
-        last = os.path.join(out_dir, "last.pt")
-        saved = checked_checkpoint(last, data, device, "--resume")
-        if saved["train"].get("fine_tune") and "encoder_state" not in saved:
-            raise CaptionerError(f"--resume: {last} lacks the encoder_state its fine-tuning settings call for")
-        trained_with = saved["data"].get("boxes")
-        if bool(trained_with) != bool(boxes):
-            raise CaptionerError(
-                f"--resume: {last} was trained with --boxes {trained_with}: pass it again"
-                if trained_with
-                else f"--resume: {last} was trained without --boxes: leave it out, or start a new run from it "
-                "with --init OUT/best.pt"
-            )
-        return None, saved
-    return (checked_checkpoint(init, data, device, "--init") if init else None), None
+    began = {"init": init, "boxes": boxes, "command": command}
+    if not resume:
+        return (checked_checkpoint(init, data, device, "--init") if init else None), None, began
+    last = os.path.join(out_dir, "last.pt")
+    saved = checked_checkpoint(last, data, device, "--resume")
+    if saved["train"].get("fine_tune") and "encoder_state" not in saved:
+        raise CaptionerError(f"--resume: {last} lacks the encoder_state its fine-tuning settings call for")
+    trained_with = saved["data"].get("boxes")
+    if bool(trained_with) != bool(boxes):
+        raise CaptionerError(
+            f"--resume: {last} was trained with --boxes {trained_with}: pass it again"
+            if trained_with
+            else f"--resume: {last} was trained without --boxes: leave it out, or start a new run from it "
+            "with --init OUT/best.pt"
+        )
+    return None, saved, {**began, "init": saved["data"].get("init"), "command": saved.get("command")}
