@@ -145,7 +145,8 @@ def _sharpness(dec: dict) -> str:
 
 def _command(ck: dict) -> str:
     card = ck.get("card") or {}
-    command = str(card.get("rebuild") or ck.get("command") or "# not recorded in the checkpoint")
+    python = '# trained by calling fit() from Python: its settings are "train" and "decoder" in config.json'
+    command = str(card.get("rebuild") or ck.get("command") or python)
     return f"# at commit {card['commit']}\n{command}" if card.get("commit") else command
 
 
