@@ -126,10 +126,10 @@ def synthetic_data(root: str, rec: Recipe) -> tuple[str, str]:
     return scenes, prepared(scenes, data, encoder=encoder, min_count=rec.min_count, workers=0)
 
 
-def train_or_load(data_dir: str, run_dir: str, rec: Recipe) -> str:
-    """Train a recipe's model into run_dir unless it finished there already; returns its best.pt.
-    An interrupted run goes on from its last checkpoint rather than starting a second log."""
-    return trained(data_dir, run_dir, rec.decoder, rec.train, threads=rec.threads)
+def train_or_load(data_dir: str, run_dir: str, rec: Recipe, init: str | None = None) -> str:
+    """Train a recipe's model into run_dir (from `init`'s weights, if given) unless it finished there already;
+    returns its best.pt. An interrupted run goes on from its last checkpoint rather than starting a second log."""
+    return trained(data_dir, run_dir, rec.decoder, rec.train, init=init, threads=rec.threads)
 
 
 class SyntheticRun(NamedTuple):
@@ -167,8 +167,7 @@ def synthetic_scst_run(root: str) -> SyntheticRun:
     )
     rec = replace(recipe("soft"), train=scst, name="soft-quick-scst")
     run = os.path.join(root, f"run-{rec.name}")
-    best = trained(base.data, run, rec.decoder, rec.train, init=base.checkpoint, threads=rec.threads)
-    return SyntheticRun(base.scenes, base.data, run, best)
+    return SyntheticRun(base.scenes, base.data, run, train_or_load(base.data, run, rec, init=base.checkpoint))
 
 
 class SplitCaption(NamedTuple):
