@@ -1,6 +1,11 @@
 """The bundled examples: the first scenes of a seed fixed before any model was scored (never chosen
 by hand, never a training or test scene), copied beside the demo model, and each judged by the
-caption the saved model writes for it, as the page shows it."""
+caption the saved model writes for it, as the page shows it.
+
+The card records what the saved model wrote for each example (words, score and every word's map),
+so that a change to the code that moves a saved model's outputs is seen (tests/test_saved_outputs.py).
+`python -m captioner.demo.examples` records them again for the bundled model, keeping the rest of its card.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +13,37 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 
 from captioner.demo.options import PAGE_BEAM
+from captioner.io import read_json, write_json_atomic
 from captioner.scenes import judge as scenes
 from captioner.scenes.synthetic import generate
 from captioner.serve.api import Captioner
+from captioner.serve.sources import DEMO_MODEL, example_images
 
 EXAMPLES_SEED = 20261127  # the examples' scenes: a seed fixed before the model was scored, used for nothing else
+MAP_DECIMALS = 4  # the recorded maps' precision
+
+
+def example_outputs(captioner: Captioner, paths: Sequence[str]) -> list[dict]:
+    """What a model writes for each image as the page captions it: the caption, its score and each word's map."""
+    outs = captioner.caption_batch(list(paths), beam_size=PAGE_BEAM)
+    return [
+        {
+            "file": os.path.basename(path),
+            "caption": out.text,
+            "score": round(out.score, 6),
+            "maps": [[round(float(x), MAP_DECIMALS) for x in word.ravel()] for word in out.attention],
+        }
+        for path, out in zip(paths, outs)
+    ]
 
 
 def judge_examples(checkpoint: str, paths: dict[int, str], objects: dict[int, list]) -> list[dict]:
     """Caption example images with a saved model, as the page does, and judge each caption."""
-    outs = Captioner.load(checkpoint).caption_batch([paths[i] for i in paths], beam_size=PAGE_BEAM)
-    return [
-        {"file": os.path.basename(paths[i]), "caption": out.text, **scenes.judge(out.words, objects[i])}
-        for i, out in zip(paths, outs)
-    ]
+    outs = example_outputs(Captioner.load(checkpoint), [paths[i] for i in paths])
+    return [{**out, **scenes.judge(out["caption"].split(), objects[i])} for i, out in zip(paths, outs)]
 
 
 def draw_examples(k: int, examples_dir: str) -> tuple[dict[int, str], dict[int, list]]:
@@ -37,3 +57,20 @@ def draw_examples(k: int, examples_dir: str) -> tuple[dict[int, str], dict[int, 
             files = {int(im["id"]): im["file_name"] for im in json.load(f)["images"]}
         paths = {i: shutil.copy(os.path.join(tmp, "images", name), examples_dir) for i, name in sorted(files.items())}
         return paths, scenes.read_objects(os.path.join(tmp, "boxes.json"))
+
+
+def record_outputs(model_dir: str = DEMO_MODEL, paths: Sequence[str] | None = None) -> list[dict]:
+    """Record in an exported model's card what it writes for the examples today, keeping each example's
+    judgement; returns the card's examples."""
+    config_path = os.path.join(model_dir, "config.json")
+    config = read_json(config_path, "exported model config")
+    outputs = example_outputs(Captioner.load(model_dir), paths or example_images())
+    judged = {e["file"]: e for e in config["card"].get("examples") or []}
+    config["card"]["examples"] = [{**judged.get(out["file"], {}), **out} for out in outputs]
+    write_json_atomic(config_path, config)
+    return config["card"]["examples"]
+
+
+if __name__ == "__main__":
+    for example in record_outputs():
+        print(f"{example['file']}: {example['caption']} ({example['score']:.4f})")
