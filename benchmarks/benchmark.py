@@ -45,7 +45,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sgrvinod_decoder import TutorialDecoder, load_tutorial_models, tutorial_loss, tutorial_train_step  # noqa: E402
 
-from captioner.cuda_graphs import GraphCapture  # noqa: E402
+from captioner.compiled import GRAPHS  # noqa: E402
 from captioner.data.batches import Batch, FixedShapes  # noqa: E402
 from captioner.models.decoder import AttentionDecoder, DecoderConfig  # noqa: E402
 from captioner.models.encoder import EncoderSpec, build_encoder  # noqa: E402
@@ -56,11 +56,12 @@ from captioner.objectives.terms import TermState  # noqa: E402
 from captioner.train.averaging import WeightAverage  # noqa: E402
 from captioner.train.config import TrainConfig  # noqa: E402
 from captioner.train.distributed import Dist  # noqa: E402
-from captioner.train.parts import cross_entropy_objective  # noqa: E402
+from captioner.train.parts import cross_entropy_objective, step_compiling  # noqa: E402
 from captioner.train.settle import settle  # noqa: E402
-from captioner.train.step import WARMUP, TrainStep, make_optimizer  # noqa: E402
+from captioner.train.step import TrainStep, make_optimizer  # noqa: E402
 
 B, L, D, V = 32, 196, 512, 10_000
+WARMUP = 3  # untimed steps before timing: the compiled steps compile and record their graphs in them
 # COCO with Karpathy's splits: 113,287 training images with 5 captions each; 5,000 test images.
 COCO_IMAGES, COCO_TRAIN_CAPTIONS, COCO_TEST_IMAGES = 123_287, 113_287 * 5, 5_000
 
@@ -210,16 +211,16 @@ def fit_step(
     batch_size: int = B,
     *,
     amp: str = "none",
-    compile: bool = False,
     objective: str = "paper",
     attention: str = "soft",
     shapes: str = "auto",
-    graphs: bool = True,
+    compiled: str | None = "auto",
 ):
     """`fit`'s own step (`train.step.TrainStep`), settled as `fit` settles it on `device`, on one batch.
 
     objective: "paper" (eq. 14 with λ = 1: what the tutorial trains) or "default" (`fit`'s defaults:
     λ = 0.3 and the view consistency, with the weights' average).
+    compiled: the compiler's mode of the step ("auto": `fit`'s choice on `device`; None: eager).
 
     Returns:
         (one step as a callable, the decoder, the TrainStep)
@@ -227,7 +228,6 @@ def fit_step(
     torch.manual_seed(0)
     cfg = TrainConfig.of(
         amp=amp,
-        compile=compile,
         batch_size=batch_size,
         shapes=shapes,
         paper=objective == "paper",
@@ -236,8 +236,8 @@ def fit_step(
     model_cfg = DecoderConfig(V, encoder_dim=D, dropout=0.5, attention=attention)
     model_cfg, cfg = settle(model_cfg, cfg, vocab_size=V, device=device)
     decoder = AttentionDecoder(model_cfg).to(device)
-    if compile:
-        decoder.compile_step()
+    if compiled == "auto":
+        compiled = step_compiling(cfg.optim, device)
     views = objective == "default"
     step = TrainStep(
         cross_entropy_objective(
@@ -249,7 +249,7 @@ def fit_step(
         generator=torch.Generator(device=device).manual_seed(1),
         d=Dist(),
         device=device,
-        graphs=GraphCapture(device) if graphs else None,
+        compiled=compiled,
     )
     batch = fit_batch(device, batch_size, cfg.optim.shapes, views)
     return (lambda: step(batch)), decoder, step
@@ -303,9 +303,9 @@ def bench_decoder(
             fns["captioner, default objective"] = fit_step(device, batch_size, objective="default")[0]
         fns |= tutorial_steps(device, batch_size, tutorial_models)
         t0 = time.perf_counter()
-        t = interleaved(fns, steps, device, warmup=WARMUP + 2)  # fit's graphs are captured by then
-        print(f"  (warm-up, compiling and capturing: {time.perf_counter() - t0 - sum(map(sum, t.values())):.0f} s)")
-        flops = flops_of(fit_step(device, batch_size, graphs=False)[0])
+        t = interleaved(fns, steps, device, warmup=WARMUP + 2)  # fit's steps are compiled by then
+        print(f"  (warm-up and compiling: {time.perf_counter() - t0 - sum(map(sum, t.values())):.0f} s)")
+        flops = flops_of(fit_step(device, batch_size, compiled=None)[0])
         ours = med(t[f"captioner, {variants[0]}"])
         floor = flops / rate
         print(
@@ -327,17 +327,14 @@ def bench_decoder(
 
 
 def variant_step(device: torch.device, batch_size: int, variant: str):
-    """`fit`'s step in one variant: a precision (fp32, tf32, bf16), optionally `+compile` (`fit --compile`:
-    the decoder's step functions compiled, the project's graph captured around them) or
-    `+reduce-overhead` (the objective under `torch.compile(mode="reduce-overhead")`, PyTorch's own
-    CUDA graphs, with the project's capture off and the optimizer eager). "compile" alone is fp32+compile."""
+    """`fit`'s step in one variant: a precision (fp32, tf32, bf16), optionally `+eager` (`fit --cuda-graphs
+    off`), `+compile` (compiled in the default mode: `--cuda-graphs off --compile`) or `+reduce-overhead`
+    (`fit`'s own choice on a GPU). Without a `+`, the step `fit` runs on the device. "compile" alone is
+    fp32+compile."""
     precision, _, how = ("fp32+compile" if variant == "compile" else variant).partition("+")
     amp = {"fp32": "none", "tf32": "tf32", "bf16": "bf16"}[precision]
-    if how == "reduce-overhead":
-        fn, _, step = fit_step(device, batch_size, amp=amp, shapes="fixed", graphs=False)  # a GPU's shapes
-        step.objective = torch.compile(step.objective, mode="reduce-overhead", dynamic=False)
-    else:
-        fn = fit_step(device, batch_size, amp=amp, compile=how == "compile")[0]
+    compiled = {"": "auto", "eager": None, "compile": "default", "reduce-overhead": GRAPHS}[how]
+    fn = fit_step(device, batch_size, amp=amp, shapes="fixed" if compiled else "auto", compiled=compiled)[0]
     return with_tf32(fn) if precision == "tf32" else fn
 
 
@@ -361,12 +358,12 @@ def bench_kernels(device: torch.device, batch_size: int = B) -> None:
 
     fn, _, step = fit_step(device, batch_size)
     torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()  # as the capture itself does on entry: the baseline holds only live tensors
+    torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved(device)
     for _ in range(WARMUP + 3):
         fn()
     torch.cuda.synchronize(device)
-    graph_memory = torch.cuda.memory_reserved(device) - reserved  # warm-up and capture: mostly the graph's pool
+    graph_memory = torch.cuda.memory_reserved(device) - reserved  # warm-up and compile: mostly the graphs' pool
     n = 5
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -379,9 +376,9 @@ def bench_kernels(device: torch.device, batch_size: int = B) -> None:
     launches = [e for e in prof.events() if e.name in ("cudaLaunchKernel", "cudaGraphLaunch", "cuLaunchKernel")]
     print(
         f"one training step, B={batch_size}: {len(kernels) / n:.0f} GPU kernels, {len(launches) / n:.0f} launches from "
-        f"the host ({'a CUDA graph' if step.graphs else 'eager'}); the GPU busy {busy * 1e3:.1f} ms of "
-        f"{wall * 1e3:.1f} ms ({busy / wall:.0%}); {len(step.graphs)} graph(s), the memory reserved grew "
-        f"{graph_memory / 2**20:.0f} MiB over warm-up and capture"
+        f"the host ({'compiled' if step.passes else 'eager'}); the GPU busy {busy * 1e3:.1f} ms of "
+        f"{wall * 1e3:.1f} ms ({busy / wall:.0%}); the memory reserved grew "
+        f"{graph_memory / 2**20:.0f} MiB over warm-up and compiling"
     )
 
 

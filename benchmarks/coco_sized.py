@@ -9,7 +9,7 @@ COCO's 123,287 images, drawn on --device), 5 captions of 8-20 words per image fr
 and a Karpathy-like split (5,000 val and 5,000 test images, at most a twentieth each; the rest
 train). Neither nltk nor pycocotools is needed for that; `fit` needs them and pycocoevalcap (its
 validation scores). With --fit it runs `fit` (unknown options go to it, e.g. --batch-size 64)
-and prints from its metrics.jsonl the captions per second, the CUDA graphs and their failures.
+and prints from its metrics.jsonl the captions per second, what compiled and what fell back.
 """
 
 from __future__ import annotations
@@ -103,11 +103,11 @@ def make_data(out: str, n: int, n_words: int, device: str, seed: int, times: dic
 
 
 def report(run: str) -> None:
-    """Throughput, CUDA graphs and what else fit's metrics.jsonl says about speed."""
+    """Throughput, compiles and what else fit's metrics.jsonl says about speed."""
     lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"), encoding="utf-8")]
     start = next(x for x in lines if x["event"] == "start")
     batch, train = start["train"]["optim"]["batch_size"], [x for x in lines if x["event"] == "train"]
-    # Between log lines of one epoch, leaving out the first (warm-up, graph capture) and validations.
+    # Between log lines of one epoch, leaving out the first (warm-up, compiling) and validations.
     pairs = [(a, b) for a, b in zip(train, train[1:]) if a["epoch"] == b["epoch"]]
     steps, secs = sum(b["step"] - a["step"] for a, b in pairs), sum(b["time"] - a["time"] for a, b in pairs)
     last = train[-1]
@@ -115,9 +115,8 @@ def report(run: str) -> None:
     whole = last["step"] * batch / max(last["time"] - start["time"], 1e-9)
     print(f"captions/s: {steps * batch / secs:.0f} steady ({steps} steps)" if secs else "captions/s: too few log lines")
     print(f"captions/s: {whole:.0f} from the start line (warm-up included)")
-    print(f"CUDA graphs captured: {max((x.get('graphs', 0) for x in train), default=0)}")
-    for x in (x for x in lines if x["event"] == "graph_failed"):
-        print(f"graph_failed at step {x.get('step')}: {x['message']}")
+    for x in (x for x in lines if x["event"] in ("compiled", "compiled_failed")):
+        print(f"{x['event']}: {x['message']}")
     for x in (x for x in lines if "seconds" in x):
         print(f"{x['event']} at step {x['step']}: {x['seconds']} s")
     waited = sum(b.get("load_s", 0.0) for _, b in pairs)

@@ -2,7 +2,7 @@
 # What the GPU issue still asks after benchmarks/gpu_session.sh, in one device call (about 8 minutes),
 # each part alone on the machine: the captioning targets (one caption, where its beam search spends
 # its time, caption_batch) with prepare's rate; fit on a COCO-sized cache (benchmarks/gpu_coco.sh);
-# then the step under torch.compile(mode="reduce-overhead") beside the project's graphs.
+# then fit's compiled step (torch.compile(mode="reduce-overhead")) beside the eager one, cold and cached.
 # Outputs under $OUT: targets.txt, coco.txt, compiled.txt.
 #
 #   bash benchmarks/gpu_targets.sh      (there, carrying .whl)
@@ -22,11 +22,10 @@ PARTS=${PARTS:-targets coco compiled}
 [[ $PARTS == *coco* ]] && MINUTES=${MINUTES:-0.6} SETTINGS=${SETTINGS:---amp=bf16,--batch-size=64 --amp=bf16,--batch-size=256} \
     timeout "${COCO_SECONDS:-230}" bash benchmarks/gpu_coco.sh
 [[ $PARTS == *compiled* ]] || exit 0
-# Each variant in a process of its own: interleaved in one process beside the project's graphs, the
-# reduce-overhead step hit an illegal memory access on the H200 (2026-11-27, 17:08 UTC).
-echo "== the step under torch.compile(mode='reduce-overhead') beside the project's graphs" | tee "$OUT/compiled.txt"
+# Each variant in a process of its own, the compiled one twice: cold, then from PyTorch's caches.
+echo "== fit's compiled step (reduce-overhead) beside the eager one" | tee "$OUT/compiled.txt"
 for batch in ${BATCH_SIZES:-32 512}; do
-  for variant in ${COMPILED:-bf16 bf16+reduce-overhead}; do
+  for variant in ${COMPILED:-bf16+eager bf16+reduce-overhead bf16+reduce-overhead}; do
     timeout "${COMPILE_SECONDS:-90}" "$PY" - "$DEVICE" "$batch" "$variant" "${STEPS:-10}" <<'PYEOF' 2>&1 \
         | grep --line-buffered -v "^W[0-9]" | tail -4 | tee -a "$OUT/compiled.txt"
 import sys, time

@@ -6,7 +6,15 @@ out = cap.caption("photo.jpg", beam_size=3)   # out.text, out.words, out.attenti
 """
 
 from captioner.errors import CaptionerError, ImageError
-from captioner.serve.api import Caption, Captioner
 
 __all__ = ["Caption", "Captioner", "CaptionerError", "ImageError"]
 __version__ = "0.2.0"
+
+
+def __getattr__(name: str):
+    # The API loads torch: imported when asked for, so that the scene generators and the CLI's help start fast.
+    if name in ("Caption", "Captioner"):
+        from captioner.serve import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'captioner' has no attribute {name!r}")

@@ -34,7 +34,7 @@ def run_cli(*args: str, cwd: Path = REPO, **kw) -> subprocess.CompletedProcess:
 
 
 def train_step(
-    decoder, cfg: TrainConfig | None = None, *, encoder=None, extra=(), views=True, device="cpu", graphs=None
+    decoder, cfg: TrainConfig | None = None, *, encoder=None, extra=(), views=True, device="cpu", compiled=None
 ):
     """The step `fit` would run on `decoder` (and a fine-tuned encoder's `extra` parameters) with cfg's
     settled objective, optimizer and clipping, on one process."""
@@ -61,7 +61,7 @@ def train_step(
         generator=torch.Generator(device).manual_seed(1),
         d=Dist(),
         device=device,
-        graphs=graphs,
+        compiled=compiled,
     )
 
 

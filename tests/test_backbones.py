@@ -157,7 +157,7 @@ def test_a_resnets_fine_tuning_step_stays_on_the_device():
         image_index=torch.tensor([0, 0, 1, 2]),
     ).to(META)
     step = meta_step(objective, dec, [*dec.parameters(), *encoder.tuned.parameters()])
-    step._iteration(batch)
+    step(batch)
     assert step.sums["consistency"].device == META
 
 

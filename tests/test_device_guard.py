@@ -6,7 +6,7 @@ tensor, a boolean mask that makes a shape from values), and so does an operation
 with a tensor made without its inputs' device (`torch.tensor(...)` on the CPU). The same code on a
 GPU would wait for the device at every step, or fail as `fit --fine-tune-encoder` once did
 (`np.asarray` on CUDA moves). It cannot see: which device a generator draws on (the draws here
-use the default one), CUDA-only kernels and their limits (fused Adam, graph capture), dtypes
+use the default one), CUDA-only kernels and their limits (fused Adam, CUDA graphs), dtypes
 under autocast (the meta device has no autocast), or numbers. SCST is not here: it samples and
 scores its captions on the host on purpose (its term is not capturable); that what it reports
 comes back to the device is tests/test_gpu_paths.py's. The selfcheck (`captioner selfcheck
@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from captioner.compiled import GRAPHS
 from captioner.data.batches import Batch, CaptionBatches, FixedShapes
 from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
@@ -69,7 +70,7 @@ class StandInOptimizer(torch.optim.Optimizer):
                     p.sub_(group["lr"] * keep * p.grad)
 
 
-def meta_step(objective, decoder: AttentionDecoder, params, average: bool = True) -> TrainStep:
+def meta_step(objective, decoder: AttentionDecoder, params, average: bool = True, compiled=None) -> TrainStep:
     """`fit`'s step on the meta device, with a stand-in for fused Adam (which the meta device lacks)."""
     return TrainStep(
         objective,
@@ -79,12 +80,13 @@ def meta_step(objective, decoder: AttentionDecoder, params, average: bool = True
         generator=None,  # the default generator: the meta device draws from no other
         d=Dist(),
         device=META,
+        compiled=compiled,
     )
 
 
 # attention, TermsConfig fields (and "boxes": `fit --boxes`): the modes `captioner selfcheck` trains on cached
-# features whose step a graph captures (--boxes-choice-weight looks its words up on the host, on purpose, so no
-# graph captures it)
+# features whose step compiles whole (--boxes-choice-weight looks its words up on the host, on purpose, so its
+# step does not compile)
 MODES = {
     "soft": ("soft", {}),
     "hard": ("hard", {}),
@@ -94,10 +96,13 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_the_fixed_shape_step_never_reads_the_device(data_dir, scenes, mode):
-    """`TrainStep._iteration` itself, the code a CUDA graph captures (forward, backward, clipping, the
-    optimizer's step, the average, the terms' own state and the sums), touches no value on the host."""
+# Every mode eagerly, and as a GPU compiles it the modes that differ there (hard attention's draws, the boxes).
+@pytest.mark.parametrize("mode, compiled", [(m, None) for m in MODES] + [("soft", GRAPHS), ("hard-boxes", GRAPHS)])
+def test_the_fixed_shape_step_never_reads_the_device(data_dir, scenes, mode, compiled, monkeypatch):
+    """`TrainStep`'s step, eager and as a GPU compiles it (forward, backward, clipping, the optimizer's step,
+    the average, the terms' own state and the sums; `torch.compile` the identity here), touches no value on
+    the host."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     attention, fields = MODES[mode][0], dict(MODES[mode][1])
     data = CaptionData(str(data_dir))
     boxes = fields.pop("boxes", False)
@@ -113,9 +118,10 @@ def test_the_fixed_shape_step_never_reads_the_device(data_dir, scenes, mode):
     )
     objective = Objective(dec, terms, shapes="fixed", semi_sampling=0.5 if attention == "hard" else None)
     assert objective.capturable
-    step = meta_step(objective, dec, dec.parameters())
+    step = meta_step(objective, dec, dec.parameters(), compiled=compiled)
+    assert (step.passes is not None) == (compiled is not None)
     for batch in list(source.batches(seed=0, epoch=0))[:2]:
-        step._iteration(on_meta(batch))
+        step(on_meta(batch))
     assert {t.device for t in step.sums.values()} == {META}
     assert {"loss", "nll", "grad_norm"} <= set(step.sums)
 
@@ -142,12 +148,12 @@ def test_a_fine_tuned_encoders_step_stays_on_the_device(data_dir, start):
     )
     params = [*dec.parameters(), *(p for p in encoder.parameters() if p.requires_grad)]
     step = meta_step(objective, dec, params)
-    step._iteration(on_meta(batch))
+    step(on_meta(batch))
     assert step.sums["consistency"].device == META
 
 
 def test_a_read_of_the_device_inside_the_step_fails_the_guard(data_dir, monkeypatch):
-    """The guard sees a host read added to the step: an `.item()` inside `_iteration` fails it."""
+    """The guard sees a host read added to the step: an `.item()` inside the step fails it."""
     data = CaptionData(str(data_dir))
     fixed = FixedShapes.for_data(8, int(data.lengths.max()))
     batch = on_meta(next(iter(CaptionBatches(data, 8, fixed=fixed).batches(seed=0, epoch=0))))
@@ -155,7 +161,7 @@ def test_a_read_of_the_device_inside_the_step_fails_the_guard(data_dir, monkeypa
     terms = objective_terms(TermsConfig(alpha_c=0.3, consistency=0.0), attention="soft", hard=HardAttentionConfig(),
                             views=False, state=TermState(META))  # fmt: skip
     step = meta_step(Objective(dec, terms, shapes="fixed"), dec, dec.parameters())
-    real = step._accumulate
-    monkeypatch.setattr(step, "_accumulate", lambda values, applied: (values["loss"].item(), real(values, applied)))
+    real = step._update
+    monkeypatch.setattr(step, "_update", lambda values: (values["loss"].item(), real(values)))
     with pytest.raises((RuntimeError, NotImplementedError)):
-        step._iteration(batch)
+        step(batch)

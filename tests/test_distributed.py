@@ -32,7 +32,7 @@ TINY = [
 ]
 
 
-def torchrun(*args: str):
+def torchrun(*args: str, env: dict | None = None):
     """`torchrun --standalone --nproc-per-node 2 ...` (the same launcher, run as a module)."""
     return run_cli(
         "-m",
@@ -41,7 +41,7 @@ def torchrun(*args: str):
         "--nproc-per-node",
         "2",
         *args,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
 
 
@@ -100,6 +100,41 @@ def test_two_processes_resumed_go_on_each_with_its_own_random_streams(data_dir, 
     ranks = [torch.load(out / "last.rank1.rng.pt", weights_only=True)["rng"] for out in (whole, run)]
     assert torch.equal(ranks[0]["generator"], ranks[1]["generator"])
     assert not torch.equal(ranks[0]["generator"], a["rng"]["generator"])
+
+
+CLOCKS = """
+import os
+if os.environ.get("RANK") is not None:
+    from captioner.train import checkpoints, loop
+
+    rank = int(os.environ["RANK"])
+    if rank == 1:  # a clock that stands still: never a minute since the last save
+        loop.time = type("Clock", (), {"monotonic": staticmethod(lambda: 0.0)})
+    save = checkpoints.Checkpoints.save
+
+    def recorded(self, path, progress, metrics, *, final=False):
+        if path == self.last_path:
+            with open(os.path.join(os.environ["SAVES_DIR"], f"rank{rank}"), "a") as f:
+                f.write(f"{progress.step}\\n")
+        return save(self, path, progress, metrics, final=final)
+
+    checkpoints.Checkpoints.save = recorded
+"""
+
+
+def test_ranks_whose_clocks_differ_save_at_the_same_steps(data_dir, tmp_path):
+    """`--checkpoint-minutes` under torchrun: rank 0's last.pt and rank 1's streams beside it are of one step,
+    though rank 1's clock stands still (a sitecustomize sets it, and records each rank's saves)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(CLOCKS)
+    saves = tmp_path / "saves"
+    saves.mkdir()
+    fit = ["train.py", "fit", "--data", str(data_dir), "--out", str(tmp_path / "run"), *TINY, "--log-every", "2"]
+    env = {"PYTHONPATH": str(tmp_path / "site"), "SAVES_DIR": str(saves)}
+    p = torchrun(*fit, "--checkpoint-minutes", "0.0001", "--batch-size", "4", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    steps = [(saves / f"rank{r}").read_text().split() for r in (0, 1)]
+    assert len(steps[0]) > 2 and steps[0] == steps[1]
 
 
 def test_distributed_prepare_fills_one_cache(scenes, data_dir, tmp_path):

@@ -1,15 +1,10 @@
 """The GPU paths' rules, checked where a CPU can show them: terms report on the step's device and keep
-their state generically, a compiled decoder's average is its own model, the graphs' learning rate
-follows the schedule, a failed capture or replay falls back to eager steps, and a run resumes on
-another device.
-
-The graphs themselves are CUDA's; here a stand-in takes their place through the same code path
-(`TrainStep(graphs=...)`): it "captures" by keeping the function and "replays" by calling it.
+their state generically, fixed-shape batches keep their bucket's shapes, and a run resumes on another
+device. The compiled step and search: tests/test_compiled.py.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -22,109 +17,10 @@ from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.objectives import objective as objective_module
 from captioner.objectives.scst import ScstConfig, SelfCritical
 from captioner.objectives.terms import Context, Term
-from captioner.train.averaging import WeightAverage
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
 
 SMALL = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.1)
-
-
-class StandInGraphs:
-    """A graph maker for the CPU: capture keeps the function, replay calls it; `fail` makes the
-    capture or the replay of the n-th graph raise, as a CUDA error would."""
-
-    def __init__(self, fail: str | None = None):
-        self.fail, self.captured, self.replays = fail, 0, 0
-
-    def supported(self, device) -> bool:
-        return True
-
-    def side(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def capture(self, fn, generators=(), *, what="a CUDA graph"):
-        self.captured += 1
-        if self.fail == "capture":
-            raise RuntimeError("injected capture failure")
-        maker = self
-
-        class Replay:
-            def replay(self):
-                maker.replays += 1
-                if maker.fail == "replay":
-                    raise RuntimeError("injected replay failure")
-                fn()
-
-        return Replay()
-
-
-def _fit(data_dir, out, monkeypatch, graphs, **settings):
-    monkeypatch.setattr(parts_module, "GraphCapture", lambda device: graphs)
-    cfg = TrainConfig.of(
-        epochs=1, batch_size=8, lr=3e-3, val_beam_size=1, val_images=4, log_every=1, shapes="fixed", seed=3, **settings
-    )
-    fit(str(data_dir), str(out), SMALL, cfg, device="cpu", progress_bar=False)
-    lines = [json.loads(x) for x in open(out / "metrics.jsonl", encoding="utf-8")]
-    return [x["loss"] for x in lines if x["event"] == "train"], lines
-
-
-@pytest.fixture(scope="module")
-def eager_losses(data_dir, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        return _fit(data_dir, tmp_path_factory.mktemp("eager"), monkeypatch, None, cuda_graphs="off")[0]
-
-
-@pytest.mark.parametrize(
-    "fail", [pytest.param(None, marks=pytest.mark.slow), "capture", pytest.param("replay", marks=pytest.mark.slow)]
-)
-def test_graphed_steps_and_their_fallback_train_as_eager_steps_do(data_dir, tmp_path, monkeypatch, eager_losses, fail):
-    """Replayed graphs, and graphs whose capture or replay fails (one warning naming the error and
-    the shape, then eager steps for it), give the losses of a run without graphs, step for step."""
-    graphs = StandInGraphs(fail)
-    eager = eager_losses
-    graphed, lines = _fit(data_dir, tmp_path / "graphed", monkeypatch, graphs)
-    assert graphs.captured > 0
-    assert graphed == pytest.approx(eager, rel=1e-5, abs=1e-6)
-    warnings = [x for x in lines if x["event"] == "graph_failed"]
-    if fail is None:
-        assert graphs.replays > 0 and not warnings
-    else:
-        assert warnings and all(f"injected {fail} failure" in w["message"] for w in warnings)
-        assert all("shape" in w["message"] for w in warnings)
-        assert len(warnings) == graphs.captured  # each shape fails once, then stays eager
-
-
-@pytest.mark.slow
-def test_cuda_graphs_off_never_captures(data_dir, tmp_path, monkeypatch):
-    graphs = StandInGraphs()
-    _fit(data_dir, tmp_path / "run", monkeypatch, graphs, cuda_graphs="off")
-    assert graphs.captured == 0
-
-
-def test_a_learning_rate_set_as_a_float_reaches_the_graphs(data_dir, tmp_path, monkeypatch):
-    """A schedule that assigns a float (ReduceLROnPlateau on some torch versions, a resumed run's saved
-    rates) changes the tensor the captured step reads, which stays the one it captured."""
-    from conftest import train_step
-
-    from captioner.data.batches import CaptionBatches, FixedShapes
-    from captioner.data.dataset import CaptionData
-
-    data = CaptionData(str(data_dir))
-    dec = AttentionDecoder(vocab_size=len(data.vocab), embed_dim=16, hidden_dim=24, attention_dim=12)
-    dec.set_feature_stats(*data.feature_stats())
-    step = train_step(dec, TrainConfig.of(shapes="fixed", consistency=0), graphs=StandInGraphs())
-    rate = step.optimizer.param_groups[0]["lr"]
-    assert torch.is_tensor(rate)
-    fixed = FixedShapes.for_data(8, int(data.lengths.max()))
-    batch = next(iter(CaptionBatches(data, 8, fixed=fixed).batches(seed=0, epoch=0)))
-    for _ in range(5):
-        step(batch)
-    step.optimizer.param_groups[0]["lr"] = 2.5e-4  # as a float
-    step(batch)
-    assert step.optimizer.param_groups[0]["lr"] is rate
-    assert float(rate) == pytest.approx(2.5e-4)
 
 
 def test_every_value_a_term_reports_lives_on_the_steps_device(monkeypatch):
@@ -153,28 +49,6 @@ def test_every_value_a_term_reports_lives_on_the_steps_device(monkeypatch):
     values = {"loss": loss, **term.report()}
     assert {v.device for v in values.values()} == {meta}
     torch.stack([v.float() for v in values.values()])  # what the step does with them
-
-
-def test_a_compiled_decoders_average_runs_its_own_weights(monkeypatch):
-    """`fit --compile` with the average: the average's attention and LSTM step are its own (compiled),
-    not wrappers still bound to the decoder being trained."""
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *a, **k: fn(*a, **k))
-    dec = AttentionDecoder(vocab_size=10, embed_dim=8, hidden_dim=8, attention_dim=8)
-    dec.compile_step()
-    average = WeightAverage(dec, 0.9)
-    with torch.no_grad():
-        for p in average.model.parameters():
-            p.mul_(0.5)
-    plain = copy.deepcopy(average.model)
-    for name in ("attend", "advance"):
-        plain.__dict__.pop(name, None)
-    feats = torch.randn(2, 196, 512)
-    h = torch.randn(2, 8)
-    emb = torch.randn(2, 8)
-    projected = average.model.attention.project(feats)
-    got = average.model.attend(projected, h, emb, 1.0)
-    want = AttentionDecoder.attend(plain, projected, h, emb, 1.0)
-    assert torch.allclose(got, want)
 
 
 class Counter(Term):
@@ -245,15 +119,14 @@ def test_boxes_choice_weight_with_hard_attention_is_refused(data_dir, scenes, tm
 
 
 def test_fixed_tail_batches_keep_the_buckets_shapes(data_dir):
-    """The last batch of an epoch has as many views as every other: no new shape to capture."""
+    """The last batch of an epoch has as many views as every other: no new shape to compile."""
     from captioner.data.batches import CaptionBatches, FixedShapes
     from captioner.data.dataset import CaptionData
-    from captioner.train.step import _shape_key
 
     data = CaptionData(str(data_dir))
     fixed = FixedShapes.for_data(7, int(data.lengths.max()))
     batches = list(CaptionBatches(data, 7, view_share=0.25, fixed=fixed).batches(seed=0, epoch=0))
     assert len(data.lengths) % 7  # there is a tail
-    keys = {_shape_key(b) for b in batches}
+    keys = {tuple(tuple(v.shape) for v in vars(b).values() if torch.is_tensor(v)) for b in batches}
     assert len(keys) <= len(fixed.lengths)
     assert isinstance(batches[0], Batch)

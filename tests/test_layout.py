@@ -55,7 +55,7 @@ def _layer_of(module: str, layers: list[str]) -> int | None:
 
 def test_no_function_imports_a_module_of_its_own_layer():
     """An import inside a function hides an arrow from the layers' contract: between modules of one layer
-    it is how a cycle hides (decode importing graphed_search importing decode). Imports of lower layers
+    it is how a cycle hides (decode importing search_state importing decode). Imports of lower layers
     inside a function (the CLI's optional extras) stay allowed."""
     import tomllib
 
@@ -134,6 +134,7 @@ def test_subpackages_are_the_layers():
     ]
 
 
+@pytest.mark.slow
 def test_the_core_install_captions_without_the_extras(tmp_path):
     """Captioning from Python and `captioner caption` need none of [train]'s and [demo]'s packages."""
     for name in ("gradio", "gradio_client", "nltk", "pycocoevalcap", "pycocotools"):

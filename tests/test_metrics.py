@@ -25,6 +25,7 @@ RESULTS = {11: "a red circle to the left of a blue square", 23: "a green star", 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="the official PTB tokenizer and METEOR need Java")
 
 
+@pytest.mark.slow
 @needs_java
 def test_agrees_with_official_cocoevalcap():
     from pycocoevalcap.bleu.bleu import Bleu

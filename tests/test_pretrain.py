@@ -66,3 +66,20 @@ def test_a_resnets_last_stage_pretrains_into_a_file_its_row_takes(scenes, tmp_pa
     assert torch.equal(state["layer4.0.bn1.running_var"], seeded["layer4.0.bn1.running_var"].half())  # stats kept
     encoder, _ = build_encoder(EncoderSpec(arch="resnet50", weights=path, image_size=64))
     assert encoder(torch.zeros(1, 3, 64, 64)).shape == (1, 196, 2048)
+
+
+def test_an_epoch_trains_on_the_readers_device(tmp_path):
+    """On a GPU (`python -m captioner.demo.build --device cuda`) the cached pool4 and its targets, kept on
+    the host, go to the reader's device, and the epoch reads nothing back until its end: on the meta
+    device, which refuses a CPU tensor beside its own and every read of a value."""
+    import numpy as np
+
+    from captioner.demo.pretrain import CellReader, batch_on, train_epoch
+
+    meta = torch.device("meta")
+    reader = CellReader(base_trunk(0)).to(meta)
+    x, y = np.zeros((3, 196, 512), np.float16), torch.zeros(3, 2, 196, dtype=torch.long)  # pool4 (n, L, D)
+    assert {t.device for t in batch_on(meta, x, y, np.arange(2))} == {meta}
+    opt = torch.optim.SGD(reader.parameters(), lr=0.1)  # Adam's step count is read on the host, off a GPU
+    loss = train_epoch(reader, opt, x, y, PretrainConfig(batch_size=2), torch.Generator().manual_seed(0), amp=False)
+    assert loss.device == meta and loss.shape == ()

@@ -110,9 +110,9 @@ def test_the_sampling_step_reads_nothing_back_on_the_meta_device():
     meta = torch.device("meta")
     decoder = tiny(attention="hard", word_query=True).to(meta)
     s = Search.start(decoder, features(2, seed=0).to(meta), 3, 6, True)
-    t = torch.zeros((), dtype=torch.long, device=meta)
+    t, last = torch.zeros((), dtype=torch.long, device=meta), torch.full((), 5, dtype=torch.long, device=meta)
     for draw in (Draw(0.7, 3, 0.9), Draw(0.0), Draw(1.0, 0, 0.5)):
-        sampling_step(decoder, s, t, 5, draw, SAMPLE, seeded(0, meta))
+        sampling_step(decoder, s, t, last, draw, SAMPLE, seeded(0, meta))
     assert s.words.shape == (6,) and s.words.device == meta
 
 

@@ -4,7 +4,7 @@ Fixed-shape batches (`data.batches.FixedShapes`) pad every batch to `size` capti
 length bucket, and the objective then takes the plain pass with logits everywhere and masks;
 packed batches hold only real captions, as long as the longest, and take the fused pass. Beam
 search with fixed shapes steps every beam every time. On CUDA the fixed step and the search's
-step are captured as graphs: those tests run where a GPU is.
+block of steps are compiled and replayed as CUDA graphs: those tests run where a GPU is.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from captioner.cuda_graphs import GraphCapture
+from captioner.compiled import GRAPHS
 from captioner.data.batches import CaptionBatches, FixedShapes
 from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
@@ -126,10 +126,11 @@ def test_decoding_with_fixed_shapes_gives_todays_captions_and_maps(bundled, beam
 
 
 @cuda
-def test_graphed_decoding_equals_the_packed_search_on_the_cpu():
-    """On the same features: the graphed search equals the same fixed-shape search without a graph, and
-    the CPU's packed search. (The features themselves differ between devices by up to about 1%, since
-    cuDNN's convolutions use TF32 by default, and that can flip a weak model's word at a near tie.)"""
+def test_compiled_decoding_equals_the_packed_search_on_the_cpu():
+    """On the same features: the compiled search (CUDA graphs) equals the same fixed-shape search eager, and
+    the CPU's packed search, at one length and then another. (The features themselves differ between
+    devices by up to about 1%, since cuDNN's convolutions use TF32 by default, and that can flip a weak
+    model's word at a near tie.)"""
     from captioner import Captioner
     from captioner.serve.sources import demo_model, example_images
 
@@ -138,22 +139,22 @@ def test_graphed_decoding_equals_the_packed_search_on_the_cpu():
     gpu = copy.deepcopy(on_cpu.decoder).cuda()
     with torch.inference_mode():
         want = beam_search(on_cpu.decoder, feats, beam_size=3, max_len=20, shapes="packed")
-        eager = beam_search(gpu, feats.cuda(), beam_size=3, max_len=20, graphs=False)
-        for _ in range(2):  # the second search replays the captured graph
-            graphed = beam_search(gpu, feats.cuda(), beam_size=3, max_len=20)
+        eager = beam_search(gpu, feats.cuda(), beam_size=3, max_len=20, compiled=False)
+        for _ in range(2):  # the second search replays the recorded graphs
+            graphed = beam_search(gpu, feats.cuda(), beam_size=3, max_len=20, compiled=True)
             for a, b, c in zip(want, eager, graphed):
                 assert [h.tokens for h in b] == [h.tokens for h in c]
                 assert a[0].tokens == c[0].tokens
                 np.testing.assert_allclose(a[0].attention, c[0].attention, atol=1e-3)
         cut = beam_search(on_cpu.decoder, feats, beam_size=3, max_len=3, shapes="packed")
-        graphed = beam_search(gpu, feats.cuda()[:5], beam_size=3, max_len=3)  # another graph: 5 images, 4 steps
+        graphed = beam_search(gpu, feats.cuda()[:5], beam_size=3, max_len=3, compiled=True)  # 5 images, 4 steps
         assert [h.tokens for h in graphed[0]] == [h.tokens for h in cut[0]] and not graphed[0][0].ended
 
 
 @cuda
-def test_each_replay_of_the_training_graph_draws_anew(data_dir):
-    """Dropout and hard attention's locations inside a replayed graph: with the learning rate at 0
-    the weights stay put, so the same batch gives another loss only if the draws are new."""
+def test_each_replay_of_the_compiled_step_draws_anew(data_dir):
+    """Dropout and hard attention's locations inside the compiled step's CUDA graphs: with the learning
+    rate at 0 the weights stay put, so the same batch gives another loss only if the draws are new."""
     from conftest import train_step
 
     from captioner.train.config import TrainConfig
@@ -165,12 +166,12 @@ def test_each_replay_of_the_training_graph_draws_anew(data_dir):
     ).cuda()
     dec.set_feature_stats(*data.feature_stats())
     cfg = TrainConfig.of(lr=1e-12, shapes="fixed", batch_size=8)
-    step = train_step(dec, cfg, device="cuda", graphs=GraphCapture(torch.device("cuda")))
+    step = train_step(dec, cfg, device="cuda", compiled=GRAPHS)
     fixed = FixedShapes.for_data(8, int(data.lengths.max()))
     batch = next(CaptionBatches(data, 8, view_share=0.25, fixed=fixed).batches(seed=0, epoch=0)).to("cuda")
     losses = []
     for _ in range(8):
         step(batch)
         losses.append(step.read()[0]["loss"])
-    assert step.graphs  # captured after the warm-up steps
+    assert step.passes is not None and step.passes.failed is None and not step.passes.graphless
     assert len(set(losses[-4:])) == 4, losses

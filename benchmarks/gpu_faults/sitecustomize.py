@@ -1,21 +1,16 @@
-"""A CUDA graph capture that fails inside CUDA, for the GPU checks (benchmarks/gpu_checks.py): with
-CAPTIONER_BREAK_CAPTURE=1 and this folder first on PYTHONPATH, every capture's function ends with a
-host read (`.item()`), which CUDA refuses while the stream is capturing, after `capture_begin`."""
+"""A compiler that fails, for the GPU checks (benchmarks/gpu_checks.py): with CAPTIONER_BREAK_COMPILE=1 and
+this folder first on PYTHONPATH, every function `torch.compile` returns raises at its first call, as an
+Inductor error would; `captioner.compiled` then goes on eagerly with one warning per function."""
 
 import os
 
-if os.environ.get("CAPTIONER_BREAK_CAPTURE"):
+if os.environ.get("CAPTIONER_BREAK_COMPILE"):
     import torch
 
-    from captioner import cuda_graphs
+    def _broken_compile(fn=None, **kwargs):
+        def broken(*args, **kw):
+            raise RuntimeError("injected compile failure (benchmarks/gpu_faults)")
 
-    _capture = cuda_graphs.GraphCapture.capture
+        return broken
 
-    def _broken_capture(self, fn, generators=(), **kwargs):
-        def broken():
-            fn()
-            torch.zeros((), device=self.device).item()  # a host read while capturing: CUDA refuses it
-
-        return _capture(self, broken, generators, **kwargs)
-
-    cuda_graphs.GraphCapture.capture = _broken_capture
+    torch.compile = _broken_compile

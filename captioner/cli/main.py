@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from captioner.cli.run import ArgumentParser, run
 from captioner.cli.selfcheck import SelfCheckOptions, selfcheck
+from captioner.compiled import earns_back
 from captioner.decoding.settings import Decoding
 from captioner.demo.options import DemoOptions
 from captioner.errors import CaptionerError, OptionError
@@ -52,7 +53,9 @@ class CaptionOptions:
     batch_size: Annotated[int, "images per batch through the model"] = 8
     workers: Annotated[int, "threads decoding images while the model runs (0: none)"] = 2
     device: Device = "auto"
-    graphs: Annotated[bool, "on a GPU, replay the search's step as a CUDA graph (--no-graphs: plain steps)"] = True
+    graphs: Annotated[
+        bool, "on a GPU, compile the search and replay it as CUDA graphs for thousands of images (--no-graphs: never)"
+    ] = True
     progress: Annotated[bool | None, "progress bar on stderr (default: when stderr is a terminal)"] = None
 
     def __post_init__(self):
@@ -124,6 +127,8 @@ def _caption(args: argparse.Namespace) -> int:
     done = log.done if log else {}
     ids = bulk.image_ids(list(dict.fromkeys([*done, *paths])))  # one id type over old and new
     todo = [p for p in paths if p not in done]
+    if earns_back(-(-len(todo) // opts.batch_size)):
+        cap.compile_search()
     if done:
         print(
             f"{opts.log_path}: {len(paths) - len(todo)} of {len(paths)} images already captioned, skipped",

@@ -76,7 +76,9 @@ class EvaluateOptions:
     ] = None
     device: Device = "auto"
     cuda_graphs: Annotated[
-        Literal["auto", "off"], "replay the search's step as a CUDA graph on a GPU (off: never; see docs/training.md)"
+        Literal["auto", "off"],
+        "on a GPU, compile the search and replay it as CUDA graphs where the split earns back the compile "
+        "(off: never; see docs/training.md)",
     ] = "auto"
 
     def __post_init__(self):

@@ -1,6 +1,6 @@
 """Decoding a trained decoder's captions with their maps: the one batched beam search (greedy is its
 beam size 1), sampling beside it, the settings that choose between them, and the fixed-shape
-search state and CUDA graphs they share.
+search state and compiled steps they share.
 
     from captioner.decoding import Decoding, decode
     found = decode(decoder, features, Decoding(beam_size=3), max_len=20)   # per image, best first

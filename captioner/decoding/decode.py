@@ -14,8 +14,7 @@ One search, two shapes (the same captions and maps: tests):
   the K−1 empty beams of the first step), and the search stops as soon as none writes;
 - fixed (GPUs): every beam steps every time, a finished beam's step thrown away, and the host
   looks at the device only every `CHECK_EVERY` steps to see whether all beams have ended
-  (`decoding.search_state`). On CUDA each step runs as a captured CUDA graph, replayed
-  (`decoding.graphed_search`).
+  (`decoding.search_state`). On a GPU each block of steps is compiled, and replayed as a CUDA graph.
 
 Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 """
@@ -27,8 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from captioner.decoding.graphed_search import fixed_steps
-from captioner.decoding.search_state import Search, banned, fixed_length
+from captioner.decoding.search_state import Search, banned, fixed_length, fixed_search
 from captioner.models.attention import EXPECTED
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.vocab import END_ID, PAD_ID
@@ -61,7 +59,7 @@ def beam_search(
     mode: str = EXPECTED,
     generator: torch.Generator | None = None,
     shapes: str | None = None,
-    graphs: bool = True,
+    compiled: bool | None = None,
     sharpness: float | None = None,
 ) -> list[list[Hypothesis]]:
     """Decode a batch of images.
@@ -75,8 +73,8 @@ def beam_search(
         ban_unk: never emit <unk>.
         mode: context from α: "expected" (soft), "argmax" or "sample" (hard models).
         generator: random source for mode="sample".
-        shapes: "packed" or "fixed" (see the module doc); default: fixed on a GPU, packed elsewhere.
-        graphs: on a GPU, replay the fixed-shape step as a CUDA graph (`decoding.graphed_search`).
+        shapes: "packed" or "fixed" (see the module doc); default: fixed on a GPU or `compiled`, else packed.
+        compiled: run the fixed shapes' blocks of steps compiled (`decoding.search_state`); None: on a GPU.
         sharpness: k of the maps softmax(k e_t) (None: the model's `decode_sharpness`).
 
     Returns:
@@ -84,12 +82,13 @@ def beam_search(
     """
     if beam_size < 1 or max_len < 1:
         raise ValueError(f"beam_size and max_len must be positive, got {beam_size} and {max_len}")
-    if (shapes or ("fixed" if features.is_cuda else "packed")) == "packed":
+    compiled = features.is_cuda if compiled is None else compiled
+    if (shapes or ("fixed" if features.is_cuda or compiled else "packed")) == "packed":
         s = Search.start(decoder, features, beam_size, max_len + 1, ban_unk)
         steps = _packed(decoder, s, max_len, mode, generator, ban_unk, sharpness)
     else:
         s = Search.start(decoder, features, beam_size, fixed_length(max_len), ban_unk)
-        steps = fixed_steps(decoder, s, max_len, mode, generator, graphs=graphs, sharpness=sharpness)
+        steps = fixed_search(decoder, s, max_len, mode, generator, sharpness, compiled=compiled)
     # The history goes to the host in one copy each, and is traced back there.
     history = (x[:steps].cpu() for x in (s.word, s.parent, s.alpha, s.loc))
     found = hypotheses(*_trace(*history), s.scores, max_len)

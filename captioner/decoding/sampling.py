@@ -7,9 +7,9 @@ caption: beam search at one beam (a test holds them equal).
 
 The search's state and fixed-shape step are the beam search's (`decoding.search_state`): every row
 steps every time, a finished row writes <pad>, and the host looks at the device only every
-`CHECK_EVERY` steps. On a GPU the steps run eagerly, not as a CUDA graph: each draws from the
-caller's seeded generator, whose state a graph would have to carry between replays; hard
-attention's sampled locations run eagerly for the same reason (`decoding.graphed_search`).
+`CHECK_EVERY` steps. The steps run eagerly, on a GPU too: each draws from the caller's seeded
+generator, which compiled code cannot take; hard attention's sampled locations run eagerly for the
+same reason (`decoding.search_state`).
 
 Symbols: B images, n samples, N = B·n, L locations, V vocabulary, T steps.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from captioner.decoding.decode import Hypothesis, hypotheses
-from captioner.decoding.search_state import CHECK_EVERY, Search, step_every_row
+from captioner.decoding.search_state import CHECK_EVERY, Search, step_logits
 from captioner.models.attention import EXPECTED, sample_from
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.vocab import END_ID, PAD_ID
@@ -65,10 +65,11 @@ def sample_captions(
     s.scores.zero_()  # every row is a caption of its own from the start
     s.writing.fill_(True)
     t = torch.zeros((), dtype=torch.long, device=features.device)
+    last = torch.full((), max_len, dtype=torch.long, device=features.device)
     draw = Draw(temperature, top_k, top_p)
     steps = max_len + 1
     for k in range(max_len + 1):
-        sampling_step(decoder, s, t, max_len, draw, mode, generator, sharpness)
+        sampling_step(decoder, s, t, last, draw, mode, generator, sharpness)
         if (k + 1) % CHECK_EVERY == 0 and not bool(s.writing.any()):  # the host looks every few steps
             steps = k + 1
             break
@@ -103,7 +104,7 @@ def sampling_step(
     decoder: AttentionDecoder,
     s: Search,
     t: torch.Tensor,
-    max_len: int,
+    last: torch.Tensor,
     draw: Draw,
     mode: str,
     generator: torch.Generator | None,
@@ -112,9 +113,12 @@ def sampling_step(
     """One word for every row, the state updated in place: the same shapes at every step, no host read.
 
     Args:
-        t: () long, the step.
+        t, last: () long, the step and the step at which only <end> is left (`max_len`).
     """
-    logits, h, c, ban = step_every_row(decoder, s, t, max_len, mode, generator, sharpness)
+    logits, h, c, alpha, loc, ban = step_logits(decoder, s, s.words, s.h, s.c, t, last, mode, generator, sharpness)
+    s.alpha.index_copy_(0, t.view(1), alpha.to(s.alpha.dtype).unsqueeze(0))
+    if loc is not None:
+        s.loc.index_copy_(0, t.view(1), loc.unsqueeze(0))
     logits = logits.float()  # (N, V)
     words = torch.where(s.finished, PAD_ID, draw(logits + ban, generator))  # (N,) a finished row writes <pad>
     logp = logits.log_softmax(dim=1).gather(1, words.unsqueeze(1)).squeeze(1)  # (N,) as the beams score it

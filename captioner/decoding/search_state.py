@@ -1,15 +1,26 @@
-"""The state of a batched beam search, and its fixed-shape step: what the one decoding routine
-(`decoding.decode`) and its CUDA graphs (`decoding.graphed_search`) share.
+"""The state of a batched beam search and its fixed-shape steps: what the one decoding routine
+(`decoding.decode`) and sampling (`decoding.sampling`) share.
+
+A fixed-shape search steps every beam every time, in blocks of `CHECK_EVERY` steps: after each the
+host looks whether any beam still writes. A block is a pure function of the search's state (it returns
+the new state and its steps' history, which `fixed_search` copies into the search), so that
+`torch.compile(mode="reduce-overhead")` can compile it whole and replay it as a CUDA graph, whose outputs
+a later replay overwrites. The step and the last step (`max_len`) are tensors, not constants of the
+compiled code: searches of any length share it. Searches that sample locations (hard attention's
+mode "sample") draw from a caller's generator, which compiled code cannot take, and run eagerly.
 
 Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from captioner.compiled import Compiled, compile_mode, no_autocast
+from captioner.models.attention import SAMPLE
 from captioner.models.decoder import AttentionDecoder, Joined
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
 
@@ -89,48 +100,87 @@ class Search:
         )
 
 
-def step_every_row(
-    decoder: AttentionDecoder, s: Search, t: torch.Tensor, max_len: int, mode: str, generator, sharpness=None
+def step_logits(
+    decoder: AttentionDecoder, s: Search, words, h, c, t: torch.Tensor, last: torch.Tensor, mode, generator, sharpness
 ):
-    """The decoder's step for every row at step t, its maps and locations written into the history.
-
-    Returns:
-        logits (N, V), h (N, H), c (N, H), and what the step adds to the log-probabilities (V,): the
-        banned words, <end> at the first step, all but <end> at the last.
-    """
-    logits, h, c, alpha, loc = decoder.step(
-        s.feats, s.projected, s.words, s.h, s.c, mode, generator, s.joined, sharpness
-    )
-    s.alpha.index_copy_(0, t.view(1), alpha.to(s.alpha.dtype).unsqueeze(0))
-    if loc is not None:
-        s.loc.index_copy_(0, t.view(1), loc.unsqueeze(0))
-    ban = s.ban + torch.where(t == 0, s.ban_first, 0.0) + torch.where(t == max_len, s.only_end, 0.0)  # (V,)
-    return logits, h, c, ban
-
-
-def fixed_step(
-    decoder: AttentionDecoder, s: Search, t: torch.Tensor, max_len: int, mode: str, generator, sharpness=None
-) -> None:
-    """One step of every beam, its state updated in place: the same shapes at every step, no host read.
+    """The decoder's step for every row of `s` from the words (N,) and state h, c (N, H) at step t.
 
     Args:
-        t: () long, the step (a tensor, so that a captured graph can count it).
-        sharpness: k of the maps softmax(k e_t) (None: the model's).
+        t, last: () long, the step and the step at which only <end> is left (`max_len`).
+
+    Returns:
+        logits (N, V), h (N, H), c (N, H), α (N, L), locations (N,) or None, and what the step adds to
+        the log-probabilities (V,): the banned words, <end> at the first step, all but <end> at the last.
+    """
+    logits, h, c, alpha, loc = decoder.step(s.feats, s.projected, words, h, c, mode, generator, s.joined, sharpness)
+    ban = s.ban + torch.where(t == 0, s.ban_first, 0.0) + torch.where(t == last, s.only_end, 0.0)  # (V,)
+    return logits, h, c, alpha, loc, ban
+
+
+def fixed_block(
+    decoder: AttentionDecoder, s: Search, t: torch.Tensor, last: torch.Tensor, mode: str, generator, sharpness
+):
+    """`CHECK_EVERY` steps of every beam from `s`'s state, which is not changed: the same shapes at every
+    step, no host read.
+
+    Returns:
+        The new (h, c, words, scores, finished, writing), and the steps' (word, parent, α, location),
+        each (CHECK_EVERY, N, ...), the locations None for the expected context.
     """
     B, K = s.scores.shape
     V = decoder.config.vocab_size
-    logits, h, c, ban = step_every_row(decoder, s, t, max_len, mode, generator, sharpness)
-    logp = logits.float().log_softmax(dim=-1) + ban  # (N, V)
-    logp = torch.where(s.finished.unsqueeze(1), s.pad_only, logp)  # frozen beams go on through <pad>, free
-    scores, flat = (s.scores.view(-1, 1) + logp).view(B, K * V).topk(K, dim=1)  # (B, K)
-    source = (s.offsets + flat // V).view(-1)  # (N,) the beam each extends
-    words = (flat % V).view(-1)  # (N,)
-    s.scores.copy_(scores)
-    s.words.copy_(words)
-    s.word.index_copy_(0, t.view(1), words.unsqueeze(0))
-    s.parent.index_copy_(0, t.view(1), source.unsqueeze(0))
-    s.h.copy_(h.index_select(0, source))
-    s.c.copy_(c.index_select(0, source))
-    s.finished.copy_(s.finished.index_select(0, source) | (words == END_ID))
-    s.writing.copy_(~s.finished & s.scores.view(-1).isfinite())
-    t.add_(1)
+    h, c, words, scores, finished = s.h, s.c, s.words, s.scores, s.finished
+    history = []
+    for i in range(CHECK_EVERY):
+        logits, h, c, alpha, loc, ban = step_logits(decoder, s, words, h, c, t + i, last, mode, generator, sharpness)
+        logp = logits.float().log_softmax(dim=-1) + ban  # (N, V)
+        logp = torch.where(finished.unsqueeze(1), s.pad_only, logp)  # frozen beams go on through <pad>, free
+        scores, flat = (scores.view(-1, 1) + logp).view(B, K * V).topk(K, dim=1)  # (B, K)
+        source = (s.offsets + flat // V).view(-1)  # (N,) the beam each extends
+        words = (flat % V).view(-1)  # (N,)
+        finished = finished.index_select(0, source) | (words == END_ID)  # (N,)
+        h, c = h.index_select(0, source), c.index_select(0, source)  # (N, H)
+        history.append((words, source, alpha.to(s.feats.dtype), loc))
+    writing = ~finished & scores.view(-1).isfinite()  # (N,)
+    word, parent, alpha, loc = zip(*history)
+    loc = None if loc[0] is None else torch.stack(loc)
+    return (h, c, words, scores, finished, writing), (torch.stack(word), torch.stack(parent), torch.stack(alpha), loc)
+
+
+@functools.cache
+def compiled_block(mode: str) -> Compiled:
+    """`fixed_block` compiled in `mode`, for every search of the process (one compile per shape)."""
+    return Compiled(fixed_block, "the search's block of steps", mode=mode, dynamic=None, limit=16)
+
+
+def fixed_search(
+    decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator, sharpness, *, compiled: bool
+) -> int:
+    """Run the fixed-shape search on `s`, whose history has room for whole blocks (`fixed_length`); its
+    fields then hold the results. Returns the steps taken.
+
+    Args:
+        compiled: run the blocks compiled (module doc), unless they sample locations.
+    """
+    T, device = s.word.size(0), s.words.device
+    if T % CHECK_EVERY:
+        raise ValueError(f"a fixed-shape search steps in blocks of {CHECK_EVERY}: room for {T} steps")
+    t = torch.zeros((), dtype=torch.long, device=device)
+    last = torch.full((), max_len, dtype=torch.long, device=device)
+    block = fixed_block
+    if compiled and mode != SAMPLE:
+        block, generator = compiled_block(compile_mode(device, graphs=True)), None
+    with no_autocast(device):  # in the model's own precision, as at test time
+        for k in range(0, T, CHECK_EVERY):
+            state, (word, parent, alpha, loc) = block(decoder, s, t, last, mode, generator, sharpness)
+            for name, value in zip(("h", "c", "words", "scores", "finished", "writing"), state):
+                getattr(s, name).copy_(value)  # out of the compiled code's memory, which its next replay reuses
+            s.word[k : k + CHECK_EVERY] = word
+            s.parent[k : k + CHECK_EVERY] = parent
+            s.alpha[k : k + CHECK_EVERY] = alpha
+            if loc is not None:
+                s.loc[k : k + CHECK_EVERY] = loc
+            t.add_(CHECK_EVERY)
+            if k + CHECK_EVERY < T and not bool(s.writing.any()):
+                return k + CHECK_EVERY
+    return T

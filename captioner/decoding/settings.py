@@ -127,7 +127,7 @@ def decode(
     max_len: int,
     generator: torch.Generator | None = None,
     shapes: str | None = None,
-    graphs: bool = True,
+    compiled: bool | None = None,
 ) -> list[list[Hypothesis]]:
     """Captions for a batch of images, as `settings` say.
 
@@ -138,7 +138,7 @@ def decode(
         max_len: most words where `settings.max_len` is None (the model's training maximum).
         generator: the random source of sampling and of mode "sample"; default one seeded with
             `settings.seed` on the features' device (pass one to go on drawing across batches).
-        shapes, graphs: the beam search's (`decoding.decode.beam_search`).
+        shapes, compiled: the beam search's (`decoding.decode.beam_search`).
 
     Returns:
         For each image its hypotheses: the beams, best first, or the samples in the order drawn.
@@ -168,7 +168,7 @@ def decode(
         mode=settings.context,
         generator=generator,
         shapes=shapes,
-        graphs=graphs,
+        compiled=compiled,
         sharpness=settings.sharpness,
     )
 

@@ -29,7 +29,9 @@ class DemoOptions:
     max_batch_size: Annotated[int, "most concurrent images captioned in one forward pass"] = 8
     queue_size: Annotated[int, "requests waiting beyond this are told the server is busy"] = 64
     device: Device = "auto"
-    graphs: Annotated[bool, "on a GPU, replay the search's step as a CUDA graph (--no-graphs: plain steps)"] = True
+    graphs: Annotated[
+        bool, "on a GPU, compile the search before serving and replay it as CUDA graphs (--no-graphs: never)"
+    ] = True
 
     def __post_init__(self):
         check_device(self.device)

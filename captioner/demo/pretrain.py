@@ -171,18 +171,22 @@ def _loss(reader: CellReader, x: torch.Tensor, y: torch.Tensor, amp: bool) -> to
     return F.cross_entropy(shape.float(), y[:, 0]) + F.cross_entropy(colour.float(), y[:, 1])
 
 
-def train_epoch(reader, opt, x: np.ndarray, y: torch.Tensor, cfg: PretrainConfig, gen, amp: bool) -> float:
-    """One pass over the cached pool4 (n, L, D) in random order; returns the mean loss."""
+def batch_on(device: torch.device, x: np.ndarray, y: torch.Tensor, rows: np.ndarray):
+    """Rows of the cached pool4 (n, L, D) and their targets (n, 2, L) on the reader's device."""
+    return torch.from_numpy(x[rows].astype(np.float32)).to(device), y[rows].to(device)  # (b, L, D), (b, 2, L)
+
+
+def train_epoch(reader, opt, x: np.ndarray, y: torch.Tensor, cfg: PretrainConfig, gen, amp: bool) -> torch.Tensor:
+    """One pass over the cached pool4 (n, L, D) in random order: the mean loss, on the reader's device."""
     reader.train()
-    order, losses = torch.randperm(len(x), generator=gen), []
+    device, order, losses = next(reader.parameters()).device, torch.randperm(len(x), generator=gen).numpy(), []
     for start in range(0, len(x), cfg.batch_size):
-        idx = order[start : start + cfg.batch_size]
-        loss = _loss(reader, torch.from_numpy(x[idx.numpy()].astype(np.float32)), y[idx], amp)
+        loss = _loss(reader, *batch_on(device, x, y, order[start : start + cfg.batch_size]), amp)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
-    return float(np.mean(losses))
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
 
 
 @torch.inference_mode()
@@ -190,13 +194,14 @@ def evaluate(reader: CellReader, x: np.ndarray, y: torch.Tensor, amp: bool) -> d
     """How well the cells read the objects: the loss, and per object (its cells' logits averaged)
     the share whose shape and whose colour is read right."""
     reader.eval()
+    device = next(reader.parameters()).device
     losses, shape_ok, colour_ok = [], [], []
     for start in range(0, len(x), 64):
-        xb = torch.from_numpy(x[start : start + 64].astype(np.float32))  # (b, L, D)
-        yb = y[start : start + 64]  # (b, 2, L)
+        xb, yb = batch_on(device, x, y, np.arange(start, min(start + 64, len(x))))  # (b, L, D), (b, 2, L)
         losses.append(_loss(reader, xb, yb, amp).item() * len(xb))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            shape, colour = (t.float() for t in reader(xb))  # (b, C, L) each
+            shape, colour = (t.float().cpu() for t in reader(xb))  # (b, C, L) each, voted on the host
+        yb = yb.cpu()
         for i in range(len(xb)):
             for k in yb[i, 0].unique().tolist():
                 cells = yb[i, 0] == k
@@ -245,7 +250,7 @@ def pretrain(scenes_dir: str, work: str, cfg: PretrainConfig, *, device: str = "
     for epoch in range(1, cfg.epochs + 1):
         if time.monotonic() - t0 > cfg.minutes * 60:
             break
-        loss = train_epoch(reader, opt, *data["train"], cfg, gen, amp)
+        loss = float(train_epoch(reader, opt, *data["train"], cfg, gen, amp))
         val = evaluate(reader, *data["val"], amp)
         history.append({"epoch": epoch, "train_loss": loss, **{f"val_{k}": v for k, v in val.items()}})
         score = val["object_shape"] + val["object_colour"]

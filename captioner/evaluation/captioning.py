@@ -36,7 +36,7 @@ def caption_split(
     max_images: int | None = None,
     shard: tuple[int, int] = (0, 1),
     features: Callable[[np.ndarray], torch.Tensor] | None = None,
-    graphs: bool = True,
+    compiled: bool | None = None,
 ) -> tuple[dict[int, str], dict[int, Hypothesis]]:
     """Captions for a split's images, one each (a beam search's best, or the first sample).
 
@@ -46,7 +46,7 @@ def caption_split(
         shard: (rank, world): caption only every world-th image from rank on.
         features: rows → (n, L, D) features; default the data's cache (a fine-tuned encoder's
             features are not in it: see finetune.py).
-        graphs: on a GPU, replay the search's step as a CUDA graph (`decoding.graphed_search`).
+        compiled: the search's blocks of steps compiled (`decoding.decode.beam_search`; None: on a GPU).
 
     Returns:
         image id → caption text, and image id → its hypothesis (with its attention).
@@ -63,7 +63,7 @@ def caption_split(
     texts, hyps = {}, {}
     for i in range(0, len(ids), batch_size):
         feats = (features or data.features)(rows[i : i + batch_size]).to(device)  # (b, L, D)
-        found = decode(decoder, feats, decoding, max_len=max_len, generator=generator, graphs=graphs)
+        found = decode(decoder, feats, decoding, max_len=max_len, generator=generator, compiled=compiled)
         for image_id, written in zip(ids[i : i + batch_size], found):
             best = written[0]
             hyps[int(image_id)] = best

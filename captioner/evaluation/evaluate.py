@@ -8,6 +8,7 @@ import os
 import numpy as np
 import torch
 
+from captioner.compiled import earns_back
 from captioner.data.boxes import GroundingBoxes
 from captioner.data.dataset import CaptionData
 from captioner.decoding.settings import Decoding
@@ -21,6 +22,7 @@ from captioner.models.encoder import build_encoder
 from captioner.models.hub import load_trained
 
 log = logging.getLogger(__name__)
+SEARCH_BATCH = 50  # images per search
 
 
 def results_path(metrics_path: str) -> str:
@@ -53,7 +55,7 @@ def evaluate(
         grounding: a COCO instances file of object boxes: adds pointing accuracy and its chance rate,
             and how often the maps of captions naming two separate objects peak on both.
         use_java: None uses Java when present; False forces the Python figures.
-        cuda_graphs: "off": no CUDA graph of the search's step on a GPU.
+        cuda_graphs: "auto": on a GPU, the search compiled where the split earns it back (`compiled.earns_back`).
 
     Returns:
         The metrics written: the seven coco-caption metrics, "official", the images scored
@@ -62,7 +64,8 @@ def evaluate(
     decoding = _one_each(decoding or Decoding())
     model = load_trained(checkpoint)
     data = _data_for(model, data_dir, checkpoint, split)
-    search = dict(decoding=decoding, max_len=model.max_len, graphs=cuda_graphs == "auto")
+    compiled = cuda_graphs == "auto" and earns_back(-(-len(data.split_images(split)[0]) // SEARCH_BATCH))
+    search = dict(decoding=decoding, max_len=model.max_len, compiled=None if compiled else False)
     texts, hyps = _captions(model, data, checkpoint, split, torch.device(device), search)
     metrics = score_captions(texts, data.references[split], metrics=ALL_METRICS, use_java=use_java)
     if not metrics["official"]:
@@ -130,6 +133,7 @@ def _captions(model, data: CaptionData, checkpoint: str, split: str, device, sea
         split,
         device=device,
         features=features,
+        batch_size=SEARCH_BATCH,
         **search,
     )
 

@@ -24,8 +24,6 @@ from captioner.errors import OptionError
 from captioner.models.attention import EXPECTED, Attention, choose_locations, sample_from
 from captioner.options import check_positive
 
-COMPILED = ("attend", "advance")  # the methods `compile_step` compiles
-
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -225,24 +223,6 @@ class AttentionDecoder(nn.Module):
         loc = choose_locations(alpha, mode, generator)  # (B,) or None
         h, c, z = self.advance(features, alpha, emb, h, c, loc, joined)
         return self.output(emb, h, z, joined), h, c, alpha, loc
-
-    def compile_step(self) -> None:
-        """torch.compile the step's two halves (for fixed shapes: the plain pass and decoding)."""
-        for name in COMPILED:
-            setattr(self, name, torch.compile(getattr(type(self), name).__get__(self)))
-
-    def __getstate__(self) -> dict:
-        # A copy (the weights' average is one) compiles its own step: the compiled wrappers are bound to this one.
-        state = dict(self.__dict__)
-        compiled = [state.pop(name, None) for name in COMPILED]  # every wrapper out, not only the first found
-        state["_compiled_step"] = any(c is not None for c in compiled)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        compiled = state.pop("_compiled_step", False)
-        super().__setstate__(state)
-        if compiled:
-            self.compile_step()
 
     # teacher forcing
 

@@ -87,7 +87,7 @@ class Objective(nn.Module):
 
     @property
     def capturable(self) -> bool:
-        """A CUDA graph can replay the whole objective: fixed shapes, cached features, capturable terms."""
+        """The step can compile the whole objective: fixed shapes, cached features, capturable terms."""
         return self.shapes == "fixed" and self.encoder is None and all(t.capturable for t in self.terms)
 
     def forward(self, batch, words, generator: torch.Generator | None = None):

@@ -4,7 +4,7 @@
   written, with logits at the real positions only;
 - fixed (GPUs, `--compile`): the plain pass (`AttentionDecoder.unroll`) over every caption and
   every step of the batch's padded length, with logits everywhere and masks: the same shapes at
-  every step of a length bucket and no host synchronisation, so a CUDA graph can replay it.
+  every step of a length bucket and no host synchronisation, so the step compiles it (GPUs: CUDA graphs).
 Both give the same values and gradients on the real positions (tests). Hard attention always
 takes the plain pass, with sampled locations for the images whose coin says so (§4.1's
 "semi-sampling").

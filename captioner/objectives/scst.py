@@ -27,7 +27,7 @@ from typing import Annotated, Literal, NamedTuple
 import numpy as np
 import torch
 
-from captioner.cuda_graphs import no_autocast
+from captioner.compiled import no_autocast
 from captioner.data.dataset import CaptionData
 from captioner.decoding.decode import beam_search
 from captioner.decoding.search_state import CHECK_EVERY, banned
@@ -152,20 +152,19 @@ def sample_captions(
 
 
 def greedy_tokens(
-    decoder: AttentionDecoder, features: torch.Tensor, max_len: int, graphs: bool = True
+    decoder: AttentionDecoder, features: torch.Tensor, max_len: int, compiled: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The test-time greedy captions (beam size 1 of the one decoding routine), without dropout; on a
-    GPU with `graphs`, its step replayed as a CUDA graph.
+    """The test-time greedy captions (beam size 1 of the one decoding routine), without dropout; its blocks
+    of steps `compiled` as `decoding.decode.beam_search` says.
 
     Returns:
         tokens (B, T): words, <end>, <pad>...; words (B,) before <end>.
     """
     was_training = decoder.training
     decoder.eval()
-    with no_autocast(features.device):  # as at test time, in the model's precision (and capturable)
-        hyps = [
-            beams[0].tokens for beams in beam_search(decoder, features, beam_size=1, max_len=max_len, graphs=graphs)
-        ]
+    with no_autocast(features.device):  # as at test time, in the model's precision
+        found = beam_search(decoder, features, beam_size=1, max_len=max_len, compiled=compiled)
+    hyps = [beams[0].tokens for beams in found]
     decoder.train(was_training)
     tokens = torch.zeros(len(hyps), max(len(h) for h in hyps) + 1, dtype=torch.long)
     for i, h in enumerate(hyps):
@@ -178,22 +177,22 @@ def greedy_tokens(
 
 class SelfCritical(Term):
     """The SCST loss as a term: it samples its own captions from the batch's images (no teacher-forced
-    pass) and scores them on the host, so no graph captures it.
+    pass) and scores them on the host, so the step does not compile it.
 
     Args:
         cfg: samples, baseline, reward weights.
         scorer: rewards against the training references (`training_scorer`).
         max_len: most words per sampled caption.
-        graphs: the greedy baseline's search replayed as a CUDA graph on a GPU (`fit --cuda-graphs`).
+        compiled: the greedy baseline's search compiled on a GPU (`fit --cuda-graphs`): None, else False.
     """
 
     name = "scst"
     capturable = False
     teacher_forced = False
 
-    def __init__(self, cfg: ScstConfig, scorer: NgramScorer, max_len: int, *, graphs: bool = True):
+    def __init__(self, cfg: ScstConfig, scorer: NgramScorer, max_len: int, *, compiled: bool | None = None):
         super().__init__(1.0)
-        self.cfg, self.scorer, self.max_len, self.graphs = cfg, scorer, max_len, graphs
+        self.cfg, self.scorer, self.max_len, self.compiled = cfg, scorer, max_len, compiled
         self._report: dict[str, torch.Tensor] = {}
 
     def reward(self, tokens: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -210,7 +209,7 @@ class SelfCritical(Term):
         rows = ctx.batch.rows.cpu()  # the rewards are computed on the host
         reward = self.reward(s.tokens, s.words, rows.repeat_interleave(n)).view(-1, n)  # (B, n)
         if self.cfg.baseline == "greedy":
-            tokens, words = greedy_tokens(decoder, ctx.features, self.max_len, self.graphs)
+            tokens, words = greedy_tokens(decoder, ctx.features, self.max_len, self.compiled)
             base = self.reward(tokens, words, rows).unsqueeze(1).expand(-1, n)  # (B, n)
         else:
             base = (reward.sum(1, keepdim=True) - reward) / (n - 1)  # (B, n), the others' mean

@@ -3,8 +3,8 @@
 A term is an object with a `name`, a `weight` and a call that returns its value per word from a
 `Context`: the batch, the features the decoder saw, and the teacher-forced pass when the
 objective made one (`objectives.passes`). `objectives.objective.Objective` sums weight × value
-over the terms it was given and reports each value by name. A term also says whether a CUDA
-graph can capture it (`capturable`: no host synchronisation, no shapes that depend on values)
+over the terms it was given and reports each value by name. A term also says whether a compiled
+step can hold it (`capturable`: no host synchronisation, no shapes that depend on values)
 and whether it needs the pass's most likely words (`predicts`).
 A term that keeps state across steps (REINFORCE's baseline) claims it from the run's `TermState`:
 named tensors on the training device that the checkpoints save and a resumed run restores, and
@@ -82,7 +82,7 @@ class Term:
     Attributes:
         name: the name its value is reported under.
         weight: its weight in the sum (negative for a bonus, a value the objective maximises).
-        capturable: a CUDA graph can replay it (no host synchronisation, fixed shapes).
+        capturable: a compiled step can hold it (no host synchronisation, fixed shapes).
         predicts: it reads the pass's most likely word at each step.
         teacher_forced: it reads the teacher-forced pass.
     """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -11,9 +12,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from captioner.compiled import earns_back
 from captioner.data.images import load_image
 from captioner.decoding.decode import Hypothesis
-from captioner.decoding.graphed_search import replays
 from captioner.decoding.settings import Decoding, decode, seeded
 from captioner.models.attention import ARGMAX, SAMPLE
 from captioner.models.decoder import AttentionDecoder
@@ -67,6 +68,7 @@ class Captioner:
         self.decoder = decoder.to(self.device).eval()
         self.vocab, self.encoder_spec, self.max_len, self.step = vocab, spec, max_len, step
         self.fast, self.graphs = fast, graphs
+        self.compiling = False  # searches run compiled (`compile_search`)
         self.encoder = self._ready(encoder) if encoder is not None else None
         self.info = info or {}
         self.familiarity = familiarity
@@ -108,7 +110,8 @@ class Captioner:
             build_encoder: also rebuild the image encoder (not needed on cached features).
             fast: run the encoder through `optimize_encoder` (same features, faster); False
                 keeps the plain PyTorch modules.
-            graphs: on a GPU, replay the search's step as a CUDA graph (False: plain steps).
+            graphs: on a GPU, let the search compile, and replay as CUDA graphs, where it earns back its
+                compile (`compile_search`); False: plain steps.
         """
         trained = load_trained(source)
         carried = trained.encoder_weights
@@ -134,6 +137,29 @@ class Captioner:
             familiarity=FamiliarityStats.from_dict(trained.familiarity),
             encoder_weights=trained.encoder_weights,
         )
+
+    def compile_search(self, warm: Sequence[int] = ()) -> float:
+        """From here on, on a GPU (and with `graphs`), search with the block of steps compiled and replayed as
+        CUDA graphs (`decoding.search_state`): worth it for a server, or for thousands of searches (a
+        `caption_batch` of that many chunks does it by itself: `compiled.earns_back`).
+
+        Args:
+            warm: batch sizes to compile for now, at the default decoding settings (a server before it
+                says it is ready), rather than at the first search of each.
+
+        Returns:
+            The seconds spent compiling now.
+        """
+        self.compiling = self.graphs and self.device.type == "cuda"
+        if not (self.compiling and warm):
+            return 0.0
+        began = time.monotonic()
+        D, grid = self.decoder.config.encoder_dim, self.encoder_spec.grid
+        with torch.inference_mode():
+            for b in sorted({_padded_size(b) for b in warm}):
+                feats = torch.zeros(b, grid * grid, D, device=self.device)  # (b, L, D)
+                decode(self.decoder, feats, Decoding(), max_len=self.max_len, compiled=True)
+        return time.monotonic() - began
 
     def _inputs(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Images (paths, bytes, PIL or HxWxC arrays) → the encoder's inputs (B, 3, S, S) and the upright
@@ -201,6 +227,8 @@ class Captioner:
             OptionError: a setting that does not exist or is out of range.
         """
         settings = (decoding or Decoding()).with_settings(beam_size=beam_size, **settings)
+        if earns_back(-(-len(images) // batch_size)):
+            self.compile_search()
         generator = seeded(settings.seed, self.device) if settings.randomised else None  # one for all chunks
         chunks = [images[i : i + batch_size] for i in range(0, len(images), batch_size)]
         if len(chunks) == 1:
@@ -220,15 +248,11 @@ class Captioner:
         """The captions of one chunk's encoder inputs (b, 3, S, S)."""
         feats = self._features(x)  # (b, L, D)
         verdicts = familiarity(feats, self.familiarity)  # is each image like the training ones?
-        graphed = settings.method == "beam" and replays(feats.device, settings.context, self.graphs)
+        compiled = self.compiling and settings.method == "beam"
         found = decode(
-            self.decoder,
-            _padded(feats) if graphed else feats,
-            settings,
-            max_len=self.max_len,
-            generator=generator,
-            graphs=self.graphs,
-        )
+            self.decoder, _padded(feats) if compiled else feats, settings, max_len=self.max_len, generator=generator,
+            compiled=compiled,
+        )  # fmt: skip
         out = []
         for hyps, size, verdict in zip(found, sizes, verdicts):
             made = [self._made(h, settings) for h in hyps]
@@ -258,9 +282,12 @@ class Captioner:
         )
 
 
+def _padded_size(b: int) -> int:
+    return 1 << (b - 1).bit_length()
+
+
 def _padded(feats: torch.Tensor) -> torch.Tensor:
     """A batch padded to a power of two by repeating its last image, so that searches of batches of any
-    size (the demo's batcher makes them) share a few CUDA graphs; the padding's captions are dropped."""
-    b = feats.size(0)
-    size = 1 << (b - 1).bit_length()
+    size (the demo's batcher makes them) share a few compiles; the padding's captions are dropped."""
+    b, size = feats.size(0), _padded_size(feats.size(0))
     return torch.cat([feats, feats[-1:].expand(size - b, -1, -1)]) if size > b else feats  # (size, L, D)

@@ -9,7 +9,6 @@ from concurrent.futures import Future
 
 from PIL import Image
 
-from captioner.cuda_graphs import CaptureBroken
 from captioner.decoding.settings import Decoding
 from captioner.serve.api import Caption, Captioner
 
@@ -60,10 +59,6 @@ class Batcher:
     def _run(self, group: list[tuple[Image.Image, Future]], decoding: Decoding) -> None:
         try:
             outs = self.captioner.caption_batch([im for im, _ in group], decoding=decoding)
-        except CaptureBroken as e:  # no one request's fault, and no retry may capture again
-            for _, done in group:
-                done.set_exception(e)
-            return
         except Exception as e:
             if len(group) == 1:
                 group[0][1].set_exception(e)

@@ -57,13 +57,18 @@ class OptimConfig:
         Literal["auto", "packed", "fixed"],
         "packed: each batch as long as its longest caption, finished captions dropped step by step (fast on "
         "CPUs); fixed: every batch padded to its length bucket, with masks, so a step has the same shapes each "
-        "time and no host synchronisation (GPUs: captured as a CUDA graph); auto: packed on CPUs, fixed on GPUs",
+        "time and no host synchronisation (GPUs: compiled); auto: packed on CPUs, fixed on GPUs",
     ] = per_process("auto")
-    compile: Annotated[bool, "torch.compile the decoder's step (trains with fixed shapes)"] = per_process(False)
+    compile: Annotated[
+        bool,
+        "torch.compile the training step on any device (trains with fixed shapes; a GPU compiles it anyway, "
+        "unless --cuda-graphs off)",
+    ] = per_process(False)
     cuda_graphs: Annotated[
         Literal["auto", "off"],
-        "auto: on a GPU, replay each fixed-shape step as a CUDA graph, falling back to eager steps with a warning "
-        "where a capture or replay fails; off: eager steps only",
+        "auto: on a GPU, compile each fixed-shape step and the validation's search with "
+        'torch.compile(mode="reduce-overhead"), which replays them as CUDA graphs, going on eagerly with a '
+        "warning where a compile fails; off: neither (--compile still compiles, without graphs)",
     ] = per_process("auto")
 
     def __post_init__(self):

@@ -6,10 +6,9 @@ parts built (`train.parts`: fresh, from `--init`, or resumed from `last.pt`: `tr
 at each log line; `train.selection` captions the validation split and decides whether this is
 the new best.pt; `_finish` saves what is left and ends. Checkpoints (`last.pt` every epoch, every
 `checkpoint_minutes` and every `checkpoint_every` steps, `best.pt` when selected) hold everything
-needed to resume exactly. Batches of an epoch are a function of (seed, epoch), so a resumed run
-replays the rest of the epoch it was in. Under `torchrun` the same loop runs
-DistributedDataParallel: each process takes its share of every global batch; validation is split
-over processes and gathered; rank 0 logs and saves.
+needed to resume exactly. Batches of an epoch are a function of (seed, epoch), so a resumed run replays
+the rest of the epoch it was in. Under `torchrun` the same loop runs DistributedDataParallel: each process
+takes its share of every global batch; validation is split over processes; rank 0 logs and saves.
 """
 
 from __future__ import annotations
@@ -21,10 +20,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from captioner.cuda_graphs import CaptureBroken
+from captioner import compiled
 from captioner.data.dataset import CaptionData
 from captioner.data.prefetch import prefetched
-from captioner.decoding import graphed_search
 from captioner.errors import CaptionerError
 from captioner.models.decoder import DecoderConfig
 from captioner.train import distributed, resilience, telemetry
@@ -86,19 +84,16 @@ def fit(
     stage, step = for_epoch(run, live, stages, cfg.fine_tune, cfg.optim, progress)
     run.log.write(telemetry.start_record(run, stage, progress, resume))
     metrics, stopped = (saved or {}).get("metrics") or {}, False
-    try:
-        with run.notes.recording(graphed_search.log, "graph_failed"):  # the searches' fallbacks, in the log too
-            while progress.epoch < cfg.schedule.epochs:
-                if len(stages) > 1 and progress.epoch == cfg.fine_tune.after > 0 and progress.batch_in_epoch == 0:
-                    stage, step = _encoder_joins(run, live, stages, cfg, progress, stage, step)
-                ended = _train_epoch(run, live.optimizer, stage, step, cfg, progress, metrics, stop, progress_bar)
-                if stopped := ended == "stopped":
-                    break
-                metrics, stopped, final = _close_epoch(run, live, cfg.schedule, progress, ended, stop, progress_bar)
-                if final:
-                    break
-    except CaptureBroken as e:  # CUDA may be left mid-capture: save, and end with the way on
-        resilience.end_broken(run.checkpoints, run.log, progress, metrics, e)
+    with run.notes.recording(compiled.log):  # what compiled, how long it took, and what fell back: in the log too
+        while progress.epoch < cfg.schedule.epochs:
+            if len(stages) > 1 and progress.epoch == cfg.fine_tune.after > 0 and progress.batch_in_epoch == 0:
+                stage, step = _encoder_joins(run, live, stages, cfg, progress, stage, step)
+            ended = _train_epoch(run, live.optimizer, stage, step, cfg, progress, metrics, stop, progress_bar)
+            if stopped := ended == "stopped":
+                break
+            metrics, stopped, final = _close_epoch(run, live, cfg.schedule, progress, ended, stop, progress_bar)
+            if final:
+                break
     return _finish(run, live, cfg, progress, metrics, stop if stopped else None)
 
 
@@ -110,10 +105,13 @@ def _close_epoch(
     Returns:
         (the validation's metrics, whether a stop was asked, whether this is the run's last epoch)
     """
+    try:
+        metrics = validate(run, live, schedule, progress_bar)
+    except Exception:  # the epoch's steps are kept, and counted once scored: a resume validates them first
+        run.checkpoints.save(run.checkpoints.last_path, progress, {}, final=True)
+        raise
     if ended is None:
-        progress.epoch += 1
-        progress.batch_in_epoch = 0
-    metrics = validate(run, live, schedule, progress_bar)
+        progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
     improved = select(run, live, schedule.metric, progress, metrics)
     # A signal during validation: last.pt is saved next, so stop there.
     stopped = distributed.any_true(run.d, resilience.stop_requested(stop), run.device)
@@ -183,9 +181,7 @@ def _train_epoch(
             agree = progress.step % saves.log_every == 0
             if agree:
                 _log_terms(run, optimizer, step, progress, bar, waits)
-            due = saves.checkpoint_minutes and (
-                time.monotonic() - run.checkpoints.last_save > saves.checkpoint_minutes * 60
-            )
+            due = _save_due(run, saves.checkpoint_minutes, agree)
             if due or (saves.checkpoint_every and progress.step % saves.checkpoint_every == 0):
                 run.checkpoints.save(run.checkpoints.last_path, progress, metrics)  # rank 0 alone writes
             # A stop asked of any process, or time up: all stop after this step (under DDP they agree
@@ -202,6 +198,13 @@ def _train_epoch(
     return None
 
 
+def _save_due(run: Run, minutes: float, agree: bool) -> bool:
+    """Whether `--checkpoint-minutes` have passed since the last save. Under DDP each rank's clock is its
+    own: the ranks agree on it where they agree on everything, at log lines."""
+    due = bool(minutes) and time.monotonic() - run.checkpoints.last_save > minutes * 60
+    return agree and distributed.any_true(run.d, due, run.device) if run.d.active else due
+
+
 def _log_terms(run: Run, optimizer, step: TrainStep, progress: Progress, bar, waits: telemetry.Waits) -> None:
     """Read the terms back from the device: a log line of their means since the last one (and of what the
     machine did: `train.telemetry`), the bar's loss, and any skipped steps."""
@@ -213,7 +216,7 @@ def _log_terms(run: Run, optimizer, step: TrainStep, progress: Progress, bar, wa
         return
     bar.set_postfix(loss=f"{terms['loss']:.3f}")
     lr = float(optimizer.param_groups[0]["lr"])
-    machine = telemetry.machine(step, run.device, waits)
+    machine = telemetry.machine(run.device, waits)
     run.log.write({"event": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr, **machine, **terms})
 
 

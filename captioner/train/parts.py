@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from captioner.cuda_graphs import GraphCapture
+from captioner.compiled import GRAPHS, compile_mode
 from captioner.data.batches import CaptionBatches, FixedShapes, TrainingImages
 from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
@@ -73,11 +73,16 @@ class Run(NamedTuple):
     data: CaptionData
     d: distributed.Dist
     device: torch.device
-    graphs: GraphCapture | None  # the run's CUDA graphs (`--cuda-graphs auto`), sharing one memory pool
+    compiled: str | None  # the compiler's mode for the steps (`step_compiling`), None: eager
     log: RunLog
     notes: resilience.FaultLog  # what went wrong and was survived, in the log
     checkpoints: Checkpoints
     budget: Budget
+
+    @property
+    def compiled_search(self) -> bool:
+        """The searches (validation, SCST's greedy baseline) compile, and replay as CUDA graphs."""
+        return self.compiled == GRAPHS
 
     @property
     def boxed(self) -> bool:
@@ -114,7 +119,7 @@ def build(
     torch.manual_seed(cfg.optim.seed)
     if cfg.optim.amp == "tf32":  # for the whole process, which is this run
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    decoder = _decoder(data, model_cfg, device, init, compile=cfg.optim.compile)
+    decoder = _decoder(data, model_cfg, device, init)
     targets = box_targets(data, origin["boxes"], d) if origin["boxes"] else None
     groups = [{"params": list(decoder.parameters())}]
     tuning = None
@@ -146,24 +151,30 @@ def build(
     record = _record(data, model_cfg, cfg, origin, familiarity(data, tuning, saved, cfg.optim.seed, d.main))
     resumed = progress if saved is not None else None
     checkpoints = Checkpoints(out_dir, main=d.main, live=live, record=record, notes=notes, resumed=resumed)
-    graphs = GraphCapture(device) if cfg.optim.cuda_graphs == "auto" else None
     stages = [stage(data, decoder, cfg, state=live.terms, targets=targets)]
     if tuning is not None:
         stages.append(stage(data, decoder, cfg, state=live.terms, targets=targets, tuning=tuning))
-    run = Run(data, d, device, graphs, run_log, notes, checkpoints, Budget(cfg.schedule, started=run_log.started))
+    compiled = step_compiling(cfg.optim, device)
+    run = Run(data, d, device, compiled, run_log, notes, checkpoints, Budget(cfg.schedule, started=run_log.started))
     return run, live, stages, progress
 
 
-def _decoder(data: CaptionData, model_cfg: DecoderConfig, device, init: dict | None, *, compile: bool):
-    """The decoder to train: fresh, or --init's weights; its step compiled with --compile."""
+def _decoder(data: CaptionData, model_cfg: DecoderConfig, device, init: dict | None):
+    """The decoder to train: fresh, or --init's weights."""
     decoder = AttentionDecoder(model_cfg)
     decoder.set_feature_stats(*data.feature_stats())
     decoder = decoder.to(device)
     if init is not None:
         decoder.load_state_dict(init["model"])
-    if compile:  # the average, a copy, compiles its own step
-        decoder.compile_step()
     return decoder
+
+
+def step_compiling(optim: OptimConfig, device: torch.device) -> str | None:
+    """The compiler's mode for the run's steps: on a GPU with `--cuda-graphs auto`, "reduce-overhead" (and the
+    searches compile too); elsewhere "default" with `--compile`; None: eager steps."""
+    if device.type == "cuda" and optim.cuda_graphs == "auto" or optim.compile:
+        return compile_mode(device, graphs=optim.cuda_graphs == "auto")
+    return None
 
 
 def for_epoch(
@@ -185,8 +196,7 @@ def for_epoch(
         d=run.d,
         device=run.device,
         steps=progress.step,
-        graphs=run.graphs,
-        on_fallback=lambda message: run.notes.warn("graph_failed", message, step=progress.step),
+        compiled=run.compiled,
     )
     return current, step
 
@@ -251,8 +261,8 @@ def stage(
     """The objective of the settled configs and its batch source: on the cached features, or on a
     fine-tuned encoder's inputs (which also makes the views of the consistency's share of captions)."""
     if cfg.objective == "scst":
-        scorer, graphs = training_scorer(data, cfg.scst.end_token), cfg.optim.cuda_graphs == "auto"
-        terms = [SelfCritical(cfg.scst, scorer, data.max_len, graphs=graphs)]
+        scorer, compiled = training_scorer(data, cfg.scst.end_token), cfg.optim.cuda_graphs == "auto"
+        terms = [SelfCritical(cfg.scst, scorer, data.max_len, compiled=None if compiled else False)]
         return Stage(Objective(decoder, terms), TrainingImages(data, cfg.optim.batch_size), tuned=False)
     # `settle` set the consistency to 0 where neither the prepared views nor an encoder's own will be
     views = cfg.terms.consistency > 0 and (tuning is not None or data.views is not None)

@@ -163,10 +163,10 @@ class CheckpointSaver:
 
 
 class _Forward(logging.Handler):
-    """Hands each warning record to a function."""
+    """Hands each record of information or worse to a function."""
 
     def __init__(self, emit: Callable[[logging.LogRecord], None]):
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
         self.emit = emit
 
 
@@ -194,14 +194,23 @@ class FaultLog:
         self.write_log({"event": event, **fields, "message": message})
 
     @contextlib.contextmanager
-    def recording(self, logger: logging.Logger, event: str) -> Iterator[None]:
-        """While open, `logger`'s warnings (a library's, shown where it logs) are also `event` lines of the log."""
-        handler = _Forward(lambda record: self.write_log({"event": event, "message": record.getMessage()}))
+    def recording(self, logger: logging.Logger) -> Iterator[None]:
+        """While open, `logger`'s records (a library's, shown where it logs) are also lines of the log: its
+        information as "<logger>" events, its warnings as "<logger>_failed" ones ("compiled", "compiled_failed")."""
+        event = logger.name.rpartition(".")[2]
+        handler = _Forward(
+            lambda record: self.write_log(
+                {"event": event + "_failed" * (record.levelno >= logging.WARNING), "message": record.getMessage()}
+            )
+        )
+        level = logger.level
+        logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
         logger.addHandler(handler)
         try:
             yield
         finally:
             logger.removeHandler(handler)
+            logger.setLevel(level)
 
     def skipped_steps(self, step: int, count: int, terms: dict, scaled: bool = False) -> None:
         """Report steps that were not applied because a loss term or the gradient was not finite.
@@ -242,21 +251,3 @@ class FaultLog:
                 file=path,
                 row=row,
             )
-
-
-def end_broken(checkpoints, run_log, progress, metrics: dict, error: CaptionerError) -> None:
-    """A graph's capture failed inside CUDA (`cuda_graphs.CaptureBroken`): log it, save last.pt as of
-    the last whole step, and raise the one line that says how the run goes on.
-
-    Args:
-        checkpoints: the run's `train.checkpoints.Checkpoints`; run_log: its metrics.jsonl.
-    """
-    run_log.write({"event": "graph_broken", "step": progress.step, "message": str(error)})
-    last = checkpoints.last_path
-    checkpoints.save(last, progress, metrics, final=True)
-    run_log.close()
-    if last in checkpoints.saver.failed:
-        then = f"{last} could not be saved ({checkpoints.saver.failed[last]})"
-    else:
-        then = f"{last} is saved at step {progress.step}: `fit --resume --cuda-graphs off` goes on from it"
-    raise CaptionerError(f"{error}. {then}") from error

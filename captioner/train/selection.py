@@ -37,7 +37,7 @@ def validate(run: Run, live: Live, schedule: ScheduleConfig, progress_bar: bool)
         max_images=schedule.val_images,
         shard=(d.rank, d.world),
         features=live.tuning.features if live.tuning else None,
-        graphs=run.graphs is not None,
+        compiled=None if run.compiled_search else False,
     )
     texts = distributed.gather_dicts(d, texts)
     maps = distributed.gather_dicts(d, {i: h.attention.astype("float16") for i, h in hyps.items()})

@@ -1,6 +1,6 @@
 """What `fit`'s log says about the run besides its losses: the first line's record of the settings,
 and on each training line what the machine did since the last one (the host's wait for batches, the
-device's peak memory, the graphs held).
+device's peak memory).
 """
 
 from __future__ import annotations
@@ -55,12 +55,10 @@ class Waits:
         return round(seconds, 3)
 
 
-def machine(step, device: torch.device, waits: Waits) -> dict:
+def machine(device: torch.device, waits: Waits) -> dict:
     """A training line's fields about the machine: `load_s` (the host's wait for batches since the last
-    line), and on CUDA `graphs` (the step's graphs held) and `peak_gib` (the most memory tensors held)."""
+    line), and on CUDA `peak_gib` (the most memory tensors held)."""
     fields = {"load_s": waits.read()}
-    if step.maker is not None:
-        fields["graphs"] = len(step.graphs)
     if device.type == "cuda":
         fields["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     return fields

@@ -1,0 +1,116 @@
+"""PyTorch's compiler for the two fixed-shape loops: the training step (`train.step`) and the search's
+block of steps (`decoding.search_state`). On a GPU, `torch.compile(mode="reduce-overhead")` also
+replays them as CUDA graphs (PyTorch's cudagraph trees); elsewhere the default mode fuses their kernels.
+
+`Compiled` runs a function through the compiler with the guards every caller would otherwise repeat:
+- a compile that fails, a graph break where the function must compile whole (`fullgraph`), or more
+  recompiles than its limit: one warning naming the function and the reason, and the function runs
+  eagerly from then on, as it would without the compiler (`captioner selfcheck` fails such a mode);
+- on a GPU, a function that compiled but runs without CUDA graphs (PyTorch skips them, for a mutated
+  input say) is said in the same way;
+- each call that compiled is logged with its time (a run's metrics.jsonl records them: `train.loop`).
+PyTorch keeps what it compiled on disk (`TORCHINDUCTOR_CACHE_DIR`), so a second run compiles faster;
+`TORCH_LOGS=recompiles` says why a function recompiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from torch._dynamo.utils import counters
+
+log = logging.getLogger(__name__)
+
+FELL_BACK = "a compiled function fell back"  # how every fallback's warning begins (`captioner selfcheck` looks for it)
+GRAPHS = "reduce-overhead"  # the mode whose code a GPU replays as CUDA graphs
+# Searches from which compiling the search's block saves a GPU more than the compile costs (an estimate:
+# docs/training.md). A server (the demo) compiles before it says it is ready.
+EARNS_BACK = 3000
+
+
+def first_line(error: BaseException) -> str:
+    """An exception as one line: the compiler's errors go on for many with advice on debugging."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
+def earns_back(searches: int) -> bool:
+    """Whether `searches` searches on a GPU earn back the search's compile."""
+    return searches >= EARNS_BACK
+
+
+def compile_mode(device: torch.device, *, graphs: bool) -> str:
+    """The compiler's mode for work on `device`: CUDA graphs on a GPU where `graphs` allows them."""
+    return GRAPHS if graphs and device.type == "cuda" else "default"
+
+
+class Compiled:
+    """`fn` through `torch.compile`, falling back to eager calls of `fn` (module doc).
+
+    Args:
+        fn: the function (its arguments' shapes and constants are what it is specialised to).
+        what: the function as a message names it ("the training step's forward").
+        mode: the compiler's mode (`compile_mode`).
+        compiled: what runs in `fn`'s place (default: `fn` compiled), for work that is compiled in
+            parts, such as a compiled forward and the backward that AOTAutograd compiles for it.
+        fullgraph: a graph break is a failure (the function compiles whole or not at all).
+        dynamic: `torch.compile`'s: False specialises to every shape; None compiles again for sizes
+            that changed, once, as dynamic.
+        limit: most compiles of it, first included, before the next one is a failure.
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        what: str,
+        *,
+        mode: str,
+        compiled: Callable | None = None,
+        fullgraph: bool = True,
+        dynamic: bool | None = False,
+        limit: int = 8,
+    ):
+        self.fn, self.what, self.mode, self.limit = fn, what, mode, limit
+        self.compiled = compiled or torch.compile(fn, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+        self.failed: str | None = None  # why it runs eagerly, once it does
+        self.graphless = False  # said once: on a GPU, it runs without CUDA graphs
+        self.seconds = 0.0  # spent in calls that compiled
+
+    def __call__(self, *args):
+        if self.failed is not None:
+            return self.fn(*args)
+        graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+        began = time.monotonic()
+        try:
+            with torch._dynamo.config.patch(recompile_limit=self.limit, fail_on_recompile_limit_hit=True):
+                out = self.compiled(*args)
+        except Exception as e:  # noqa: BLE001 - any failure of the compiler leaves the function to eager calls
+            self.fall_back(first_line(e))
+            return self.fn(*args)
+        if counters["stats"]["unique_graphs"] > graphs:
+            seconds = time.monotonic() - began
+            self.seconds += seconds
+            log.info(f"compiled {self.what} ({self.mode}) in {seconds:.1f} s")
+        if self.mode == GRAPHS and counters["inductor"]["cudagraph_skips"] > skips and not self.graphless:
+            self.graphless = True
+            log.warning(f"{FELL_BACK}: {self.what} runs compiled but without CUDA graphs (`TORCH_LOGS=cudagraphs`)")
+        return out
+
+    def fall_back(self, reason: str) -> None:
+        self.failed = reason
+        log.warning(f"{FELL_BACK}: {self.what} did not compile ({reason}); it runs eagerly from here")
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """Autocast to `dtype` (None: none)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def no_autocast(device: torch.device):
+    """Leave a caller's autocast region: the search runs in the model's own precision."""
+    return torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()
