@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sgrvinod_decoder import TutorialDecoder, load_tutorial_models, tutorial_loss, tutorial_train_step  # noqa: E402
 
 from captioner.compiled import GRAPHS  # noqa: E402
-from captioner.data.batches import Batch, FixedShapes  # noqa: E402
+from captioner.data.batches import Batch, FixedShapes, Views  # noqa: E402
 from captioner.models.decoder import AttentionDecoder, DecoderConfig  # noqa: E402
 from captioner.models.encoder import EncoderSpec, build_encoder  # noqa: E402
 from captioner.models.fast_encoder import optimize_encoder  # noqa: E402
@@ -202,7 +202,7 @@ def fit_batch(device: torch.device, batch_size: int, shapes: str, views: bool, s
         g = torch.Generator().manual_seed(seed + 1)
         rows = torch.randperm(batch_size, generator=g)[:k].sort().values
         moves = torch.from_numpy(shifts(rows.numpy(), max_shift(14)))
-        batch = batch.with_views(torch.rand(k, L, D, generator=g), rows, moves)
+        batch.views = Views(torch.rand(k, L, D, generator=g), rows, moves)
     return batch.to(device)
 
 

@@ -40,6 +40,18 @@ def check_device(name: str) -> None:
         raise OptionError(f"--device: expected auto, cpu, cuda or cuda:N, got {name!r}")
 
 
+def choose_device(name: str = "auto", local_rank: int = 0):
+    """The device a command runs on (checked by `check_device`): "auto" → this process's GPU if there is
+    one, else the CPU; cuda without a GPU is refused."""
+    import torch  # here: the options of every command are read before torch is needed
+
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise OptionError(f"--device {name}: no CUDA device is available here; use --device cpu")
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    return torch.device(f"cuda:{local_rank}" if name == "cuda" else name)
+
+
 def check_positive(obj, *names: str) -> None:
     """Raises ValueError naming the option of each field of `obj` in `names` that is set (not None)
     and not positive."""
@@ -203,7 +215,7 @@ def _given(cls, args: argparse.Namespace, prefix: str) -> list[str]:
     return out
 
 
-def command_line(obj, *, prefix: str = "") -> list[str]:
+def command_line(obj) -> list[str]:
     """The options that give `obj` (a dataclass instance) from its class's defaults, as arguments."""
     args = []
     for f, tp, flags, text in _fields(type(obj)):

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from captioner.models.decoder import DecoderConfig
+from captioner.models.decoder import DecoderConfig, step_mask
 from captioner.models.encoder import EncoderSpec
+from captioner.objectives.cross_entropy import attention_penalty
 from captioner.objectives.terms import TermState
 from captioner.scenes.synthetic import generate
 from captioner.train.config import TrainConfig
@@ -111,3 +113,26 @@ def small_run(data_dir, tmp_path_factory) -> Path:
         progress_bar=False,
     )
     return out
+
+
+def caption_loss(
+    logits: torch.Tensor,
+    alphas: torch.Tensor,
+    captions: torch.Tensor,
+    lengths: torch.Tensor,
+    alpha_c: float = 1.0,
+    words: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. (14) from `AttentionDecoder.forward`'s logits (B, T-1, V) and maps (B, T-1, L), written out
+    plainly: the reference the objective's terms (`objectives.cross_entropy`) are held to.
+
+    Returns:
+        (negative log-likelihood per word, penalty per word); the loss is their sum.
+    """
+    B, T1, V = logits.shape
+    mask = step_mask(lengths, T1)  # (B, T-1)
+    nll = F.cross_entropy(logits.reshape(-1, V).float(), captions[:, 1 : T1 + 1].reshape(-1), reduction="none").view(
+        B, T1
+    )  # (B, T-1)
+    words = mask.sum() if words is None else words
+    return (nll * mask).sum() / words, attention_penalty(alphas.float(), mask, alpha_c).sum() / words

@@ -8,6 +8,8 @@ whose pooled grid is still 14×14.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import prepare_scenes
@@ -18,10 +20,11 @@ from captioner import Captioner
 from captioner.cli.train import get_parser
 from captioner.data.batches import Batch
 from captioner.errors import CaptionerError
-from captioner.models.backbones import BACKBONES, backbone, layer_index, meta_trunk
+from captioner.models.backbones import BACKBONES, backbone, layer_index, meta_trunk, seed_trunk
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
-from captioner.models.encoder import EncoderSpec, apply_encoder_state, build_encoder, layer_input_shape
+from captioner.models.encoder import Encoder, EncoderSpec, apply_encoder_state, build_encoder, layer_input_shape
+from captioner.models.encoder import fingerprint as encoder_fingerprint
 from captioner.models.tuned import STARTS, TunedEncoder, layers_of, start_index
 from captioner.objectives.objective import Objective, objective_terms
 from captioner.objectives.reinforce import HardAttentionConfig
@@ -52,6 +55,41 @@ def _file_state(encoder) -> dict[str, torch.Tensor]:
     return state | {"fc.weight": torch.zeros(1000, 2048), "fc.bias": torch.zeros(1000)}
 
 
+# Each row's seeded random trunk (`--encoder-weights none`) must be the same network on every machine and
+# release: a change breaks every feature cache and checkpoint made with it. Every parameter and buffer is
+# drawn (`seed_trunk` refuses a row whose `draw` leaves one as `to_empty` left it).
+SEEDED = {
+    "vgg16": "e6f4db1b017eca4c",
+    "vgg19": "597730a628359bfc",
+    "resnet50": RESNET50_SEED0_FINGERPRINT,
+    "resnet101": "71a185aa234119ec",
+    "resnet152": "bcbbed4f1be7c7d1",
+    "convnext_tiny": "dee072988ae9de66",
+}
+BIG = ("resnet101", "resnet152")  # in the whole suite only
+
+
+@pytest.mark.parametrize(
+    "arch, fingerprint", [pytest.param(a, f, marks=[pytest.mark.slow] * (a in BIG)) for a, f in SEEDED.items()]
+)
+def test_each_rows_seeded_trunk_is_drawn_whole_and_the_same_everywhere(arch, fingerprint):
+    assert set(SEEDED) == set(BACKBONES)
+    trunk = meta_trunk(arch).to_empty(device="cpu")
+    seed_trunk(trunk, 0, arch)
+    assert encoder_fingerprint(Encoder(trunk).eval()) == fingerprint
+
+
+def test_a_row_whose_draw_misses_a_layer_type_is_refused(monkeypatch):
+    """A family's weights drawn by another family's rule (ConvNeXt's by VGG's): its LayerNorm, linear
+    layers and layer scales would keep whatever memory `to_empty` gave them, different at every build."""
+    from captioner.models import backbones
+
+    row = backbones.BACKBONES["convnext_tiny"]
+    monkeypatch.setitem(backbones.BACKBONES, "convnext_tiny", replace(row, draw=backbones.draw_conv_bn))
+    with pytest.raises(CaptionerError, match="undrawn"):
+        seed_trunk(meta_trunk("convnext_tiny").to_empty(device="cpu"), 0, "convnext_tiny")
+
+
 @pytest.mark.parametrize("arch", BACKBONES)
 def test_each_rows_trunk_gives_its_channels_on_a_14x14_grid(arch):
     row, spec = backbone(arch), EncoderSpec(arch=arch)
@@ -59,7 +97,7 @@ def test_each_rows_trunk_gives_its_channels_on_a_14x14_grid(arch):
     x = torch.empty(1, 3, spec.image_size, spec.image_size, device="meta")
     trunk = meta_trunk(arch)
     assert trunk(x).shape == (1, row.channels, 14, 14)
-    cut = list(trunk._modules).index(row.cut)
+    cut = list(trunk._modules).index(row.cut.rpartition(".")[2])
     unpooled = trunk[: cut + 1](x)  # (1, D, S/stride, S/stride): the map the row's stride describes
     assert unpooled.shape[-1] == spec.image_size // row.stride
 
@@ -123,9 +161,11 @@ def test_the_last_stage_fine_tunes_on_the_cache_as_on_the_images(resnet50):
     with torch.no_grad():
         cached = enc.features[:start](x).flatten(2).transpose(1, 2)  # (2, L', 1024) the cache's rows
         whole = enc(x)  # (2, 196, 2048)
-    tuned = TunedEncoder(enc.features, start, from_cache=True).train()
+    tuned = TunedEncoder(enc.features, start, from_cache=True, arch="resnet50").train()
     assert not any(m.training for m in tuned.modules() if isinstance(m, torch.nn.BatchNorm2d))
-    assert tuned.grid(cached) == 14 and TunedEncoder(enc.features, start, from_cache=False).grid(x) == 14
+    assert (
+        tuned.grid(cached) == 14 and TunedEncoder(enc.features, start, from_cache=False, arch="resnet50").grid(x) == 14
+    )
     out = tuned(cached)  # (2, 196, 2048)
     torch.testing.assert_close(out, whole)
     out.sum().backward()
@@ -142,7 +182,7 @@ def test_the_last_stage_fine_tunes_on_the_cache_as_on_the_images(resnet50):
 def test_a_resnets_fine_tuning_step_stays_on_the_device():
     """The step of `fit --fine-tune-encoder` on a ResNet's cached conv4_x maps, on the meta device."""
     trunk = meta_trunk("resnet50")
-    encoder = TunedEncoder(trunk, start_index(trunk, "conv5_1", "resnet50"), from_cache=True)
+    encoder = TunedEncoder(trunk, start_index(trunk, "conv5_1", "resnet50"), from_cache=True, arch="resnet50")
     dec = AttentionDecoder(vocab_size=12, encoder_dim=2048, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.1)
     dec = dec.to(META)
     terms = objective_terms(
@@ -197,3 +237,24 @@ def test_a_resnet_prepares_fine_tunes_exports_and_captions(tmp_path):
     a = Captioner.load(str(run / "best.pt")).caption_batch(images, beam_size=2)
     b = Captioner.load(str(tmp_path / "model")).caption_batch(images, beam_size=2)
     assert [x.words for x in a] == [y.words for y in b] and a[0].attention.shape[1:] == (14, 14)
+
+
+@pytest.mark.slow
+def test_a_convnext_prepares_trains_and_captions_with_square_maps(tmp_path):
+    """A row of a new family, end to end as users run it: `prepare --encoder convnext_tiny --encoder-weights
+    none`, `fit`, `Captioner.load`, a caption whose maps are the 14×14 grid of ConvNeXt-T's third stage."""
+    from conftest import run_cli
+
+    scenes, data, run = tmp_path / "scenes", tmp_path / "data", tmp_path / "run"
+    generate(str(scenes), 12, seed=41)
+    prepare = ["train.py", "prepare", "--images", str(scenes / "images"), "--captions", str(scenes / "captions.json")]
+    prepare += ["--splits", str(scenes / "splits.json"), "--out", str(data), "--encoder", "convnext_tiny"]
+    p = run_cli(*prepare, "--encoder-weights", "none", "--min-count", "1", "--device", "cpu")
+    assert p.returncode == 0, p.stderr[-2000:]
+    fit_args = ["--data", str(data), "--out", str(run), "--epochs", "1", "--batch-size", "8", "--device", "cpu"]
+    p = run_cli("train.py", "fit", *fit_args, "--embed-dim", "16", "--hidden-dim", "16", "--attention-dim", "8")
+    assert p.returncode == 0, p.stderr[-2000:]
+    ck = load_checkpoint(str(run / "best.pt"))
+    assert ck["encoder"]["arch"] == "convnext_tiny" and ck["decoder"]["encoder_dim"] == 384
+    out = Captioner.load(str(run / "best.pt")).caption(str(sorted((scenes / "images").iterdir())[0]), beam_size=2)
+    assert out.words and out.attention.shape == (len(out.words), 14, 14)

@@ -126,9 +126,9 @@ def test_it_is_estimated_on_real_steps_of_a_share_of_the_captions(data_dir):
         assert mask[rows, real_steps(mask, rows, g)].all()
     data = CaptionData(str(data_dir))
     for batch in CaptionBatches(data, 16, view_share=0.25).batches(seed=0, epoch=0):
-        assert len(batch.view_rows) == len(batch.view_features) == 4 and len(set(batch.view_rows.tolist())) == 4
-        assert batch.view_features.shape[1:] == batch.features.shape[1:]
-        assert batch.view_moves.shape == (4, 2) and batch.view_moves.abs().max() <= data.view_shift
+        assert len(batch.views.rows) == len(batch.views.features) == 4 and len(set(batch.views.rows.tolist())) == 4
+        assert batch.views.features.shape[1:] == batch.features.shape[1:]
+        assert batch.views.moves.shape == (4, 2) and batch.views.moves.abs().max() <= data.view_shift
 
 
 def test_the_term_uses_the_passs_own_states_and_no_second_pass():

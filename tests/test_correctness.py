@@ -21,9 +21,9 @@ from captioner.train.loop import fit
 
 
 def test_grid_cells_of_boxes():
-    cells = grid_cells([[50, 0, 50, 100]], (100, 100), (0, 0, 100, 100), 4).reshape(4, 4)
+    cells = grid_cells([[50, 0, 50, 100]], (0, 0, 100, 100), 4).reshape(4, 4)
     assert cells[:, 2:].all() and not cells[:, :2].any()  # the right half
-    tiny = grid_cells([[60, 10, 2, 2]], (100, 100), (0, 0, 100, 100), 4).reshape(4, 4)
+    tiny = grid_cells([[60, 10, 2, 2]], (0, 0, 100, 100), 4).reshape(4, 4)
     assert tiny.sum() == 1 and tiny[0, 2]  # too small for a centre: the cell holding its centre
 
 
@@ -48,16 +48,16 @@ def test_targets_are_the_object_words_of_training_images(data_dir, scenes):
         word = data.vocab.words[int(data.tokens[c, step + 1])]
         assert image_id in train and boxes.boxes_for(image_id, word)
         size = boxes.size(image_id)
-        want = grid_cells(boxes.boxes_for(image_id, word), size, data.encoder.preprocess.grid_box(*size), 14)
+        want = grid_cells(boxes.boxes_for(image_id, word), data.encoder.preprocess.grid_box(*size), 14)
         assert np.array_equal(targets.masks[m], want)
     batch = next(iter(CaptionBatches(data, 8).batches(seed=0, epoch=0)))
-    assert batch.box_masks is None  # only `fit --boxes` attaches them
+    assert batch.boxes is None  # only `fit --boxes` attaches them
     batch = next(iter(CaptionBatches(data, 8, targets=targets).batches(seed=0, epoch=0)))
     B, T = batch.captions.shape
-    assert batch.box_masks.shape == (B, T - 1, 196) and batch.box_masks.any()
-    for b, t in zip(*np.nonzero(batch.box_masks.any(-1).numpy())):  # each target is its word's cells
-        mask = targets.mask_of(int(batch.box_images[b]), int(batch.captions[b, t + 1]))
-        assert np.array_equal(batch.box_masks[b, t].numpy(), mask)
+    assert batch.boxes.masks.shape == (B, T - 1, 196) and batch.boxes.masks.any()
+    for b, t in zip(*np.nonzero(batch.boxes.masks.any(-1).numpy())):  # each target is its word's cells
+        mask = targets.mask_of(int(batch.boxes.images[b]), int(batch.captions[b, t + 1]))
+        assert np.array_equal(batch.boxes.masks[b, t].numpy(), mask)
 
 
 def test_every_object_word_of_a_training_image_has_its_cells_and_held_out_images_none(data_dir, scenes):
@@ -75,7 +75,7 @@ def test_every_object_word_of_a_training_image_has_its_cells_and_held_out_images
                 assert mask is None, word
                 continue
             checked += 1
-            want = grid_cells(found, size, data.encoder.preprocess.grid_box(*size), 14)
+            want = grid_cells(found, data.encoder.preprocess.grid_box(*size), 14)
             assert np.array_equal(mask, want), word
     assert checked > 10
     held = data.split_images("test")[1]
@@ -89,11 +89,11 @@ def test_the_targets_of_predicted_words_are_those_of_the_same_words_in_a_caption
     real = np.arange(batch.captions.size(1) - 1)[None, :] < (batch.lengths.numpy() - 1)[:, None]  # (B, T-1)
     # A model that predicts every caption's own next word is taught exactly the caption's targets.
     predicted = batch.captions[:, 1:].numpy()
-    got = targets.masks_for_predictions(batch.box_images.numpy(), predicted, real)
-    assert np.array_equal(got, batch.box_masks.numpy()) and got.any()
+    got = targets.masks_for_predictions(batch.boxes.images.numpy(), predicted, real)
+    assert np.array_equal(got, batch.boxes.masks.numpy()) and got.any()
     # Words naming nothing in the image, and padding, are no targets.
-    assert not targets.masks_for_predictions(batch.box_images.numpy(), np.zeros_like(predicted), real).any()
-    assert not targets.masks_for_predictions(batch.box_images.numpy(), predicted, np.zeros_like(real)).any()
+    assert not targets.masks_for_predictions(batch.boxes.images.numpy(), np.zeros_like(predicted), real).any()
+    assert not targets.masks_for_predictions(batch.boxes.images.numpy(), predicted, np.zeros_like(real)).any()
 
 
 @pytest.mark.slow

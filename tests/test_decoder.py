@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import caption_loss
 
 from captioner.decoding.decode import beam_search
 from captioner.models.attention import ARGMAX, EXPECTED, SAMPLE
@@ -11,7 +12,6 @@ from captioner.models.checkpoint import current_decoder
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.fused import fused_unroll
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
-from captioner.objectives.cross_entropy import caption_loss
 from captioner.objectives.passes import teacher_forced
 from captioner.train.step import make_optimizer
 

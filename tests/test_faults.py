@@ -413,7 +413,10 @@ def test_a_step_with_a_nonfinite_loss_is_not_applied(data_dir):
 
 
 def test_a_checkpoint_with_nonfinite_weights_is_never_written(tmp_path):
-    saver = faults.CheckpointSaver(good={str(tmp_path / "last.pt"): 7})
+    from captioner.train.checkpoints import Checkpoints
+
+    saver = Checkpoints(str(tmp_path), main=True, live=None, record={})
+    saver.good[str(tmp_path / "last.pt")] = 7
     with pytest.raises(CaptionerError, match=r"not finite at step 9 \(w\).*last.pt at step 7"):
-        saver.save({"step": 9, "model": {"w": torch.tensor([1.0, float("inf")])}}, str(tmp_path / "last.pt"))
+        saver.write({"step": 9, "model": {"w": torch.tensor([1.0, float("inf")])}}, str(tmp_path / "last.pt"))
     assert not os.listdir(tmp_path)

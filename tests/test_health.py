@@ -69,35 +69,33 @@ def test_accepts_grids_and_flat_maps(shape):
     assert health["words"] == 4 and health["stay"] == 0.5
 
 
-class _Run:
-    """What `selection.select` reads of a run and its live objects."""
-
-    def __init__(self):
-        self.logged = []
-        self.scheduler = type("S", (), {"step": lambda self, score: None})()
-        self.optimizer = type("O", (), {"param_groups": [{"lr": 1e-3}]})()
-        self.d = type("D", (), {"main": False})()
-        self.boxed = False
-        self.log = type("L", (), {"write": lambda _, record: self.logged.append(record)})()
-
-
 HEALTHY = {"entropy": 0.5, "stay": 0.6, "border": 0.3, "top5": 0.1, "words": 100, "captions": 20}
 PARKED = {**HEALTHY, "top5": 0.9}
 
 
 def test_best_is_the_best_scoring_validation_whose_health_is_ok():
     from captioner.train.config import Progress
+    from captioner.train.distributed import Dist
     from captioner.train.selection import select
 
-    run, progress = _Run(), Progress()
+    logged, progress = [], Progress()
+    log = type("Log", (), {"write": lambda _, record: logged.append(record)})()
     chosen = [
-        select(run, run, "CIDEr", progress, {"CIDEr": c, "BLEU-4": 0.1, "example": "", "attention_health": h})
+        select(
+            progress,
+            {"CIDEr": c, "BLEU-4": 0.1, "example": "", "attention_health": h},
+            "CIDEr",
+            log=log,
+            d=Dist(),
+            lr=1e-3,
+            boxed=False,
+        )
         for c, h in ((1.0, PARKED), (0.8, HEALTHY), (1.5, PARKED), (0.9, HEALTHY), (0.85, HEALTHY))
     ]
     # a healthy one replaces a flagged best.pt whatever its score; a flagged one never replaces a healthy one
     assert chosen == [True, True, False, True, False]
     assert progress.best == 0.9 and progress.best_healthy and progress.stale == 1
-    assert len(run.logged) == 5
+    assert len(logged) == 5
 
 
 @pytest.mark.slow

@@ -21,8 +21,8 @@ LONGER = {
     "carried or seeded), checked by its fingerprint",
     "captioner/models/decoder.py": "one concept: the decoder and the config it is built from, which travels in "
     "every checkpoint (nanoGPT keeps GPTConfig beside GPT)",
-    "captioner/train/parts.py": "one concept: a training run's parts (its Run, Live objects and Stages), built "
-    "once from the settled configs; a reader of one epoch meets them in one module",
+    "captioner/train/loop.py": "one concept: fit, one epoch of it read top to bottom (train_one_epoch, "
+    "validate_and_save), as torchvision's reference scripts read",
 }
 MAX_FUNCTION_LINES = 60
 

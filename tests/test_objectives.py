@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
+from conftest import caption_loss
 
 from captioner.cli.train import get_parser
 from captioner.data.batches import CaptionBatches
 from captioner.data.dataset import CaptionData
 from captioner.models.decoder import AttentionDecoder
-from captioner.objectives.cross_entropy import caption_loss
 from captioner.objectives.objective import Objective, objective_terms
 from captioner.objectives.terms import TermState
 from captioner.options import from_args

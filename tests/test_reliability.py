@@ -184,13 +184,15 @@ def test_vocabulary_round_trip(sentences, min_count):
 @pytest.mark.slow
 def test_last_checkpoint_is_also_written_on_a_clock(data_dir, tmp_path, monkeypatch):
     """A run whose epochs outlast a kill still leaves last.pt: it is saved every checkpoint_minutes."""
+    import captioner.train.checkpoints as checkpoints
     import captioner.train.loop as training
-    import captioner.train.resilience as faults
     from captioner.models.decoder import DecoderConfig
 
     saved = []
-    real = faults.save_checkpoint  # fit saves through faults.CheckpointSaver
-    monkeypatch.setattr(faults, "save_checkpoint", lambda ck, path: (saved.append((ck["step"], path)), real(ck, path)))
+    real = checkpoints.save_checkpoint  # fit saves through train.checkpoints.Checkpoints
+    monkeypatch.setattr(
+        checkpoints, "save_checkpoint", lambda ck, path: (saved.append((ck["step"], path)), real(ck, path))
+    )
     cfg = training.TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, checkpoint_every=0, checkpoint_minutes=1e-6)
     progress = training.fit(
         str(data_dir),

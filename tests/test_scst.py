@@ -298,14 +298,16 @@ def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkey
     whole = fit(
         str(data_dir), str(tmp_path / "whole"), cfg=scst_config(), init=str(init), device="cpu", progress_bar=False
     )
-    real = faults.save_checkpoint  # fit saves through faults.CheckpointSaver
+    from captioner.train import checkpoints
+
+    real = checkpoints.save_checkpoint  # fit saves through train.checkpoints.Checkpoints
 
     def save_then_die(ck, path):
         real(ck, path)
         if ck["step"] == 3:
             raise KeyboardInterrupt  # as if killed right after the step-3 checkpoint
 
-    monkeypatch.setattr(faults, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         fit(str(data_dir), str(tmp_path / "run"), cfg=scst_config(), init=str(init), device="cpu", progress_bar=False)
     monkeypatch.setattr(faults, "save_checkpoint", real)

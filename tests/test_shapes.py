@@ -56,7 +56,10 @@ def test_the_fixed_step_equals_the_packed_one(data_dir, scenes, attention, monke
     results = []
     for source in (packed, fixed):
         batch = source._batch(idx, np.random.RandomState(0))
-        batch.features, batch.view_features = batch.features.double(), batch.view_features.double()
+        batch.features, batch.views = (
+            batch.features.double(),
+            batch.views._replace(features=batch.views.features.double()),
+        )
         torch.manual_seed(0)
         dec = AttentionDecoder(
             vocab_size=len(data.vocab),

@@ -7,8 +7,8 @@ finished stages whose products are still there and resumes a partial one: a down
 from its .part file, `prepare` keeps its finished feature rows, `fit` continues from last.pt.
 Later stages run as subprocesses of the training CLI, each command printed before it runs.
 
-The stages themselves are in `coco_stages`; this module holds the options they read and the
-command line, chooses which stages run, and records them.
+The stages themselves and the options they read are in `coco_stages`; this module holds the command
+line, chooses which stages run, and records them.
 """
 
 from __future__ import annotations
@@ -17,59 +17,12 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import Annotated, Literal
 
-from captioner.cli.coco_stages import RUNS, Paths, paths_of
+from captioner.cli.coco_stages import RUNS, CocoOptions, Paths, paths_of
 from captioner.cli.run import ArgumentParser
 from captioner.cli.run import run as run_command
-from captioner.errors import CaptionerError
 from captioner.io import read_json, write_json_atomic
-from captioner.models.encoder import Arch
 from captioner.options import add_options, from_args
-
-
-@dataclass(frozen=True)
-class CocoOptions:
-    """The recipe's options (ROOT is its positional argument)."""
-
-    gpus: Annotated[
-        int | None, "GPUs on this machine: N > 1 runs prepare and fit under torchrun (default: one process)"
-    ] = None
-    mirror: Annotated[
-        str | None,
-        "base URL of a copy of COCO's files under their official relative paths (zips/train2014.zip, "
-        "zips/val2014.zip, annotations/annotations_trainval2014.zip, caption_datasets.zip) and an optional "
-        "SHA256SUMS, whose checksums then replace the official sizes and checksums",
-    ] = None
-    stage: Annotated[
-        Literal["fetch", "prepare", "fit", "evaluate", "export"] | None,
-        "run this stage only (default: every stage that has not finished)",
-    ] = None
-    images: Annotated[
-        list[str] | None, "existing train2014 and val2014 image directories: the image zips are not fetched"
-    ] = None
-    captions: Annotated[
-        list[str] | None,
-        "existing captions_train2014.json and captions_val2014.json: the annotation zip is not fetched",
-    ] = None
-    splits: Annotated[str | None, "an existing Karpathy dataset_coco.json: caption_datasets.zip is not fetched"] = None
-    encoder: Annotated[Arch, "prepare's --encoder: the backbone (vgg16, vgg19, resnet50, resnet101, resnet152)"] = (
-        "vgg16"
-    )
-    encoder_weights: Annotated[str, "prepare's --encoder-weights: imagenet, none (random, seeded) or a path"] = (
-        "imagenet"
-    )
-    prepare_args: Annotated[str | None, "more options for prepare, in one string (--prepare-args='--no-views')"] = None
-    fit_args: Annotated[
-        str | None, "more options for fit, in one string, after the recipe's own (--fit-args='--epochs 30')"
-    ] = None
-    keep_zips: Annotated[bool, "keep the downloaded zips in ROOT/downloads after unpacking them"] = False
-
-    def __post_init__(self):
-        if self.gpus is not None and self.gpus < 1:
-            raise CaptionerError(f"--gpus must be 1 or more, got {self.gpus}")
-
 
 STAGES = ("fetch", "prepare", "fit", "evaluate", "export")
 RESULTS = ("evaluate", "export")

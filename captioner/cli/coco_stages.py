@@ -1,6 +1,6 @@
 """The COCO recipe's stages (`train.py coco`): fetch, prepare, fit, evaluate and export, one function each.
 
-Each stage is given the recipe's options (`coco.CocoOptions`) and where it keeps what it makes (`Paths`),
+Each stage is given the recipe's options (`CocoOptions`) and where it keeps what it makes (`Paths`),
 runs its step (the later ones as subprocesses of the training CLI, each command printed first),
 and returns what it produced for ROOT/recipe.json, or an exit status when it did not finish.
 """
@@ -15,7 +15,8 @@ import shutil
 import signal
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
 
@@ -24,10 +25,8 @@ from captioner.data.fetch import COCO_2014, fetch
 from captioner.errors import CaptionerError
 from captioner.evaluation.evaluate import results_path
 from captioner.io import read_json
-from captioner.models.encoder import EncoderSpec
-
-if TYPE_CHECKING:  # the options are declared beside their parser, which runs these stages
-    from captioner.cli.coco import CocoOptions
+from captioner.models.backbones import ARCH_HELP
+from captioner.models.encoder import Arch, EncoderSpec
 
 # The training CLI, run by this Python (`python -m captioner.cli.train` is `train.py`).
 TRAIN_MODULE = "captioner.cli.train"
@@ -37,6 +36,46 @@ FIT = ("--epochs", "20", "--batch-size", "64", "--dropout", "0.5")
 FIT_CUDA = ("--amp", "bf16")
 # Room for the stages whose output does not grow with the data: checkpoints, scores, the export.
 ROOM = {"fit": 2 * 10**9, "evaluate": 100 * 10**6, "export": 500 * 10**6}
+
+
+@dataclass(frozen=True)
+class CocoOptions:
+    """The recipe's options (ROOT is its positional argument)."""
+
+    gpus: Annotated[
+        int | None, "GPUs on this machine: N > 1 runs prepare and fit under torchrun (default: one process)"
+    ] = None
+    mirror: Annotated[
+        str | None,
+        "base URL of a copy of COCO's files under their official relative paths (zips/train2014.zip, "
+        "zips/val2014.zip, annotations/annotations_trainval2014.zip, caption_datasets.zip) and an optional "
+        "SHA256SUMS, whose checksums then replace the official sizes and checksums",
+    ] = None
+    stage: Annotated[
+        Literal["fetch", "prepare", "fit", "evaluate", "export"] | None,
+        "run this stage only (default: every stage that has not finished)",
+    ] = None
+    images: Annotated[
+        list[str] | None, "existing train2014 and val2014 image directories: the image zips are not fetched"
+    ] = None
+    captions: Annotated[
+        list[str] | None,
+        "existing captions_train2014.json and captions_val2014.json: the annotation zip is not fetched",
+    ] = None
+    splits: Annotated[str | None, "an existing Karpathy dataset_coco.json: caption_datasets.zip is not fetched"] = None
+    encoder: Annotated[Arch, f"prepare's --encoder: {ARCH_HELP}"] = "vgg16"
+    encoder_weights: Annotated[str, "prepare's --encoder-weights: imagenet, none (random, seeded) or a path"] = (
+        "imagenet"
+    )
+    prepare_args: Annotated[str | None, "more options for prepare, in one string (--prepare-args='--no-views')"] = None
+    fit_args: Annotated[
+        str | None, "more options for fit, in one string, after the recipe's own (--fit-args='--epochs 30')"
+    ] = None
+    keep_zips: Annotated[bool, "keep the downloaded zips in ROOT/downloads after unpacking them"] = False
+
+    def __post_init__(self):
+        if self.gpus is not None and self.gpus < 1:
+            raise CaptionerError(f"--gpus must be 1 or more, got {self.gpus}")
 
 
 class Paths:

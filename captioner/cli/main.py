@@ -19,7 +19,7 @@ from captioner.decoding.settings import Decoding
 from captioner.demo.options import DemoOptions
 from captioner.errors import CaptionerError, OptionError
 from captioner.io import write_json_atomic
-from captioner.options import Device, add_options, check_device, check_positive, from_args
+from captioner.options import Device, add_options, check_device, check_positive, choose_device, from_args
 from captioner.serve import bulk
 from captioner.serve.api import Captioner
 from captioner.serve.sources import model_source
@@ -113,8 +113,6 @@ def get_parser() -> argparse.ArgumentParser:
 
 
 def _caption(args: argparse.Namespace) -> int:
-    from captioner.train.distributed import choose_device
-
     opts = from_args(CaptionOptions, args)
     paths = bulk.expand_inputs(args.images, recursive=opts.recursive)
     if opts.checkpoint is None:

@@ -23,7 +23,7 @@ from captioner.decoding.settings import Decoding
 from captioner.evaluation.evaluate import evaluate, results_path
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import DecoderConfig
-from captioner.options import Device, add_options, check_device, from_args
+from captioner.options import Device, add_options, check_device, choose_device, from_args
 from captioner.train import distributed
 from captioner.train.config import TrainConfig
 from captioner.train.loop import fit
@@ -174,7 +174,7 @@ def _metric(run: str, cfg: TrainConfig) -> str:
 def _evaluate(args: argparse.Namespace) -> int:
     opts = from_args(EvaluateOptions, args)
     given = {f.name: getattr(opts, f.name) for f in fields(opts)}
-    m = evaluate(**{**given, "device": str(distributed.choose_device(opts.device))})
+    m = evaluate(**{**given, "device": str(choose_device(opts.device))})
     shown = {
         k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items() if k not in ("checkpoint", "grounding")
     }

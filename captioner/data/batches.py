@@ -9,8 +9,7 @@ Shapes: packed batches are as long as their longest caption and hold only real c
 no work on padding). Fixed batches (`FixedShapes`) always hold `size` captions, rows of length 0
 filling the last batch and standing in for captions whose features are damaged, and are padded
 to the shortest of a few lengths that holds their longest caption, so that every step of a
-length bucket has the same shapes (GPUs: one CUDA graph per bucket).
-
+length bucket has the same shapes (GPUs: one compile per bucket).
 Symbols: B captions, k of them with views, T tokens, L locations, D feature size.
 """
 
@@ -18,7 +17,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,6 +45,21 @@ class FixedShapes:
         return next((n for n in self.lengths if n >= longest), longest)
 
 
+class Views(NamedTuple):
+    """The images' views (`models.views`, for the consistency) of k of a batch's captions."""
+
+    features: torch.Tensor  # (k, L, D) the views' features
+    rows: torch.Tensor  # (k,) long: their captions' places in the batch
+    moves: torch.Tensor  # (k, 2) the cells each view was moved by
+
+
+class Boxes(NamedTuple):
+    """Where a batch's words should look (`fit --boxes`)."""
+
+    masks: torch.Tensor  # (B, T-1, L) bool: the cells of the objects each step's word names
+    images: torch.Tensor  # (B,) long: each caption's feature row, for the model's own words
+
+
 @dataclass
 class Batch:
     """Training captions with their image features (all tensors; `words` and `dropped` known on the host)."""
@@ -55,13 +70,8 @@ class Batch:
     words: int = 0  # the predicted positions (words and <end>) of the batch: what its loss is divided by
     image_index: torch.Tensor | None = None  # (B,) long: each caption's row in `features` when fine-tuning
     dropped: tuple[int, ...] = ()  # feature rows of captions left out: their features are not finite
-    # The images' views (models.views, for the consistency) for k of the captions: their places in
-    # the batch (k,), the views' features (k, L, D) and the cells (k, 2) each view was moved by.
-    view_features: torch.Tensor | None = None
-    view_rows: torch.Tensor | None = None
-    view_moves: torch.Tensor | None = None
-    box_masks: torch.Tensor | None = None  # (B, T-1, L) bool: where each step's word should look (`--boxes`)
-    box_images: torch.Tensor | None = None  # (B,) each caption's feature row, for the model's own words
+    views: Views | None = None  # the consistency's
+    boxes: Boxes | None = None  # the attention correctness's
     count: torch.Tensor | None = None  # () float32, `words` as a tensor, which travels with the batch
 
     def __post_init__(self):
@@ -77,13 +87,10 @@ class Batch:
     def pin_memory(self) -> Batch:
         return self._map(torch.Tensor.pin_memory)
 
-    def with_views(self, features: torch.Tensor, rows: torch.Tensor, moves: torch.Tensor) -> Batch:
-        return replace(self, view_features=features, view_rows=rows, view_moves=moves)
-
     def _map(self, fn) -> Batch:
-        """The batch with fn applied to each of its tensors."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Batch(**{k: fn(v) if torch.is_tensor(v) else v for k, v in values.items()})
+        """The batch with fn applied to each of its tensors (those of its views and boxes too)."""
+        mapped = lambda v: fn(v) if torch.is_tensor(v) else type(v)(*map(fn, v)) if isinstance(v, (Views, Boxes)) else v
+        return Batch(**{f.name: mapped(getattr(self, f.name)) for f in fields(self)})
 
 
 def _widened(t: torch.Tensor) -> torch.Tensor:
@@ -140,9 +147,8 @@ def bucket_batches(
 class CaptionBatches:
     """The training captions of a data directory, bucketed by length, with their images' features.
 
-    Captions whose image's features hold inf or NaN (a damaged cache row) never reach the model:
-    packed batches leave them out, fixed ones make them padding rows; both name them in
-    `Batch.dropped`.
+    Captions whose image's features hold inf or NaN (a damaged cache row) never reach the model: packed
+    batches leave them out, fixed ones make them padding rows; both name them in `Batch.dropped`.
 
     Args:
         data: the prepared data directory.
@@ -217,7 +223,7 @@ class CaptionBatches:
         )
         if picked is not None and (~bad[picked]).any():  # the views of the captions kept, at their places
             good = picked[~bad[picked]]
-            batch = batch.with_views(
+            batch.views = Views(
                 torch.from_numpy(views[~bad[picked]].astype(np.float32)),
                 torch.from_numpy((np.cumsum(~bad) - 1)[good].astype(np.int64)),
                 torch.from_numpy(shifts(data.rows[idx[good]], data.view_shift)),
@@ -252,7 +258,7 @@ class CaptionBatches:
                 view = torch.cat([view, view.new_zeros((extra, *view.shape[1:]))])
                 rows = np.concatenate([rows, n + np.arange(extra) % (B - n)])
                 moves = np.concatenate([moves, np.zeros((extra, *moves.shape[1:]), dtype=moves.dtype)])
-            batch = batch.with_views(view, torch.from_numpy(rows), torch.from_numpy(moves))
+            batch.views = Views(view, torch.from_numpy(rows), torch.from_numpy(moves))
         padded = np.concatenate([idx, np.full(B - n, -1)])  # (B,) caption or -1
         return self._with_targets(batch, padded, real=padded >= 0)
 
@@ -264,7 +270,8 @@ class CaptionBatches:
         rows, masks = self.targets.rows[idx], self.targets.masks_for_captions(idx, T1)
         if real is not None:
             rows, masks = rows * real, masks * real[:, None, None]
-        return replace(batch, box_masks=torch.from_numpy(masks), box_images=torch.from_numpy(rows.astype(np.int64)))
+        batch.boxes = Boxes(torch.from_numpy(masks), torch.from_numpy(rows.astype(np.int64)))
+        return batch
 
 
 class TrainingImages:

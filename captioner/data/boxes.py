@@ -155,13 +155,12 @@ class GroundingBoxes:
         return [a["bbox"] for a in self.coco.imgToAnns.get(image_id, []) if named.intersection(self.described_by(a))]
 
 
-def grid_cells(boxes: list[list[float]], size: tuple[int, int], grid_box, grid: int) -> np.ndarray:
+def grid_cells(boxes: list[list[float]], grid_box, grid: int) -> np.ndarray:
     """The grid cells (L,) bool that the boxes [x, y, w, h] cover: those whose centre lies in a box,
     or, for a box too small to hold a centre, the cell that holds the box's centre.
 
     Args:
-        size: (width, height) of the image the boxes are in.
-        grid_box: the region of the image the grid covers (`Preprocess.grid_box`).
+        grid_box: the region of the image, in its pixels, that the grid covers (`Preprocess.grid_box`).
     """
     left, top, right, bottom = grid_box
     centres = (np.arange(grid) + 0.5) / grid
@@ -211,7 +210,7 @@ class BoxTargets:
             for word, named in found.items():  # words naming the same objects (synonyms) share one mask
                 if tuple(named) not in made:
                     made[tuple(named)] = len(masks)
-                    masks.append(grid_cells([anns[k]["bbox"] for k in named], size, preprocess.grid_box(*size), grid))
+                    masks.append(grid_cells([anns[k]["bbox"] for k in named], preprocess.grid_box(*size), grid))
                 self.index[row, word] = made[tuple(named)]
         self.masks = np.stack(masks) if masks else np.zeros((0, grid * grid), dtype=bool)  # (M, L)
         caption, steps, which = [], [], []

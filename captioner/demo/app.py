@@ -25,11 +25,10 @@ from captioner.demo.card import examples_note, model_card, model_notice
 from captioner.demo.handlers import Demo, PageOutputs
 from captioner.demo.options import PAGE_BEAM, PAGE_TOP_P, DemoOptions
 from captioner.errors import CaptionerError
-from captioner.options import add_options, from_args
+from captioner.options import add_options, choose_device, from_args
 from captioner.serve import heatmaps as viz
 from captioner.serve.api import Captioner
 from captioner.serve.sources import example_images, model_source
-from captioner.train.distributed import choose_device
 
 # System fonts: the default theme fetches Google Fonts, which an offline machine cannot reach.
 THEME = gr.themes.Soft(primary_hue="orange", font=["system-ui", "sans-serif"], font_mono=["monospace"])

@@ -44,12 +44,11 @@ from captioner.demo.examples import EXAMPLES_SEED, draw_examples, judge_examples
 from captioner.evaluation.evaluate import evaluate, results_path
 from captioner.models.checkpoint import carry_encoder_weights, load_checkpoint, save_checkpoint
 from captioner.models.encoder import EncoderSpec
-from captioner.options import Device, add_options, check_device, from_args
+from captioner.options import Device, add_options, check_device, choose_device, from_args
 from captioner.scenes import judge as scenes
 from captioner.serve.export import export
 from captioner.serve.sources import DEMO_MODEL, EXAMPLES_DIR
 from captioner.train.config import TrainConfig
-from captioner.train.distributed import choose_device
 from captioner.train.finetune import FineTuneConfig
 from captioner.train.recipe import finished, prepared, scene_set, trained
 

@@ -96,7 +96,7 @@ def cell_targets(images: list[dict], anns: dict[int, list[dict]], spec: EncoderS
     for i, im in enumerate(images):
         size = (int(im["width"]), int(im["height"]))
         for a in anns[int(im["id"])]:
-            cells = torch.from_numpy(grid_cells([a["bbox"]], size, spec.preprocess.grid_box(*size), g))  # (L,)
+            cells = torch.from_numpy(grid_cells([a["bbox"]], spec.preprocess.grid_box(*size), g))  # (L,)
             out[i, 0, cells] = a["category_id"]  # category ids are SHAPES' order from 1
             out[i, 1, cells] = COLOUR_CLASSES.index(a["color"])
     return out

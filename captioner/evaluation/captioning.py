@@ -99,7 +99,7 @@ def checkpoint_features(
     start = layers_of(encoder_state)
     cache = complete_input_cache(data, start)
     if cache is not None:
-        encoder = TunedEncoder(spec_encoder.features, start, from_cache=True)
+        encoder = TunedEncoder(spec_encoder.features, start, from_cache=True, arch=data.encoder.arch)
         encoder.load_encoder_state(encoder_state, source)
     else:
         encoder = apply_encoder_state(spec_encoder, encoder_state, source)

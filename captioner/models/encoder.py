@@ -25,6 +25,7 @@ from torch import nn
 from captioner.errors import CaptionerError
 from captioner.io import atomic_path
 from captioner.models.backbones import (
+    ARCH_HELP,
     BACKBONES,
     backbone,
     layer_index,
@@ -50,8 +51,7 @@ class EncoderSpec:
     arch: Annotated[
         Arch,
         "--encoder",
-        "the backbone: vgg16 up to conv5_3, vgg19 up to conv5_4 (the paper's layer), resnet50/101/152 up to "
-        "their last stage, average-pooled to 14x14 (2048-d; a departure from the paper)",
+        "the backbone: " + ARCH_HELP,
     ] = "vgg16"
     weights: Annotated[
         str,
@@ -211,7 +211,7 @@ def build_encoder(spec: EncoderSpec, carried: dict | None = None) -> tuple[Encod
     """
     trunk = meta_trunk(spec.arch).to_empty(device="cpu")
     if spec.weights == "none":
-        seed_trunk(trunk, spec.seed)
+        seed_trunk(trunk, spec.seed, spec.arch)
     elif spec.weights == "imagenet":
         _load_features(trunk, _imagenet_state(spec.arch), f"ImageNet {spec.arch} weights", spec.arch)
     elif carried is not None:
@@ -330,7 +330,7 @@ REGENERATED = "regenerated"  # carried weights' key: [seed, bits] of the seeded 
 def _seeded_state(arch: str, seed: int, layers: int | None = None) -> dict[str, torch.Tensor]:
     """The trunk state dict of the seeded random encoder (its first `layers` layers drawn, the rest empty)."""
     trunk = meta_trunk(arch).to_empty(device="cpu")
-    seed_trunk(trunk, seed, layers)
+    seed_trunk(trunk, seed, arch, layers)
     return trunk.state_dict()
 
 

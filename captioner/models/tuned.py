@@ -43,18 +43,17 @@ class TunedEncoder(nn.Module):
         trunk: `Encoder.features`, with the weights the cached features were made with.
         start: index of the first trained layer.
         from_cache: inputs are cached (n, L', D') outputs of layer start-1 (VGG's pool4), else images.
+        arch: the backbone's row, whose stride makes the grid of images.
     """
 
-    def __init__(self, trunk: nn.Sequential, start: int, *, from_cache: bool):
+    def __init__(self, trunk: nn.Sequential, start: int, *, from_cache: bool, arch: str = "vgg16"):
         super().__init__()
         self.start = start
         # Slices of a Sequential keep its names, so state_dict() gives "24.weight" as in the trunk.
         self.frozen = None if from_cache else trunk[:start].requires_grad_(False)
         self.tuned = trunk[start:].requires_grad_(True)
-        # The grid: a pooled trunk's pool size (ResNet's), else the map's, which VGG's max-pools alone shrink.
-        last = trunk[-1]
-        self.pooled = last.output_size if isinstance(last, nn.AdaptiveAvgPool2d) else None
-        self.stride = 2 ** sum(isinstance(m, nn.MaxPool2d) for m in trunk)
+        # The grid: a pooled trunk's pool size (ResNet's), else the map's at the row's stride.
+        self.pooled, self.stride = backbone(arch).pooled, backbone(arch).stride
 
     def train(self, mode: bool = True) -> TunedEncoder:
         super().train(mode)

@@ -112,14 +112,12 @@ class ViewConsistency(Term):
 
     def __call__(self, ctx: Context) -> torch.Tensor:
         b, p = ctx.batch, ctx.passed
-        if b.view_features is None:
+        if b.views is None:
             return ctx.features.new_zeros(())
         return consistency(
             ctx.decoder,
             ctx.features,
-            b.view_features,
-            b.view_rows,
-            b.view_moves,
+            *b.views,
             p.unrolled,
             p.mask,
             ctx.words,

@@ -42,12 +42,12 @@ class AttentionCorrectness(Term):
     name = "boxes"
 
     def __call__(self, ctx: Context) -> torch.Tensor:
-        return attention_correctness(ctx.passed.unrolled.alphas, ctx.batch.box_masks, ctx.words)
+        return attention_correctness(ctx.passed.unrolled.alphas, ctx.batch.boxes.masks, ctx.words)
 
 
 class ChosenWordCorrectness(Term):
     """`attention_correctness` at the word the model would write at each step, where it names an object of
-    the image (`--boxes-choice-weight`). The words are looked up on the host, so no graph captures it.
+    the image (`--boxes-choice-weight`). The words are looked up on the host, so the step does not compile it.
 
     Args:
         targets: `data.boxes.BoxTargets` of the training images.
@@ -66,6 +66,6 @@ class ChosenWordCorrectness(Term):
         alphas = p.unrolled.alphas
         # The lookup needs the words on the host: an explicit copy, and a host synchronisation.
         masks = self.targets.masks_for_predictions(
-            ctx.batch.box_images.cpu().numpy(), p.predicted.cpu().numpy(), p.mask.cpu().numpy()
+            ctx.batch.boxes.images.cpu().numpy(), p.predicted.cpu().numpy(), p.mask.cpu().numpy()
         )
         return attention_correctness(alphas, torch.from_numpy(masks).to(alphas.device), ctx.words)

@@ -10,9 +10,7 @@ Symbols: B captions, T steps, L locations, V vocabulary size.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from captioner.models.decoder import step_mask
 from captioner.objectives.terms import Context, Term, wide
 
 
@@ -40,25 +38,3 @@ class DoublyStochastic(Term):
     def __call__(self, ctx: Context) -> torch.Tensor:
         p = ctx.passed
         return attention_penalty(wide(p.unrolled.alphas), p.mask).sum() / ctx.words
-
-
-def caption_loss(
-    logits: torch.Tensor,
-    alphas: torch.Tensor,
-    captions: torch.Tensor,
-    lengths: torch.Tensor,
-    alpha_c: float = 1.0,
-    words: torch.Tensor | float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. (14) from `AttentionDecoder.forward`'s logits (B, T-1, V) and maps (B, T-1, L).
-
-    Returns:
-        (negative log-likelihood per word, penalty per word); the loss is their sum.
-    """
-    B, T1, V = logits.shape
-    mask = step_mask(lengths, T1)  # (B, T-1)
-    nll = F.cross_entropy(logits.reshape(-1, V).float(), captions[:, 1 : T1 + 1].reshape(-1), reduction="none").view(
-        B, T1
-    )  # (B, T-1)
-    words = mask.sum() if words is None else words
-    return (nll * mask).sum() / words, attention_penalty(alphas.float(), mask, alpha_c).sum() / words

@@ -13,10 +13,12 @@ Symbols: B captions, n images, L locations, D feature size.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
 
+from captioner.data.batches import Views
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.views import max_shift, random_shifts
 from captioner.objectives.consistency import ViewConsistency
@@ -130,5 +132,5 @@ class Objective(nn.Module):
                 moves = random_shifts(n, max_shift(self.encoder.grid(batch.features)), generator, rows.device)
                 views = self.encoder(batch.features, moves=moves)  # (n, L, D)
                 index = batch.image_index[rows]  # (k,) their images
-                batch = batch.with_views(views[index], rows, moves[index])
+                batch = replace(batch, views=Views(views[index], rows, moves[index]))
         return batch, self.encoder(batch.features, batch.image_index)  # (B, L, D)

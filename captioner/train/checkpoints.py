@@ -5,8 +5,13 @@ average, the optimizer, the schedule, the random streams, a fine-tuned encoder, 
 record: configs, vocabulary, encoder, data, command), and at each save the moment (progress and
 the last validation's metrics). Rank 0 alone writes the checkpoints; under torchrun each other rank
 keeps its own random streams beside last.pt (`last.rank<r>.rng.pt`), since a resumed rank goes on
-with its own draws. A save that fails (a full disk) is reported and retried at the next one; `fit`
-raises if its final save fails.
+with its own draws. `save_checkpoint` writes a temporary file and renames it, so a failed save (a
+full disk, a quota, a read-only directory) leaves the previous file whole; `Checkpoints` adds the
+account: one line naming the failure and the last good checkpoint with its step, and a record of
+which files' latest save failed, so that training goes on, retries at the next save, and `fit`
+raises with that message if its final save fails. A model whose weights are not finite is never
+written over a good checkpoint. The run's metrics.jsonl (`RunLog`) and its notes of what went wrong
+(`resilience.FaultLog`) travel with it: the loop writes both where it saves.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from captioner.errors import CaptionerError
 from captioner.evaluation.health import verdict
-from captioner.io import atomic_path
-from captioner.models.checkpoint import Checkpoint
+from captioner.io import atomic_path, describe_os_error
+from captioner.models.checkpoint import Checkpoint, save_checkpoint
 from captioner.objectives.terms import TermState
 from captioner.train import resilience
 from captioner.train.config import Progress
@@ -86,7 +92,7 @@ class Live(NamedTuple):
 
 
 class Checkpoints:
-    """Writes a run's last.pt and best.pt.
+    """Writes a run's last.pt and best.pt, and says which are whole (module doc).
 
     Args:
         out_dir: the run directory.
@@ -94,7 +100,7 @@ class Checkpoints:
         live: the live objects a checkpoint holds.
         record: what every checkpoint of the run says of it: "decoder", "train", "vocab",
             "encoder", "max_len", "data", "familiarity", "command".
-        notes: where a failed save is reported.
+        log, notes: the run's metrics.jsonl and its notes of faults, where a failed save is reported.
         resumed: the progress of a resumed run (its last.pt and best.pt are known to be whole).
     """
 
@@ -103,21 +109,51 @@ class Checkpoints:
         out_dir: str,
         *,
         main: bool,
-        live: Live,
+        live: Live | None,
         record: dict,
-        notes: resilience.FaultLog,
+        log: RunLog | None = None,
+        notes: resilience.FaultLog | None = None,
         resumed: Progress | None = None,
     ):
-        self.main, self.live, self.record, self.notes = main, live, record, notes
+        self.main, self.live, self.record, self.log, self.notes = main, live, record, log, notes
         self.last_path, self.best_path = os.path.join(out_dir, "last.pt"), os.path.join(out_dir, "best.pt")
         self.rank, self.world = place()
         self.streams_path = rank_streams_path(out_dir, self.rank)
-        self.saver = resilience.CheckpointSaver()
+        self.good: dict[str, int] = {}  # path → step of its last whole save (the resumed one's included)
+        self.failed: dict[str, str] = {}  # path → message of its latest failed save
         self.last_save = time.monotonic()
         if resumed is not None:
-            self.saver.good[self.last_path] = resumed.step
+            self.good[self.last_path] = resumed.step
             if os.path.exists(self.best_path):
-                self.saver.good[self.best_path] = resumed.best_step
+                self.good[self.best_path] = resumed.best_step
+
+    def last_good(self, path: str) -> str:
+        if path in self.good:
+            return f"the last good checkpoint is {path} at step {self.good[path]}"
+        return f"{path} has not been saved by this run yet"
+
+    def write(self, ck: dict, path: str) -> bool:
+        """Write `ck` (with a "step" and a "model" state dict) to `path`; False if the write failed.
+
+        Raises:
+            CaptionerError: the model's weights are not finite; such a checkpoint is never
+                written over a good one.
+        """
+        bad = resilience.first_nonfinite(ck["model"])
+        if bad is not None:
+            raise CaptionerError(
+                f"the model's weights are not finite at step {ck['step']} ({bad}); not "
+                f"saving {path}; {self.last_good(path)}"
+            )
+        try:
+            save_checkpoint(ck, path)
+        except OSError as e:
+            self.failed[path] = f"cannot save {path} at step {ck['step']}: {describe_os_error(e, path)}; "
+            self.failed[path] += self.last_good(path)
+            return False
+        self.good[path] = int(ck["step"])
+        self.failed.pop(path, None)
+        return True
 
     def checkpoint(self, progress: Progress, metrics: dict) -> Checkpoint:
         """This moment of the run in the checkpoint schema."""
@@ -147,9 +183,9 @@ class Checkpoints:
 
     def save(self, path: str, progress: Progress, metrics: dict, *, final: bool = False) -> None:
         """Save a checkpoint (rank 0); a failed save is reported, and is `fit`'s error if it was the final one."""
-        if self.main and not self.saver.save(self.checkpoint(progress, metrics).to_dict(), path):
+        if self.main and not self.write(self.checkpoint(progress, metrics).to_dict(), path):
             then = "fit ends with this error" if final else "training goes on and retries at the next save"
-            self.notes.warn("save_failed", f"{self.saver.failed[path]}; {then}", step=progress.step, show=not final)
+            self.notes.warn("save_failed", f"{self.failed[path]}; {then}", step=progress.step, show=not final)
         if path == self.last_path:
             if not self.main:
                 self._save_streams(progress.step)
@@ -167,4 +203,4 @@ class Checkpoints:
 
     def saved(self, path: str) -> int | None:
         """The step of `path`'s last good save by this run (or the resumed one), None if none."""
-        return self.saver.good.get(path)
+        return self.good.get(path)

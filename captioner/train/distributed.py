@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from captioner.errors import CaptionerError
+from captioner.options import choose_device
 
 
 @dataclass(frozen=True)
@@ -31,17 +31,6 @@ class Dist:
     @property
     def active(self) -> bool:
         return self.world > 1
-
-
-def choose_device(name: str = "auto", local_rank: int = 0) -> torch.device:
-    """ "auto" → this process's GPU if there is one, else the CPU; refuses cuda without a GPU."""
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise CaptionerError(f"--device {name}: no CUDA device is available here; use --device cpu")
-    if name == "auto":
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if name == "cuda":
-        return torch.device(f"cuda:{local_rank}")
-    return torch.device(name)
 
 
 def setup(device: str = "auto") -> tuple[Dist, torch.device]:

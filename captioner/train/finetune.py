@@ -29,13 +29,13 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import numpy as np
 import torch
 
-from captioner.data.batches import Batch
+from captioner.data.batches import Batch, Boxes
 from captioner.data.dataset import CaptionData
 from captioner.data.encoder_inputs import INPUT_CACHE, encoded_features, image_groups, input_cache_info
 from captioner.data.extraction import extract_features
@@ -142,7 +142,8 @@ class FineTuning:
             if cfg.start == CACHED
             else None
         )
-        self.encoder = TunedEncoder(base.features, start, from_cache=self.cache is not None).to(device)
+        cached, arch = self.cache is not None, data.encoder.arch
+        self.encoder = TunedEncoder(base.features, start, from_cache=cached, arch=arch).to(device)
 
     def parameters(self):
         return self.encoder.tuned.parameters()
@@ -170,11 +171,8 @@ class FineTuning:
                 image_index=torch.from_numpy(np.searchsorted(r, self.data.rows[idx])),  # (B,) caption → image
             )
             if self.targets is not None:
-                batch = replace(
-                    batch,
-                    box_masks=torch.from_numpy(self.targets.masks_for_captions(idx, T - 1)),
-                    box_images=torch.from_numpy(self.targets.rows[idx].astype(np.int64)),
-                )
+                masks = torch.from_numpy(self.targets.masks_for_captions(idx, T - 1))
+                batch.boxes = Boxes(masks, torch.from_numpy(self.targets.rows[idx].astype(np.int64)))
             yield batch.pin_memory() if pin else batch
 
     def features(self, rows: np.ndarray) -> torch.Tensor:
@@ -243,7 +241,7 @@ def input_cache(
 
 
 def add_tuned_familiarity(
-    paths: list[str], data: CaptionData, saver, device: torch.device, *, seed: int, workers: int = 2
+    paths: list[str], data: CaptionData, checkpoints, device: torch.device, *, seed: int, workers: int = 2
 ) -> float:
     """Put into each fine-tuned checkpoint the familiarity statistics of the encoder it holds.
 
@@ -251,11 +249,11 @@ def add_tuned_familiarity(
     encoder's output, not theirs) and calls this when training ends: the training and
     validation images' features come from the checkpoint's layers (on the pool4 cache, or on
     the images), and so do the calibration photographs'. Checkpoints holding the same step
-    share one computation. A failed save is the saver's to report, as for any save.
+    share one computation. A failed save is reported as any save is.
 
     Args:
         paths: the run's checkpoints (missing ones are skipped).
-        saver: `faults.CheckpointSaver` of the run.
+        checkpoints: the run's `train.checkpoints.Checkpoints`.
 
     Returns:
         The seconds it took.
@@ -273,5 +271,5 @@ def add_tuned_familiarity(
             stats = fit_stats(data, seed=seed, features=read, encoder=served)
             done[ck["step"]] = stats.to_dict() if stats is not None else None
         ck["familiarity"] = done[ck["step"]]
-        saver.save(ck, path)
+        checkpoints.write(ck, path)
     return time.monotonic() - t0

@@ -1,18 +1,17 @@
 """The parts of a training run, built once from the settled configs (`train.settle`).
 
-`build` makes three named things, putting a resumed run's state back into them: the `Run` (where it
-reads, runs and writes), its `Live` objects (what a checkpoint holds: `train.checkpoints`) and its
+`build` makes the run's `Live` objects (what a checkpoint holds: `train.checkpoints`) and its
 `Stage`s, what each stretch of it trains. A run has one stage (the decoder alone on the cached
 features; SCST on the training images) or, with `--fine-tune-encoder`, two: from `fine_tune.after`
 on, the decoder trains with the encoder's layers on the encoder's inputs. Each stage's batches have
 the shapes its source makes them in (`source.shapes`: a fine-tuned encoder's are packed), and its
-objective takes them from there. `for_epoch` gives the stage an epoch is in and the step it trains with.
+objective takes them from there. `stage_at` gives the stage an epoch is in, and `train_step` the step
+it trains with.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from typing import NamedTuple
@@ -20,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from captioner.compiled import GRAPHS, compile_mode
+from captioner.compiled import compile_mode
 from captioner.data.batches import CaptionBatches, FixedShapes, TrainingImages
 from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
@@ -34,60 +33,13 @@ from captioner.objectives.terms import TermsConfig, TermState
 from captioner.train import distributed, resilience
 from captioner.train.averaging import WeightAverage
 from captioner.train.checkpoints import Checkpoints, Live, RunLog
-from captioner.train.config import OptimConfig, Progress, ScheduleConfig, TrainConfig
+from captioner.train.config import OptimConfig, Progress, TrainConfig
 from captioner.train.familiarity import fit_stats
 from captioner.train.finetune import FineTuneConfig, FineTuning
 from captioner.train.resume import restore
 from captioner.train.step import TrainStep, make_optimizer
 
 log = logging.getLogger(__name__)
-
-
-class Budget:
-    """The run's time (`--max-minutes`, counted from the start of its log) and the cooldown at its end."""
-
-    def __init__(self, schedule: ScheduleConfig, *, started: float):
-        self.seconds = schedule.max_minutes * 60 if schedule.max_minutes else math.inf
-        self.cooldown, self.started = schedule.cooldown, started
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.started
-
-    def out(self) -> bool:
-        return self.elapsed() > self.seconds
-
-    @property
-    def cools(self) -> bool:
-        """The learning rate cools down at the end: there is a budget and a cooldown share of it."""
-        return self.cooldown > 0 and math.isfinite(self.seconds)
-
-    def rate_left(self, elapsed: float) -> float:
-        """The share of its rate the learning rate keeps at `elapsed` seconds: 1 until the last `cooldown`
-        share of the budget, then falling linearly to 0."""
-        return min(1.0, max(0.0, (self.seconds - elapsed) / (self.cooldown * self.seconds)))
-
-
-class Run(NamedTuple):
-    """Where a run reads, runs and writes."""
-
-    data: CaptionData
-    d: distributed.Dist
-    device: torch.device
-    compiled: str | None  # the compiler's mode for the steps (`step_compiling`), None: eager
-    log: RunLog
-    notes: resilience.FaultLog  # what went wrong and was survived, in the log
-    checkpoints: Checkpoints
-    budget: Budget
-
-    @property
-    def compiled_search(self) -> bool:
-        """The searches (validation, SCST's greedy baseline) compile, and replay as CUDA graphs."""
-        return self.compiled == GRAPHS
-
-    @property
-    def boxed(self) -> bool:
-        """The run reads object boxes (`fit --boxes`), as its checkpoints record."""
-        return self.checkpoints.record["data"]["boxes"] is not None
 
 
 class Stage(NamedTuple):
@@ -110,15 +62,14 @@ def build(
     saved: dict | None,
     origin: dict,
     progress_bar: bool,
-) -> tuple[Run, Live, list[Stage], Progress]:
-    """The run, its live objects, its stages (in the order it trains them), and where it is (its progress).
+) -> tuple[Live, list[Stage], Progress, Checkpoints]:
+    """The run's live objects, with a resumed run's state put back; its stages, in the order it trains them;
+    where it is; and its checkpoints, which also keep its metrics.jsonl and its notes of faults.
 
     Args:
+        init: `--init`'s checkpoint; saved: the resumed last.pt (each may be None).
         origin: how the run began, as its checkpoints record it (`resume.start_from`).
     """
-    torch.manual_seed(cfg.optim.seed)
-    if cfg.optim.amp == "tf32":  # for the whole process, which is this run
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     decoder = _decoder(data, model_cfg, device, init)
     targets = box_targets(data, origin["boxes"], d) if origin["boxes"] else None
     groups = [{"params": list(decoder.parameters())}]
@@ -135,9 +86,6 @@ def build(
         )
         groups.append({"params": list(tuning.parameters()), "lr": cfg.fine_tune.lr})
     optimizer = make_optimizer(groups, cfg.optim.lr, device)
-    # Started after the one-off pool4 cache, which is preparation, like prepare's: not training time.
-    run_log = RunLog(out_dir, main=d.main, started=time.monotonic())
-    notes = resilience.FaultLog(run_log.write, show=d.main)
     live = Live(
         decoder,
         WeightAverage(decoder, cfg.optim.ema) if cfg.optim.ema else None,
@@ -147,16 +95,17 @@ def build(
         torch.Generator(device=device).manual_seed(cfg.optim.seed + 1 + d.rank),
         TermState(device, saved.get("terms") if saved is not None else None),
     )
-    progress = restore(live, saved, out_dir, notes) if saved is not None else Progress()
-    record = _record(data, model_cfg, cfg, origin, familiarity(data, tuning, saved, cfg.optim.seed, d.main))
-    resumed = progress if saved is not None else None
-    checkpoints = Checkpoints(out_dir, main=d.main, live=live, record=record, notes=notes, resumed=resumed)
     stages = [stage(data, decoder, cfg, state=live.terms, targets=targets)]
     if tuning is not None:
         stages.append(stage(data, decoder, cfg, state=live.terms, targets=targets, tuning=tuning))
-    compiled = step_compiling(cfg.optim, device)
-    run = Run(data, d, device, compiled, run_log, notes, checkpoints, Budget(cfg.schedule, started=run_log.started))
-    return run, live, stages, progress
+    # Started after the one-off pool4 cache of a fine-tuned encoder, which is preparation, like prepare's.
+    log = RunLog(out_dir, main=d.main, started=time.monotonic())
+    notes = resilience.FaultLog(log.write, show=d.main)
+    progress = restore(live, saved, out_dir, notes) if saved is not None else Progress()
+    made = record(data, model_cfg, cfg, origin, familiarity(data, tuning, saved, cfg.optim.seed, d.main))
+    resumed = progress if saved is not None else None
+    checkpoints = Checkpoints(out_dir, main=d.main, live=live, record=made, log=log, notes=notes, resumed=resumed)
+    return live, stages, progress, checkpoints
 
 
 def _decoder(data: CaptionData, model_cfg: DecoderConfig, device, init: dict | None):
@@ -177,28 +126,29 @@ def step_compiling(optim: OptimConfig, device: torch.device) -> str | None:
     return None
 
 
-def for_epoch(
-    run: Run, live: Live, stages: list[Stage], fine_tune: FineTuneConfig | None, optim: OptimConfig, progress: Progress
-) -> tuple[Stage, TrainStep]:
-    """The stage the current epoch is in, and the step it trains with (DDP-wrapped under torchrun)."""
-    tuned = len(stages) > 1 and progress.epoch >= fine_tune.after
-    current = stages[-1] if tuned else stages[0]
-    objective = current.objective
-    if run.d.active:
-        device_ids = [run.device.index] if run.device.type == "cuda" else None
-        objective = DistributedDataParallel(objective, device_ids=device_ids)
-    step = TrainStep(
+def stage_at(stages: list[Stage], epoch: int, fine_tune: FineTuneConfig | None) -> Stage:
+    """The stage epoch `epoch` trains in: the encoder's from `fine_tune.after` on."""
+    return stages[-1] if len(stages) > 1 and epoch >= fine_tune.after else stages[0]
+
+
+def train_step(
+    stage: Stage, live: Live, optim: OptimConfig, *, d: distributed.Dist, device: torch.device, steps: int
+) -> TrainStep:
+    """The step a stage trains with (its objective DDP-wrapped under torchrun), compiled as `step_compiling` says."""
+    objective = stage.objective
+    if d.active:
+        objective = DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None)
+    return TrainStep(
         objective,
         live.optimizer,
         optim,
         average=live.average,
         generator=live.generator,
-        d=run.d,
-        device=run.device,
-        steps=progress.step,
-        compiled=run.compiled,
+        d=d,
+        device=device,
+        steps=steps,
+        compiled=step_compiling(optim, device),
     )
-    return current, step
 
 
 def box_targets(data: CaptionData, path: str, d: distributed.Dist) -> BoxTargets:
@@ -230,7 +180,7 @@ def familiarity(data: CaptionData, tuning, saved: dict | None, seed: int, main: 
     return stats.to_dict() if stats is not None else None
 
 
-def _record(data: CaptionData, model_cfg: DecoderConfig, cfg: TrainConfig, origin: dict, familiarity) -> dict:
+def record(data: CaptionData, model_cfg: DecoderConfig, cfg: TrainConfig, origin: dict, familiarity) -> dict:
     """What every checkpoint of the run says of it."""
     return {
         "decoder": model_cfg.to_dict(),

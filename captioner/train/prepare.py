@@ -28,9 +28,9 @@ from captioner.io import check_free_space, describe_os_error, read_json, write_j
 from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.views import max_shift, shifts, view
-from captioner.options import Device, check_device, check_positive
+from captioner.options import Device, check_device, check_positive, choose_device
 from captioner.train.dataset_files import write_dataset
-from captioner.train.distributed import Dist, barrier, choose_device
+from captioner.train.distributed import Dist, barrier
 from captioner.train.resilience import GracefulStop, stop_requested
 
 

@@ -2,9 +2,8 @@
 
 - `GracefulStop`: SIGTERM (a scheduler's preemption notice) and SIGINT (Ctrl-C) set a flag
   instead of killing the process; `fit` and `prepare` look at it at safe points, save, and end.
-- `CheckpointSaver`: a checkpoint save that fails (no space left, quota, read-only) is reported
-  in one line naming the last good checkpoint and its step, instead of ending with a traceback;
-  the caller decides whether to retry at the next save or to stop.
+- a checkpoint save that fails (no space left, quota, read-only) is reported in one line naming
+  the last good checkpoint and its step (`train.checkpoints.Checkpoints`), instead of a traceback;
 - `FaultLog`: the one-line warnings about what training goes on through (a failed save, a
   skipped step, captions of damaged feature rows left out), on stderr and in metrics.jsonl.
 
@@ -24,9 +23,6 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from captioner.data.features import damaged_row_message
-from captioner.errors import CaptionerError
-from captioner.io import describe_os_error
-from captioner.models.checkpoint import save_checkpoint
 
 # Exit status after a graceful stop: 0 for SIGTERM (the job did what a preemption notice asks:
 # saved and stopped, so it is not reported as a failure), 130 for Ctrl-C (the shell's convention,
@@ -114,52 +110,6 @@ class GracefulStop:
 
 def stop_requested(stop: GracefulStop | None) -> bool:
     return stop is not None and stop.requested
-
-
-class CheckpointSaver:
-    """Saves checkpoints and reports a failed save instead of raising.
-
-    `save_checkpoint` writes a temporary file and renames it, so a failed save leaves the
-    previous file whole and no temporary file behind; the saver adds the account: one line
-    naming the failure and the last good checkpoint with its step, and a record of which files'
-    latest save failed, so that training can go on (retrying at the next save) and stop with
-    that message if its final save fails.
-
-    Args:
-        good: path → step of checkpoints already known to be whole (e.g. the resumed last.pt).
-    """
-
-    def __init__(self, good: dict[str, int] | None = None):
-        self.good: dict[str, int] = dict(good or {})
-        self.failed: dict[str, str] = {}  # path → message of its latest failed save
-
-    def last_good(self, path: str) -> str:
-        if path in self.good:
-            return f"the last good checkpoint is {path} at step {self.good[path]}"
-        return f"{path} has not been saved by this run yet"
-
-    def save(self, ck: dict, path: str) -> bool:
-        """Save `ck` (with a "step" and a "model" state dict) to `path`; False if the write failed.
-
-        Raises:
-            CaptionerError: the model's weights are not finite; such a checkpoint is never
-                written over a good one.
-        """
-        bad = first_nonfinite(ck["model"])
-        if bad is not None:
-            raise CaptionerError(
-                f"the model's weights are not finite at step {ck['step']} ({bad}); not "
-                f"saving {path}; {self.last_good(path)}"
-            )
-        try:
-            save_checkpoint(ck, path)
-        except OSError as e:
-            message = f"cannot save {path} at step {ck['step']}: {describe_os_error(e, path)}; {self.last_good(path)}"
-            self.failed[path] = message
-            return False
-        self.good[path] = int(ck["step"])
-        self.failed.pop(path, None)
-        return True
 
 
 class _Forward(logging.Handler):

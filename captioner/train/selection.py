@@ -10,47 +10,50 @@ from __future__ import annotations
 import logging
 import time
 
+from captioner.data.dataset import CaptionData
 from captioner.decoding.settings import Decoding
 from captioner.evaluation.captioning import caption_split, score_validation
 from captioner.evaluation.health import advice, attention_health, problems
 from captioner.evaluation.health import summary as health_summary
 from captioner.train import distributed
-from captioner.train.checkpoints import Live
+from captioner.train.checkpoints import Live, RunLog
 from captioner.train.config import Progress, ScheduleConfig
-from captioner.train.parts import Run
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
-def validate(run: Run, live: Live, schedule: ScheduleConfig, progress_bar: bool) -> dict:
+def validate(
+    live: Live, data: CaptionData, schedule: ScheduleConfig, *, d: distributed.Dist, device, compiled: bool | None
+) -> dict:
     """Generation-based validation of the weights' average (or the weights), split over processes and scored
-    on the gathered captions."""
-    t0, d = time.monotonic(), run.d
+    on the gathered captions; the searches `compiled` as `decoding.decode.beam_search` says."""
+    t0 = time.monotonic()
     texts, hyps = caption_split(
         live.average.model if live.average else live.decoder,
-        run.data,
-        run.data.vocab,
+        data,
+        data.vocab,
         "val",
         decoding=Decoding(beam_size=schedule.val_beam_size),
-        max_len=run.data.max_len,
-        device=run.device,
+        max_len=data.max_len,
+        device=device,
         max_images=schedule.val_images,
         shard=(d.rank, d.world),
         features=live.tuning.features if live.tuning else None,
-        compiled=None if run.compiled_search else False,
+        compiled=compiled,
     )
     texts = distributed.gather_dicts(d, texts)
     maps = distributed.gather_dicts(d, {i: h.attention.astype("float16") for i, h in hyps.items()})
     metrics = None
     if d.main:
-        metrics = score_validation(texts, run.data.references["val"])
+        metrics = score_validation(texts, data.references["val"])
         metrics["attention_health"] = attention_health(maps.values())
     return {**distributed.broadcast(d, metrics), "seconds": round(time.monotonic() - t0, 2)}
 
 
-def select(run: Run, live: Live, metric: str, progress: Progress, metrics: dict) -> bool:
+def select(progress: Progress, metrics: dict, metric: str, *, log: RunLog, d: distributed.Dist, lr: float, boxed: bool):
     """Is this validation the new best.pt by `metric`? The best score among checkpoints whose attention
-    is healthy, when any is; a healthy one replaces a flagged best.pt whatever its score."""
+    is healthy, when any is; a healthy one replaces a flagged best.pt whatever its score. Logged with the
+    learning rate `lr` (`boxed`: the run trains with --boxes, which the advice on flagged maps names)."""
     score, found = metrics[metric], problems(metrics["attention_health"])
     healthy = not found
     improved = (healthy and not progress.best_healthy) or (healthy == progress.best_healthy and score > progress.best)
@@ -58,10 +61,7 @@ def select(run: Run, live: Live, metric: str, progress: Progress, metrics: dict)
         progress.best, progress.best_step, progress.best_healthy, progress.stale = score, progress.step, healthy, 0
     else:
         progress.stale += 1
-    if progress.cooldown_from is None:  # the cooldown sets the rate from here on
-        live.scheduler.step(score)
-    lr = float(live.optimizer.param_groups[0]["lr"])
-    run.log.write(
+    log.write(
         {
             "event": "val",
             "step": progress.step,
@@ -73,15 +73,15 @@ def select(run: Run, live: Live, metric: str, progress: Progress, metrics: dict)
             "healthy": healthy,
         }
     )
-    if run.d.main:
+    if d.main:
         other = metric if metric != "BLEU-4" else "CIDEr"
-        log.info(
+        logger.info(
             f"epoch {progress.epoch}: step {progress.step}, BLEU-4 {metrics['BLEU-4']:.3f}, {other} "
             f"{metrics[other]:.3f}{' (best.pt)' if improved else ''}; e.g. {metrics['example']!r}; "
             f"{health_summary(metrics['attention_health'])}"
         )
         if found:
-            log.warning(f"step {progress.step}: {'; '.join(found)}: {advice(boxes=run.boxed)}")
+            logger.warning(f"step {progress.step}: {'; '.join(found)}: {advice(boxes=boxed)}")
     return improved
 
 

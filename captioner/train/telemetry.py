@@ -11,13 +11,13 @@ from collections.abc import Iterable, Iterator
 import torch
 
 
-def start_record(run, stage, progress, resume: bool) -> dict:
+def start_record(record: dict, stage, step, progress, resume: bool, data) -> dict:
     """The log's first line: the run's settled configs, as its checkpoints record them, and where it starts.
 
     Args:
-        run, stage, progress: the `train.parts.Run`, the `Stage` it starts in, its `Progress`.
+        record, stage, step: what the run's checkpoints say of it, the `Stage` it starts in and its `TrainStep`.
     """
-    record = run.checkpoints.record
+    d = step.d
     return {
         "event": "start",
         "step": progress.step,
@@ -25,10 +25,10 @@ def start_record(run, stage, progress, resume: bool) -> dict:
         "resume": resume,
         "decoder": record["decoder"],
         "train": record["train"],
-        "device": str(run.device),
-        "world": run.d.world,
-        "train_captions": int(len(run.data.lengths)),
-        "batches_per_epoch": stage.source.num_batches(world=run.d.world),
+        "device": str(step.device),
+        "world": d.world,
+        "train_captions": int(len(data.lengths)),
+        "batches_per_epoch": stage.source.num_batches(world=d.world),
     }
 
 
