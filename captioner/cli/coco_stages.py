@@ -20,6 +20,7 @@ from typing import Annotated, Literal
 
 import torch
 
+from captioner.cli.run import TRAIN, TRAIN_MODULE
 from captioner.data.archives import require_space
 from captioner.data.fetch import COCO_2014, fetch
 from captioner.errors import CaptionerError
@@ -28,9 +29,6 @@ from captioner.io import read_json
 from captioner.models.backbones import ARCH_HELP
 from captioner.models.encoder import Arch, EncoderSpec
 
-# The training CLI, run by this Python (`python -m captioner.cli.train` is `train.py`).
-TRAIN_MODULE = "captioner.cli.train"
-TRAIN = [sys.executable, "-m", TRAIN_MODULE]
 # fit's settings for COCO on one GPU (per process under torchrun), before --fit-args.
 FIT = ("--epochs", "20", "--batch-size", "64", "--dropout", "0.5")
 FIT_CUDA = ("--amp", "bf16")

@@ -17,6 +17,10 @@ from tqdm import tqdm
 
 from captioner.errors import CaptionerError
 
+# The training CLI, run by this Python (`python -m captioner.cli.train` is `train.py`): for subprocesses.
+TRAIN_MODULE = "captioner.cli.train"
+TRAIN = [sys.executable, "-m", TRAIN_MODULE]
+
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with every subcommand's options showing their defaults (the fields' own help says them)."""

@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import Annotated
 
+from captioner.cli.run import TRAIN, TRAIN_MODULE
 from captioner.compiled import FELL_BACK
 from captioner.options import Device, check_device
 
-TRAIN = [sys.executable, "-m", "captioner.cli.train"]
 CAPTIONER = [sys.executable, "-m", "captioner"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 VAL_IMAGES = 1000  # more than the scenes' validation split holds: fit validates on all of it
@@ -157,7 +157,7 @@ def check_mode(mode: Mode, work: str, opts: SelfCheckOptions, log) -> str:
             raise RuntimeError(f"needs the {mode.after} mode's model: run that mode too")
         fit += ["--init", init]
     launch = [*TORCHRUN, str(mode.processes)] if mode.processes else [sys.executable]
-    _run([*launch, "-m", "captioner.cli.train", *fit], log)
+    _run([*launch, "-m", TRAIN_MODULE, *fit], log)
     _compile_failures(run)
     best = os.path.join(run, "best.pt")
     metrics = os.path.join(run, "test", "metrics.json")

@@ -1,19 +1,22 @@
 """How captions are written from a trained model: every decoding choice a user makes, declared once.
 
 `Decoding` is the one set of settings that the Python API, `captioner caption`, `evaluate`, the
-demo's request batcher and its page, and the search-graph cache read; the command lines derive
-their flags and help from its fields. `decode` runs the routine it names:
+demo's request batcher and its page read; the command lines derive their flags and help from its
+fields. `decode` runs the method it names, one of `METHODS`:
 - "beam": the batched beam search (`decoding.decode`; greedy is one beam);
 - "sampling": captions drawn word by word, with temperature, top-k and top-p (`decoding.sampling`).
 
-A new method is a new routine, one more `Literal` value and one line in `decode`.
-Symbols: B images, L locations, D feature size.
+A method says which settings it reads besides every method's, whether its search has the fixed shapes
+that compile (a caller pads its batches then), and whether it draws several captions an image; the
+API and the page ask it rather than its name. A new method is its module (a `Method`) and one line
+in `METHODS`. Symbols: B images, L locations, D feature size.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 import torch
 
@@ -24,8 +27,35 @@ from captioner.models.attention import CONTEXT_MODES, EXPECTED, SAMPLE
 from captioner.models.decoder import AttentionDecoder
 
 MAX_BEAMS = 50  # most beams, and most samples, per image
-SAMPLING_ONLY = ("temperature", "top_k", "top_p", "n")
 WHOLE = ("beam_size", "max_len", "top_k", "n", "seed")  # settings that count
+
+
+class Method(NamedTuple):
+    """A way to write captions from the decoder.
+
+    run(decoder, features (B, L, D), settings, max_len, generator, compiled) → each image's hypotheses.
+    """
+
+    run: Callable[..., list[list[Hypothesis]]]
+    reads: tuple[str, ...]  # its own settings (`Decoding` fields): another method's, changed, is refused
+    compiles: bool = False  # a fixed-shape search that compiles (`compiled`); its batches are padded to a few sizes
+    draws: bool = False  # its hypotheses are samples, each an image's caption of its own (not ranked beams)
+
+
+def _beam(decoder, features, s, max_len, generator, compiled):
+    return beam_search(decoder, features, beam_size=s.beam_size, max_len=max_len, length_norm=s.length_norm,
+                       mode=s.context, generator=generator, compiled=compiled, sharpness=s.sharpness)  # fmt: skip
+
+
+def _sampling(decoder, features, s, max_len, generator, compiled):
+    return sample_captions(decoder, features, n=s.n, max_len=max_len, temperature=s.temperature, top_k=s.top_k,
+                           top_p=s.top_p, mode=s.context, generator=generator, sharpness=s.sharpness)  # fmt: skip
+
+
+METHODS: dict[str, Method] = {
+    "beam": Method(_beam, ("beam_size", "length_norm"), compiles=True),
+    "sampling": Method(_sampling, ("temperature", "top_k", "top_p", "n"), draws=True),
+}
 
 
 @dataclass(frozen=True)
@@ -33,10 +63,10 @@ class Decoding:
     """Decoding: beam search (greedy at one beam) or sampling, and the attention's context."""
 
     method: Annotated[
-        Literal["beam", "sampling"],
+        str,
         "--decoding",
-        "beam: the likeliest caption a beam search finds; sampling: captions drawn word by word "
-        "(--temperature, --top-k, --top-p, --n)",
+        "beam: the likeliest caption a beam search finds (--beam-size, --length-norm); sampling: captions drawn "
+        "word by word (--temperature, --top-k, --top-p, --n)",
     ] = "beam"
     beam_size: Annotated[int, "beams per image (1: greedy)"] = 3
     max_len: Annotated[int | None, "most words per caption (default: the model's training maximum)"] = None
@@ -59,8 +89,8 @@ class Decoding:
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():
                 object.__setattr__(self, name, int(value))
-        if self.method not in ("beam", "sampling"):
-            raise OptionError(f"--decoding must be 'beam' or 'sampling', got {self.method!r}")
+        if self.method not in METHODS:
+            raise OptionError(f"--decoding must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.mode not in (None, *CONTEXT_MODES):
             raise OptionError(f"--mode must be one of {CONTEXT_MODES}, got {self.mode!r}")
         for name, low, high in (
@@ -80,12 +110,18 @@ class Decoding:
             raise OptionError(
                 f"sampling needs --temperature >= 0 and 0 < --top-p <= 1, got {self.temperature} and {self.top_p}"
             )
-        changed = [name for name in SAMPLING_ONLY if getattr(self, name) != _DEFAULTS[name]]
-        if changed and self.method != "sampling":
-            raise OptionError(
-                f"{', '.join(map(_flag, changed))}: for sampling only; add --decoding sampling "
-                '(method="sampling" in Python)'
-            )
+        for name, other in METHODS.items():
+            changed = [k for k in other.reads if getattr(self, k) != _DEFAULTS[k] and k not in self.how.reads]
+            if changed:
+                raise OptionError(
+                    f"{', '.join(map(_flag, changed))}: for {name} only; add --decoding {name} "
+                    f'(method="{name}" in Python)'
+                )
+
+    @property
+    def how(self) -> Method:
+        """The method these settings name."""
+        return METHODS[self.method]
 
     @property
     def context(self) -> str:
@@ -95,7 +131,11 @@ class Decoding:
     @property
     def randomised(self) -> bool:
         """Whether the captions depend on `seed`."""
-        return self.method == "sampling" or self.context == SAMPLE
+        return self.how.draws or self.context == SAMPLE
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The random source of one call, for all its batches: seeded with `seed` where the captions depend on it."""
+        return seeded(self.seed, device) if self.randomised else None
 
     def with_settings(self, **settings) -> Decoding:
         """These settings with some changed; None leaves a setting as it is.
@@ -126,7 +166,6 @@ def decode(
     *,
     max_len: int,
     generator: torch.Generator | None = None,
-    shapes: str | None = None,
     compiled: bool | None = None,
 ) -> list[list[Hypothesis]]:
     """Captions for a batch of images, as `settings` say.
@@ -138,39 +177,13 @@ def decode(
         max_len: most words where `settings.max_len` is None (the model's training maximum).
         generator: the random source of sampling and of mode "sample"; default one seeded with
             `settings.seed` on the features' device (pass one to go on drawing across batches).
-        shapes, compiled: the beam search's (`decoding.decode.beam_search`).
+        compiled: whether a method that compiles does (`decoding.decode.beam_search`; None: on a GPU).
 
     Returns:
         For each image its hypotheses: the beams, best first, or the samples in the order drawn.
     """
-    if generator is None and settings.randomised:
-        generator = seeded(settings.seed, features.device)
-    words = settings.max_len or max_len
-    if settings.method == "sampling":
-        return sample_captions(
-            decoder,
-            features,
-            n=settings.n,
-            max_len=words,
-            temperature=settings.temperature,
-            top_k=settings.top_k,
-            top_p=settings.top_p,
-            mode=settings.context,
-            generator=generator,
-            sharpness=settings.sharpness,
-        )
-    return beam_search(
-        decoder,
-        features,
-        beam_size=settings.beam_size,
-        max_len=words,
-        length_norm=settings.length_norm,
-        mode=settings.context,
-        generator=generator,
-        shapes=shapes,
-        compiled=compiled,
-        sharpness=settings.sharpness,
-    )
+    generator = generator or settings.generator(features.device)
+    return settings.how.run(decoder, features, settings, settings.max_len or max_len, generator, compiled)
 
 
 def seeded(seed: int, device: torch.device) -> torch.Generator | None:

@@ -21,6 +21,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline by design:
 import gradio as gr
 
 from captioner.data.images import set_max_pixels
+from captioner.decoding.settings import Decoding
 from captioner.demo.card import examples_note, model_card, model_notice
 from captioner.demo.handlers import Demo, PageOutputs
 from captioner.demo.options import PAGE_BEAM, PAGE_TOP_P, DemoOptions
@@ -71,7 +72,7 @@ def build_app(demo: Demo, examples: list[str]) -> gr.Blocks:
         page = {"session": gr.State(None, time_to_live=3600)}
         with gr.Row(equal_height=False):
             with gr.Column(scale=2, min_width=300):
-                page |= _inputs(demo.captioner, examples)
+                page |= _inputs(demo.captioner, examples, Decoding(method=demo.method))
             with gr.Column(scale=3, min_width=400):
                 page |= _outputs()
         with gr.Accordion("Data for programs (what /caption returns)", open=False):
@@ -80,8 +81,8 @@ def build_app(demo: Demo, examples: list[str]) -> gr.Blocks:
     return app
 
 
-def _inputs(cap, examples: list[str]) -> dict:
-    """The left column: the image, its examples, the settings and the model's card."""
+def _inputs(cap, examples: list[str], decoding: Decoding) -> dict:
+    """The left column: the image, its examples, the settings (those of the page's method) and the model's card."""
     image = gr.Image(
         type="filepath",
         image_mode=None,
@@ -101,7 +102,8 @@ def _inputs(cap, examples: list[str]) -> dict:
     )
     if examples:
         gr.Markdown(examples_note(cap, examples), elem_id="examples-note")
-    beam = gr.Slider(1, 10, value=PAGE_BEAM, step=1, label="Beam size", info="1 is greedy decoding")
+    beams = "beam_size" in decoding.how.reads
+    beam = gr.Slider(1, 10, value=PAGE_BEAM, step=1, label="Beam size", info="1 is greedy decoding", visible=beams)
     max_len = gr.Slider(1, max(50, cap.max_len), value=cap.max_len, step=1, label="Maximum length (words)")
     opacity = gr.Slider(
         0,
@@ -228,7 +230,7 @@ def main(args: argparse.Namespace | DemoOptions) -> None:
     seconds = cap.compile_search(warm=range(1, args.max_batch_size + 1))  # before the page says it is ready
     if seconds:
         print(f"compiled the search in {seconds:.0f} s", file=sys.stderr)
-    demo = Demo(cap, max_batch_size=args.max_batch_size)
+    demo = Demo(cap, max_batch_size=args.max_batch_size, method=args.decoding)
     app = build_app(demo, examples)
     app.queue(max_size=args.queue_size, default_concurrency_limit=2)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C: temporary files go

@@ -101,8 +101,15 @@ class Demo:
         figures_dir: where downloadable attention PNGs go (default: a fresh temporary directory).
     """
 
-    def __init__(self, captioner: Captioner, *, max_batch_size: int = 8, figures_dir: str | None = None):
-        self.captioner = captioner
+    def __init__(
+        self,
+        captioner: Captioner,
+        *,
+        max_batch_size: int = 8,
+        figures_dir: str | None = None,
+        method: str = "beam",
+    ):
+        self.captioner, self.method = captioner, method
         self.batcher = Batcher(captioner, max_batch_size=max_batch_size)
         self.figures_dir = figures_dir or tempfile.mkdtemp(prefix="captioner-demo-")
         if figures_dir is None:  # ours: removed when the server exits normally
@@ -256,7 +263,8 @@ class Demo:
     def _caption(
         self, picture: Image.Image, beam_size: float, max_len: float | None = None, seed: int | None = None
     ) -> Caption:
-        """The beam search's caption, or with a `seed` a sampled one."""
+        """The caption of the page's method (the beam search's, or another `decoding.settings.METHODS` names),
+        or with a `seed` a sampled one. The beam size goes to a method that reads it."""
         # The caption events skip Gradio's preprocessing, so the numbers arrive unchecked.
         try:
             beam, length = int(beam_size), int(max_len) if max_len else None
@@ -267,7 +275,10 @@ class Demo:
             ) from None
         try:
             if seed is None:
-                decoding = Decoding(beam_size=beam, max_len=length)
+                reads = Decoding(method=self.method).how.reads
+                decoding = Decoding(
+                    method=self.method, max_len=length, **{"beam_size": beam} if "beam_size" in reads else {}
+                )
             else:
                 decoding = Decoding(method="sampling", top_p=PAGE_TOP_P, max_len=length, seed=seed)
             return self.batcher.caption(picture, decoding)

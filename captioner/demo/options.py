@@ -28,6 +28,9 @@ class DemoOptions:
     max_pixels: Annotated[int, "largest image in pixels, against decompression bombs"] = DEFAULT_MAX_PIXELS
     max_batch_size: Annotated[int, "most concurrent images captioned in one forward pass"] = 8
     queue_size: Annotated[int, "requests waiting beyond this are told the server is busy"] = 64
+    decoding: Annotated[str, "--decoding", "the method the page's captions and /caption use (beam: a beam search)"] = (
+        "beam"
+    )
     device: Device = "auto"
     graphs: Annotated[
         bool, "on a GPU, compile the search before serving and replay it as CUDA graphs (--no-graphs: never)"

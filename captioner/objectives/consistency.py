@@ -46,7 +46,7 @@ import torch
 
 from captioner.models.decoder import AttentionDecoder, Unrolled
 from captioner.models.views import back_from_view
-from captioner.objectives.terms import Context, Term, wide
+from captioner.objectives.terms import Context, Setup, Term, TermsConfig, wide
 
 AGREEMENT_FLOOR = 1e-6  # under the agreement before the log: maps that share no cell cost log 1e6, not inf
 
@@ -109,6 +109,10 @@ class ViewConsistency(Term):
     weight is `--consistency`. A batch without views (every picked image damaged) adds nothing."""
 
     name = "consistency"
+
+    @classmethod
+    def make(cls, cfg: TermsConfig, setup: Setup) -> Term | None:
+        return cls(cfg.consistency) if setup.views and cfg.consistency > 0 else None
 
     def __call__(self, ctx: Context) -> torch.Tensor:
         b, p = ctx.batch, ctx.passed

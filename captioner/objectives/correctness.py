@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from captioner.objectives.terms import Context, Term, wide
+from captioner.objectives.terms import Context, Setup, Term, TermsConfig, wide
 
 LOG_EPS = 1e-12
 
@@ -41,6 +41,10 @@ class AttentionCorrectness(Term):
 
     name = "boxes"
 
+    @classmethod
+    def make(cls, cfg: TermsConfig, setup: Setup) -> Term | None:
+        return cls(cfg.boxes_weight) if setup.targets is not None and cfg.boxes_weight > 0 else None
+
     def __call__(self, ctx: Context) -> torch.Tensor:
         return attention_correctness(ctx.passed.unrolled.alphas, ctx.batch.boxes.masks, ctx.words)
 
@@ -60,6 +64,11 @@ class ChosenWordCorrectness(Term):
     def __init__(self, weight: float, targets):
         super().__init__(weight)
         self.targets = targets
+
+    @classmethod
+    def make(cls, cfg: TermsConfig, setup: Setup) -> Term | None:
+        on = setup.targets is not None and cfg.boxes_choice_weight > 0
+        return cls(cfg.boxes_choice_weight, setup.targets) if on else None
 
     def __call__(self, ctx: Context) -> torch.Tensor:
         p = ctx.passed

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from captioner.objectives.terms import Context, Term, wide
+from captioner.objectives.terms import Context, Setup, Term, TermsConfig, wide
 
 
 def attention_penalty(alphas: torch.Tensor, mask: torch.Tensor, alpha_c: float = 1.0) -> torch.Tensor:
@@ -34,6 +34,10 @@ class DoublyStochastic(Term):
     """Eq. (14)'s second term, Σ_i (1 − Σ_t α_ti)² per image, per word of the batch; its weight is λ."""
 
     name = "penalty"
+
+    @classmethod
+    def make(cls, cfg: TermsConfig, setup: Setup) -> Term | None:
+        return cls(cfg.alpha_c) if cfg.alpha_c > 0 else None
 
     def __call__(self, ctx: Context) -> torch.Tensor:
         p = ctx.passed

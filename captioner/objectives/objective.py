@@ -1,6 +1,6 @@
 """The training objective: a sum of loss terms over one teacher-forced pass.
 
-`objective_terms` builds the list from the settled configs (the one place a term is added);
+`objective_terms` builds the list from the settled configs and `TERMS` (the one place a term is added);
 `Objective` makes the pass the terms read (`objectives.passes`, in the batch's shapes), asks each
 term for its value, and returns Σ weight × value with every value by name. It is an `nn.Module`,
 so that DistributedDataParallel wraps one forward. With a fine-tuned encoder (`fit
@@ -26,7 +26,19 @@ from captioner.objectives.correctness import AttentionCorrectness, ChosenWordCor
 from captioner.objectives.cross_entropy import CrossEntropy, DoublyStochastic
 from captioner.objectives.passes import Shapes, teacher_forced
 from captioner.objectives.reinforce import EntropyBonus, HardAttentionConfig, Reinforce
-from captioner.objectives.terms import Context, Term, TermsConfig, TermState
+from captioner.objectives.terms import Context, Setup, Term, TermsConfig, TermState
+
+# The terms a run may train with, in the order they run (the order of their random draws); each decides
+# from the settings whether this run trains with it (`Term.make`). A new term is its module and one line here.
+TERMS: list[type[Term]] = [
+    CrossEntropy,
+    DoublyStochastic,
+    Reinforce,
+    EntropyBonus,
+    ViewConsistency,
+    AttentionCorrectness,
+    ChosenWordCorrectness,
+]
 
 
 def objective_terms(
@@ -38,7 +50,7 @@ def objective_terms(
     state: TermState,
     targets=None,
 ) -> list[Term]:
-    """The cross-entropy objective's terms, in the order they run (the order of their random draws).
+    """The cross-entropy objective's terms (`TERMS` that the settings turn on).
 
     Args:
         cfg: settled attention terms (no None left).
@@ -47,18 +59,8 @@ def objective_terms(
         state: the run's terms' state (saved in checkpoints), which terms with state claim theirs from.
         targets: `data.boxes.BoxTargets` of `fit --boxes` (None: the attention correctness terms are off).
     """
-    terms: list[Term] = [CrossEntropy()]
-    if cfg.alpha_c > 0:
-        terms.append(DoublyStochastic(cfg.alpha_c))
-    if attention == "hard":
-        terms += [Reinforce(hard, state), EntropyBonus(hard.entropy_weight)]
-    if views and cfg.consistency > 0:
-        terms.append(ViewConsistency(cfg.consistency))
-    if targets is not None and cfg.boxes_weight > 0:
-        terms.append(AttentionCorrectness(cfg.boxes_weight))
-    if targets is not None and cfg.boxes_choice_weight > 0:
-        terms.append(ChosenWordCorrectness(cfg.boxes_choice_weight, targets))
-    return terms
+    setup = Setup(attention, hard, views, state, targets)
+    return [term for kind in TERMS if (term := kind.make(cfg, setup)) is not None]
 
 
 class Objective(nn.Module):

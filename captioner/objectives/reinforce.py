@@ -26,7 +26,7 @@ from typing import Annotated
 
 import torch
 
-from captioner.objectives.terms import Context, Term, TermState, wide
+from captioner.objectives.terms import Context, Setup, Term, TermsConfig, TermState, wide
 
 LOG_EPS = 1e-12  # floor under α before the log: a sampled location always has α > 0, but float32 may round
 
@@ -57,6 +57,10 @@ class Reinforce(Term):
     """
 
     name = "reinforce"
+
+    @classmethod
+    def make(cls, cfg: TermsConfig, setup: Setup) -> Term | None:
+        return cls(setup.hard, setup.state) if setup.attention == "hard" else None
 
     def __init__(self, cfg: HardAttentionConfig, state: TermState):
         super().__init__(cfg.reward_scale)
@@ -93,6 +97,10 @@ class EntropyBonus(Term):
     (the objective maximises it), so its weight is −λ_e."""
 
     name = "entropy"
+
+    @classmethod
+    def make(cls, cfg: TermsConfig, setup: Setup) -> Term | None:
+        return cls(setup.hard.entropy_weight) if setup.attention == "hard" else None
 
     def __init__(self, entropy_weight: float):
         super().__init__(-entropy_weight)

@@ -9,8 +9,8 @@ and whether it needs the pass's most likely words (`predicts`).
 A term that keeps state across steps (REINFORCE's baseline) claims it from the run's `TermState`:
 named tensors on the training device that the checkpoints save and a resumed run restores, and
 that the term updates in place (`after_step`); under DDP the step first sums what `shared`
-returns over processes. A new term is a new module with its class, and one line in
-`objective.objective_terms`.
+returns over processes. A term decides from the settings whether a run trains with it, and with
+what weight (`make`). A new term is a new module with its class, and one line in `objective.TERMS`.
 
 Symbols: B captions, T steps, L locations, D feature size.
 """
@@ -65,6 +65,16 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
+class Setup(NamedTuple):
+    """What a run's terms are made from, besides the attention terms' settings (`TermsConfig`)."""
+
+    attention: str  # "soft" or "hard"
+    hard: Any  # objectives.reinforce.HardAttentionConfig
+    views: bool  # the batches carry the views' features (or a fine-tuned encoder makes them)
+    state: TermState  # the run's terms' state, which terms with state claim theirs from
+    targets: Any  # data.boxes.BoxTargets of `fit --boxes`, or None
+
+
 class Context(NamedTuple):
     """What a term reads for one batch."""
 
@@ -94,6 +104,11 @@ class Term:
 
     def __init__(self, weight: float = 1.0):
         self.weight = weight
+
+    @classmethod
+    def make(cls, cfg: TermsConfig, setup: Setup) -> Term | None:
+        """The term a run with these settings trains with, or None when it trains without it."""
+        return cls()
 
     def __call__(self, ctx: Context) -> torch.Tensor:
         raise NotImplementedError

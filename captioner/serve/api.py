@@ -15,7 +15,7 @@ from PIL import Image
 from captioner.compiled import earns_back
 from captioner.data.images import load_image
 from captioner.decoding.decode import Hypothesis
-from captioner.decoding.settings import Decoding, decode, seeded
+from captioner.decoding.settings import Decoding, decode
 from captioner.models.attention import ARGMAX, SAMPLE
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import EncoderSpec, rebuild_encoder
@@ -229,7 +229,7 @@ class Captioner:
         settings = (decoding or Decoding()).with_settings(beam_size=beam_size, **settings)
         if earns_back(-(-len(images) // batch_size)):
             self.compile_search()
-        generator = seeded(settings.seed, self.device) if settings.randomised else None  # one for all chunks
+        generator = settings.generator(self.device)
         chunks = [images[i : i + batch_size] for i in range(0, len(images), batch_size)]
         if len(chunks) == 1:
             return self._captions(*self._inputs(chunks[0]), settings, generator)
@@ -248,7 +248,7 @@ class Captioner:
         """The captions of one chunk's encoder inputs (b, 3, S, S)."""
         feats = self._features(x)  # (b, L, D)
         verdicts = familiarity(feats, self.familiarity)  # is each image like the training ones?
-        compiled = self.compiling and settings.method == "beam"
+        compiled = self.compiling and settings.how.compiles
         found = decode(
             self.decoder, _padded(feats) if compiled else feats, settings, max_len=self.max_len, generator=generator,
             compiled=compiled,
@@ -260,7 +260,7 @@ class Captioner:
                 replace(
                     made[0],
                     alternatives=[(c.text, c.score) for c in made],
-                    samples=made if settings.method == "sampling" else [],
+                    samples=made if settings.how.draws else [],
                     size=size,
                     familiarity=verdict,
                 )

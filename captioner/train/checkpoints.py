@@ -23,14 +23,13 @@ from dataclasses import asdict
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from captioner.errors import CaptionerError
 from captioner.evaluation.health import verdict
 from captioner.io import atomic_path, describe_os_error
 from captioner.models.checkpoint import Checkpoint, save_checkpoint
 from captioner.objectives.terms import TermState
-from captioner.train import resilience
+from captioner.train import distributed, resilience
 from captioner.train.config import Progress
 
 
@@ -56,13 +55,6 @@ class RunLog:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
-
-
-def place() -> tuple[int, int]:
-    """This process's rank and the number of processes in its job ((0, 1) outside torchrun)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def streams(generator: torch.Generator) -> dict:
@@ -117,7 +109,8 @@ class Checkpoints:
     ):
         self.main, self.live, self.record, self.log, self.notes = main, live, record, log, notes
         self.last_path, self.best_path = os.path.join(out_dir, "last.pt"), os.path.join(out_dir, "best.pt")
-        self.rank, self.world = place()
+        here = distributed.current()
+        self.rank, self.world = here.rank, here.world
         self.streams_path = rank_streams_path(out_dir, self.rank)
         self.good: dict[str, int] = {}  # path → step of its last whole save (the resumed one's included)
         self.failed: dict[str, str] = {}  # path → message of its latest failed save

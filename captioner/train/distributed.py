@@ -33,6 +33,13 @@ class Dist:
         return self.world > 1
 
 
+def current() -> Dist:
+    """This process's place: in torchrun's process group once it is joined (`setup`), else alone."""
+    if dist.is_available() and dist.is_initialized():
+        return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return Dist()
+
+
 def setup(device: str = "auto") -> tuple[Dist, torch.device]:
     """Join the process group if launched by torchrun, and pick this process's device.
 

@@ -17,8 +17,8 @@ from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
 from captioner.io import read_torch
 from captioner.models.checkpoint import load_checkpoint
-from captioner.train import resilience
-from captioner.train.checkpoints import Live, place, rank_streams_path
+from captioner.train import distributed, resilience
+from captioner.train.checkpoints import Live, rank_streams_path
 from captioner.train.config import Progress
 
 
@@ -89,7 +89,8 @@ def _restore_streams(generator: torch.Generator, rng: dict, out_dir: str, step: 
     """The random streams of a resumed run, each rank's its own: as saved where they fit this rank,
     device and GPU count; where they do not (another number of processes, a run saved on a GPU resumed
     on a CPU, fewer GPUs), reseeded from (seed, rank, step), with a note in the log."""
-    rank, world = place()
+    here = distributed.current()
+    rank, world = here.rank, here.world
     own, missing = _saved_streams(rng, out_dir, rank, world, step)
     seed = _seed(torch.initial_seed(), rank, step)  # the run's seed, read before a saved state replaces it
     if own is None:
