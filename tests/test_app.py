@@ -30,10 +30,10 @@ from PIL import Image
 from captioner import Captioner, CaptionerError
 from captioner.decoding.settings import Decoding
 from captioner.demo.card import examples_note, model_card, model_notice
-from captioner.demo.handlers import Batcher, Demo, PageOutputs, Session
+from captioner.demo.handlers import Batcher, Demo, Session
 from captioner.demo.options import PAGE_TOP_P, DemoOptions
 from captioner.demo.uploads import read_upload, upload_source
-from captioner.demo.views import fit_view
+from captioner.demo.views import PageOutputs, fit_view
 from captioner.models.hub import download_checkpoint, resolve, sha256_file
 from captioner.serve.api import Caption
 
@@ -255,7 +255,7 @@ def test_every_valid_image_is_captioned(demo, api, images, name):
     page = shown(demo, str(images[name]))  # beam 2, at most 8 words
     assert_same_caption(page.caption, page.data, api.caption(str(images[name]), beam_size=2, max_len=8))
     view = page.session.view
-    assert page.caption and len(page.words) == len(page.data["words"]) == len(page.gallery)
+    assert page.caption and len(page.view.words) == len(page.data["words"]) == len(page.view.gallery)
     assert view.image.size[0] <= 512 and view.image.size[1] <= 512 and max(view.thumb.size) <= 160
     assert page.alternatives[0][0] == page.data["caption"]
     assert page.error["visible"] is False and page.download["interactive"] is True
@@ -264,7 +264,7 @@ def test_every_valid_image_is_captioned(demo, api, images, name):
 def test_caption_event_clears_the_page_first(demo, images):
     events = demo.caption_view(str(images["rgb.jpg"]), 2, 8, 0.6, Session())
     first = next(events)  # checked before the generator goes on and fills the session
-    assert first.caption == "" and first.words == [] and first.gallery == [] and first.large is None
+    assert first.caption == "" and first.view.words == [] and first.view.gallery == [] and first.view.large is None
     assert first.data is None and first.download["interactive"] is False and first.session.view is None
     assert list(events)[-1].caption
 
@@ -291,7 +291,7 @@ def test_bad_file_on_the_page_clears_everything_and_says_why_once(demo, images):
     upload = {"path": str(images["text.jpg"]), "orig_name": "notes.jpg", "url": "http://host/x"}
     page = shown(demo, upload, session=session)
     assert page.error["visible"] is True and page.error["value"].count("notes.jpg: not an image") == 1
-    assert page.caption == "" and page.words == [] and page.gallery == [] and page.large is None
+    assert page.caption == "" and page.view.words == [] and page.view.gallery == [] and page.view.large is None
     assert page.data is None and page.familiarity == "" and page.download["interactive"] is False
     assert session.view is None and demo.figure(session, 0.6) is None  # no stale figure either
 
@@ -337,7 +337,7 @@ def test_no_image_says_so(demo):
 
 def test_select_word_and_opacity_redraw_without_the_model(demo, images, monkeypatch):
     page = shown(demo, str(images["rgb.jpg"]))
-    session, gallery = page.session, page.gallery
+    session, gallery = page.session, page.view.gallery
     view, k = page.session.view, len(page.session.view.words) - 1
 
     def no_model(*args, **kwargs):
@@ -418,7 +418,7 @@ def test_another_caption_draws_a_sample_with_its_maps_a_new_seed_each_click(demo
         page = list(demo.caption_view(path, 2, 8, 0.6, session, sample=True))[-1]
         want = api.caption(path, method="sampling", top_p=PAGE_TOP_P, max_len=8, seed=seed)
         assert_same_caption(page.caption, page.data, want)
-        assert len(page.gallery) == len(page.words) == len(want.words) and len(want.samples) == 1
+        assert len(page.view.gallery) == len(page.view.words) == len(want.words) and len(want.samples) == 1
     beam = shown(demo, path, session=session)  # "Caption" is the beam search's again
     assert_same_caption(beam.caption, beam.data, api.caption(path, beam_size=2, max_len=8))
 

@@ -23,8 +23,9 @@ import gradio as gr
 from captioner.data.images import set_max_pixels
 from captioner.decoding.settings import Decoding
 from captioner.demo.card import examples_note, model_card, model_notice
-from captioner.demo.handlers import Demo, PageOutputs
+from captioner.demo.handlers import Demo
 from captioner.demo.options import PAGE_BEAM, PAGE_TOP_P, DemoOptions
+from captioner.demo.views import PageOutputs
 from captioner.errors import CaptionerError
 from captioner.options import add_options, choose_device, from_args
 from captioner.serve import heatmaps as viz
@@ -188,16 +189,17 @@ def _wire(demo: Demo, examples: list[str], p: dict) -> None:
     def caption_event(picture, example, beam_size, length, alpha, state, evt: gr.EventData):
         if isinstance(evt.target, gr.Dataset):  # an example: show it in the input, then caption it
             chosen = examples[int(example)]
-            yield from demo.caption_view(chosen, beam_size, length, alpha, state, show=chosen)
+            pages = demo.caption_view(chosen, beam_size, length, alpha, state, show=chosen)
         else:
-            yield from demo.caption_view(picture, beam_size, length, alpha, state)
+            pages = demo.caption_view(picture, beam_size, length, alpha, state)
+        yield from (page.flat() for page in pages)
 
     def another_event(picture, beam_size, length, alpha, state):
-        yield from demo.caption_view(picture, beam_size, length, alpha, state, sample=True)
+        yield from (page.flat() for page in demo.caption_view(picture, beam_size, length, alpha, state, sample=True))
 
     settings = [p["beam"], p["max_len"], p["opacity"], p["session"]]
     page = dict(api_visibility="private", trigger_mode="always_last", show_progress="minimal", **model_events)
-    outputs = [p[name] for name in PageOutputs._fields]
+    outputs = [p[name] for name in PageOutputs.names()]
     gr.on(
         [p["image"].input, p["run"].click, p["chooser"].click],
         caption_event,

@@ -21,7 +21,6 @@ import shutil
 import tempfile
 import threading
 import weakref
-from typing import NamedTuple
 
 import gradio as gr
 from PIL import Image, ImageOps
@@ -31,7 +30,9 @@ from captioner.demo.options import PAGE_TOP_P
 from captioner.demo.uploads import read_upload
 from captioner.demo.views import (
     THUMB_SIDE,
+    PageOutputs,
     View,
+    WordView,
     caption_data,
     error_html,
     familiarity_html,
@@ -71,23 +72,6 @@ class Session:
             return self.draws
 
 
-class PageOutputs(NamedTuple):
-    """Every output of the page's caption event, in the order app.py lists the components."""
-
-    image: object  # the input image (set when an example is chosen), else gr.skip()
-    error: object  # the one error line next to the image
-    caption: object
-    familiarity: object  # "like / unlike the training images", next to the caption
-    words: object
-    large_label: object
-    large: object
-    gallery: object
-    alternatives: object
-    data: object
-    download: object
-    session: object
-
-
 def _frame(thumb: Image.Image, selected: bool) -> Image.Image:
     return ImageOps.expand(thumb, border=FRAME, fill=MARK if selected else (255, 255, 255))
 
@@ -101,14 +85,7 @@ class Demo:
         figures_dir: where downloadable attention PNGs go (default: a fresh temporary directory).
     """
 
-    def __init__(
-        self,
-        captioner: Captioner,
-        *,
-        max_batch_size: int = 8,
-        figures_dir: str | None = None,
-        method: str = "beam",
-    ):
+    def __init__(self, captioner: Captioner, *, max_batch_size=8, figures_dir: str | None = None, method="beam"):
         self.captioner, self.method = captioner, method
         self.batcher = Batcher(captioner, max_batch_size=max_batch_size)
         self.figures_dir = figures_dir or tempfile.mkdtemp(prefix="captioner-demo-")
@@ -176,12 +153,12 @@ class Demo:
         yield cleared._replace(
             caption=out.text or "(no words)",
             familiarity=familiarity_html(out.familiarity),
-            words=highlighted(view),
-            large_label=large_label(view, self.captioner.attention_warning)
-            if view.words
-            else "The model wrote no words",
-            large=large,
-            gallery=gallery,
+            view=WordView(
+                highlighted(view),
+                large_label(view, self.captioner.attention_warning) if view.words else "The model wrote no words",
+                large,
+                gallery,
+            ),
             alternatives=rows,
             data=caption_data(out),
             download=gr.update(interactive=bool(view.words)),
@@ -199,10 +176,11 @@ class Demo:
         """A word (of the caption or the gallery) was clicked → (words, label, large heatmap, gallery)."""
         view = session.view if session else None
         if view is None or not view.words:
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return WordView(gr.skip(), gr.skip(), gr.skip(), gr.skip())
         view.selected = min(int(evt.index if not isinstance(evt.index, list) else evt.index[0]), len(view.words) - 1)
-        large, gallery = self.heatmaps(view, opacity)
-        return highlighted(view), large_label(view, self.captioner.attention_warning), large, gallery
+        return WordView(
+            highlighted(view), large_label(view, self.captioner.attention_warning), *self.heatmaps(view, opacity)
+        )
 
     def redraw(self, session: Session | None, opacity: float):
         """Opacity changed → (large heatmap, gallery), redrawn from the View, not the model."""
@@ -250,10 +228,7 @@ class Demo:
             error=gr.update(value="", visible=False),
             caption="",
             familiarity="",
-            words=[],
-            large_label="",
-            large=None,
-            gallery=[],
+            view=WordView([], "", None, []),
             alternatives=[],
             data=None,
             download=gr.update(interactive=False),

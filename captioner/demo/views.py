@@ -2,7 +2,8 @@
 
 A `View` is what a captioned image leaves in a session: enough to redraw every heatmap, and the
 heatmaps already drawn. The functions here turn a caption or a View into the page's outputs: the
-caption's JSON, the highlighted words, the familiarity and error lines, the large heatmap's label.
+caption's JSON, the highlighted words, the familiarity and error lines, the large heatmap's label;
+`PageOutputs` is every output of the caption event at once.
 Symbols: n words, g×g attention grid (14×14 for VGG at 224).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -91,3 +93,33 @@ def large_label(view: View, warning: str | None = None) -> str:
         f'Where the model looked for **"{view.words[k]}"** (word {k + 1} of {len(view.words)}); '
         "brighter means more attention" + (f" (⚠ {warning})" if warning else "")
     )
+
+
+class WordView(NamedTuple):
+    """The outputs a clicked word changes: the words (one selected), its label, its large heatmap, the gallery."""
+
+    words: object
+    large_label: object
+    large: object
+    gallery: object
+
+
+class PageOutputs(NamedTuple):
+    """Every output of the page's caption event; `flat()` in the order app.py lists the components (`names`)."""
+
+    image: object  # the input image (set when an example is chosen), else gr.skip()
+    error: object  # the one error line next to the image
+    caption: object
+    familiarity: object  # "like / unlike the training images", next to the caption
+    view: WordView
+    alternatives: object
+    data: object
+    download: object
+    session: object
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [n for f in cls._fields for n in (WordView._fields if f == "view" else [f])]
+
+    def flat(self) -> tuple:
+        return tuple(x for v in self for x in (v if isinstance(v, WordView) else [v]))
