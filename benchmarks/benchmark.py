@@ -56,7 +56,7 @@ from captioner.objectives.terms import TermState  # noqa: E402
 from captioner.train.averaging import WeightAverage  # noqa: E402
 from captioner.train.config import TrainConfig  # noqa: E402
 from captioner.train.distributed import Dist  # noqa: E402
-from captioner.train.parts import cross_entropy_objective, step_compiling  # noqa: E402
+from captioner.train.parts import teacher_forced_objective, step_compiling  # noqa: E402
 from captioner.train.settle import settle  # noqa: E402
 from captioner.train.step import TrainStep, make_optimizer  # noqa: E402
 
@@ -240,7 +240,7 @@ def fit_step(
         compiled = step_compiling(cfg.optim, device)
     views = objective == "default"
     step = TrainStep(
-        cross_entropy_objective(
+        teacher_forced_objective(
             decoder, cfg.terms, cfg.hard, shapes=cfg.optim.shapes, views=views, state=TermState(device)
         ),
         make_optimizer([{"params": list(decoder.parameters())}], cfg.optim.lr, device),

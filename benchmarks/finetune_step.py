@@ -28,7 +28,7 @@ from captioner.objectives.terms import TermState
 from captioner.train import distributed
 from captioner.train.config import TrainConfig
 from captioner.train.finetune import FineTuneConfig, FineTuning
-from captioner.train.parts import cross_entropy_objective
+from captioner.train.parts import teacher_forced_objective
 from captioner.train.settle import settle
 from captioner.train.step import TrainStep, make_optimizer
 
@@ -55,7 +55,7 @@ def time_steps(
         source = FineTuning(data, cfg.fine_tune, distributed.Dist(), cpu, batch_size=batch_size)
         groups.append({"params": list(source.parameters()), "lr": cfg.fine_tune.lr})
         encoder = source.encoder
-    objective = cross_entropy_objective(
+    objective = teacher_forced_objective(
         decoder, cfg.terms, cfg.hard, shapes=source.shapes, views=views, state=TermState(cpu), encoder=encoder,
         view_share=share,
     )  # fmt: skip

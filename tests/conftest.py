@@ -20,7 +20,7 @@ from captioner.train.config import TrainConfig
 from captioner.train.distributed import Dist
 from captioner.train.finetune import FineTuning
 from captioner.train.loop import fit
-from captioner.train.parts import cross_entropy_objective
+from captioner.train.parts import teacher_forced_objective
 from captioner.train.prepare import PrepareConfig, prepare
 from captioner.train.settle import settle
 from captioner.train.step import TrainStep, make_optimizer
@@ -43,7 +43,7 @@ def train_step(
     device = torch.device(device)
     model_cfg = DecoderConfig(**decoder.config.to_dict())
     _, cfg = settle(model_cfg, cfg or TrainConfig(), vocab_size=model_cfg.vocab_size, device=device)
-    objective = cross_entropy_objective(
+    objective = teacher_forced_objective(
         decoder,
         cfg.terms,
         cfg.hard,

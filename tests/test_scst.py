@@ -12,7 +12,6 @@ import torch
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
 
-import captioner.train.resilience as faults
 from captioner.cli.train import main as train_main
 from captioner.data.batches import TrainingImages
 from captioner.data.dataset import CaptionData
@@ -310,7 +309,7 @@ def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkey
     monkeypatch.setattr(checkpoints, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         fit(str(data_dir), str(tmp_path / "run"), cfg=scst_config(), init=str(init), device="cpu", progress_bar=False)
-    monkeypatch.setattr(faults, "save_checkpoint", real)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", real)
     resumed = fit(
         str(data_dir),
         str(tmp_path / "run"),

@@ -1,38 +1,12 @@
 """View consistency: attention that looks at the objects themselves, learnt without boxes.
 
-Trained on captions alone, attention need not look at what a word names: the LSTM's initial
-state already summarises the image, so a map may rest on the grid's border, spread evenly, or
-sit a cell beside the object (a conv5 cell sees its neighbours). This term asks each map to be
-found again in a second view of the image, and to be sharp:
-
-    C_t = −log Σ_i α_ti (V⁻¹α'_t)_i,
-
-where α_t is the map on the image, α'_t the map the same state h_{t−1} gives on the view, and V⁻¹
-brings a map on the view back onto the image's cells (zero on the cells the view does not show):
-−log of the chance that a cell drawn from each map is the same cell of the image. The view
-(`models.views`) is the image turned 180° and moved by one or two whole cells, a move drawn per
-image; `prepare` stores its features.
-
-C_t is smallest, 0, when both maps are the same single cell, so the only maps that make it small
-are sharp ones that follow the content. Each failure pays: a map parked on the grid stays where
-it is when the content turns; an offset from the object flips sides; an even map costs log of
-its spread; mass on cells the move takes out of the view, or on the view's uncovered cells,
-agrees with nothing. The move matters too: under a turn alone, a map on the cell mirrored
-through the grid's centre, or on whichever of two mirrored corners is on the object's side,
-follows the turn as well as the object does, and models trained that way found those maps. The
-move shifts the centre of the turn by a different amount per image, which only a map anchored
-on the content follows. Captions are not trained on the views, so "left" and "right" need no
-rewriting.
-
-The term trains where to look from a given state, not the state: h_{t−1} is detached, so its
-gradient reaches the attention's own weights (and a fine-tuned encoder) but not the LSTM, whose
-state the captions alone shape. With the state in its gradient the term also rewrote what the
-state carries, and captions named their objects right less often.
-
-The term is estimated on a share of each batch's captions (the loader reads the views' features
-of those only: `TermsConfig.consistency_share`), at one random real step each, and scaled to
-the batch's words, so its cost stays small: two attention maps per picked caption, on the image
-and on its view (no second LSTM pass), and the projection of those captions' images and views.
+Each map is asked to be found again in a view of the image (`models.views`: turned 180° and moved by
+one or two whole cells) and to be sharp: C_t = −log Σ_i α_ti (V⁻¹α'_t)_i, where α_t is the map on the
+image, α'_t the map the same state h_{t−1} gives on the view, and V⁻¹ brings a map on the view back
+onto the image's cells. Only sharp maps that follow the content make it small; h_{t−1} is detached,
+so the term trains where to look, not the LSTM's state. It is estimated on a share of each batch's
+captions (`TermsConfig.consistency_share`), at one random real step each, scaled to the batch's words.
+Why each part is there, and what was measured: docs/attention.md#view-consistency.
 
 Symbols: B captions, T steps, L locations, D feature size, A attention size, H LSTM size, N
 picked (caption, step) pairs.

@@ -81,7 +81,7 @@ def fit(
     if cfg.optim.amp == "tf32":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     live, stages, progress, checkpoints = build(data, out_dir, model_cfg, cfg, d=d, device=dev, init=start,
-                                                saved=saved, origin=began, progress_bar=progress_bar)  # fmt: skip
+                                                saved=saved, began=began, progress_bar=progress_bar)  # fmt: skip
     budget = Budget(cfg.schedule, started=checkpoints.log.started)
     stage = stage_at(stages, progress.epoch, cfg.fine_tune)
     step = train_step(stage, live, cfg.optim, d=d, device=dev, steps=progress.step)

@@ -60,7 +60,7 @@ def build(
     device: torch.device,
     init: dict | None,
     saved: dict | None,
-    origin: dict,
+    began: dict,
     progress_bar: bool,
 ) -> tuple[Live, list[Stage], Progress, Checkpoints]:
     """The run's live objects, with a resumed run's state put back; its stages, in the order it trains them;
@@ -68,10 +68,10 @@ def build(
 
     Args:
         init: `--init`'s checkpoint; saved: the resumed last.pt (each may be None).
-        origin: how the run began, as its checkpoints record it (`resume.start_from`).
+        began: how the run began, as its checkpoints record it (`resume.start_from`).
     """
     decoder = _decoder(data, model_cfg, device, init)
-    targets = box_targets(data, origin["boxes"], d) if origin["boxes"] else None
+    targets = box_targets(data, began["boxes"], d) if began["boxes"] else None
     groups = [{"params": list(decoder.parameters())}]
     tuning = None
     if cfg.fine_tune is not None:
@@ -102,7 +102,7 @@ def build(
     log = RunLog(out_dir, main=d.main, started=time.monotonic())
     notes = resilience.FaultLog(log.write, show=d.main)
     progress = restore(live, saved, out_dir, notes) if saved is not None else Progress()
-    made = record(data, model_cfg, cfg, origin, familiarity(data, tuning, saved, cfg.optim.seed, d.main))
+    made = record(data, model_cfg, cfg, began, familiarity(data, tuning, saved, cfg.optim.seed, d.main))
     resumed = progress if saved is not None else None
     checkpoints = Checkpoints(out_dir, main=d.main, live=live, record=made, log=log, notes=notes, resumed=resumed)
     return live, stages, progress, checkpoints
@@ -180,7 +180,7 @@ def familiarity(data: CaptionData, tuning, saved: dict | None, seed: int, main: 
     return stats.to_dict() if stats is not None else None
 
 
-def record(data: CaptionData, model_cfg: DecoderConfig, cfg: TrainConfig, origin: dict, familiarity) -> dict:
+def record(data: CaptionData, model_cfg: DecoderConfig, cfg: TrainConfig, began: dict, familiarity) -> dict:
     """What every checkpoint of the run says of it."""
     return {
         "decoder": model_cfg.to_dict(),
@@ -191,11 +191,11 @@ def record(data: CaptionData, model_cfg: DecoderConfig, cfg: TrainConfig, origin
         "data": {
             "dir": os.path.abspath(data.dir),
             "fingerprint": data.encoder.fingerprint,
-            "init": origin["init"],
-            "boxes": origin["boxes"],
+            "init": began["init"],
+            "boxes": began["boxes"],
         },
         "familiarity": familiarity,
-        "command": origin["command"],
+        "command": began["command"],
     }
 
 
@@ -223,7 +223,7 @@ def stage(
     source = tuning
     if tuning is None:
         source = CaptionBatches(data, cfg.optim.batch_size, view_share=share, targets=targets, fixed=fixed)
-    objective = cross_entropy_objective(
+    objective = teacher_forced_objective(
         decoder,
         cfg.terms,
         cfg.hard,
@@ -237,7 +237,7 @@ def stage(
     return Stage(objective, source, tuned=tuning is not None)
 
 
-def cross_entropy_objective(
+def teacher_forced_objective(
     decoder: AttentionDecoder,
     terms_cfg: TermsConfig,
     hard: HardAttentionConfig,
@@ -249,7 +249,7 @@ def cross_entropy_objective(
     encoder=None,
     view_share: float = 0.0,
 ) -> Objective:
-    """The cross-entropy objective of settled term configs, in its batches' shapes.
+    """The objective of a teacher-forced stage, in its batches' shapes: every term the settled configs turn on.
 
     Args:
         views: the consistency has views (prepared, or the encoder's own).

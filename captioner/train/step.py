@@ -1,24 +1,18 @@
 """One optimisation step, the same on every device; compiled by PyTorch where it earns its compile.
 
-`TrainStep` takes a batch to an applied (or skipped) update: the objective's loss and terms,
-backward, clipping, Adam, the weights' moving average and the terms' own state (hard
-attention's baseline), with nothing read back to the host. A step whose loss, a term or the
-gradient norm is not finite is skipped on the device (fused Adam's `found_inf`: the weights,
-the moments and the step count stay as they were). The terms are summed on the device and
-read back when the loop asks (`read`, at each log line). Under DDP the batch's word count is
-summed over processes on the device, and so is the skip flag, so that all processes agree.
+`TrainStep` takes a batch to an applied (or skipped) update: the objective's loss and terms, backward,
+clipping, Adam, the weights' moving average and the terms' own state, with nothing read back to the
+host. A step whose loss, a term or the gradient norm is not finite is skipped on the device (fused
+Adam's `found_inf`). The terms are summed on the device and read back at each log line (`read`).
+Under DDP the batch's word count and the skip flag are summed over processes on the device.
 
-Compiled (`compiled`: `fit` on a GPU, or `--compile`), with fixed shapes and every term capturable
-(`objectives.passes`): the forward, and the backward AOTAutograd makes of it, run under
-`torch.compile(mode=...)`, one compile per length bucket; on a GPU "reduce-overhead" replays them as
-CUDA graphs. The update (clipping, Adam, the average, the terms' state) is compiled apart in the
-default mode, as PyTorch's tutorial on compiled optimizers does (`optimizer.step` breaks the graph
-on purpose). The compiled forward draws its random numbers from the device's default generator,
-which the compiler carries between replays, not from `generator`. The rates the compiled step reads
-are tensors it keeps: a schedule that sets a rate as a float is copied into them before the next
-step. Under DDP the forward compiles in the default mode and the update, which all-reduces, runs
-eagerly; so does the update of an fp16 run (its gradient scaler). A failure to compile is one
-warning, and that part runs eagerly from then on (`compiled.Compiled`).
+Compiled (`compiled`; docs/training.md#coco-on-one-gpu), with fixed shapes and capturable terms: the
+forward, and the backward AOTAutograd makes of it, under `torch.compile(mode=...)`, one compile per
+length bucket ("reduce-overhead" on a GPU: CUDA graphs); the update compiled apart in the default
+mode, as PyTorch's tutorial on compiled optimizers does. The compiled forward draws from the device's
+default generator, not `generator`. Its learning rates are tensors it keeps (a float a schedule sets
+is copied in). Under DDP the forward compiles in the default mode and the update, which all-reduces,
+runs eagerly; so does an fp16 run's update. A compile that fails: `compiled.Compiled`.
 
 Shapes: B captions (images for SCST), T tokens.
 """
