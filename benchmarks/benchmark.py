@@ -56,7 +56,7 @@ from captioner.objectives.terms import TermState  # noqa: E402
 from captioner.train.averaging import WeightAverage  # noqa: E402
 from captioner.train.config import TrainConfig  # noqa: E402
 from captioner.train.distributed import Dist  # noqa: E402
-from captioner.train.parts import teacher_forced_objective, step_compiling  # noqa: E402
+from captioner.train.parts import step_compiling, teacher_forced_objective  # noqa: E402
 from captioner.train.settle import settle  # noqa: E402
 from captioner.train.step import TrainStep, make_optimizer  # noqa: E402
 
