@@ -137,10 +137,18 @@ def bucket_batches(
     # Shuffle, then stable-sort by length: equal lengths end up in random order.
     order = rs.permutation(len(lengths))
     order = order[np.argsort(lengths[order], kind="stable")]
-    size = batch_size * world
-    chunks = [order[i : i + size] for i in range(0, len(order), size)]
-    chunks = [chunks[i] for i in rs.permutation(len(chunks))]
-    # Every process must take the same number of steps: drop a last chunk too small to share.
+    chunks = global_batches(order, batch_size, world)
+    return rank_share([chunks[i] for i in rs.permutation(len(chunks))], rank, world)
+
+
+def global_batches(order: np.ndarray, batch_size: int, world: int) -> list[np.ndarray]:
+    """`order` cut into the global batches of `batch_size` per process that all `world` processes share."""
+    return [order[i : i + batch_size * world] for i in range(0, len(order), batch_size * world)]
+
+
+def rank_share(chunks: list[np.ndarray], rank: int, world: int) -> list[np.ndarray]:
+    """Process `rank`'s share of each global batch. Every process must take the same number of
+    steps: a last batch too small to share is dropped."""
     return [c[rank::world] for c in chunks if len(c) >= world]
 
 
@@ -260,17 +268,12 @@ class CaptionBatches:
                 moves = np.concatenate([moves, np.zeros((extra, *moves.shape[1:]), dtype=moves.dtype)])
             batch.views = Views(view, torch.from_numpy(rows), torch.from_numpy(moves))
         padded = np.concatenate([idx, np.full(B - n, -1)])  # (B,) caption or -1
-        return self._with_targets(batch, padded, real=padded >= 0)
+        return self._with_targets(batch, padded)
 
-    def _with_targets(self, batch: Batch, idx: np.ndarray, real: np.ndarray | None = None) -> Batch:
-        """The batch with the box masks of its captions `idx` (`fit --boxes`), empty on padding rows."""
-        if self.targets is None:
-            return batch
-        T1 = batch.captions.size(1) - 1
-        rows, masks = self.targets.rows[idx], self.targets.masks_for_captions(idx, T1)
-        if real is not None:
-            rows, masks = rows * real, masks * real[:, None, None]
-        batch.boxes = Boxes(torch.from_numpy(masks), torch.from_numpy(rows.astype(np.int64)))
+    def _with_targets(self, batch: Batch, idx: np.ndarray) -> Batch:
+        """The batch with the box masks of its captions `idx` (-1: padding) (`fit --boxes`)."""
+        if self.targets is not None:
+            batch.boxes = Boxes(*map(torch.from_numpy, self.targets.for_captions(idx, batch.captions.size(1) - 1)))
         return batch
 
 
@@ -282,19 +285,16 @@ class TrainingImages:
         self.data, self.batch_size = data, batch_size
         self.rows = np.unique(data.rows)  # images with at least one training caption
 
-    def _chunks(self, seed: int, epoch: int, world: int) -> list[np.ndarray]:
+    def _shares(self, seed: int, epoch: int, rank: int, world: int) -> list[np.ndarray]:
         order = self.rows[np.random.RandomState([seed, epoch, 1]).permutation(len(self.rows))]
-        size = self.batch_size * world
-        # Every process must take the same number of steps: drop a last chunk too small to share.
-        return [c for c in (order[i : i + size] for i in range(0, len(order), size)) if len(c) >= world]
+        return rank_share(global_batches(order, self.batch_size, world), rank, world)
 
     def num_batches(self, world: int = 1) -> int:
-        return len(self._chunks(0, 0, world))
+        return len(self._shares(0, 0, 0, world))
 
     def batches(
         self, *, seed: int, epoch: int, start: int = 0, rank: int = 0, world: int = 1, pin: bool = False
     ) -> Iterator[ImageBatch]:
-        for chunk in self._chunks(seed, epoch, world)[start:]:
-            rows = chunk[rank::world]
+        for rows in self._shares(seed, epoch, rank, world)[start:]:
             batch = ImageBatch(self.data.features(rows), torch.from_numpy(rows.astype(np.int64)))
             yield batch.pin_memory() if pin else batch

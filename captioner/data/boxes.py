@@ -243,15 +243,16 @@ class BoxTargets:
                 masks[b, t] = self.masks[m]
         return masks
 
-    def masks_for_captions(self, idx: np.ndarray, steps: int) -> np.ndarray:
-        """The cells (len(idx), steps, L) bool that each step of captions `idx` (a batch, in
-        order) should look at; empty at steps whose word names no boxed object."""
+    def for_captions(self, idx: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """The cells (len(idx), steps, L) bool that each step of captions `idx` (a batch, in order;
+        -1 a padding row) should look at, empty at steps whose word names no boxed object; and each
+        caption's feature row (len(idx),) int64, 0 on padding rows."""
         masks = np.zeros((len(idx), steps, self.masks.shape[1]), dtype=bool)
         starts = np.searchsorted(self.caption, idx, side="left")  # the entries are in caption order
         ends = np.searchsorted(self.caption, idx, side="right")
         for b, (a, e) in enumerate(zip(starts, ends)):
             masks[b, self.steps[a:e]] = self.masks[self.which[a:e]]
-        return masks
+        return masks, np.where(idx >= 0, self.rows[idx], 0).astype(np.int64)
 
 
 def _words_naming(boxes: GroundingBoxes, vocabulary: list[str]) -> dict[tuple[str, object], tuple[int, ...]]:

@@ -35,7 +35,7 @@ from typing import Annotated, Literal
 import numpy as np
 import torch
 
-from captioner.data.batches import Batch, Boxes
+from captioner.data.batches import Batch, Boxes, global_batches, rank_share
 from captioner.data.dataset import CaptionData
 from captioner.data.encoder_inputs import INPUT_CACHE, encoded_features, image_groups, input_cache_info
 from captioner.data.extraction import extract_features
@@ -99,10 +99,7 @@ def image_batches(
     by_image = np.split(np.argsort(inverse, kind="stable"), np.cumsum(np.bincount(inverse))[:-1])
     k = max(1, round(batch_size * len(images) / len(rows)))
     order = np.random.RandomState([seed, epoch]).permutation(len(images))
-    size = k * world
-    chunks = [order[i : i + size] for i in range(0, len(order), size)]
-    # Every process must take the same number of steps: drop a last chunk too small to share.
-    return [np.concatenate([by_image[j] for j in c[rank::world]]) for c in chunks if len(c) >= world]
+    return [np.concatenate([by_image[j] for j in c]) for c in rank_share(global_batches(order, k, world), rank, world)]
 
 
 # classes
@@ -171,8 +168,7 @@ class FineTuning:
                 image_index=torch.from_numpy(np.searchsorted(r, self.data.rows[idx])),  # (B,) caption → image
             )
             if self.targets is not None:
-                masks = torch.from_numpy(self.targets.masks_for_captions(idx, T - 1))
-                batch.boxes = Boxes(masks, torch.from_numpy(self.targets.rows[idx].astype(np.int64)))
+                batch.boxes = Boxes(*map(torch.from_numpy, self.targets.for_captions(idx, T - 1)))
             yield batch.pin_memory() if pin else batch
 
     def features(self, rows: np.ndarray) -> torch.Tensor:
