@@ -93,6 +93,12 @@ def _fields(cls) -> list[tuple[dataclasses.Field, Any, list[str], str]]:
     return [(f, *_parts(hints[f.name])) for f in dataclasses.fields(cls) if f.init]
 
 
+def field_info(cls, name: str) -> tuple[Any, str, Any]:
+    """(bare type, help, default) of the settings field `name`: what a form that sets it shows."""
+    f, bare, _, text = next(x for x in _fields(cls) if x[0].name == name)
+    return _optional(bare)[0], text, _default(f)
+
+
 def add_options(
     parser: argparse.ArgumentParser,
     cls,

@@ -247,7 +247,7 @@ def shown(
     demo: Demo, image, beam: int = 2, max_len: int = 8, opacity: float = 0.6, session: Session | None = None
 ) -> PageOutputs:
     """The page after a caption event: its last PageOutputs."""
-    return list(demo.caption_view(image, beam, max_len, opacity, session or Session()))[-1]
+    return list(demo.caption_view(image, {"beam_size": beam}, max_len, opacity, session or Session()))[-1]
 
 
 @pytest.mark.parametrize("name", VALID)
@@ -262,7 +262,7 @@ def test_every_valid_image_is_captioned(demo, api, images, name):
 
 
 def test_caption_event_clears_the_page_first(demo, images):
-    events = demo.caption_view(str(images["rgb.jpg"]), 2, 8, 0.6, Session())
+    events = demo.caption_view(str(images["rgb.jpg"]), {"beam_size": 2}, 8, 0.6, Session())
     first = next(events)  # checked before the generator goes on and fills the session
     assert first.caption == "" and first.view.words == [] and first.view.gallery == [] and first.view.large is None
     assert first.data is None and first.download["interactive"] is False and first.session.view is None
@@ -298,7 +298,7 @@ def test_bad_file_on_the_page_clears_everything_and_says_why_once(demo, images):
 
 def test_a_newer_request_wins_over_an_older_one_still_running(demo, images):
     session = Session()
-    older = demo.caption_view(str(images["rgb.jpg"]), 2, 8, 0.6, session)
+    older = demo.caption_view(str(images["rgb.jpg"]), {"beam_size": 2}, 8, 0.6, session)
     next(older)  # started: the page is cleared for it
     newer = shown(demo, str(images["gray.png"]), session=session)
     assert list(older) == []  # its results are dropped, not shown
@@ -331,7 +331,7 @@ def test_an_image_the_server_put_on_the_page_is_read_from_its_cache(tmp_path, mo
 def test_no_image_says_so(demo):
     with pytest.raises(gr.Error, match="No image"):
         demo.caption(None, 2)
-    pages = list(demo.caption_view(None, 2, 8, 0.6, Session()))
+    pages = list(demo.caption_view(None, {"beam_size": 2}, 8, 0.6, Session()))
     assert len(pages) == 1 and pages[0].session.view is None and pages[0].caption == ""  # cleared input
 
 
@@ -415,7 +415,7 @@ def test_another_caption_draws_a_sample_with_its_maps_a_new_seed_each_click(demo
     """The page's "Another caption": the Python API's sample at the page's top-p and the click's seed."""
     session, path = Session(), str(images["rgb.jpg"])
     for seed in (1, 2, 3):
-        page = list(demo.caption_view(path, 2, 8, 0.6, session, sample=True))[-1]
+        page = list(demo.caption_view(path, {"beam_size": 2}, 8, 0.6, session, sample=True))[-1]
         want = api.caption(path, method="sampling", top_p=PAGE_TOP_P, max_len=8, seed=seed)
         assert_same_caption(page.caption, page.data, want)
         assert len(page.view.gallery) == len(page.view.words) == len(want.words) and len(want.samples) == 1
@@ -593,3 +593,16 @@ def test_load_50_requests_from_10_clients_memory_flat(server, images):
     # The second wave must not grow the server by more than a small margin over the first.
     assert memory[1] - memory[0] < 150, memory
     assert Client(server, verbose=False).predict(handle_file(str(images["rgb.jpg"])), 1, api_name="/caption")[0]
+
+
+def test_a_page_of_another_method_captions_with_the_settings_its_controls_send(checkpoint, api, images):
+    """A sampling page sends its sliders' values (floats, as Gradio's sliders do) and gets the API's sample;
+    a setting it does not read is ignored, and one that is not a number is named."""
+    demo, path = Demo(Captioner.load(str(checkpoint)), method="sampling"), str(images["rgb.jpg"])
+    chosen = {"beam_size": 7.0, "temperature": 0.7, "top_k": 5.0, "top_p": 0.8, "n": 2.0}
+    page = list(demo.caption_view(path, chosen, 8, 0.6, Session()))[-1]
+    want = api.caption(path, method="sampling", temperature=0.7, top_k=5, top_p=0.8, n=2, max_len=8)
+    assert_same_caption(page.caption, page.data, want)
+    page = list(demo.caption_view(path, {**chosen, "top_k": "many"}, 8, 0.6, Session()))[-1]
+    assert page.error["visible"] is True and "top k must be a number, got &#x27;many&#x27;" in page.error["value"]
+    demo.batcher.close()

@@ -88,3 +88,22 @@ def test_a_new_decoding_method_is_its_routine_and_one_line(monkeypatch, capsys):
     main(["caption", image, "--decoding", "penalised", "--device", "cpu", "--no-progress"])
     assert capsys.readouterr().out.strip().split("\t")[1] == api.text
     assert Demo(cap, method="penalised").caption(image, 3)[0] == api.text
+
+
+def test_the_page_draws_a_control_for_each_setting_its_method_reads(monkeypatch):
+    """The page's decoding controls come from the method's `reads`: sampling's four, beam's two, and for a
+    method that reads none only the beam slider /caption needs, hidden."""
+    import gradio as gr
+
+    from captioner.demo.app import _controls
+
+    monkeypatch.setitem(settings.METHODS, "penalised", settings.Method(penalised_greedy, ()))
+    with gr.Blocks():
+        shown = {
+            m: {k: c for k, c in _controls(settings.Decoding(method=m)).items() if c.visible} for m in settings.METHODS
+        }
+        penalised = _controls(settings.Decoding(method="penalised"))
+    assert set(shown["sampling"]) == {"temperature", "top_k", "top_p", "n"}
+    assert isinstance(shown["beam"]["beam_size"], gr.Slider) and isinstance(shown["beam"]["length_norm"], gr.Checkbox)
+    assert shown["sampling"]["top_p"].info.startswith("sampling: draw only among the fewest likeliest words")
+    assert shown["penalised"] == {} and list(penalised) == ["beam_size"]

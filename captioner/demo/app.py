@@ -27,7 +27,7 @@ from captioner.demo.handlers import Demo
 from captioner.demo.options import PAGE_BEAM, PAGE_TOP_P, DemoOptions
 from captioner.demo.views import PageOutputs
 from captioner.errors import CaptionerError
-from captioner.options import add_options, choose_device, from_args
+from captioner.options import add_options, choose_device, field_info, from_args
 from captioner.serve import heatmaps as viz
 from captioner.serve.api import Captioner
 from captioner.serve.sources import example_images, model_source
@@ -46,6 +46,14 @@ CSS = """
 #model-card table td { white-space: nowrap; word-break: normal; }
 #model-card table th { white-space: normal; word-break: normal; }  /* headers wrap between words only */
 """
+# The page's (lowest, highest, step) of the decoding settings a method may read; others get a number box.
+RANGES = {
+    "beam_size": (1, 10, 1),
+    "n": (1, 10, 1),
+    "temperature": (0, 2, 0.05),
+    "top_k": (0, 100, 1),
+    "top_p": (0.05, 1, 0.05),
+}
 COLORS = {"word": "#93c5fd", "shown": "#f97316"}  # shown at half opacity by Gradio
 # Download the figure once the server has drawn it: one click, and nothing drawn until asked.
 DOWNLOAD_JS = """(file) => {
@@ -103,8 +111,7 @@ def _inputs(cap, examples: list[str], decoding: Decoding) -> dict:
     )
     if examples:
         gr.Markdown(examples_note(cap, examples), elem_id="examples-note")
-    beams = "beam_size" in decoding.how.reads
-    beam = gr.Slider(1, 10, value=PAGE_BEAM, step=1, label="Beam size", info="1 is greedy decoding", visible=beams)
+    controls = _controls(decoding)
     max_len = gr.Slider(1, max(50, cap.max_len), value=cap.max_len, step=1, label="Maximum length (words)")
     opacity = gr.Slider(
         0,
@@ -128,12 +135,33 @@ def _inputs(cap, examples: list[str], decoding: Decoding) -> dict:
         "image": image,
         "error": error,
         "chooser": chooser,
-        "beam": beam,
+        "controls": controls,
         "max_len": max_len,
         "opacity": opacity,
         "run": run,
         "another": another,
     }
+
+
+def _controls(decoding: Decoding) -> dict[str, gr.components.Component]:
+    """A control for each setting the page's method reads, drawn from its `Decoding` field (its help, its
+    type, a range from `RANGES`); and a beam slider always, hidden unless the method reads it: /caption takes
+    a beam size."""
+    reads = decoding.how.reads
+    controls = {}
+    for name in ("beam_size", *(n for n in reads if n != "beam_size")):
+        kind, text, default = field_info(Decoding, name)
+        label = "Captions per image" if name == "n" else name.replace("_", " ").capitalize()
+        shown = dict(label=label, info=text, visible=name in reads)
+        value = PAGE_BEAM if name == "beam_size" else default
+        if kind is bool:
+            controls[name] = gr.Checkbox(value, **shown)
+        elif name in RANGES:
+            low, high, step = RANGES[name]
+            controls[name] = gr.Slider(low, high, value=value, step=step, **shown)
+        else:
+            controls[name] = gr.Number(value, **shown)
+    return controls
 
 
 def _outputs() -> dict:
@@ -184,20 +212,25 @@ def _wire(demo: Demo, examples: list[str], p: dict) -> None:
     model_events = dict(concurrency_id="model", concurrency_limit=demo.batcher.max_batch_size, preprocess=False)
     draw_events = dict(concurrency_id="draw", concurrency_limit=2, api_visibility="private")
 
+    names = list(p["controls"])  # the page's decoding settings, in the order the events receive them
+
     # One event for every way of choosing an image, so the page sends one request per image;
     # "always_last" runs a request made while one is pending after it, with the newest input.
-    def caption_event(picture, example, beam_size, length, alpha, state, evt: gr.EventData):
+
+    def caption_event(evt: gr.EventData, picture, example, length, alpha, state, *values):
+        chosen = dict(zip(names, values))
         if isinstance(evt.target, gr.Dataset):  # an example: show it in the input, then caption it
-            chosen = examples[int(example)]
-            pages = demo.caption_view(chosen, beam_size, length, alpha, state, show=chosen)
+            shown = examples[int(example)]
+            pages = demo.caption_view(shown, chosen, length, alpha, state, show=shown)
         else:
-            pages = demo.caption_view(picture, beam_size, length, alpha, state)
+            pages = demo.caption_view(picture, chosen, length, alpha, state)
         yield from (page.flat() for page in pages)
 
-    def another_event(picture, beam_size, length, alpha, state):
-        yield from (page.flat() for page in demo.caption_view(picture, beam_size, length, alpha, state, sample=True))
+    def another_event(picture, length, alpha, state, *values):
+        pages = demo.caption_view(picture, dict(zip(names, values)), length, alpha, state, sample=True)
+        yield from (page.flat() for page in pages)
 
-    settings = [p["beam"], p["max_len"], p["opacity"], p["session"]]
+    settings = [p["max_len"], p["opacity"], p["session"], *p["controls"].values()]
     page = dict(api_visibility="private", trigger_mode="always_last", show_progress="minimal", **model_events)
     outputs = [p[name] for name in PageOutputs.names()]
     gr.on(
@@ -216,7 +249,8 @@ def _wire(demo: Demo, examples: list[str], p: dict) -> None:
         None, [p["figure"]], None, js=DOWNLOAD_JS
     )
     # The API: exactly (image, beam size) → caption text, then data. No trigger on the page.
-    gr.on([], demo.caption, [p["image"], p["beam"]], [p["caption"], p["data"]], api_name="caption", **model_events)
+    beam = p["controls"]["beam_size"]
+    gr.on([], demo.caption, [p["image"], beam], [p["caption"], p["data"]], api_name="caption", **model_events)
 
 
 def main(args: argparse.Namespace | DemoOptions) -> None:

@@ -40,7 +40,8 @@ from captioner.demo.views import (
     highlighted,
     large_label,
 )
-from captioner.errors import CaptionerError
+from captioner.errors import CaptionerError, OptionError
+from captioner.options import field_info
 from captioner.serve import heatmaps as viz
 from captioner.serve.api import Caption, Captioner
 from captioner.serve.batcher import Batcher
@@ -107,13 +108,13 @@ class Demo:
             The caption, and a dict with words, score, attention (n, 14, 14), alternatives and
             familiarity (is the image like the training images; None if the model cannot tell).
         """
-        out = self._caption(read_upload(image), beam_size)
+        out = self._caption(read_upload(image), {"beam_size": beam_size})
         return out.text, caption_data(out)
 
     def caption_view(
         self,
         image: dict | str | None,
-        beam_size: float,
+        chosen: dict,
         max_len: float,
         opacity: float,
         session: Session | None,
@@ -125,6 +126,7 @@ class Demo:
 
         Args:
             image: the upload (gr.Image's payload, or a path); None clears the page.
+            chosen: the page's decoding settings by `Decoding` field (those its method reads are used).
             show: a path to put in the image input first (an example was chosen).
             sample: draw a caption ("Another caption"), a new one each time, instead of the beam search.
         """
@@ -139,7 +141,7 @@ class Demo:
         cleared = cleared._replace(image=gr.skip())  # an example's picture is sent once
         try:
             picture = read_upload(image)
-            out = self._caption(picture, beam_size, max_len, seed)
+            out = self._caption(picture, chosen, max_len, seed)
         except gr.Error as e:  # shown beside the image: no toast, no error badge on every output
             if ticket == session.newest:
                 yield cleared._replace(error=gr.update(value=error_html(str(e.message)), visible=True))
@@ -236,24 +238,16 @@ class Demo:
         )
 
     def _caption(
-        self, picture: Image.Image, beam_size: float, max_len: float | None = None, seed: int | None = None
+        self, picture: Image.Image, chosen: dict, max_len: float | None = None, seed: int | None = None
     ) -> Caption:
-        """The caption of the page's method (the beam search's, or another `decoding.settings.METHODS` names),
-        or with a `seed` a sampled one. The beam size goes to a method that reads it."""
-        # The caption events skip Gradio's preprocessing, so the numbers arrive unchecked.
+        """The caption of the page's method (the beam search's, or another `decoding.settings.METHODS` names)
+        with the settings `chosen` that it reads, or with a `seed` a sampled one."""
         try:
-            beam, length = int(beam_size), int(max_len) if max_len else None
-        except (TypeError, ValueError):
-            raise gr.Error(
-                f"beam size and maximum length must be numbers, got {beam_size!r} and {max_len!r}",
-                print_exception=False,
-            ) from None
-        try:
+            reads = Decoding(method=self.method).how.reads
+            given = {name: _number(name, value) for name, value in chosen.items() if name in reads}
+            length = _number("max_len", max_len) if max_len else None
             if seed is None:
-                reads = Decoding(method=self.method).how.reads
-                decoding = Decoding(
-                    method=self.method, max_len=length, **{"beam_size": beam} if "beam_size" in reads else {}
-                )
+                decoding = Decoding(method=self.method, max_len=length, **given)
             else:
                 decoding = Decoding(method="sampling", top_p=PAGE_TOP_P, max_len=length, seed=seed)
             return self.batcher.caption(picture, decoding)
@@ -279,3 +273,15 @@ class Demo:
             )[0]
         gallery = [(_frame(t, i == k), f"{i + 1}. {w}") for i, (t, w) in enumerate(zip(drawn["thumbs",], view.words))]
         return drawn["large", k], gallery
+
+
+def _number(name: str, value):
+    """A decoding setting as its `Decoding` field's type: the caption events skip Gradio's preprocessing,
+    so the page's and the API's numbers arrive unchecked (a slider's whole numbers as floats)."""
+    kind = field_info(Decoding, name)[0]
+    if kind is bool:
+        return bool(value)
+    try:
+        return kind(float(value)) if kind is int else kind(value)
+    except (TypeError, ValueError):
+        raise OptionError(f"{name.replace('_', ' ')} must be a number, got {value!r}") from None
