@@ -24,6 +24,7 @@ from pathlib import Path
 import gradio as gr
 import numpy as np
 import pytest
+from conftest import REPO, run_cli
 from gradio_client import Client, handle_file
 from PIL import Image
 
@@ -36,8 +37,6 @@ from captioner.demo.uploads import read_upload, upload_source
 from captioner.demo.views import PageOutputs, fit_view
 from captioner.models.hub import download_checkpoint, resolve, sha256_file
 from captioner.serve.api import Caption
-
-REPO = Path(__file__).resolve().parents[1]
 
 # file name → the words its message must contain
 BAD = {"empty.png": "empty", "truncated.png": "truncated", "text.jpg": "not an image", "bomb.png": "decompression bomb"}
@@ -558,6 +557,20 @@ def test_app_refuses_a_checkpoint_url_with_the_wrong_digest(checkpoint, tmp_path
     with pytest.raises(SystemExit) as exit_:
         app.main(args)
     assert "refused" in str(exit_.value.code) and "sha256" in str(exit_.value.code)
+
+
+@pytest.mark.parametrize(
+    "given, said",
+    [
+        (["--decoding", "bogus"], "--decoding must be one of beam, sampling, got 'bogus'"),
+        (["--device", "bogus"], "--device: expected auto, cpu, cuda or cuda:N, got 'bogus'"),
+    ],
+)
+def test_app_py_names_a_bad_option_in_one_line(given, said):
+    """`python app.py` (the README's demo command) as `captioner demo` does: the option named, no traceback,
+    before any model is loaded."""
+    p = run_cli("app.py", *given, "--port", "1")
+    assert p.returncode != 0 and p.stderr.strip() == f"error: {said}", p.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -255,10 +255,11 @@ def _wire(demo: Demo, examples: list[str], p: dict) -> None:
 
 def main(args: argparse.Namespace | DemoOptions) -> None:
     """Serve the page until Ctrl-C or SIGTERM."""
-    if isinstance(args, argparse.Namespace):
-        args = from_args(DemoOptions, args)
-    set_max_pixels(args.max_pixels)
-    try:
+    try:  # a bad option or model is one line naming it, before anything loads or serves
+        if isinstance(args, argparse.Namespace):
+            args = from_args(DemoOptions, args)
+        Decoding(method=args.decoding)
+        set_max_pixels(args.max_pixels)
         cap = Captioner.load(model_source(args.checkpoint), device=str(choose_device(args.device)), graphs=args.graphs)
     except CaptionerError as e:
         sys.exit(f"error: {e}")
