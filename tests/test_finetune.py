@@ -110,7 +110,7 @@ def test_round_trip_gives_the_features_training_saw(tuned_run, tuned_data, scene
     # What training computed: the trained layers on the cached pool4 row.
     ck = load_checkpoint(str(tuned_run / "last.pt"))
     trunk, _ = build_encoder(data.encoder)
-    tuned = TunedEncoder(trunk.features, 24, from_cache=True)
+    tuned = TunedEncoder(trunk.features, 24, from_cache=True, arch="vgg16")
     tuned.load_encoder_state(ck["encoder_state"], "test")
     pool4 = FeatureCache(
         str(tuned_data), len(data.meta["image_ids"]), data.meta["locations"], data.meta["feature_dim"], name="pool4"
@@ -269,7 +269,7 @@ def test_conv4_1_from_images(scenes, tmp_path):
     cap = Captioner.load(str(run / "last.pt"))
     ours, _ = cap.encode([data.path_of(int(r)) for r in rows])
     trunk, _ = build_encoder(data.encoder)
-    tuned = TunedEncoder(trunk.features, 17, from_cache=False)
+    tuned = TunedEncoder(trunk.features, 17, from_cache=False, arch="vgg16")
     tuned.load_encoder_state(ck["encoder_state"], "test")
     seen = encoded_features(tuned, data, rows, cache=None, device=torch.device("cpu"), workers=0)
     # The same images through the same layers. On a CPU with native bf16 the Captioner's fast

@@ -25,7 +25,7 @@ import weakref
 import gradio as gr
 from PIL import Image, ImageOps
 
-from captioner.decoding.settings import Decoding
+from captioner.decoding.settings import METHODS, Decoding
 from captioner.demo.options import PAGE_TOP_P
 from captioner.demo.uploads import read_upload
 from captioner.demo.views import (
@@ -243,7 +243,7 @@ class Demo:
         """The caption of the page's method (the beam search's, or another `decoding.settings.METHODS` names)
         with the settings `chosen` that it reads, or with a `seed` a sampled one."""
         try:
-            reads = Decoding(method=self.method).how.reads
+            reads = METHODS[self.method].reads
             given = {name: _number(name, value) for name, value in chosen.items() if name in reads}
             length = _number("max_len", max_len) if max_len else None
             if seed is None:

@@ -46,7 +46,7 @@ class TunedEncoder(nn.Module):
         arch: the backbone's row, whose stride makes the grid of images.
     """
 
-    def __init__(self, trunk: nn.Sequential, start: int, *, from_cache: bool, arch: str = "vgg16"):
+    def __init__(self, trunk: nn.Sequential, start: int, *, from_cache: bool, arch: str):
         super().__init__()
         self.start = start
         # Slices of a Sequential keep its names, so state_dict() gives "24.weight" as in the trunk.

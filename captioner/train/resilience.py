@@ -3,7 +3,7 @@
 - `GracefulStop`: SIGTERM (a scheduler's preemption notice) and SIGINT (Ctrl-C) set a flag
   instead of killing the process; `fit` and `prepare` look at it at safe points, save, and end.
 - a checkpoint save that fails (no space left, quota, read-only) is reported in one line naming
-  the last good checkpoint and its step (`train.checkpoints.Checkpoints`), instead of a traceback;
+  the last good checkpoint and its step (`train.checkpoints.Checkpoints`), instead of a traceback.
 - `FaultLog`: the one-line warnings about what training goes on through (a failed save, a
   skipped step, captions of damaged feature rows left out), on stderr and in metrics.jsonl.
 
