@@ -10,7 +10,6 @@ no work on padding). Fixed batches (`FixedShapes`) always hold `size` captions, 
 filling the last batch and standing in for captions whose features are damaged, and are padded
 to the shortest of a few lengths that holds their longest caption, so that every step of a
 length bucket has the same shapes (GPUs: one compile per bucket).
-
 Symbols: B captions, k of them with views, T tokens, L locations, D feature size.
 """
 
@@ -90,12 +89,7 @@ class Batch:
 
     def _map(self, fn) -> Batch:
         """The batch with fn applied to each of its tensors (those of its views and boxes too)."""
-
-        def mapped(v):
-            if isinstance(v, (Views, Boxes)):
-                return type(v)(*map(fn, v))
-            return fn(v) if torch.is_tensor(v) else v
-
+        mapped = lambda v: fn(v) if torch.is_tensor(v) else type(v)(*map(fn, v)) if isinstance(v, (Views, Boxes)) else v
         return Batch(**{f.name: mapped(getattr(self, f.name)) for f in fields(self)})
 
 

@@ -99,8 +99,7 @@ def fit(
                                                         d=d, device=dev, stop=stop, boxed=boxed)  # fmt: skip
             if final:
                 break
-    return _finish(live, data, cfg, progress, metrics, checkpoints, d=d, device=dev, stop=stop if stopped else None,
-                   boxed=boxed)  # fmt: skip
+    return _finish(live, data, cfg, progress, metrics, checkpoints, d=d, device=dev, stop=stop if stopped else None)
 
 
 def validate_and_save(
@@ -254,7 +253,6 @@ def _finish(
     d: distributed.Dist,
     device,
     stop: resilience.GracefulStop | None,
-    boxed: bool,
 ) -> Progress:
     """Save what is left, say which best.pt was chosen and why, and end (an error if a final save failed)."""
     ft, log = cfg.fine_tune, checkpoints.log
@@ -289,7 +287,7 @@ def _finish(
         }
     )
     if d.main and stop is None and progress.best_step:
-        logger.info(chosen(progress, cfg.schedule.metric, boxes=boxed))
+        logger.info(chosen(progress, cfg.schedule.metric, boxes=checkpoints.record["data"]["boxes"] is not None))
     if d.main and stop is None and ft is not None and (progress.epoch, progress.batch_in_epoch) <= (ft.after, 0):
         logger.warning(  # not one step trained the encoder
             f"the encoder did not train: the run ended within the {ft.after} epochs the decoder trains alone "
