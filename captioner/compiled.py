@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch._dynamo.utils import counters
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +81,8 @@ class Compiled:
     def __call__(self, *args):
         if self.failed is not None:
             return self.fn(*args)
+        from torch._dynamo.utils import counters  # the compiler's, imported where it runs (over a second)
+
         graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
         began = time.monotonic()
         try:

@@ -10,8 +10,10 @@ activations kept channels-last, so nothing is re-laid-out between layers. Eager 
 re-lays-out the weights of every layer on every call. torch.compile with freezing makes the
 same oneDNN calls as this module, which needs no compiling.
 
-bf16: only on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX), where oneDNN runs it
-much faster than fp32; elsewhere it is emulated and slower, so fp32 is kept.
+fp32 by default, on every CPU: its features agree across the kernels PyTorch and oneDNN pick (AVX2,
+AVX-512, none) to rounding, so a model writes the same captions and maps everywhere. bf16 (`bf16=True`)
+runs about twice as fast on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX), but its features are
+about 3% off fp32's, which moves scores and maps visibly (docs/benchmarks.md).
 
 Other backbones (ResNet) run as PyTorch runs them on a CPU.
 
@@ -211,7 +213,7 @@ def optimize_encoder(
     device: str | torch.device = "cpu",
     *,
     image_size: int = 224,
-    bf16: bool | None = None,
+    bf16: bool = False,
     winograd: bool = True,
 ) -> nn.Module:
     """The encoder, on `device`, made fast for inference; call it after all weights are loaded.
@@ -221,7 +223,7 @@ def optimize_encoder(
             trunk becomes a `FusedVGG`, another backbone's runs as it is.
         device: where it will run.
         image_size: the input side it will mostly see.
-        bf16: compute in bf16 on CPU; default: only where the CPU has native bf16.
+        bf16: compute in bf16 on a CPU that has native bf16 (elsewhere fp32); not the default (module doc).
         winograd: on CPU in fp32, the wide 3×3 convolutions by Winograd F(4×4, 3×3).
 
     Returns:
@@ -237,7 +239,7 @@ def optimize_encoder(
         return _ChannelsLast(encoder).eval()
     if device.type != "cpu" or not onednn_available() or not all(isinstance(m, FUSABLE) for m in features):
         return encoder  # a ResNet's BatchNorm and residual blocks run as PyTorch runs them
-    dtypes = [torch.bfloat16, torch.float32] if (native_bf16() if bf16 is None else bf16) else [torch.float32]
+    dtypes = [torch.bfloat16, torch.float32] if bf16 and native_bf16() else [torch.float32]
     for dtype in dtypes:
         try:
             return FusedVGG(features, image_size, dtype, winograd=winograd).eval()
