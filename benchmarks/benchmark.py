@@ -334,7 +334,8 @@ def variant_step(device: torch.device, batch_size: int, variant: str):
     precision, _, how = ("fp32+compile" if variant == "compile" else variant).partition("+")
     amp = {"fp32": "none", "tf32": "tf32", "bf16": "bf16"}[precision]
     compiled = {"": "auto", "eager": None, "compile": "default", "reduce-overhead": GRAPHS}[how]
-    fn = fit_step(device, batch_size, amp=amp, shapes="fixed" if compiled else "auto", compiled=compiled)[0]
+    shapes = "auto" if compiled in ("auto", None) else "fixed"  # auto: the shapes `fit` takes on the device
+    fn = fit_step(device, batch_size, amp=amp, shapes=shapes, compiled=compiled)[0]
     return with_tf32(fn) if precision == "tf32" else fn
 
 

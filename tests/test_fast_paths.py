@@ -191,3 +191,19 @@ def test_the_benchmark_times_fits_own_step():
         terms, skipped = train_step.read()
         assert not torch.equal(before, decoder.L_o.weight) and not skipped
         assert ("consistency" in terms) == (objective == "default")
+
+
+def test_the_benchmarks_default_variant_is_the_step_fit_takes_on_the_cpu(monkeypatch):
+    """`benchmark.py --only decoder`'s fp32 row on a CPU times fit's packed shapes, not the GPU's fixed ones."""
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import benchmark as bm
+
+    made = []
+    fit_step = bm.fit_step
+    monkeypatch.setattr(bm, "fit_step", lambda *a, **k: made.append(fit_step(*a, **k)) or made[-1])
+    bm.variant_step(torch.device("cpu"), 8, "fp32")
+    assert made[-1][2].module.shapes == "packed" and made[-1][2].passes is None
