@@ -1,14 +1,20 @@
-"""PyTorch's compiler for the two fixed-shape loops: the training step (`train.step`) and the search's
-block of steps (`decoding.search_state`). On a GPU, `torch.compile(mode="reduce-overhead")` also
-replays them as CUDA graphs (PyTorch's cudagraph trees); elsewhere the default mode fuses their kernels.
+"""PyTorch's compiler for the two fixed-shape loops: the training step's forward and backward
+(`train.step`) and the search's block of steps (`decoding.search_state`). On a GPU,
+`torch.compile(mode="reduce-overhead")` also replays them as CUDA graphs (PyTorch's cudagraph trees);
+elsewhere the default mode fuses their kernels.
 
-`Compiled` runs a function through the compiler with the guards every caller would otherwise repeat:
-- a compile that fails, a graph break where the function must compile whole (`fullgraph`), or more
-  recompiles than its limit: one warning naming the function and the reason, and the function runs
-  eagerly from then on, as it would without the compiler (`captioner selfcheck` fails such a mode);
+`Compiled` runs a function through the compiler, whole (`fullgraph`), with the guards every caller would
+otherwise repeat:
+- an error of the compiler's own (a compile that fails, a graph break, more recompiles than its limit):
+  one warning naming the function and the reason, and the function runs eagerly from then on, as it would
+  without the compiler (`captioner selfcheck` fails such a mode). The compiler raises these before the
+  compiled code runs, so the function runs once either way. Any other error (out of memory, a device-side
+  assert, a bad input) is the caller's, raised as it is, and the function stays compiled;
 - on a GPU, a function that compiled but runs without CUDA graphs (PyTorch skips them, for a mutated
   input say) is said in the same way;
-- each call that compiled is logged with its time (a run's metrics.jsonl records them: `train.loop`).
+- each call that compiled is logged with its time (a run's metrics.jsonl records them: `train.loop`), and
+  the threads that compiled are kept (`threads`): CUDA graph trees are per thread, so a server compiles
+  on the thread that serves.
 PyTorch keeps what it compiled on disk (`TORCHINDUCTOR_CACHE_DIR`), so a second run compiles faster;
 `TORCH_LOGS=recompiles` says why a function recompiled.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -41,6 +48,12 @@ def earns_back(searches: int) -> bool:
     return searches >= EARNS_BACK
 
 
+def search_compiles(device: torch.device, graphs: bool) -> bool:
+    """Whether a model on `device` compiles its search when asked to (`Captioner.compile_search`): on a GPU,
+    with `graphs`."""
+    return graphs and device.type == "cuda"
+
+
 def compile_mode(device: torch.device, *, graphs: bool) -> str:
     """The compiler's mode for work on `device`: CUDA graphs on a GPU where `graphs` allows them."""
     return GRAPHS if graphs and device.type == "cuda" else "default"
@@ -51,11 +64,10 @@ class Compiled:
 
     Args:
         fn: the function (its arguments' shapes and constants are what it is specialised to).
-        what: the function as a message names it ("the training step's forward").
+        what: the function as a message names it ("the training step's forward and backward").
         mode: the compiler's mode (`compile_mode`).
-        compiled: what runs in `fn`'s place (default: `fn` compiled), for work that is compiled in
+        compiled: what runs in `fn`'s place (default: `fn` compiled whole), for work that is compiled in
             parts, such as a compiled forward and the backward that AOTAutograd compiles for it.
-        fullgraph: a graph break is a failure (the function compiles whole or not at all).
         dynamic: `torch.compile`'s: False specialises to every shape; None compiles again for sizes
             that changed, once, as dynamic.
         limit: most compiles of it, first included, before the next one is a failure.
@@ -68,32 +80,35 @@ class Compiled:
         *,
         mode: str,
         compiled: Callable | None = None,
-        fullgraph: bool = True,
         dynamic: bool | None = False,
         limit: int = 8,
     ):
         self.fn, self.what, self.mode, self.limit = fn, what, mode, limit
-        self.compiled = compiled or torch.compile(fn, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+        self.compiled = compiled or torch.compile(fn, mode=mode, fullgraph=True, dynamic=dynamic)
         self.failed: str | None = None  # why it runs eagerly, once it does
         self.graphless = False  # said once: on a GPU, it runs without CUDA graphs
         self.seconds = 0.0  # spent in calls that compiled
+        self.threads: set[int] = set()  # the threads (`threading.get_ident`) on which it compiled
 
     def __call__(self, *args):
         if self.failed is not None:
             return self.fn(*args)
-        from torch._dynamo.utils import counters  # the compiler's, imported where it runs (over a second)
+        # The compiler's, imported where it runs: importing it takes over a second.
+        from torch._dynamo import config, exc
+        from torch._dynamo.utils import counters
 
         graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
         began = time.monotonic()
         try:
-            with torch._dynamo.config.patch(recompile_limit=self.limit, fail_on_recompile_limit_hit=True):
+            with config.patch(recompile_limit=self.limit, fail_on_recompile_limit_hit=True):
                 out = self.compiled(*args)
-        except Exception as e:  # noqa: BLE001 - any failure of the compiler leaves the function to eager calls
+        except (exc.TorchDynamoException, exc.FailOnRecompileLimitHit) as e:
             self.fall_back(first_line(e))
             return self.fn(*args)
         if counters["stats"]["unique_graphs"] > graphs:
             seconds = time.monotonic() - began
             self.seconds += seconds
+            self.threads.add(threading.get_ident())
             log.info(f"compiled {self.what} ({self.mode}) in {seconds:.1f} s")
         if self.mode == GRAPHS and counters["inductor"]["cudagraph_skips"] > skips and not self.graphless:
             self.graphless = True

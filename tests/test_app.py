@@ -563,7 +563,9 @@ def test_app_refuses_a_checkpoint_url_with_the_wrong_digest(checkpoint, tmp_path
     "given, said",
     [
         (["--decoding", "bogus"], "--decoding must be one of beam, sampling, got 'bogus'"),
-        (["--device", "bogus"], "--device: expected auto, cpu, cuda or cuda:N, got 'bogus'"),
+        pytest.param(  # the same path as --decoding's, through another option: 5 s of importing gradio again
+            ["--device", "bogus"], "--device: expected auto, cpu, cuda or cuda:N, got 'bogus'", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_app_py_names_a_bad_option_in_one_line(given, said):

@@ -1,19 +1,24 @@
-"""The compiled training step and search (`captioner.compiled`), where a CPU can show them.
+"""The compiled training step and search (`captioner.compiled`), with PyTorch's own compiler.
 
 A GPU compiles them with `torch.compile(mode="reduce-overhead")` and replays them as CUDA graphs; a CPU
-compiles the same functions in the default mode (`fit --compile`, `beam_search(compiled=True)`), so
-what the compiler specialises to, its guards, and what happens when it fails are checked here. Tests
-of the plumbing alone put an identity in `torch.compile`'s place; those marked slow compile for real.
+compiles the same functions with Inductor in the default mode (`fit --compile`), so what the compiler
+specialises to, its guards, what it refuses and what happens then are checked here with the real
+compiler, nothing stubbed. A fallback to eager where none is asked for fails a test. The tests that
+generate and build code (tens of seconds each on two cores) are marked slow; those whose compile the
+compiler refuses while tracing, or of a one-line function, run in the quick tier.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import threading
 
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import captioner.train.parts as parts_module
 from captioner.cli import selfcheck
@@ -21,6 +26,7 @@ from captioner.compiled import FELL_BACK, GRAPHS, Compiled
 from captioner.decoding.decode import beam_search
 from captioner.decoding.search_state import compiled_block
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
+from captioner.objectives.cross_entropy import CrossEntropy
 from captioner.train.config import OptimConfig, TrainConfig
 from captioner.train.loop import fit
 from captioner.train.parts import step_compiling
@@ -37,21 +43,8 @@ def fresh_search():
     compiled_block.cache_clear()
 
 
-def identity(monkeypatch):
-    """`torch.compile` as the identity: the compiled paths' plumbing, without compiling."""
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
-
-
-def broken(monkeypatch):
-    """`torch.compile` whose functions fail as a compiler error would, at their first call."""
-
-    def compile(fn, **kw):
-        def failing(*args, **kwargs):
-            raise RuntimeError("injected compile failure\nwith a long trace after it")
-
-        return failing
-
-    monkeypatch.setattr(torch, "compile", compile)
+def graphs_compiled() -> int:
+    return counters["stats"]["unique_graphs"]
 
 
 def tiny_decoder(seed: int = 0) -> AttentionDecoder:
@@ -80,6 +73,18 @@ def _losses(lines):
     return [(x["step"], x["loss"]) for x in lines if x["event"] == "train"]
 
 
+def graph_break_in_the_cross_entropy(monkeypatch):
+    """The cross-entropy term breaks the graph where the step must compile whole: a real refusal of the
+    compiler (eagerly, `torch._dynamo.graph_break()` does nothing)."""
+    value = CrossEntropy.__call__
+
+    def breaking(self, ctx):
+        torch._dynamo.graph_break()
+        return value(self, ctx)
+
+    monkeypatch.setattr(CrossEntropy, "__call__", breaking)
+
+
 # which steps compile
 
 
@@ -91,14 +96,14 @@ def test_a_gpu_compiles_with_graphs_unless_they_are_off_and_a_cpu_only_when_aske
     assert step_compiling(OptimConfig(compile=True), CPU) == "default"
 
 
-def test_a_run_resumed_with_cuda_graphs_off_steps_without_them(data_dir, tmp_path, monkeypatch):
-    """`fit --resume --cuda-graphs off` of a run that compiled its steps with graphs: its steps are eager."""
-    identity(monkeypatch)
+def test_a_run_resumed_with_cuda_graphs_off_decides_on_eager_steps(data_dir, tmp_path, monkeypatch):
+    """`fit --resume --cuda-graphs off` of a run that compiled its steps with graphs: its steps are eager
+    (the decision a GPU makes is recorded; this CPU steps eagerly both times)."""
     made = []
 
-    def on_a_gpu(optim, device):  # the decision a GPU makes, for this CPU run
+    def on_a_gpu(optim, device):
         made.append(step_compiling(optim, CUDA))
-        return made[-1]
+        return None
 
     monkeypatch.setattr(parts_module, "step_compiling", on_a_gpu)
     run = tmp_path / "run"
@@ -107,78 +112,95 @@ def test_a_run_resumed_with_cuda_graphs_off_steps_without_them(data_dir, tmp_pat
     assert made == [GRAPHS, None]
 
 
-# the training step
+# The torch releases the whole suite has run on (CI, and the sessions' machines), with the compiler settings
+# `Compiled` sets: pyproject.toml's floor is one of them.
+RUN_ON = {(2, 14): "2.14.1, CI and the development machines", (2, 15): "2.15.0, some development machines"}
 
 
-def test_the_compiled_steps_plumbing_trains_as_eager_steps_do(data_dir, tmp_path, monkeypatch):
-    """The compiled path (its forward drawing from the default generator, its rates as tensors, its update
-    apart) with nothing to draw: the losses of eager steps, step for step."""
-    eager = _losses(_fit(data_dir, tmp_path / "eager", shapes="fixed"))
-    identity(monkeypatch)
-    compiled = _losses(_fit(data_dir, tmp_path / "compiled", compile=True))
-    assert [s for s, _ in compiled] == [s for s, _ in eager]
-    assert [v for _, v in compiled] == pytest.approx([v for _, v in eager], rel=1e-5, abs=1e-6)
+def test_the_torch_floor_is_a_release_that_runs_here():
+    """pyproject.toml's lowest torch is one the tests have run on, at most the one they run on now, and this
+    one has what `Compiled` sets."""
+    from conftest import REPO
+
+    floor = tuple(map(int, re.search(r'"torch>=(\d+)\.(\d+)', (REPO / "pyproject.toml").read_text()).groups()))
+    assert floor in RUN_ON and floor <= tuple(map(int, torch.__version__.split(".")[:2]))
+    assert {"recompile_limit", "fail_on_recompile_limit_hit"} <= set(torch._dynamo.config._config)
 
 
-def test_a_step_that_fails_to_compile_trains_eagerly_and_says_so_once(data_dir, tmp_path, monkeypatch):
-    eager = _losses(_fit(data_dir, tmp_path / "eager", shapes="fixed"))
-    broken(monkeypatch)
-    lines = _fit(data_dir, tmp_path / "broken", compile=True)
-    assert [s for s, _ in _losses(lines)] == [s for s, _ in eager]
-    assert [v for _, v in _losses(lines)] == pytest.approx([v for _, v in eager], rel=1e-5, abs=1e-6)
-    failed = [x["message"] for x in lines if x["event"] == "compiled_failed"]
-    assert len(failed) == 2  # the forward and backward, and the update: once each
-    assert all(m.startswith(FELL_BACK) and "injected compile failure" in m and "trace" not in m for m in failed)
-    assert any("the training step's forward and backward" in m for m in failed)
-    with pytest.raises(RuntimeError, match="injected compile failure"):
-        selfcheck._compile_failures(str(tmp_path / "broken"))
+def test_searches_compile_only_where_their_caller_asks():
+    """A search compiles where its caller decided it earns back its compile (a GPU's server, validation,
+    evaluation of a whole split, SCST's baseline), never by default because its features are on a GPU."""
+    import inspect
+
+    from captioner.decoding.settings import decode
+    from captioner.evaluation.captioning import caption_split
+    from captioner.objectives.scst import greedy_tokens
+
+    for fn in (beam_search, decode, caption_split, greedy_tokens):
+        assert inspect.signature(fn).parameters["compiled"].default is False, fn.__name__
 
 
-def test_a_learning_rate_set_as_a_float_reaches_the_compiled_step(data_dir, monkeypatch):
-    """A schedule that assigns a float (ReduceLROnPlateau on some torch versions, the cooldown, a resumed
-    run's saved rates) changes the tensor the compiled step reads, which stays the same object: a new
-    float would otherwise be a new constant, and a recompile."""
-    from conftest import train_step
+def test_no_test_stands_in_for_the_compiler():
+    """Compiled code is tested with PyTorch's own compiler: no test replaces `torch.compile` or its backend."""
+    from conftest import REPO
 
-    from captioner.data.batches import CaptionBatches, FixedShapes
-    from captioner.data.dataset import CaptionData
-
-    identity(monkeypatch)
-    data = CaptionData(str(data_dir))
-    dec = AttentionDecoder(vocab_size=len(data.vocab), embed_dim=16, hidden_dim=24, attention_dim=12)
-    dec.set_feature_stats(*data.feature_stats())
-    step = train_step(dec, TrainConfig.of(shapes="fixed", consistency=0), compiled="default")
-    rate = step.optimizer.param_groups[0]["lr"]
-    assert torch.is_tensor(rate)
-    fixed = FixedShapes.for_data(8, int(data.lengths.max()))
-    batch = next(iter(CaptionBatches(data, 8, fixed=fixed).batches(seed=0, epoch=0)))
-    step(batch)
-    step.optimizer.param_groups[0]["lr"] = 2.5e-4  # as a float
-    step(batch)
-    assert step.optimizer.param_groups[0]["lr"] is rate
-    assert float(rate) == pytest.approx(2.5e-4)
+    stand_in = re.compile(r'setattr\(\s*torch\s*,\s*"compile"|backend\s*=\s*"(aot_eager|eager)"')
+    for path in (REPO / "tests").glob("*.py"):
+        assert not stand_in.search(path.read_text()), path.name
 
 
-def traced(monkeypatch):
-    """`torch.compile` that traces, guards and differentiates as it does (Dynamo and AOTAutograd), and runs the
-    traced graphs without generating code: Inductor's code generation, the CPU's minute per length bucket
-    here, is the selfcheck's `compile` row's, which compiles as users do."""
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real(fn, backend="aot_eager", **kw))
+# what Compiled catches, and what it leaves to the caller
 
 
-@pytest.mark.slow
-def test_a_compiled_step_trains_as_the_eager_one_and_its_log_says_what_compiled(data_dir, tmp_path, monkeypatch):
-    """`fit --compile` on the CPU, traced whole (one trace per length bucket): the eager steps' losses where
-    nothing is drawn, and each compile in the log with its time."""
-    eager = _losses(_fit(data_dir, tmp_path / "eager", shapes="fixed"))
-    traced(monkeypatch)
-    lines = _fit(data_dir, tmp_path / "compiled", compile=True)
-    assert [v for _, v in _losses(lines)] == pytest.approx([v for _, v in eager], rel=1e-4, abs=1e-5)
-    compiled = [x["message"] for x in lines if x["event"] == "compiled"]
-    assert any("the training step's forward and backward" in m for m in compiled)
-    assert any("the training step's update" in m for m in compiled)
-    assert not [x for x in lines if x["event"] == "compiled_failed"]
+def test_a_graph_break_falls_back_with_one_warning_and_runs_the_function_once(caplog):
+    calls = []
+
+    def fn(x):
+        calls.append(1)  # eager calls only: the compiler refuses the function before any of it runs
+        torch._dynamo.graph_break()
+        return x * 2
+
+    doubled = Compiled(fn, "a doubling", mode="default")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert torch.equal(doubled(torch.ones(2)), torch.full((2,), 2.0))
+    assert "graph_break" in doubled.failed and len(calls) == 2
+    said = [r.getMessage() for r in caplog.records if FELL_BACK in r.getMessage()]
+    assert len(said) == 1 and "a doubling" in said[0]
+
+
+def test_an_error_of_the_compiled_code_is_the_callers_and_nothing_runs_twice():
+    """An index out of range inside the compiled code (what a device-side assert is on a GPU; an
+    out-of-memory error is raised the same way): raised as it is, the function not run again eagerly,
+    and it stays compiled."""
+    eager_calls = []
+
+    def eager(x, i):
+        eager_calls.append(1)
+        return x[i]
+
+    pick = Compiled(eager, "a pick", mode="default", compiled=torch.compile(lambda x, i: x[i], fullgraph=True))
+    assert torch.equal(pick(torch.arange(3.0), torch.tensor([2])), torch.tensor([2.0]))
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        pick(torch.arange(3.0), torch.tensor([5]))
+    assert pick.failed is None and not eager_calls
+
+
+def test_a_compiler_error_is_said_in_one_line():
+    from captioner.compiled import first_line
+
+    error = RuntimeError("backend='inductor' raised:\nCalledProcessError: ...\n\nSet TORCHDYNAMO_VERBOSE=1\n")
+    assert first_line(error) == "RuntimeError: backend='inductor' raised:"
+
+
+def test_selfcheck_fails_a_mode_in_which_a_compiled_function_fell_back(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"event": "start"}) + "\n" + json.dumps({"event": "compiled_failed", "message": "the step"}) + "\n"
+    )
+    with pytest.raises(RuntimeError, match="the step"):
+        selfcheck._compile_failures(str(tmp_path))
+    with open(tmp_path / "log", "w") as log, pytest.raises(RuntimeError, match="fell back: the search"):
+        selfcheck._run(["python", "-c", f"print('warning: {FELL_BACK}: the search x')"], log)
 
 
 @pytest.mark.slow
@@ -190,81 +212,150 @@ def test_recompiles_past_the_limit_fall_back_with_a_warning(caplog):
     assert doubled.failed and [r.getMessage() for r in caplog.records if FELL_BACK in r.getMessage()]
 
 
+# the training step
+
+
+def test_a_step_the_compiler_refuses_trains_eagerly_and_says_so_once(data_dir, tmp_path, monkeypatch):
+    """`fit --compile` whose step breaks its graph: the losses of eager steps, and one warning in the log."""
+    eager = _losses(_fit(data_dir, tmp_path / "eager", shapes="fixed"))
+    graph_break_in_the_cross_entropy(monkeypatch)
+    lines = _fit(data_dir, tmp_path / "refused", compile=True)
+    assert [s for s, _ in _losses(lines)] == [s for s, _ in eager]
+    assert [v for _, v in _losses(lines)] == pytest.approx([v for _, v in eager], rel=1e-5, abs=1e-6)
+    failed = [x["message"] for x in lines if x["event"] == "compiled_failed"]
+    assert len(failed) == 1 and failed[0].startswith(FELL_BACK)
+    assert "the training step's forward and backward" in failed[0] and "graph_break" in failed[0]
+    with pytest.raises(RuntimeError, match="graph_break"):
+        selfcheck._compile_failures(str(tmp_path / "refused"))
+
+
+@pytest.mark.slow
+def test_the_compiled_step_trains_as_the_eager_one_whole(data_dir):
+    """Inductor's step (forward and backward) on one length bucket: one graph, no break, no fallback, and
+    the eager step's losses (nothing is drawn: no dropout, no views)."""
+    from conftest import train_step
+
+    from captioner.data.batches import CaptionBatches, FixedShapes
+    from captioner.data.dataset import CaptionData
+
+    data = CaptionData(str(data_dir))
+    fixed = FixedShapes.for_data(8, int(data.lengths.max()))
+    batch = next(iter(CaptionBatches(data, 8, fixed=fixed).batches(seed=0, epoch=0)))
+    losses = {}
+    for compiled in (None, "default"):
+        torch.manual_seed(0)
+        dec = AttentionDecoder(vocab_size=len(data.vocab), embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0)
+        dec.set_feature_stats(*data.feature_stats())
+        step = train_step(dec, TrainConfig.of(shapes="fixed", consistency=0), compiled=compiled)
+        graphs, breaks = graphs_compiled(), sum(counters["graph_break"].values())
+        losses[compiled] = []
+        for _ in range(3):
+            step(batch)
+            losses[compiled].append(step.read()[0]["loss"])
+    assert step.passes.failed is None and step.passes.seconds > 0
+    assert graphs_compiled() - graphs == 1 and sum(counters["graph_break"].values()) == breaks
+    assert losses["default"] == pytest.approx(losses[None], rel=1e-4)
+
+
 # the search
 
 
 @pytest.mark.slow
-def test_a_search_at_one_length_then_another_gives_each_its_own_captions(fresh_search):
-    """max_len 20, then 21, then 5: each request its own captions (cut at its own length), equal to the
-    eager search's. The compiled block reads the length as a tensor, so none of them compiles again."""
+def test_a_search_at_any_length_and_sharpness_shares_one_compile(fresh_search):
+    """max_len 20, 21 and 5, and maps of sharpness 1, 1.5 and 3: each search the eager search's captions and
+    maps (cut at its own length), all from the one graph compiled first: the length and the sharpness are
+    tensors of the compiled block, not constants."""
     decoder, feats = tiny_decoder(), torch.randn(2, 196, 512)
-    for max_len in (20, 21, 5):
-        got = beam_search(decoder, feats, beam_size=3, max_len=max_len, shapes="fixed", compiled=True)
-        want = beam_search(decoder, feats, beam_size=3, max_len=max_len, shapes="fixed", compiled=False)
-        same_search(got, want)
+    graphs = None
+    for max_len, sharpness in ((20, None), (21, 1.5), (5, 3.0), (20, 1.0)):
+        settings = dict(beam_size=3, max_len=max_len, shapes="fixed", sharpness=sharpness)
+        got = beam_search(decoder, feats, compiled=True, **settings)
+        same_search(got, beam_search(decoder, feats, compiled=False, **settings))
         assert max(len(h.tokens) for hyps in got for h in hyps) == max_len
-    assert compiled_block("default").failed is None
+        graphs = graphs or graphs_compiled()
+    assert compiled_block("default").failed is None and graphs_compiled() == graphs
 
 
-def test_a_search_that_fails_to_compile_goes_on_eagerly_and_says_so_once(fresh_search, monkeypatch, caplog):
-    broken(monkeypatch)
-    decoder, feats = tiny_decoder(), torch.randn(2, 196, 512)
-    want = beam_search(decoder, feats, beam_size=2, max_len=6, shapes="fixed", compiled=False)
-    with caplog.at_level(logging.WARNING):
-        for _ in range(2):
-            same_search(beam_search(decoder, feats, beam_size=2, max_len=6, shapes="fixed", compiled=True), want)
-    said = [r.getMessage() for r in caplog.records if FELL_BACK in r.getMessage()]
-    assert len(said) == 1 and "the search's block of steps" in said[0] and "injected" in said[0]
+@pytest.mark.slow
+def test_searches_read_their_large_inputs_from_one_place(fresh_search):
+    """A compiled search copies its features, their projection, the joined weights and the masks into the
+    thread's buffers, so that one search after another hands the compiled block the same memory (which a
+    CUDA graph then reads without copying it in again)."""
+    from captioner.decoding.search_state import Search, fixed_length
+
+    decoder = tiny_decoder()
+    places = []
+    for seed in (0, 1):
+        feats = torch.randn(2, 196, 512, generator=torch.Generator().manual_seed(seed))
+        s = Search.start(decoder, feats, 3, fixed_length(20), True, static=True)
+        places.append([t.data_ptr() for t in (s.feats, s.projected, s.ban, s.pad_only, *s.joined)])
+        torch.testing.assert_close(s.feats[3:6], decoder.normalize(feats)[1:2].expand(3, -1, -1))
+    assert places[0] == places[1]
 
 
-def test_a_server_whose_compile_fails_answers_every_request_eagerly(fresh_search, monkeypatch):
-    """The demo's batcher over a model whose search fails to compile: the request that met the failure and
-    every later one get the captions of an eager search."""
-    from captioner.serve.api import Captioner
+def compiling_on_this_cpu(monkeypatch, source: str):
+    """A Captioner whose search compiles where a GPU's would (`compile_search`), on this CPU in the default mode."""
+    from captioner.serve import api
+
+    monkeypatch.setattr(api, "search_compiles", lambda device, graphs: graphs)
+    return api.Captioner.load(source)
+
+
+def test_a_server_whose_compile_is_refused_answers_every_request_eagerly(fresh_search, monkeypatch):
+    """The demo's batcher over a model whose search the compiler refuses: the request that met the refusal
+    and every later one get the captions of an eager search."""
+    from captioner.serve import api
     from captioner.serve.batcher import Batcher
     from captioner.serve.sources import demo_model, example_images
 
-    cap = Captioner.load(demo_model())
+    cap = compiling_on_this_cpu(monkeypatch, demo_model())
     want = [c.text for c in cap.caption_batch(example_images()[:3])]
-    broken(monkeypatch)
-    cap.compiling = True  # as `compile_search` makes it on a GPU
+    step = AttentionDecoder.step
+
+    def breaking(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(AttentionDecoder, "step", breaking)
+    cap.compiling = api.search_compiles(cap.device, cap.graphs)
     batcher = Batcher(cap)
     try:
         got = [batcher.caption(im).text for im in example_images()[:3]]
     finally:
         batcher.close()
     assert got == want
-    assert compiled_block("default").failed
+    assert "graph_break" in compiled_block("default").failed
 
 
-def test_batches_of_any_size_share_a_few_search_shapes():
-    """The demo's batcher makes batches of 1 to 8 images: padded to powers of two, they need four compiled
-    shapes, not eight, and the real images' captions are those of the batch unpadded."""
-    from captioner.serve.api import _padded
+@pytest.mark.slow
+def test_a_server_compiles_on_the_thread_that_serves_and_serves_other_settings_compiled(fresh_search, monkeypatch):
+    """The batcher compiles the page's searches on its own thread before it serves (PyTorch keeps CUDA graphs
+    per thread); then requests at beam 3, at beam 5 and with max lengths 20 and 21 run on what it compiled:
+    no new compile, no fallback, the captions of an eager search."""
+    from captioner.decoding.settings import Decoding
+    from captioner.serve.batcher import Batcher
+    from captioner.serve.sources import demo_model, example_images
 
-    decoder, feats = tiny_decoder(), torch.randn(5, 196, 512)
-    assert {_padded(feats[:b]).size(0) for b in range(1, 9)} == {1, 2, 4, 8}
-    with torch.inference_mode():
-        plain = beam_search(decoder, feats, beam_size=2, max_len=6, shapes="fixed", compiled=False)
-        padded = beam_search(decoder, _padded(feats), beam_size=2, max_len=6, shapes="fixed", compiled=False)[:5]
-    assert [[h.tokens for h in b] for b in padded] == [[h.tokens for h in b] for b in plain]
-
-
-def test_selfcheck_fails_a_mode_in_which_a_compiled_function_fell_back(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text(
-        json.dumps({"event": "start"}) + "\n" + json.dumps({"event": "compiled_failed", "message": "the update"}) + "\n"
-    )
-    with pytest.raises(RuntimeError, match="the update"):
-        selfcheck._compile_failures(str(tmp_path))
-    with open(tmp_path / "log", "w") as log, pytest.raises(RuntimeError, match="fell back: the search"):
-        selfcheck._run(["python", "-c", f"print('warning: {FELL_BACK}: the search x')"], log)
-
-
-def test_a_compiler_error_is_said_in_one_line():
-    from captioner.compiled import first_line
-
-    error = RuntimeError("backend='inductor' raised:\nCalledProcessError: ...\n\nSet TORCHDYNAMO_VERBOSE=1\n")
-    assert first_line(error) == "RuntimeError: backend='inductor' raised:"
+    cap = compiling_on_this_cpu(monkeypatch, demo_model())
+    images = example_images()[:2]
+    warm = [Decoding(beam_size=k) for k in (1, 3, 5)]
+    batcher = Batcher(cap, max_batch_size=2, warm=warm)
+    try:
+        assert batcher.ready.result() > 0
+        block = compiled_block("default")
+        assert block.threads == {batcher.thread.ident} != {threading.get_ident()}
+        graphs = graphs_compiled()
+        for settings in (Decoding(beam_size=3), Decoding(beam_size=5), Decoding(max_len=20), Decoding(max_len=21)):
+            got = [batcher.caption(im, settings) for im in images]
+            cap.compiling = False
+            want = cap.caption_batch(images, decoding=settings)
+            cap.compiling = True
+            assert [c.text for c in got] == [c.text for c in want]
+            for a, b in zip(got, want):
+                np.testing.assert_allclose(a.attention, b.attention, atol=1e-4)
+        assert graphs_compiled() == graphs and block.failed is None
+    finally:
+        batcher.close()
 
 
 def test_a_validation_that_fails_leaves_its_epoch_to_validate_on_resume(data_dir, tmp_path, monkeypatch):
@@ -289,3 +380,16 @@ def test_a_validation_that_fails_leaves_its_epoch_to_validate_on_resume(data_dir
     resumed = lines[max(i for i, x in enumerate(lines) if x["event"] == "start") :]
     assert [x["epoch"] for x in resumed if x["event"] == "val"] == [1, 2]
     assert [x["step"] for x in resumed if x["event"] == "train"][0] > progress["step"]  # no step trained twice
+
+
+def test_batches_of_any_size_share_a_few_search_shapes():
+    """The demo's batcher makes batches of 1 to 8 images: padded to powers of two, they need four compiled
+    shapes, not eight, and the real images' captions are those of the batch unpadded."""
+    from captioner.serve.api import _padded
+
+    decoder, feats = tiny_decoder(), torch.randn(5, 196, 512)
+    assert {_padded(feats[:b]).size(0) for b in range(1, 9)} == {1, 2, 4, 8}
+    with torch.inference_mode():
+        plain = beam_search(decoder, feats, beam_size=2, max_len=6, shapes="fixed", compiled=False)
+        padded = beam_search(decoder, _padded(feats), beam_size=2, max_len=6, shapes="fixed", compiled=False)[:5]
+    assert [[h.tokens for h in b] for b in padded] == [[h.tokens for h in b] for b in plain]

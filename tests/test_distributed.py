@@ -79,6 +79,20 @@ def test_two_processes_match_one(data_dir, scenes, tmp_path):
     assert cap.caption(image, beam_size=2).attention.shape[1:] == (14, 14)
 
 
+def test_two_processes_compile_their_steps_as_pytorch_documents(data_dir, tmp_path):
+    """`torchrun ... fit --compile`: each process's objective compiles inside DDP with nothing fallen back,
+    and trains as the eager processes do (nothing is drawn: no dropout, no views)."""
+    runs = {}
+    for how in ("eager", "compiled"):
+        runs[how] = tmp_path / how
+        tiny = [*TINY, "--consistency", "0", "--shapes", "fixed", *(["--compile"] if how == "compiled" else [])]
+        p = torchrun("train.py", "fit", "--data", str(data_dir), "--out", str(runs[how]), "--batch-size", "4", *tiny)
+        assert p.returncode == 0, p.stderr[-3000:]
+    lines = [json.loads(x) for x in (runs["compiled"] / "metrics.jsonl").read_text().splitlines()]
+    assert [x for x in lines if x["event"] == "compiled"] and not [x for x in lines if x["event"] == "compiled_failed"]
+    assert train_losses(runs["compiled"]) == pytest.approx(train_losses(runs["eager"]), rel=1e-4)
+
+
 def test_two_processes_resumed_go_on_each_with_its_own_random_streams(data_dir, tmp_path):
     """Resumed after its first epoch, a 2-process run ends where the run never stopped ends, bit for bit:
     each rank goes on with its own streams (hard attention's sampled locations, dropout), not rank 0's."""

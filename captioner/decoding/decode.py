@@ -14,7 +14,8 @@ One search, two shapes (the same captions and maps: tests):
   the K−1 empty beams of the first step), and the search stops as soon as none writes;
 - fixed (GPUs): every beam steps every time, a finished beam's step thrown away, and the host
   looks at the device only every `CHECK_EVERY` steps to see whether all beams have ended
-  (`decoding.search_state`). On a GPU each block of steps is compiled, and replayed as a CUDA graph.
+  (`decoding.search_state`). Where a caller asks (`compiled`), each block of steps is compiled, and on
+  a GPU replayed as a CUDA graph.
 
 Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 """
@@ -59,7 +60,7 @@ def beam_search(
     mode: str = EXPECTED,
     generator: torch.Generator | None = None,
     shapes: str | None = None,
-    compiled: bool | None = None,
+    compiled: bool = False,
     sharpness: float | None = None,
 ) -> list[list[Hypothesis]]:
     """Decode a batch of images.
@@ -74,7 +75,8 @@ def beam_search(
         mode: context from α: "expected" (soft), "argmax" or "sample" (hard models).
         generator: random source for mode="sample".
         shapes: "packed" or "fixed" (see the module doc); default: fixed on a GPU or `compiled`, else packed.
-        compiled: run the fixed shapes' blocks of steps compiled (`decoding.search_state`); None: on a GPU.
+        compiled: run the fixed shapes' blocks of steps compiled (`decoding.search_state`), which earns back
+            its compile only over thousands of searches (`compiled.earns_back`).
         sharpness: k of the maps softmax(k e_t) (None: the model's `decode_sharpness`).
 
     Returns:
@@ -82,12 +84,11 @@ def beam_search(
     """
     if beam_size < 1 or max_len < 1:
         raise ValueError(f"beam_size and max_len must be positive, got {beam_size} and {max_len}")
-    compiled = features.is_cuda if compiled is None else compiled
     if (shapes or ("fixed" if features.is_cuda or compiled else "packed")) == "packed":
         s = Search.start(decoder, features, beam_size, max_len + 1, ban_unk)
         steps = _packed(decoder, s, max_len, mode, generator, ban_unk, sharpness)
     else:
-        s = Search.start(decoder, features, beam_size, fixed_length(max_len), ban_unk)
+        s = Search.start(decoder, features, beam_size, fixed_length(max_len), ban_unk, static=compiled)
         steps = fixed_search(decoder, s, max_len, mode, generator, sharpness, compiled=compiled)
     # The history goes to the host in one copy each, and is traced back there.
     history = (x[:steps].cpu() for x in (s.word, s.parent, s.alpha, s.loc))

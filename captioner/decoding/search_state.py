@@ -5,9 +5,13 @@ A fixed-shape search steps every beam every time, in blocks of `CHECK_EVERY` ste
 host looks whether any beam still writes. A block is a pure function of the search's state (it returns
 the new state and its steps' history, which `fixed_search` copies into the search), so that
 `torch.compile(mode="reduce-overhead")` can compile it whole and replay it as a CUDA graph, whose outputs
-a later replay overwrites. The step and the last step (`max_len`) are tensors, not constants of the
-compiled code: searches of any length share it. Searches that sample locations (hard attention's
-mode "sample") draw from a caller's generator, which compiled code cannot take, and run eagerly.
+a later replay overwrites. The step, the last step (`max_len`) and the maps' sharpness are tensors, not
+constants of the compiled code: searches of any length and sharpness share it. A compiled search reads
+its large inputs (the features, their projection, the joined weights and the word masks) from buffers
+that the thread's compiled searches share (`static`), copied in once per search, so that a CUDA graph
+replays without copying them into its own at every block. Searches that sample locations (hard
+attention's mode "sample") draw from a caller's generator, which compiled code cannot take, and run
+eagerly.
 
 Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 """
@@ -15,6 +19,7 @@ Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +30,7 @@ from captioner.models.decoder import AttentionDecoder, Joined
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
 
 CHECK_EVERY = 4  # fixed shapes: steps between looks at whether any beam still writes
+_held = threading.local()  # each thread's buffers for its compiled searches' inputs (`static`)
 
 
 def fixed_length(max_len: int) -> int:
@@ -67,9 +73,13 @@ class Search:
     offsets: torch.Tensor  # (B, 1) each image's first beam
 
     @classmethod
-    def start(cls, decoder: AttentionDecoder, features: torch.Tensor, K: int, T: int, ban_unk: bool) -> Search:
+    def start(
+        cls, decoder: AttentionDecoder, features: torch.Tensor, K: int, T: int, ban_unk: bool, *, static: bool = False
+    ) -> Search:
+        """A search of K beams an image, with room for T steps; its inputs in `static` buffers where asked."""
         (B, L, _), device = features.shape, features.device
         N, V = B * K, decoder.config.vocab_size
+        place = static_copy if static else lambda name, t: t
         features = decoder.normalize(features)  # (B, L, D)
         h, c = (x.repeat_interleave(K, dim=0) for x in decoder.init_state(features))  # (N, H)
         scores = torch.full((B, K), float("-inf"), device=device)
@@ -80,10 +90,10 @@ class Search:
         masks[2, :END_ID] = masks[2, END_ID + 1 :] = float("-inf")
         masks[3] = float("-inf")
         masks[3, PAD_ID] = 0.0
-        masks = masks.to(device)
+        masks = place("masks", masks.to(device))
         return cls(
-            features.repeat_interleave(K, dim=0),
-            decoder.attention.project(features).repeat_interleave(K, dim=0),
+            place("features", _beams(features, K)),
+            place("projected", _beams(decoder.attention.project(features), K)),
             h,
             c,
             torch.full((N,), START_ID, dtype=torch.long, device=device),
@@ -94,10 +104,31 @@ class Search:
             torch.zeros(T, N, dtype=torch.long, device=device),
             features.new_zeros(T, N, L),
             torch.full((T, N), -1, dtype=torch.long, device=device),
-            decoder.joined(),
+            Joined(*(place(f"joined.{name}", w) for name, w in decoder.joined()._asdict().items())),
             *masks,
             (torch.arange(B, device=device) * K).unsqueeze(1),
         )
+
+
+def _beams(x: torch.Tensor, K: int) -> torch.Tensor:
+    """(B, ...) → (B·K, ...): each image's row once for each of its beams."""
+    return x.repeat_interleave(K, dim=0)
+
+
+def static_copy(name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into this thread's buffer `name`, which keeps its place in memory from search to search (a
+    larger `t` grows it, once): the compiled block reads it there as a static input, which a CUDA graph does
+    not copy at each replay."""
+    held = _held.__dict__.setdefault("buffers", {})
+    key = (name, t.device, t.dtype, t.shape[1:])
+    buffer = held.get(key)
+    if buffer is None or buffer.size(0) < t.size(0):
+        with torch.inference_mode(False):  # a buffer that searches in inference mode and out of it can fill
+            buffer = held[key] = torch.empty_like(t)
+    view = buffer[: t.size(0)]
+    view.copy_(t)
+    torch._dynamo.mark_static_address(view, guard=False)
+    return view
 
 
 def step_logits(
@@ -160,13 +191,15 @@ def fixed_search(
     fields then hold the results. Returns the steps taken.
 
     Args:
-        compiled: run the blocks compiled (module doc), unless they sample locations.
+        sharpness: k of the maps softmax(k e_t) (None: the model's `decode_sharpness`).
+        compiled: run the blocks compiled (module doc), unless they sample locations; `s` made `static`.
     """
     T, device = s.word.size(0), s.words.device
     if T % CHECK_EVERY:
         raise ValueError(f"a fixed-shape search steps in blocks of {CHECK_EVERY}: room for {T} steps")
     t = torch.zeros((), dtype=torch.long, device=device)
     last = torch.full((), max_len, dtype=torch.long, device=device)
+    sharpness = torch.full((), sharpness or decoder.config.decode_sharpness, device=device)
     block = fixed_block
     if compiled and mode != SAMPLE:
         block, generator = compiled_block(compile_mode(device, graphs=True)), None

@@ -166,7 +166,7 @@ def decode(
     *,
     max_len: int,
     generator: torch.Generator | None = None,
-    compiled: bool | None = None,
+    compiled: bool = False,
 ) -> list[list[Hypothesis]]:
     """Captions for a batch of images, as `settings` say.
 
@@ -177,7 +177,7 @@ def decode(
         max_len: most words where `settings.max_len` is None (the model's training maximum).
         generator: the random source of sampling and of mode "sample"; default one seeded with
             `settings.seed` on the features' device (pass one to go on drawing across batches).
-        compiled: whether a method that compiles does (`decoding.decode.beam_search`; None: on a GPU).
+        compiled: whether a method that compiles does (`decoding.decode.beam_search`).
 
     Returns:
         For each image its hypotheses: the beams, best first, or the samples in the order drawn.

@@ -21,7 +21,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline by design:
 import gradio as gr
 
 from captioner.data.images import set_max_pixels
-from captioner.decoding.settings import Decoding
+from captioner.decoding.settings import METHODS, Decoding
 from captioner.demo.card import examples_note, model_card, model_notice
 from captioner.demo.handlers import Demo
 from captioner.demo.options import PAGE_BEAM, PAGE_TOP_P, DemoOptions
@@ -253,6 +253,14 @@ def _wire(demo: Demo, examples: list[str], p: dict) -> None:
     gr.on([], demo.caption, [p["image"], beam], [p["caption"], p["data"]], api_name="caption", **model_events)
 
 
+def page_settings(method: str) -> list[Decoding]:
+    """The decoding settings the page and `/caption` offer: the method at each beam size of the page's slider."""
+    if "beam_size" not in METHODS[method].reads:
+        return [Decoding(method=method)]
+    low, high, _ = RANGES["beam_size"]
+    return [Decoding(method=method, beam_size=k) for k in range(low, high + 1)]
+
+
 def main(args: argparse.Namespace | DemoOptions) -> None:
     """Serve the page until Ctrl-C or SIGTERM."""
     try:  # a bad option or model is one line naming it, before anything loads or serves
@@ -264,10 +272,13 @@ def main(args: argparse.Namespace | DemoOptions) -> None:
     except CaptionerError as e:
         sys.exit(f"error: {e}")
     examples = example_images() if args.examples is None else args.examples
-    seconds = cap.compile_search(warm=range(1, args.max_batch_size + 1))  # before the page says it is ready
+    demo = Demo(cap, max_batch_size=args.max_batch_size, method=args.decoding, warm=page_settings(args.decoding))
+    try:
+        seconds = demo.batcher.ready.result()  # on a GPU the batcher compiles the page's searches first
+    except CaptionerError as e:
+        sys.exit(f"error: {e}")
     if seconds:
         print(f"compiled the search in {seconds:.0f} s", file=sys.stderr)
-    demo = Demo(cap, max_batch_size=args.max_batch_size, method=args.decoding)
     app = build_app(demo, examples)
     app.queue(max_size=args.queue_size, default_concurrency_limit=2)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C: temporary files go

@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from collections.abc import Sequence
 
 import gradio as gr
 from PIL import Image, ImageOps
@@ -84,11 +85,21 @@ class Demo:
         captioner: the model.
         max_batch_size: most images per `caption_batch` call.
         figures_dir: where downloadable attention PNGs go (default: a fresh temporary directory).
+        method: the page's decoding method (`decoding.settings.METHODS`).
+        warm: the settings whose searches the batcher compiles before it serves (`serve.batcher.Batcher`).
     """
 
-    def __init__(self, captioner: Captioner, *, max_batch_size=8, figures_dir: str | None = None, method="beam"):
+    def __init__(
+        self,
+        captioner: Captioner,
+        *,
+        max_batch_size=8,
+        figures_dir: str | None = None,
+        method="beam",
+        warm: Sequence[Decoding] = (),
+    ):
         self.captioner, self.method = captioner, method
-        self.batcher = Batcher(captioner, max_batch_size=max_batch_size)
+        self.batcher = Batcher(captioner, max_batch_size=max_batch_size, warm=warm)
         self.figures_dir = figures_dir or tempfile.mkdtemp(prefix="captioner-demo-")
         if figures_dir is None:  # ours: removed when the server exits normally
             weakref.finalize(self, shutil.rmtree, self.figures_dir, ignore_errors=True)

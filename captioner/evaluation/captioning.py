@@ -36,7 +36,7 @@ def caption_split(
     max_images: int | None = None,
     shard: tuple[int, int] = (0, 1),
     features: Callable[[np.ndarray], torch.Tensor] | None = None,
-    compiled: bool | None = None,
+    compiled: bool = False,
 ) -> tuple[dict[int, str], dict[int, Hypothesis]]:
     """Captions for a split's images, one each (a beam search's best, or the first sample).
 
@@ -46,7 +46,7 @@ def caption_split(
         shard: (rank, world): caption only every world-th image from rank on.
         features: rows → (n, L, D) features; default the data's cache (a fine-tuned encoder's
             features are not in it: see finetune.py).
-        compiled: the search's blocks of steps compiled (`decoding.decode.beam_search`; None: on a GPU).
+        compiled: the search's blocks of steps compiled (`decoding.decode.beam_search`).
 
     Returns:
         image id → caption text, and image id → its hypothesis (with its attention).

@@ -65,7 +65,7 @@ def evaluate(
     model = load_trained(checkpoint)
     data = _data_for(model, data_dir, checkpoint, split)
     compiled = cuda_graphs == "auto" and earns_back(-(-len(data.split_images(split)[0]) // SEARCH_BATCH))
-    search = dict(decoding=decoding, max_len=model.max_len, compiled=None if compiled else False)
+    search = dict(decoding=decoding, max_len=model.max_len, compiled=compiled and torch.device(device).type == "cuda")
     texts, hyps = _captions(model, data, checkpoint, split, torch.device(device), search)
     metrics = score_captions(texts, data.references[split], metrics=ALL_METRICS, use_java=use_java)
     if not metrics["official"]:

@@ -206,20 +206,22 @@ class AttentionDecoder(nn.Module):
         mode: str = EXPECTED,
         generator: torch.Generator | None = None,
         joined: Joined | None = None,
-        sharpness: float | None = None,
+        sharpness: float | torch.Tensor | None = None,
     ):
         """One generation step from the previous words (B,): attend, choose the context, advance, output.
 
         Args:
             mode: "expected" (soft), "argmax" or "sample" (hard attention's location).
             joined: `self.joined()`, taken since the weights last changed: fewer products.
-            sharpness: k of the map softmax(k e_t) (None: the model's `decode_sharpness`).
+            sharpness: k of the map softmax(k e_t), a float or a () tensor (None: the model's
+                `decode_sharpness`).
 
         Returns:
             logits (B, V), h (B, H), c (B, H), α (B, L), chosen locations (B,) or None.
         """
         emb = self.embedding(words)  # (B, E)
-        alpha = self.attend(projected, h, emb, sharpness or self.config.decode_sharpness)  # (B, L)
+        sharpness = self.config.decode_sharpness if sharpness is None else sharpness  # a float, or a tensor
+        alpha = self.attend(projected, h, emb, sharpness)  # (B, L)
         loc = choose_locations(alpha, mode, generator)  # (B,) or None
         h, c, z = self.advance(features, alpha, emb, h, c, loc, joined)
         return self.output(emb, h, z, joined), h, c, alpha, loc

@@ -152,7 +152,7 @@ def sample_captions(
 
 
 def greedy_tokens(
-    decoder: AttentionDecoder, features: torch.Tensor, max_len: int, compiled: bool | None = None
+    decoder: AttentionDecoder, features: torch.Tensor, max_len: int, compiled: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The test-time greedy captions (beam size 1 of the one decoding routine), without dropout; its blocks
     of steps `compiled` as `decoding.decode.beam_search` says.
@@ -183,14 +183,14 @@ class SelfCritical(Term):
         cfg: samples, baseline, reward weights.
         scorer: rewards against the training references (`training_scorer`).
         max_len: most words per sampled caption.
-        compiled: the greedy baseline's search compiled on a GPU (`fit --cuda-graphs`): None, else False.
+        compiled: the greedy baseline's search compiled (`fit` on a GPU with `--cuda-graphs auto`).
     """
 
     name = "scst"
     capturable = False
     teacher_forced = False
 
-    def __init__(self, cfg: ScstConfig, scorer: NgramScorer, max_len: int, *, compiled: bool | None = None):
+    def __init__(self, cfg: ScstConfig, scorer: NgramScorer, max_len: int, *, compiled: bool = False):
         super().__init__(1.0)
         self.cfg, self.scorer, self.max_len, self.compiled = cfg, scorer, max_len, compiled
         self._report: dict[str, torch.Tensor] = {}

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from captioner.compiled import earns_back
+from captioner.compiled import earns_back, search_compiles
 from captioner.data.images import load_image
 from captioner.decoding.decode import Hypothesis
 from captioner.decoding.settings import Decoding, decode
@@ -138,27 +138,30 @@ class Captioner:
             encoder_weights=trained.encoder_weights,
         )
 
-    def compile_search(self, warm: Sequence[int] = ()) -> float:
+    def compile_search(self, batch_sizes: Sequence[int] = (), decodings: Sequence[Decoding] = (Decoding(),)) -> float:
         """From here on, on a GPU (and with `graphs`), search with the block of steps compiled and replayed as
         CUDA graphs (`decoding.search_state`): worth it for a server, or for thousands of searches (a
         `caption_batch` of that many chunks does it by itself: `compiled.earns_back`).
 
         Args:
-            warm: batch sizes to compile for now, at the default decoding settings (a server before it
-                says it is ready), rather than at the first search of each.
+            batch_sizes, decodings: compile now for every batch of these sizes under each of these settings
+                (a server, before it says it is ready), rather than at the first search of each. PyTorch keeps
+                CUDA graphs per thread: call it on the thread that will search.
 
         Returns:
             The seconds spent compiling now.
         """
-        self.compiling = self.graphs and self.device.type == "cuda"
-        if not (self.compiling and warm):
+        self.compiling = search_compiles(self.device, self.graphs)
+        if not (self.compiling and batch_sizes):
             return 0.0
         began = time.monotonic()
         D, grid = self.decoder.config.encoder_dim, self.encoder_spec.grid
         with torch.inference_mode():
-            for b in sorted({_padded_size(b) for b in warm}):
+            for b in sorted({_padded_size(b) for b in batch_sizes}):
                 feats = torch.zeros(b, grid * grid, D, device=self.device)  # (b, L, D)
-                decode(self.decoder, feats, Decoding(), max_len=self.max_len, compiled=True)
+                for settings in decodings:
+                    if settings.how.compiles:
+                        decode(self.decoder, feats, settings, max_len=self.max_len, compiled=True)
         return time.monotonic() - began
 
     def _inputs(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:

@@ -1,10 +1,12 @@
-"""Concurrent caption requests batched into shared forward passes, each failure kept its own."""
+"""Concurrent caption requests batched into shared forward passes, each failure kept its own, on one thread
+that also compiles the search before it serves (PyTorch keeps CUDA graphs per thread)."""
 
 from __future__ import annotations
 
 import collections
 import queue
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 from PIL import Image
@@ -19,13 +21,20 @@ class Batcher:
     Requests that wait while a batch runs form the next batch (up to `max_batch_size`,
     grouped by their decoding settings). If a batch fails, its images are retried one at a
     time, so an error reaches only the request that caused it.
+
+    Args:
+        captioner: the model.
+        max_batch_size: most images per batch.
+        warm: decoding settings whose searches the thread compiles for every batch size first
+            (`Captioner.compile_search`; on a GPU only), before it takes requests; `ready` says when.
     """
 
-    def __init__(self, captioner: Captioner, *, max_batch_size: int = 8):
+    def __init__(self, captioner: Captioner, *, max_batch_size: int = 8, warm: Sequence[Decoding] = ()):
         self.captioner, self.max_batch_size = captioner, max_batch_size
         self._queue: queue.Queue[tuple | None] = queue.Queue()  # (image, Decoding, Future)
-        self._thread = threading.Thread(target=self._loop, name="captioner-batcher", daemon=True)
-        self._thread.start()
+        self.ready: Future[float] = Future()  # the seconds spent compiling, once the thread serves
+        self.thread = threading.Thread(target=self._serve, args=(tuple(warm),), name="captioner-batcher", daemon=True)
+        self.thread.start()
 
     def caption(self, image: Image.Image, decoding: Decoding | None = None) -> Caption:
         """Caption one decoded image, sharing a forward pass with concurrent callers."""
@@ -36,7 +45,15 @@ class Batcher:
     def close(self) -> None:
         """Stop the worker after the requests already queued."""
         self._queue.put(None)
-        self._thread.join()
+        self.thread.join()
+
+    def _serve(self, warm: tuple[Decoding, ...]) -> None:
+        try:
+            sizes = range(1, self.max_batch_size + 1)
+            self.ready.set_result(self.captioner.compile_search(sizes, warm) if warm else 0.0)
+        except Exception as e:  # the server says so (`ready`); requests are still answered, eagerly
+            self.ready.set_exception(e)
+        self._loop()
 
     def _loop(self) -> None:
         while (first := self._queue.get()) is not None:

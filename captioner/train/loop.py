@@ -123,7 +123,7 @@ def validate_and_save(
     """
     schedule, searches = cfg.schedule, step_compiling(cfg.optim, device) == compiled.GRAPHS
     try:
-        metrics = validate(live, data, schedule, d=d, device=device, compiled=None if searches else False)
+        metrics = validate(live, data, schedule, d=d, device=device, compiled=searches)
     except Exception:  # the epoch's steps are kept, and counted once scored: a resume validates them first
         checkpoints.save(checkpoints.last_path, progress, {}, final=True)
         raise

@@ -211,8 +211,9 @@ def stage(
     """The objective of the settled configs and its batch source: on the cached features, or on a
     fine-tuned encoder's inputs (which also makes the views of the consistency's share of captions)."""
     if cfg.objective == "scst":
-        scorer, compiled = training_scorer(data, cfg.scst.end_token), cfg.optim.cuda_graphs == "auto"
-        terms = [SelfCritical(cfg.scst, scorer, data.max_len, compiled=None if compiled else False)]
+        scorer = training_scorer(data, cfg.scst.end_token)
+        compiled = cfg.optim.cuda_graphs == "auto" and decoder.feature_mean.is_cuda  # a search at every step
+        terms = [SelfCritical(cfg.scst, scorer, data.max_len, compiled=compiled)]
         return Stage(Objective(decoder, terms), TrainingImages(data, cfg.optim.batch_size), tuned=False)
     # `settle` set the consistency to 0 where neither the prepared views nor an encoder's own will be
     views = cfg.terms.consistency > 0 and (tuning is not None or data.views is not None)

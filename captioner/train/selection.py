@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def validate(
-    live: Live, data: CaptionData, schedule: ScheduleConfig, *, d: distributed.Dist, device, compiled: bool | None
+    live: Live, data: CaptionData, schedule: ScheduleConfig, *, d: distributed.Dist, device, compiled: bool
 ) -> dict:
     """Generation-based validation of the weights' average (or the weights), split over processes and scored
     on the gathered captions; the searches `compiled` as `decoding.decode.beam_search` says."""

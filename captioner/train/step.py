@@ -1,4 +1,4 @@
-"""One optimisation step, the same on every device; compiled by PyTorch where it earns its compile.
+"""One optimisation step, the same on every device; its forward and backward compiled by PyTorch where asked.
 
 `TrainStep` takes a batch to an applied (or skipped) update: the objective's loss and terms, backward,
 clipping, Adam, the weights' moving average and the terms' own state, with nothing read back to the
@@ -7,12 +7,13 @@ Adam's `found_inf`). The terms are summed on the device and read back at each lo
 Under DDP the batch's word count and the skip flag are summed over processes on the device.
 
 Compiled (`compiled`; docs/training.md#coco-on-one-gpu), with fixed shapes and capturable terms: the
-forward, and the backward AOTAutograd makes of it, under `torch.compile(mode=...)`, one compile per
-length bucket ("reduce-overhead" on a GPU: CUDA graphs); the update compiled apart in the default
-mode, as PyTorch's tutorial on compiled optimizers does. The compiled forward draws from the device's
-default generator, not `generator`. Its learning rates are tensors it keeps (a float a schedule sets
-is copied in). Under DDP the forward compiles in the default mode and the update, which all-reduces,
-runs eagerly; so does an fp16 run's update. A compile that fails: `compiled.Compiled`.
+objective's forward, and the backward AOTAutograd makes of it, under `torch.compile(mode=...)`, whole
+(`fullgraph`), one compile per length bucket ("reduce-overhead" on a GPU: CUDA graphs). The forward
+compiles in place, so that under DDP the DDP module calls it: PyTorch's documented way, DDP's own forward
+eager and the module it wraps compiled (in the default mode there, which splits the graph at DDP's
+buckets). The compiled forward draws from the device's default generator, not `generator`. The update
+runs eagerly: its optimizer step is PyTorch's fused Adam, one kernel per group, which the compiler does
+not trace. A compile that fails: `compiled.Compiled`.
 
 Shapes: B captions (images for SCST), T tokens.
 """
@@ -32,14 +33,8 @@ RECOMPILES = 16  # most compiles of a step's forward: a few length buckets, in t
 
 
 def make_optimizer(groups: list[dict], lr: float, device: torch.device) -> torch.optim.Adam:
-    """Adam, fused into one kernel per step (CPU and CUDA). On CUDA its learning rates are tensors and
-    its state capturable, so that a CUDA graph can replay its step and the schedule can still change the
-    rate (in place)."""
-    cuda = device.type == "cuda"
-    if cuda:
-        groups = [{**g, "lr": torch.tensor(g.get("lr", lr), device=device)} for g in groups]
-    rate = torch.tensor(lr, device=device) if cuda else lr
-    return torch.optim.Adam(groups, lr=rate, fused=True, capturable=cuda)
+    """Adam, fused into one kernel per step (CPU and CUDA)."""
+    return torch.optim.Adam(groups, lr=lr, fused=True)
 
 
 class TrainStep:
@@ -81,24 +76,22 @@ class TrainStep:
         self.sums: dict[str, torch.Tensor] = {}  # each term's sum over the applied steps since `read`
         self.applied = torch.zeros((), device=device)
         self.skipped = torch.zeros((), device=device)
-        self.passes = self.update = None
+        self.passes = None
         if compiled is not None and self.module.capturable:
-            mode = "default" if d.active else compiled
-            forward = torch.compile(self._forward, mode=mode, fullgraph=True, dynamic=False)
+            # The objective's forward compiles in place, so that DDP, where it wraps the objective, calls it.
+            mode, eager = "default" if d.active else compiled, type(self.module).forward.__get__(self.module)
+            self.module.forward = torch.compile(eager, mode=mode, fullgraph=True, dynamic=False)
+
+            def eager_pass(*args):
+                self.module.forward = eager
+                return self._pass(*args)
+
             what = "the training step's forward and backward"
-            compiled_pass = lambda *a: self._pass(*a, forward=forward)
-            self.passes = Compiled(self._pass, what, mode=mode, compiled=compiled_pass, limit=RECOMPILES)
-            if not d.active and not self.scaler.is_enabled():
-                self.update = Compiled(self._update, "the training step's update", mode="default", fullgraph=False)
-        # The rates a compiled step reads: tensors on the device, the same objects for the whole run.
-        self.rates = [_rate(g["lr"], device) for g in optimizer.param_groups] if self.passes else []
-        for group, rate in zip(optimizer.param_groups, self.rates):
-            group["lr"] = rate
+            self.passes = Compiled(eager_pass, what, mode=mode, compiled=self._pass, limit=RECOMPILES)
 
     def __call__(self, batch) -> None:
         """One step on this process's share of a global batch (already on the device)."""
         self.objective.train()
-        self._sync_rates()
         count = batch.count
         if self.d.active:  # the global batch's words over processes: N processes give one big batch's gradient
             count = count.clone()
@@ -109,31 +102,14 @@ class TrainStep:
         for name in [*values, "grad_norm"]:
             if name not in self.sums:
                 self.sums[name] = torch.zeros((), device=self.device)
-        (self.update or self._update)(values)
+        self._update(values)
 
-    def _sync_rates(self) -> None:
-        """Put each group's current rate into the tensor the graphs read (a float where a schedule set one)."""
-        for group, rate in zip(self.optimizer.param_groups, self.rates):
-            lr = group["lr"]
-            if lr is rate:
-                continue
-            if torch.is_tensor(lr):
-                rate.copy_(lr)
-            else:
-                rate.fill_(lr)
-            group["lr"] = rate
-
-    def _forward(self, batch, count: torch.Tensor, generator: torch.Generator | None):
-        with autocast(self.device, AMP_DTYPES[self.cfg.amp]):
-            return self.objective(batch, count, generator)
-
-    def _pass(self, batch, count: torch.Tensor, *, forward=None) -> dict[str, torch.Tensor]:
+    def _pass(self, batch, count: torch.Tensor) -> dict[str, torch.Tensor]:
         """Forward and backward (gradients start from None, so the backward writes them): the loss and the
-        terms' values. A compiled `forward` draws from the default generator (module doc)."""
-        if forward is None:
-            loss, values = self._forward(batch, count, self.generator)
-        else:
-            loss, values = forward(batch, count, None)
+        terms' values. A compiled forward draws from the default generator (module doc)."""
+        generator = None if self.passes is not None and self.passes.failed is None else self.generator
+        with autocast(self.device, AMP_DTYPES[self.cfg.amp]):
+            loss, values = self.objective(batch, count, generator)
         self.scaler.scale(loss).backward()
         return {"loss": loss.detach(), **values}
 
@@ -177,7 +153,3 @@ class TrainStep:
             applied, skipped = applied / self.d.world, skipped / self.d.world
         means = {k: (v / self.d.world) / applied if applied else float("nan") for k, v in zip(names, values)}
         return means, int(round(skipped))
-
-
-def _rate(lr, device: torch.device) -> torch.Tensor:
-    return lr if torch.is_tensor(lr) and lr.device == device else torch.tensor(float(lr), device=device)
