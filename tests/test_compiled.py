@@ -33,6 +33,7 @@ from captioner.train.parts import step_compiling
 
 SMALL = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0)
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device named, not used: the decision alone
+ON_A_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 @pytest.fixture
@@ -293,12 +294,48 @@ def test_searches_read_their_large_inputs_from_one_place(fresh_search):
     assert places[0] == places[1]
 
 
-def compiling_on_this_cpu(monkeypatch, source: str):
-    """A Captioner whose search compiles where a GPU's would (`compile_search`), on this CPU in the default mode."""
+def compiling_on_this_cpu(monkeypatch, source: str, device: str = "cpu"):
+    """A Captioner whose search compiles where a GPU's would (`compile_search`), on a CPU in the default mode."""
     from captioner.serve import api
 
     monkeypatch.setattr(api, "search_compiles", lambda device, graphs: graphs)
-    return api.Captioner.load(source)
+    return api.Captioner.load(source, device=device)
+
+
+@ON_A_GPU
+def test_a_compiled_search_on_a_gpu_copies_its_large_inputs_once_not_at_every_replay(fresh_search, monkeypatch):
+    """A search of 20 steps replays its CUDA graph 6 times. What PyTorch's graph trees copy into the graph's
+    own inputs at each replay (`_copy_inputs_and_remove_from_src`, counted here): with the search's inputs in
+    static buffers, less than the beams' features once a search; with plain inputs, those features and their
+    projection at every replay."""
+    from torch._inductor import cudagraph_trees
+
+    from captioner.decoding import search_state
+
+    decoder, feats = tiny_decoder().cuda(), torch.randn(8, 196, 512, device="cuda")
+    copied_bytes = []
+    copy = cudagraph_trees.CUDAGraphNode._copy_inputs_and_remove_from_src
+
+    def counted(node, dsts, srcs):
+        plain = [srcs[i] for i in node.non_static_input_idx if torch.is_tensor(srcs[i])]
+        copied_bytes.append(sum(t.numel() * t.element_size() for t in plain))
+        return copy(node, dsts, srcs)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphNode, "_copy_inputs_and_remove_from_src", counted)
+
+    def bytes_a_search() -> int:
+        for _ in range(3):  # compile, record, replay
+            beam_search(decoder, feats, beam_size=3, max_len=20, compiled=True)
+        copied_bytes.clear()
+        beam_search(decoder, feats, beam_size=3, max_len=20, compiled=True)
+        return sum(copied_bytes)
+
+    features = 24 * 196 * 512 * 4  # the beams' features, in bytes
+    static = bytes_a_search()
+    monkeypatch.setattr(search_state, "static_copy", lambda name, t: t)
+    plain = bytes_a_search()
+    assert compiled_block(GRAPHS).failed is None and not compiled_block(GRAPHS).graphless
+    assert static < features and plain >= 5 * features, (static, plain)
 
 
 def test_a_server_whose_compile_is_refused_answers_every_request_eagerly(fresh_search, monkeypatch):
@@ -328,21 +365,25 @@ def test_a_server_whose_compile_is_refused_answers_every_request_eagerly(fresh_s
 
 
 @pytest.mark.slow
-def test_a_server_compiles_on_the_thread_that_serves_and_serves_other_settings_compiled(fresh_search, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
+def test_a_server_compiles_on_the_thread_that_serves_and_serves_other_settings_compiled(
+    fresh_search, monkeypatch, device
+):
     """The batcher compiles the page's searches on its own thread before it serves (PyTorch keeps CUDA graphs
     per thread); then requests at beam 3, at beam 5 and with max lengths 20 and 21 run on what it compiled:
-    no new compile, no fallback, the captions of an eager search."""
+    no new compile, no fallback (on a GPU: CUDA graphs for all), the captions of an eager search."""
+    from captioner.compiled import compile_mode
     from captioner.decoding.settings import Decoding
     from captioner.serve.batcher import Batcher
     from captioner.serve.sources import demo_model, example_images
 
-    cap = compiling_on_this_cpu(monkeypatch, demo_model())
+    cap = compiling_on_this_cpu(monkeypatch, demo_model(), device)
     images = example_images()[:2]
     warm = [Decoding(beam_size=k) for k in (1, 3, 5)]
     batcher = Batcher(cap, max_batch_size=2, warm=warm)
     try:
         assert batcher.ready.result() > 0
-        block = compiled_block("default")
+        block = compiled_block(compile_mode(cap.device, graphs=True))
         assert block.threads == {batcher.thread.ident} != {threading.get_ident()}
         graphs = graphs_compiled()
         for settings in (Decoding(beam_size=3), Decoding(beam_size=5), Decoding(max_len=20), Decoding(max_len=21)):
@@ -353,7 +394,7 @@ def test_a_server_compiles_on_the_thread_that_serves_and_serves_other_settings_c
             assert [c.text for c in got] == [c.text for c in want]
             for a, b in zip(got, want):
                 np.testing.assert_allclose(a.attention, b.attention, atol=1e-4)
-        assert graphs_compiled() == graphs and block.failed is None
+        assert graphs_compiled() == graphs and block.failed is None and not block.graphless
     finally:
         batcher.close()
 
