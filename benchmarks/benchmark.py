@@ -18,6 +18,7 @@
 - caption: one image through `Captioner.caption` at beam 3, beside the bare VGG16 forward.
 - scst: one self-critical step (sampling, CIDEr-D reward, backward, Adam) and the reward's share.
 - objective: a training step on the default objective against the paper's, soft and hard.
+- onnx: one caption and `caption_batch` on onnxruntime (`captioner export --onnx`) against PyTorch (CPU).
 Then an estimate of COCO's times from the figures measured: `prepare`, one epoch of `fit`, and
 captioning the 5,000 test images. Timings alternate between the things compared, so that
 machine noise hits them alike, and report medians.
@@ -577,6 +578,53 @@ def bench_caption_batch(device: torch.device, repeats: int, batch: int = 64) -> 
     return rates
 
 
+def bench_onnx(repeats: int, batch: int = 16) -> None:
+    """The bundled model on onnxruntime (`captioner export --onnx`) against PyTorch on the CPU, interleaved: one
+    caption at beam 3, and `caption_batch` of `batch` photos; then each runtime's encoder and search alone."""
+    from captioner import Captioner
+    from captioner.decoding.beams import search
+    from captioner.decoding.decode import DecoderStep
+    from captioner.serve.onnx_export import export_onnx
+    from captioner.serve.onnx_runtime import OnnxStep
+    from captioner.serve.sources import demo_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        export_onnx(demo_model(), tmp)
+        onnx = Captioner.load(tmp)
+    cap = Captioner.load(demo_model())
+    rs = np.random.RandomState(3)
+    images = [photo(rs) for _ in range(batch)]
+    x = torch.stack([cap.preprocess(im) for im in images[:1]])
+    array = x.numpy()
+    with torch.inference_mode():
+        feats = cap.encoder(x)
+        t = interleaved(
+            {
+                "one caption, PyTorch": lambda: cap.caption(images[0], beam_size=3),
+                "one caption, onnxruntime": lambda: onnx.caption(images[0], beam_size=3),
+                "  encoder, PyTorch (optimize_encoder)": lambda: cap.encoder(x),
+                "  encoder, onnxruntime": lambda: onnx.sessions["encoder.onnx"].run(None, {"images": array}),
+                "  search, PyTorch": lambda: search(
+                    DecoderStep(cap.decoder, feats, 3, mode="expected", generator=None, sharpness=None), cap.max_len
+                ),
+                "  search, onnxruntime": lambda: search(OnnxStep(onnx, feats.numpy(), 3, onnx.sharpness), onnx.max_len),
+                f"caption_batch of {batch}, PyTorch": lambda: cap.caption_batch(images, beam_size=3, batch_size=batch),
+                f"caption_batch of {batch}, onnxruntime": lambda: onnx.caption_batch(
+                    images, beam_size=3, batch_size=batch
+                ),
+            },
+            repeats,
+            torch.device("cpu"),
+            warmup=2,
+        )
+    threads = torch.get_num_threads()
+    print(f"onnxruntime against PyTorch on the CPU, bundled model, beam 3, 640x480 photos ({threads} threads):")
+    for name, ts in t.items():
+        print(f"  {name:42s} {fmt(ts)}")
+    for what in ("one caption", f"caption_batch of {batch}"):
+        print(f"  {what}: onnxruntime {med(t[f'{what}, PyTorch']) / med(t[f'{what}, onnxruntime']):.2f}x as fast")
+
+
 def estimate_coco(decoder: dict | None, prepare: dict | None) -> None:
     """COCO's times from the figures measured: prepare, an epoch of fit at each batch size, the test split."""
     print(
@@ -658,7 +706,7 @@ def main(argv=None) -> None:
         "--only",
         default=None,
         help="comma-separated sections of encoder, decoder, kernels, prepare, caption, search, batch, scst, "
-        "objective (default: all; kernels and search on a GPU only)",
+        "objective, onnx (default: all; kernels and search on a GPU only, onnx on a CPU only)",
     )
     p.add_argument("--steps", type=int, default=10, help="timed repetitions per measurement")
     p.add_argument(
@@ -702,7 +750,7 @@ def main(argv=None) -> None:
     every = (
         "encoder,decoder,kernels,prepare,caption,search,batch,scst,objective"
         if cuda
-        else "encoder,decoder,prepare,caption,scst,objective"
+        else "encoder,decoder,prepare,caption,scst,objective,onnx"
     )
     sections = (args.only or every).split(",")
     variants = (args.decoder_variants or ("fp32,tf32,bf16,compile" if cuda else "fp32")).split(",")
@@ -728,6 +776,8 @@ def main(argv=None) -> None:
         bench_scst(args.steps)
     if "objective" in sections:
         bench_objective(device, args.steps)
+    if "onnx" in sections and not cuda:
+        bench_onnx(args.steps)
     if decoder or prepare:
         estimate_coco(decoder, prepare)
 

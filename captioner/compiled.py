@@ -26,8 +26,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the command line reads this module's constants
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,8 @@ class Compiled:
         dynamic: bool | None = False,
         limit: int = 8,
     ):
+        import torch
+
         self.fn, self.what, self.mode, self.limit = fn, what, mode, limit
         self.compiled = compiled or torch.compile(fn, mode=mode, fullgraph=True, dynamic=dynamic)
         self.failed: str | None = None  # why it runs eagerly, once it does
@@ -122,6 +126,8 @@ class Compiled:
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
     """Autocast to `dtype` (None: none)."""
+    import torch
+
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
@@ -129,4 +135,6 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 
 def no_autocast(device: torch.device):
     """Leave a caller's autocast region: the search runs in the model's own precision."""
+    import torch
+
     return torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()

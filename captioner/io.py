@@ -20,8 +20,6 @@ import re
 import shutil
 from collections.abc import Iterator
 
-import torch
-
 from captioner.errors import CaptionerError
 
 
@@ -61,6 +59,8 @@ def read_torch(path: str, *, name: str, kind: str, hint: str = "", map_location=
     Raises:
         CaptionerError: the file holds pickled objects, or is truncated, corrupt or not torch's format.
     """
+    import torch  # here: reading JSON needs no torch
+
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:

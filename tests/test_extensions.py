@@ -11,7 +11,7 @@ import json
 import torch
 
 from captioner.decoding import settings
-from captioner.decoding.decode import hypotheses
+from captioner.decoding.beams import hypotheses
 from captioner.decoding.search_state import Search, step_logits
 from captioner.models.decoder import DecoderConfig
 from captioner.models.vocab import END_ID, PAD_ID

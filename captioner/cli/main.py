@@ -1,5 +1,6 @@
 """`captioner`: caption images (`caption`), serve the web demo (`demo`), share a model (`export`), check a
-device (`selfcheck`)."""
+device (`selfcheck`). `captioner caption --runtime onnx` imports no torch: PyTorch's modules are imported
+where the other paths use them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 from tqdm import tqdm
 
@@ -19,9 +20,9 @@ from captioner.decoding.settings import Decoding
 from captioner.demo.options import DemoOptions
 from captioner.errors import CaptionerError, OptionError
 from captioner.io import write_json_atomic
-from captioner.options import Device, add_options, check_device, check_positive, choose_device, from_args
+from captioner.options import Device, add_options, check_device, check_positive, from_args
 from captioner.serve import bulk
-from captioner.serve.api import Captioner
+from captioner.serve.onnx_runtime import OnnxCaptioner, is_onnx_folder
 from captioner.serve.sources import model_source
 
 
@@ -53,6 +54,11 @@ class CaptionOptions:
     batch_size: Annotated[int, "images per batch through the model"] = 8
     workers: Annotated[int, "threads decoding images while the model runs (0: none)"] = 2
     device: Device = "auto"
+    runtime: Annotated[
+        Literal["auto", "torch", "onnx"],
+        "torch: PyTorch; onnx: onnxruntime, on a folder `captioner export --onnx` wrote (no torch needed); "
+        "auto: onnx for such a folder, else torch",
+    ] = "auto"
     graphs: Annotated[
         bool, "on a GPU, compile the search and replay it as CUDA graphs for thousands of images (--no-graphs: never)"
     ] = True
@@ -100,8 +106,19 @@ def get_parser() -> argparse.ArgumentParser:
         help="write a trained model as a folder to share: model.safetensors, "
         "config.json, vocab.json and a README.md model card",
     )
-    ep.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint written by `train.py fit` (or a pinned URL)")
-    ep.add_argument("out", metavar="DIR", help="the folder to write (publish it with `hf upload ORG/NAME DIR .`)")
+    ep.add_argument(
+        "checkpoint", nargs="?", metavar="CHECKPOINT", help="a checkpoint written by `train.py fit` (or a pinned URL)"
+    )
+    ep.add_argument(
+        "out", nargs="?", metavar="DIR", help="the folder to write (publish it with `hf upload ORG/NAME DIR .`)"
+    )
+    ep.add_argument(
+        "--onnx",
+        metavar="DIR",
+        help="write the model as ONNX graphs into DIR instead, for onnxruntime without PyTorch (`captioner caption "
+        "--runtime onnx --checkpoint DIR`); the bundled model unless --checkpoint names another",
+    )
+    ep.add_argument("--checkpoint", dest="model", metavar="MODEL", help="with --onnx: the model to export")
     add_options(
         sub.add_parser(
             "selfcheck",
@@ -120,12 +137,12 @@ def _caption(args: argparse.Namespace) -> int:
             "using the bundled demo model (synthetic coloured shapes only); --checkpoint chooses another",
             file=sys.stderr,
         )
-    cap = Captioner.load(model_source(opts.checkpoint), device=str(choose_device(opts.device)), graphs=opts.graphs)
+    cap = _load(model_source(opts.checkpoint), opts)
     log = bulk.ResultLog(opts.log_path, resume=opts.resume) if opts.log_path else None
     done = log.done if log else {}
     ids = bulk.image_ids(list(dict.fromkeys([*done, *paths])))  # one id type over old and new
     todo = [p for p in paths if p not in done]
-    if earns_back(-(-len(todo) // opts.batch_size)):
+    if not isinstance(cap, OnnxCaptioner) and earns_back(-(-len(todo) // opts.batch_size)):
         cap.compile_search()
     if done:
         print(
@@ -171,11 +188,28 @@ def _caption(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shown(cap: Captioner, opts: CaptionOptions, bar):
-    """What happens to each captioned image: its line on stdout, notes on stderr, its figure."""
-    from captioner.serve.heatmaps import attention_figure, figure_png
+def _load(source: str, opts: CaptionOptions):
+    """The model on the runtime `--runtime` names: a `Captioner` (PyTorch) or an `OnnxCaptioner`."""
+    onnx = os.path.isdir(source) and is_onnx_folder(source)
+    if opts.runtime == "onnx" or (opts.runtime == "auto" and onnx):
+        if not onnx:
+            raise CaptionerError(f"{source}: --runtime onnx takes a folder that `captioner export --onnx` wrote")
+        return OnnxCaptioner.load(source)
+    if onnx:
+        raise CaptionerError(f"{source}: holds ONNX graphs, which run on onnxruntime: --runtime onnx (or auto)")
+    from captioner.options import choose_device
+    from captioner.serve.api import Captioner
 
+    return Captioner.load(source, device=str(choose_device(opts.device)), graphs=opts.graphs)
+
+
+def _shown(cap, opts: CaptionOptions, bar):
+    """What happens to each captioned image: its line on stdout, notes on stderr, its figure."""
     if opts.figures:
+        try:  # the figures' smoothing is PyTorch's
+            from captioner.serve.heatmaps import attention_figure, figure_png
+        except ImportError as e:
+            raise CaptionerError(f"--figures draws with PyTorch, which cannot be imported here ({e})") from None
         os.makedirs(opts.figures, exist_ok=True)
     if cap.attention_warning and (opts.figures or opts.attention):
         tqdm.write(f"warning: {cap.attention_warning}", file=sys.stderr)
@@ -191,7 +225,7 @@ def _shown(cap: Captioner, opts: CaptionOptions, bar):
                 image,
                 out.words,
                 out.attention,
-                preprocess=cap.encoder_spec.preprocess,
+                preprocess=cap.preprocess,
                 locations=out.locations,
                 title=out.text,
                 warning=cap.attention_warning,
@@ -218,6 +252,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.onnx:
+        from captioner.serve.onnx_export import export_onnx
+        from captioner.serve.onnx_runtime import FILES
+
+        if args.out or (args.checkpoint and args.model):
+            raise OptionError("captioner export --onnx DIR [--checkpoint MODEL]: the model once, the folder once")
+        print(f"wrote {export_onnx(model_source(args.model or args.checkpoint), args.onnx)}: {', '.join(FILES)}")
+        return 0
+    if not (args.checkpoint and args.out):
+        raise OptionError("captioner export CHECKPOINT DIR (or captioner export --onnx DIR [--checkpoint MODEL])")
     from captioner.serve.export import export
 
     print(f"wrote {export(args.checkpoint, args.out)}: model.safetensors, config.json, vocab.json, README.md")

@@ -1,17 +1,10 @@
-"""The one decoding routine: batched beam search (greedy is beam size 1 of it).
+"""The one decoding routine: batched beam search (greedy is beam size 1 of it), on PyTorch.
 
-Used by validation, evaluation, the Python API, the web demo and the notebooks. Each image
-keeps K beams; a beam that emits <end> is frozen (it extends only with <pad> at no cost) so all
-beams advance in lock-step as tensors; at `max_len` words every unfinished beam is made to end,
-paying <end>'s own log-probability, so the search always terminates and a cut caption does not
-outrank finished ones; <end> is not allowed as the first word, so every caption has at least one
-(a barely trained model otherwise ranks the empty caption first, and the page, the API and the
-metrics get nothing to show). The history is kept as back-pointers in buffers allocated once,
-and the captions are traced back at the end, so nothing grows or is copied per step.
-
-One search, two shapes (the same captions and maps: tests):
-- packed (CPUs): the decoder runs only on the beams still writing (not on finished beams, nor on
-  the K−1 empty beams of the first step), and the search stops as soon as none writes;
+Used by validation, evaluation, the Python API, the web demo and the notebooks. One search, two shapes
+(the same captions and maps: tests):
+- packed (CPUs): `decoding.beams.search`, written once for PyTorch's tensors and onnxruntime's arrays,
+  over the decoder's step here (`DecoderStep`): only the beams still writing take a step, and the
+  search stops as soon as none writes;
 - fixed (GPUs): every beam steps every time, a finished beam's step thrown away, and the host
   looks at the device only every `CHECK_EVERY` steps to see whether all beams have ended
   (`decoding.search_state`). Where a caller asks (`compiled`), each block of steps is compiled, and on
@@ -22,30 +15,14 @@ Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
-from captioner.decoding.search_state import Search, banned, fixed_length, fixed_search
+from captioner.decoding.beams import Hypothesis, best_first, host, hypotheses, search, trace
+from captioner.decoding.search_state import Search, fixed_length, fixed_search
 from captioner.models.attention import EXPECTED
 from captioner.models.decoder import AttentionDecoder
-from captioner.models.vocab import END_ID, PAD_ID
 
-
-@dataclass
-class Hypothesis:
-    """One decoded caption."""
-
-    tokens: list[int]  # word ids, without <start> and <end>
-    score: float  # sum of log-probabilities, <end> included
-    attention: np.ndarray  # (len(tokens), L): α used to produce each word
-    locations: np.ndarray  # (len(tokens),): chosen location per word (-1 for expected context)
-    ended: bool  # False when cut at max_len: <end> was the only word allowed
-
-    @property
-    def normalized_score(self) -> float:
-        return self.score / (len(self.tokens) + 1)
+__all__ = ["DecoderStep", "Hypothesis", "beam_search"]
 
 
 @torch.inference_mode()
@@ -85,105 +62,65 @@ def beam_search(
     if beam_size < 1 or max_len < 1:
         raise ValueError(f"beam_size and max_len must be positive, got {beam_size} and {max_len}")
     if (shapes or ("fixed" if features.is_cuda or compiled else "packed")) == "packed":
-        s = Search.start(decoder, features, beam_size, max_len + 1, ban_unk)
-        steps = _packed(decoder, s, max_len, mode, generator, ban_unk, sharpness)
-    else:
-        s = Search.start(decoder, features, beam_size, fixed_length(max_len), ban_unk, static=compiled)
-        steps = fixed_search(decoder, s, max_len, mode, generator, sharpness, compiled=compiled)
+        step = DecoderStep(decoder, features, beam_size, mode=mode, generator=generator, sharpness=sharpness)
+        return search(step, max_len, ban_unk, length_norm)
+    s = Search.start(decoder, features, beam_size, fixed_length(max_len), ban_unk, static=compiled)
+    steps = fixed_search(decoder, s, max_len, mode, generator, sharpness, compiled=compiled)
     # The history goes to the host in one copy each, and is traced back there.
-    history = (x[:steps].cpu() for x in (s.word, s.parent, s.alpha, s.loc))
-    found = hypotheses(*_trace(*history), s.scores, max_len)
-    key = (lambda hyp: hyp.normalized_score) if length_norm else (lambda hyp: hyp.score)
-    return [sorted(hyps, key=key, reverse=True) for hyps in found]
+    history = (host(x[:steps]) for x in (s.word, s.parent, s.alpha, s.loc))
+    return best_first(hypotheses(*trace(*history), s.scores, max_len), length_norm)
 
 
-def _packed(decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator, ban_unk: bool, sharpness) -> int:
-    """The search stepping only the beams still writing; returns the steps taken."""
-    B, K = s.scores.shape
-    V = decoder.config.vocab_size
-    offsets = (torch.arange(B, device=s.words.device) * K).unsqueeze(1)  # (B, 1)
-    for t in range(max_len + 1):
-        rows = s.writing.nonzero().squeeze(1)  # (n,) only the beams still writing take a step
-        logits, alpha, loc = _step(decoder, s, rows, mode, generator, sharpness)
-        s.alpha[t].index_copy_(0, rows, alpha.to(s.alpha.dtype))
-        if loc is not None:
-            s.loc[t].index_copy_(0, rows, loc)
-        step_logp = _allowed(
-            logits.float().log_softmax(dim=-1), banned(first=t == 0, ban_unk=ban_unk), last=t == max_len
+class TorchArrays:
+    """`decoding.beams.Arrays` of PyTorch, on one device."""
+
+    DTYPES = {"float": torch.float32, "long": torch.long, "bool": torch.bool}
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def full(self, shape, value, dtype):
+        return torch.full(shape, value, dtype=self.DTYPES[dtype], device=self.device)
+
+    def arange(self, n):
+        return torch.arange(n, device=self.device)
+
+    def topk(self, x, k):
+        return x.topk(k, dim=1)
+
+    def flatnonzero(self, mask):
+        return mask.nonzero().squeeze(1)
+
+    def isfinite(self, x):
+        return x.isfinite()
+
+
+class DecoderStep:
+    """The decoder's step over the K beams of each image of a batch (`decoding.beams.Step`): the features
+    standardised and projected once, and the step's weights joined once (`AttentionDecoder.joined`).
+
+    Args:
+        features: (B, L, D) annotation vectors.
+        mode, generator, sharpness: as `beam_search` takes them.
+    """
+
+    def __init__(self, decoder: AttentionDecoder, features: torch.Tensor, K: int, *, mode, generator, sharpness):
+        self.decoder, self.mode, self.generator, self.sharpness = decoder, mode, generator, sharpness
+        self.arrays = TorchArrays(features.device)
+        (self.images, self.locations, _), self.beams = features.shape, K
+        self.vocabulary = decoder.config.vocab_size
+        features = decoder.normalize(features)  # (B, L, D)
+        self.state = decoder.init_state(features)  # h_0, c_0 (B, H)
+        self.feats = features.repeat_interleave(K, dim=0)  # (N, L, D)
+        self.projected = decoder.attention.project(features).repeat_interleave(K, dim=0)  # (N, L, A)
+        self.joined = decoder.joined()
+
+    def start(self):
+        return tuple(x.repeat_interleave(self.beams, dim=0) for x in self.state)  # (N, H) each
+
+    def __call__(self, rows, words, h, c):
+        feats, projected = (self.feats, self.projected) if rows is None else (self.feats[rows], self.projected[rows])
+        logits, h, c, alpha, loc = self.decoder.step(
+            feats, projected, words, h, c, self.mode, self.generator, self.joined, self.sharpness
         )
-        # Frozen beams carry their score forward through <pad>; beams without a step get -inf.
-        logp = step_logp.new_full((s.words.size(0), V), float("-inf"))  # (N, V)
-        logp.index_copy_(0, rows, step_logp)
-        logp[s.finished, PAD_ID] = 0.0
-        s.scores, flat = (s.scores.view(-1, 1) + logp).view(B, K * V).topk(K, dim=1)  # (B, K)
-        source = (offsets + flat // V).view(-1)  # (N,) the beam each extends
-        s.words = (flat % V).view(-1)  # (N,)
-        s.word[t], s.parent[t] = s.words, source
-        s.h, s.c = s.h[source], s.c[source]
-        s.finished = s.finished[source] | (s.words == END_ID)
-        s.writing = ~s.finished & s.scores.view(-1).isfinite()
-        if not bool(s.writing.any()):
-            break
-    return t + 1
-
-
-def _step(decoder: AttentionDecoder, s: Search, rows: torch.Tensor, mode: str, generator, sharpness):
-    """The decoder's step for the beams in `rows` (all of them without copying when all write)."""
-    if rows.numel() == s.words.numel():
-        logits, s.h, s.c, alpha, loc = decoder.step(
-            s.feats, s.projected, s.words, s.h, s.c, mode, generator, s.joined, sharpness
-        )
-        return logits, alpha, loc
-    logits, h, c, alpha, loc = decoder.step(
-        s.feats[rows], s.projected[rows], s.words[rows], s.h[rows], s.c[rows], mode, generator, s.joined, sharpness
-    )
-    s.h, s.c = s.h.index_copy(0, rows, h), s.c.index_copy(0, rows, c)
-    return logits, alpha, loc
-
-
-def _allowed(step_logp: torch.Tensor, banned: list[int], *, last: bool) -> torch.Tensor:
-    """A step's log-probabilities (n, V) with the banned words at -inf, and anything but <end> at
-    the last step, where <end> keeps its own log-probability (a caption cut short pays its cost)."""
-    step_logp[:, banned] = float("-inf")
-    if last:
-        step_logp[:, :END_ID] = step_logp[:, END_ID + 1 :] = float("-inf")
-    return step_logp
-
-
-def _trace(hist_word, hist_parent, hist_alpha, hist_loc):
-    """Follow the back-pointers (steps, N) from the final beams: tokens (N, steps), α (N, steps, L), locations."""
-    steps = hist_word.size(0)
-    N = hist_word.size(1)
-    tokens = torch.empty(N, steps, dtype=torch.long, device=hist_word.device)
-    alphas = hist_alpha.new_empty(N, steps, hist_alpha.size(2))
-    locs = torch.empty_like(tokens)
-    beam = torch.arange(N, device=hist_word.device)  # (N,) beam at step t
-    for t in reversed(range(steps)):
-        parent = hist_parent[t, beam]  # (N,)
-        tokens[:, t] = hist_word[t, beam]
-        alphas[:, t] = hist_alpha[t, parent]
-        locs[:, t] = hist_loc[t, parent]
-        beam = parent
-    return tokens, alphas, locs
-
-
-def hypotheses(tokens, alphas, locs, scores, max_len: int) -> list[list[Hypothesis]]:
-    """Each image's captions, in row order, from the rows' tokens (N, T), maps (N, T, L), locations (N, T)
-    and scores (B, K); a row with no finite score (a beam that never had a live parent) is left out."""
-    B, K = scores.shape
-    tokens, scores = tokens.cpu().numpy(), scores.float().cpu().numpy()
-    alphas, locs = alphas.float().cpu().numpy(), locs.cpu().numpy()
-    out = []
-    for b in range(B):
-        hyps = []
-        for k in range(K):
-            i = b * K + k
-            if not np.isfinite(scores[b, k]):
-                continue  # a beam that never had a live parent
-            seq = tokens[i]
-            ends = np.flatnonzero(seq == END_ID)
-            n = int(ends[0]) if len(ends) else len(seq)
-            # A caption of max_len words had <end> forced on it: it was cut, not ended.
-            hyps.append(Hypothesis(seq[:n].tolist(), float(scores[b, k]), alphas[i, :n], locs[i, :n], n < max_len))
-        out.append(hyps)
-    return out
+        return logits.float().log_softmax(dim=-1), h, c, alpha.float(), loc

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from captioner.decoding.decode import Hypothesis, hypotheses
+from captioner.decoding.beams import Hypothesis, hypotheses
 from captioner.decoding.search_state import CHECK_EVERY, Search, step_logits
 from captioner.models.attention import EXPECTED, sample_from
 from captioner.models.decoder import AttentionDecoder

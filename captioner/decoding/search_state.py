@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from captioner.compiled import Compiled, compile_mode, no_autocast
+from captioner.decoding.beams import banned
 from captioner.models.attention import SAMPLE
 from captioner.models.decoder import AttentionDecoder, Joined
-from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
+from captioner.models.vocab import END_ID, PAD_ID, START_ID
 
 CHECK_EVERY = 4  # fixed shapes: steps between looks at whether any beam still writes
 _held = threading.local()  # each thread's buffers for its compiled searches' inputs (`static`)
@@ -37,12 +38,6 @@ def fixed_length(max_len: int) -> int:
     """The steps a fixed-shape search has room for: max_len words and <end>, in whole blocks of
     `CHECK_EVERY` (after <end> is forced at max_len every beam writes only <pad>, free)."""
     return -(-(max_len + 1) // CHECK_EVERY) * CHECK_EVERY
-
-
-def banned(*, first: bool, ban_unk: bool = True) -> list[int]:
-    """The words a caption may not have at a step, in decoding and in SCST's sampling alike:
-    <pad>, <start>, <unk> (unless allowed), and <end> as the first word (every caption has one)."""
-    return [PAD_ID, START_ID] + ([UNK_ID] if ban_unk else []) + ([END_ID] if first else [])
 
 
 @dataclass

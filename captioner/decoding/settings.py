@@ -16,15 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Annotated, Literal, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Literal, NamedTuple
 
-import torch
-
-from captioner.decoding.decode import Hypothesis, beam_search
-from captioner.decoding.sampling import sample_captions
+from captioner.decoding.beams import Hypothesis
 from captioner.errors import OptionError
-from captioner.models.attention import CONTEXT_MODES, EXPECTED, SAMPLE
-from captioner.models.decoder import AttentionDecoder
+from captioner.models.contexts import CONTEXT_MODES, EXPECTED, SAMPLE
+
+if TYPE_CHECKING:  # the settings themselves need no torch: the ONNX runtime reads them too
+    import torch
+
+    from captioner.models.decoder import AttentionDecoder
 
 MAX_BEAMS = 50  # most beams, and most samples, per image
 WHOLE = ("beam_size", "max_len", "top_k", "n", "seed")  # settings that count
@@ -43,11 +44,15 @@ class Method(NamedTuple):
 
 
 def _beam(decoder, features, s, max_len, generator, compiled):
+    from captioner.decoding.decode import beam_search
+
     return beam_search(decoder, features, beam_size=s.beam_size, max_len=max_len, length_norm=s.length_norm,
                        mode=s.context, generator=generator, compiled=compiled, sharpness=s.sharpness)  # fmt: skip
 
 
 def _sampling(decoder, features, s, max_len, generator, compiled):
+    from captioner.decoding.sampling import sample_captions
+
     return sample_captions(decoder, features, n=s.n, max_len=max_len, temperature=s.temperature, top_k=s.top_k,
                            top_p=s.top_p, mode=s.context, generator=generator, sharpness=s.sharpness)  # fmt: skip
 
@@ -188,6 +193,8 @@ def decode(
 
 def seeded(seed: int, device: torch.device) -> torch.Generator | None:
     """A random source on `device`; None on the meta device, which has none (and draws nothing real)."""
+    import torch
+
     if device.type == "meta":
         return None
     return torch.Generator(device=device).manual_seed(int(seed))

@@ -14,7 +14,7 @@ import torch
 
 from captioner.data.dataset import CaptionData
 from captioner.data.encoder_inputs import complete_input_cache, encoded_features
-from captioner.decoding.decode import Hypothesis
+from captioner.decoding.beams import Hypothesis
 from captioner.decoding.settings import Decoding, decode
 from captioner.evaluation.metrics import score_captions
 from captioner.models.decoder import AttentionDecoder

@@ -8,7 +8,17 @@ formats with the places they are read from.
     logits, alphas = dec(features, captions, lengths)   # (B, T-1, V), (B, T-1, L)
 """
 
-from captioner.models.decoder import AttentionDecoder, DecoderConfig
-from captioner.models.encoder import EncoderSpec, build_encoder
-
 __all__ = ["AttentionDecoder", "DecoderConfig", "EncoderSpec", "build_encoder"]
+
+
+def __getattr__(name: str):
+    # The networks load torch: imported when asked for, so that the vocabulary and the formats do not.
+    if name in ("AttentionDecoder", "DecoderConfig"):
+        from captioner.models import decoder
+
+        return getattr(decoder, name)
+    if name in ("EncoderSpec", "build_encoder"):
+        from captioner.models import encoder
+
+        return getattr(encoder, name)
+    raise AttributeError(f"module 'captioner.models' has no attribute {name!r}")

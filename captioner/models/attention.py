@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# How a step turns α into the context vector: the expected context (soft), or a location (hard).
-EXPECTED, SAMPLE, ARGMAX = "expected", "sample", "argmax"
-CONTEXT_MODES = (EXPECTED, SAMPLE, ARGMAX)
+from captioner.models.contexts import ARGMAX, CONTEXT_MODES, EXPECTED, SAMPLE
+
+__all__ = ["ARGMAX", "CONTEXT_MODES", "EXPECTED", "SAMPLE", "Attention", "choose_locations", "sample_from"]
 
 
 class Attention(nn.Module):

@@ -1,7 +1,8 @@
 """The encoder's input, defined once for feature extraction, the API, the app and notebooks.
 
 `Preprocess` turns an upright RGB image (`data.images.load_image`) into the encoder's input
-tensor (3, S, S) and knows which part of the image the attention grid covers. Its `pixels` does
+(3, S, S), a NumPy array (`array`, which needs no torch: the ONNX runtime's) or a tensor of the same
+values, and knows which part of the image the attention grid covers. Its `pixels` does
 the same resize on a uint8 tensor where it lies (the API's, on a GPU): PyTorch's antialiased
 bilinear is Pillow's filter computed in floats, without Pillow's rounding to uint8 between its
 two passes, so the inputs differ by about one grey level at most.
@@ -11,15 +12,18 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from PIL import Image
+
+if TYPE_CHECKING:
+    import torch
 
 # ImageNet statistics, which both the pretrained and the seeded random VGG expect.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+_MEAN, _STD = (np.array(v, dtype=np.float32).reshape(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
 
 
 @dataclass(frozen=True)
@@ -59,19 +63,27 @@ class Preprocess:
         """The (left, top) of the centre crop of a resized image."""
         return (width - self.size) // 2, (height - self.size) // 2
 
-    def __call__(self, img: Image.Image) -> torch.Tensor:
-        """An RGB PIL image → float tensor (3, size, size), ImageNet-normalised."""
+    def array(self, img: Image.Image) -> np.ndarray:
+        """An RGB PIL image → float32 array (3, size, size), ImageNet-normalised."""
         img = img.resize(self.resized(*img.size), Image.BILINEAR, reducing_gap=None)
         if self.crop:
             left, top = self._crop(*img.size)
             img = img.crop((left, top, left + self.size, top + self.size))
-        x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)  # (S, S, 3)
-        return _normalised(x.permute(2, 0, 1))  # (3, S, S)
+        x = (np.asarray(img, dtype=np.float32) / np.float32(255.0)).transpose(2, 0, 1)  # (3, S, S)
+        return (x - _MEAN) / _STD
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        """An RGB PIL image → float tensor (3, size, size), ImageNet-normalised (`array`'s values)."""
+        import torch
+
+        return torch.from_numpy(self.array(img))  # (3, S, S)
 
     def pixels(self, x: torch.Tensor) -> torch.Tensor:
         """RGB uint8 images of one size (B, H, W, 3), or one (H, W, 3), on any device → float tensors
         (B, 3, size, size) or (3, size, size) there, ImageNet-normalised: `__call__`'s resize and crop,
         done where the pixels are."""
+        import torch.nn.functional as F
+
         one = x.dim() == 3
         x = x.unsqueeze(0) if one else x  # (B, H, W, 3)
         w, h = self.resized(x.size(2), x.size(1))
@@ -93,4 +105,6 @@ def _normalised(x: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _statistics(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """ImageNet's mean and std (3, 1, 1) on `device`, copied there once (not once per image)."""
+    import torch
+
     return tuple(torch.tensor(v, device=device).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))

@@ -6,7 +6,6 @@ import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -14,32 +13,18 @@ from PIL import Image
 
 from captioner.compiled import earns_back, search_compiles
 from captioner.data.images import load_image
-from captioner.decoding.decode import Hypothesis
 from captioner.decoding.settings import Decoding, decode
-from captioner.models.attention import ARGMAX, SAMPLE
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import EncoderSpec, rebuild_encoder
 from captioner.models.familiarity import FamiliarityStats, familiarity
 from captioner.models.fast_encoder import optimize_encoder
-from captioner.models.hub import load_trained
+from captioner.models.hub import load_trained, resolve
+from captioner.models.preprocess import Preprocess
 from captioner.models.vocab import Vocabulary
+from captioner.serve.caption import Caption, captions
+from captioner.serve.onnx_runtime import OnnxCaptioner, is_onnx_folder
 
-
-@dataclass
-class Caption:
-    """A caption and where the model looked for each word."""
-
-    text: str
-    words: list[str]
-    score: float  # log-probability of the caption, <end> included
-    attention: np.ndarray  # (len(words), grid, grid): α used to produce each word (14×14 for VGG at 224)
-    locations: list[tuple[int, int]] | None = None  # (row, col) chosen per word (hard: argmax/sample)
-    alternatives: list[tuple[str, float]] = field(default_factory=list)  # (text, score) of every beam or sample
-    samples: list[Caption] = field(default_factory=list)  # sampling: the n captions drawn, each with its maps
-    size: tuple[int, int] = (0, 0)  # (width, height) of the upright image
-    # Is the image like the training images? {"score", "unfamiliar", "message", "threshold"}
-    # (captioner.familiarity); None when the checkpoint holds no training-feature statistics.
-    familiarity: dict | None = None
+__all__ = ["Caption", "Captioner"]
 
 
 class Captioner:
@@ -80,6 +65,11 @@ class Captioner:
         return encoder.to(self.device).eval()
 
     @property
+    def preprocess(self) -> Preprocess:
+        """The encoder's input from an image (`models.preprocess`)."""
+        return self.encoder_spec.preprocess
+
+    @property
     def attention_type(self) -> str:
         return self.decoder.config.attention
 
@@ -99,10 +89,12 @@ class Captioner:
     @classmethod
     def load(
         cls, source: str, *, device: str = "cpu", build_encoder: bool = True, fast: bool = True, graphs: bool = True
-    ) -> Captioner:
+    ) -> Captioner | OnnxCaptioner:
         """Load a model: a checkpoint written by `fit`, an exported folder (`captioner export`), a
         pinned URL of either, or hf://ORG/NAME[@REVISION] (`models.hub`). Nothing is unpickled:
-        checkpoints are read with weights_only, exported weights are safetensors.
+        checkpoints are read with weights_only, exported weights are safetensors. A folder of ONNX graphs
+        (`captioner export --onnx`) loads onto onnxruntime (`serve.onnx_runtime.OnnxCaptioner`, the same
+        `caption` and `caption_batch`), and the other arguments do not apply.
 
         Args:
             source: where the model is.
@@ -113,7 +105,10 @@ class Captioner:
             graphs: on a GPU, let the search compile, and replay as CUDA graphs, where it earns back its
                 compile (`compile_search`); False: plain steps.
         """
-        trained = load_trained(source)
+        path = resolve(source)
+        if os.path.isdir(path) and is_onnx_folder(path):
+            return OnnxCaptioner.load(path)
+        trained = load_trained(path)
         carried = trained.encoder_weights
         encoder = rebuild_encoder(trained.encoder, trained.encoder_state, source, carried)[0] if build_encoder else None
         info = {
@@ -256,33 +251,7 @@ class Captioner:
             self.decoder, _padded(feats) if compiled else feats, settings, max_len=self.max_len, generator=generator,
             compiled=compiled,
         )  # fmt: skip
-        out = []
-        for hyps, size, verdict in zip(found, sizes, verdicts):
-            made = [self._made(h, settings) for h in hyps]
-            out.append(
-                replace(
-                    made[0],
-                    alternatives=[(c.text, c.score) for c in made],
-                    samples=made if settings.how.draws else [],
-                    size=size,
-                    familiarity=verdict,
-                )
-            )
-        return out
-
-    def _made(self, hyp: Hypothesis, settings: Decoding) -> Caption:
-        """One hypothesis as a caption: its words, score and per-word maps on the grid."""
-        grid, words = self.encoder_spec.grid, self.vocab.decode(hyp.tokens)
-        locs = None
-        if settings.context in (ARGMAX, SAMPLE):
-            locs = [(int(l) // grid, int(l) % grid) for l in hyp.locations]
-        return Caption(
-            text=" ".join(words),
-            words=words,
-            score=hyp.score,
-            attention=hyp.attention.reshape(len(words), grid, grid),
-            locations=locs,
-        )
+        return captions(found, self.vocab, self.encoder_spec.grid, settings, sizes, verdicts)
 
 
 def _padded_size(b: int) -> int:

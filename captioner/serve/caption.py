@@ -1,0 +1,71 @@
+"""What captioning an image gives, the same from PyTorch (`serve.api`) and from onnxruntime (`serve.onnx_runtime`):
+a `Caption`, made from an image's hypotheses (`captions`). Needs no torch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from captioner.decoding.beams import Hypothesis
+from captioner.decoding.settings import Decoding
+from captioner.models.contexts import ARGMAX, SAMPLE
+from captioner.models.vocab import Vocabulary
+
+
+@dataclass
+class Caption:
+    """A caption and where the model looked for each word."""
+
+    text: str
+    words: list[str]
+    score: float  # log-probability of the caption, <end> included
+    attention: np.ndarray  # (len(words), grid, grid): α used to produce each word (14×14 for VGG at 224)
+    locations: list[tuple[int, int]] | None = None  # (row, col) chosen per word (hard: argmax/sample)
+    alternatives: list[tuple[str, float]] = field(default_factory=list)  # (text, score) of every beam or sample
+    samples: list[Caption] = field(default_factory=list)  # sampling: the n captions drawn, each with its maps
+    size: tuple[int, int] = (0, 0)  # (width, height) of the upright image
+    # Is the image like the training images? {"score", "unfamiliar", "message", "threshold"}
+    # (captioner.familiarity); None when the checkpoint holds no training-feature statistics.
+    familiarity: dict | None = None
+
+
+def captions(
+    found: list[list[Hypothesis]],
+    vocab: Vocabulary,
+    grid: int,
+    settings: Decoding,
+    sizes: Sequence[tuple[int, int]],
+    verdicts: Sequence[dict | None],
+) -> list[Caption]:
+    """Each image's caption from its hypotheses (beams best first, or samples): the first, with the others
+    as its alternatives (and samples), its size and its familiarity verdict."""
+    out = []
+    for hyps, size, verdict in zip(found, sizes, verdicts):
+        made = [_caption(h, vocab, grid, settings) for h in hyps]
+        out.append(
+            replace(
+                made[0],
+                alternatives=[(c.text, c.score) for c in made],
+                samples=made if settings.how.draws else [],
+                size=size,
+                familiarity=verdict,
+            )
+        )
+    return out
+
+
+def _caption(hyp: Hypothesis, vocab: Vocabulary, grid: int, settings: Decoding) -> Caption:
+    """One hypothesis as a caption: its words, score and per-word maps on the grid."""
+    words = vocab.decode(hyp.tokens)
+    locs = None
+    if settings.context in (ARGMAX, SAMPLE):
+        locs = [(int(l) // grid, int(l) % grid) for l in hyp.locations]
+    return Caption(
+        text=" ".join(words),
+        words=words,
+        score=hyp.score,
+        attention=hyp.attention.reshape(len(words), grid, grid),
+        locations=locs,
+    )

@@ -1,0 +1,178 @@
+"""Captioning on onnxruntime, without PyTorch: the folder `captioner export --onnx` writes
+(`serve.onnx_export`), captioned by the one beam search (`decoding.beams.search`) over the exported step.
+
+    cap = OnnxCaptioner.load("model-onnx/")     # or Captioner.load, or `captioner caption --runtime onnx`
+    out = cap.caption("photo.jpg", beam_size=3)  # out.text, out.words, out.attention (n, grid, grid)
+
+Nothing here imports torch: the images are read and resized by Pillow and normalised by NumPy as
+`models.preprocess` defines it for both runtimes, and the search's arrays are NumPy's. The beam search
+with the expected context is what runs here; sampling and hard attention's chosen locations need PyTorch.
+A missing, damaged or mismatched file is refused by name when the folder loads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+from PIL import Image
+
+from captioner.data.images import load_image
+from captioner.decoding.beams import NumpyArrays, search
+from captioner.decoding.settings import Decoding
+from captioner.errors import CaptionerError, OptionError
+from captioner.io import read_json
+from captioner.models.contexts import EXPECTED
+from captioner.models.preprocess import Preprocess
+from captioner.models.vocab import Vocabulary
+from captioner.serve.caption import Caption, captions
+
+FORMAT, VERSION = "captioner-onnx", 1
+GRAPHS = {  # each graph's inputs and outputs, by name
+    "encoder.onnx": (["images"], ["features"]),
+    "start.onnx": (["features"], ["annotations", "projected", "h", "c"]),
+    "step.onnx": (["annotations", "projected", "words", "h", "c", "sharpness"], ["logp", "h_next", "c_next", "alpha"]),
+}
+FILES = (*GRAPHS, "config.json", "vocab.json")
+
+
+def is_onnx_folder(path: str) -> bool:
+    """Whether `path` is a folder that `captioner export --onnx` wrote (judged by its config)."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return False
+    return read_json(config, "model config").get("format") == FORMAT
+
+
+class OnnxStep:
+    """The exported step over the K beams of each image of a batch (`decoding.beams.Step`), on NumPy arrays."""
+
+    arrays = NumpyArrays()
+
+    def __init__(self, model: OnnxCaptioner, features: np.ndarray, K: int, sharpness: float):
+        self.run = model.sessions["step.onnx"].run
+        (self.images, self.locations, _), self.beams, self.vocabulary = features.shape, K, len(model.vocab)
+        start = model.sessions["start.onnx"].run(None, {"features": features})
+        self.annotations, self.projected, h, c = (np.repeat(x, K, axis=0) for x in start)  # (N, ...)
+        self.state, self.sharpness = (h, c), np.array(sharpness, dtype=np.float32)
+
+    def start(self):
+        return self.state
+
+    def __call__(self, rows, words, h, c):
+        a, p = (self.annotations, self.projected) if rows is None else (self.annotations[rows], self.projected[rows])
+        inputs = {"annotations": a, "projected": p, "words": words, "h": h, "c": c, "sharpness": self.sharpness}
+        logp, h, c, alpha = self.run(None, inputs)
+        return logp, h, c, alpha, None
+
+
+class OnnxCaptioner:
+    """A model exported as ONNX graphs, captioning on onnxruntime: `Captioner`'s `caption` and `caption_batch`."""
+
+    def __init__(self, folder: str, sessions: dict, config: dict, vocab: Vocabulary):
+        self.folder, self.sessions, self.config, self.vocab = folder, sessions, config, vocab
+        self.preprocess = Preprocess(int(config["preprocess"]["size"]), bool(config["preprocess"]["crop"]))
+        self.grid, self.max_len = int(config["grid"]), int(config["max_len"])
+        self.sharpness = float(config["decoder"].get("decode_sharpness") or 1.0)
+        self.info = {k: config.get(k) for k in ("metrics", "attention", "card")} | {"checkpoint": folder}
+        self.familiarity = None  # not exported (serve.onnx_export)
+
+    @classmethod
+    def load(cls, folder: str) -> OnnxCaptioner:
+        """The folder's graphs in onnxruntime sessions, with its settings and vocabulary.
+
+        Raises:
+            CaptionerError: a missing file, a config of another format or a newer version, a damaged graph,
+                or graphs that do not fit each other or the vocabulary (the message names the file).
+        """
+        try:
+            import onnxruntime
+        except ImportError:
+            raise CaptionerError("captioning on ONNX needs onnxruntime: pip install onnxruntime") from None
+        missing = [name for name in FILES if not os.path.isfile(os.path.join(folder, name))]
+        if missing:
+            raise CaptionerError(f"{folder}: missing {', '.join(missing)} (an ONNX model holds {', '.join(FILES)})")
+        config_path = os.path.join(folder, "config.json")
+        config = read_json(config_path, "ONNX model config")
+        if not isinstance(config, dict) or config.get("format") != FORMAT:
+            raise CaptionerError(f"{config_path}: not a captioner ONNX config (expected format {FORMAT!r})")
+        if not isinstance(config.get("version"), int) or config["version"] > VERSION:
+            raise CaptionerError(
+                f"{config_path}: version {config.get('version')!r} was written by a newer captioner; "
+                f"this one reads up to version {VERSION}: upgrade captioner"
+            )
+        vocab = Vocabulary(read_json(os.path.join(folder, "vocab.json"), "vocabulary").get("words") or [])
+        sessions = {}
+        for name, (inputs, outputs) in GRAPHS.items():
+            path = os.path.join(folder, name)
+            try:
+                session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+            except Exception as e:  # onnxruntime's own errors: a damaged or foreign file
+                line = (str(e).strip().splitlines() or [""])[0]
+                raise CaptionerError(f"{path}: not a readable ONNX graph, truncated or corrupt ({line})") from None
+            got = ([i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()])
+            if got != (inputs, outputs):
+                raise CaptionerError(
+                    f"{path}: takes {got[0]} and gives {got[1]}; {name} takes {inputs}, gives {outputs}"
+                )
+            sessions[name] = session
+        _check_fit(folder, sessions, config, vocab)
+        return cls(folder, sessions, config, vocab)
+
+    @property
+    def attention_warning(self) -> str | None:
+        """A line to show beside this model's heatmaps when its attention health check found them not meaningful."""
+        verdict = self.info.get("attention") or {}
+        if verdict.get("meaningful") is not False:
+            return None
+        return f"This model's attention maps are not meaningful ({'; '.join(verdict.get('problems') or [])})."
+
+    def caption(self, image, beam_size: int | None = None, **settings) -> Caption:
+        """Caption one image; see `caption_batch` for the settings."""
+        return self.caption_batch([image], beam_size=beam_size, **settings)[0]
+
+    def caption_batch(
+        self, images: Sequence, beam_size: int | None = None, *, batch_size: int = 16, decoding=None, **settings
+    ) -> list[Caption]:
+        """Caption several images (paths, bytes, PIL images or HxWxC uint8 arrays), a chunk at a time, with the
+        beam search's settings (`Decoding`: beam_size, max_len, length_norm, sharpness).
+
+        Raises:
+            ImageError: an image cannot be read (the message says which and why).
+            OptionError: a setting this runtime does not run (sampling, a hard-attention location).
+        """
+        settings = (decoding or Decoding()).with_settings(beam_size=beam_size, **settings)
+        if settings.method != "beam" or settings.context != EXPECTED:
+            raise OptionError(
+                "the ONNX runtime runs the beam search with the expected context; sampling and --mode argmax or "
+                "sample need PyTorch (the model's checkpoint or exported folder)"
+            )
+        out = []
+        for i in range(0, len(images), batch_size):
+            pils = [
+                load_image(Image.fromarray(im) if isinstance(im, np.ndarray) else im)
+                for im in images[i : i + batch_size]
+            ]
+            x = np.stack([self.preprocess.array(p) for p in pils])  # (b, 3, S, S)
+            (features,) = self.sessions["encoder.onnx"].run(None, {"images": x})  # (b, L, D)
+            step = OnnxStep(self, features, settings.beam_size, settings.sharpness or self.sharpness)
+            found = search(step, settings.max_len or self.max_len, length_norm=settings.length_norm)
+            out += captions(found, self.vocab, self.grid, settings, [p.size for p in pils], [None] * len(pils))
+        return out
+
+
+def _check_fit(folder: str, sessions: dict, config: dict, vocab: Vocabulary) -> None:
+    """The graphs fit each other, the config and the vocabulary, where their shapes are fixed."""
+    shape = lambda name, which, k: getattr(sessions[name], f"get_{which}")()[k].shape
+    L = int(config["grid"]) ** 2
+    checks = [
+        ("encoder.onnx", shape("encoder.onnx", "outputs", 0)[1:], [L, config["decoder"]["encoder_dim"]], "features"),
+        ("step.onnx", shape("step.onnx", "outputs", 0)[1:], [len(vocab)], "log-probabilities (the vocabulary)"),
+        ("step.onnx", shape("step.onnx", "inputs", 0)[1:], shape("start.onnx", "outputs", 0)[1:], "annotations"),
+    ]
+    for name, got, want, what in checks:
+        if list(got) != list(want):
+            raise CaptionerError(
+                f"{os.path.join(folder, name)}: {what} of shape {list(got)}, but the model's are {list(want)}"
+            )
