@@ -21,7 +21,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 # Every field whose default is decided from other settings, and the fields that are optional on purpose.
 DERIVED_FIELDS = {"lr", "dropout", "alpha_c", "consistency", "word_query", "decode_sharpness", "after"}
 DERIVED = DERIVED_FIELDS | {"shapes"}  # shapes: "auto", which its help explains
-OPTIONAL = {"max_minutes", "fine_tune", "cuda_graphs"}  # cuda_graphs "auto": where they can be
+OPTIONAL = {"max_minutes", "fine_tune", "cuda_graphs", "tensorboard"}  # cuda_graphs "auto": where they can be
 
 
 INIT = {"decoder": DecoderConfig(9).to_dict()}  # an --init checkpoint, as settle reads it
@@ -125,6 +125,7 @@ PER_PROCESS = {"shapes", "compile", "cuda_graphs", "epochs", "max_minutes", "wor
     "checkpoint_every",
     "checkpoint_minutes",
     "log_every",
+    "tensorboard",
 }
 
 

@@ -1,2 +1,2 @@
 """Evaluation: captioning a split, the coco-caption metrics, pointing against boxes, attention
-health, and `evaluate` itself."""
+health, the attention figures, and `evaluate` itself."""

@@ -3,7 +3,7 @@
 As in the paper's figures, each g×g map is smoothed with a Gaussian of half a grid cell and
 upsampled to the image. The smoothing runs on a small grid (FINE pixels per cell, 56×56 for
 14×14), which is then upsampled once, bilinearly, to whatever size is drawn: the cost follows
-the grid, not the image. The figures (`serve.heatmaps`) draw these maps, and the pointing
+the grid, not the image. The figures (`evaluation.heatmaps`) draw these maps, and the pointing
 metric (`evaluation.grounding`) takes their peak, so what is scored is what is shown.
 Symbols: n words, g grid side, H×W the drawn image.
 """

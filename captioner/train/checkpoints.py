@@ -10,12 +10,13 @@ full disk, a quota, a read-only directory) leaves the previous file whole; `Chec
 account: one line naming the failure and the last good checkpoint with its step, and a record of
 which files' latest save failed, so that training goes on, retries at the next save, and `fit`
 raises with that message if its final save fails. A model whose weights are not finite is never
-written over a good checkpoint. The run's metrics.jsonl (`RunLog`) and its notes of what went wrong
-(`resilience.FaultLog`) travel with it: the loop writes both where it saves.
+written over a good checkpoint. The run's metrics.jsonl (`RunLog`, which also feeds `fit --tensorboard`)
+and its notes of what went wrong (`resilience.FaultLog`) travel with it: the loop writes both where it saves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -35,10 +36,11 @@ from captioner.train.config import Progress
 
 class RunLog:
     """metrics.jsonl (rank 0): one JSON line per record, with the seconds since `started`; a full disk
-    loses log lines, not the run."""
+    loses log lines, not the run. With a `board` (`fit --tensorboard`: `train.tensorboard.TensorBoard`),
+    each record also goes there, and so do the validation's examples."""
 
-    def __init__(self, out_dir: str, *, main: bool, started: float):
-        self.started, self.file = started, None
+    def __init__(self, out_dir: str, *, main: bool, started: float, board=None):
+        self.started, self.file, self.board = started, None, board if main else None
         if main:
             os.makedirs(out_dir, exist_ok=True)
             self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a", encoding="utf-8")
@@ -46,15 +48,27 @@ class RunLog:
     def write(self, record: dict) -> None:
         if self.file is None:
             return
+        record = {**record, "time": round(time.monotonic() - self.started, 2)}
         try:
-            self.file.write(json.dumps({**record, "time": round(time.monotonic() - self.started, 2)}) + "\n")
+            self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         except OSError:
             pass
+        if self.board is not None:
+            with contextlib.suppress(OSError):  # a full disk loses what the board shows, not the run
+                self.board.write(record)
+
+    def examples(self, step: int, data, hyps: dict) -> None:
+        """A validation's captions (image id → this process's `Hypothesis`) at `step`, shown on the board."""
+        if self.board is not None:
+            with contextlib.suppress(OSError):
+                self.board.examples(step, data, hyps)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+        if self.board is not None:
+            self.board.close()
 
 
 def streams(generator: torch.Generator) -> dict:

@@ -104,7 +104,7 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Checkpoints and logs: how often last.pt and metrics.jsonl are written."""
+    """Checkpoints and logs: how often last.pt and metrics.jsonl are written, and where TensorBoard's go."""
 
     checkpoint_every: Annotated[int, "also write last.pt every N steps (0: off)"] = per_process(0)
     checkpoint_minutes: Annotated[
@@ -113,6 +113,12 @@ class CheckpointConfig:
         "loses at most that much",
     ] = per_process(0.5)
     log_every: Annotated[int, "steps between log lines (the loss is read back from the device then)"] = per_process(20)
+    tensorboard: Annotated[
+        str | None,
+        "also write the log as TensorBoard event files in this folder (rank 0): the losses, learning rate, "
+        "steps per second, validation scores and attention health, and at each validation a few images' captions "
+        "and attention maps; a resumed run given it again goes on in it (needs the [train] extra's tensorboard)",
+    ] = per_process(None)
 
     def __post_init__(self):
         check_positive(self, "log_every")

@@ -123,7 +123,7 @@ def validate_and_save(
     """
     schedule, searches = cfg.schedule, step_compiling(cfg.optim, device) == compiled.GRAPHS
     try:
-        metrics = validate(live, data, schedule, d=d, device=device, compiled=searches)
+        metrics, hyps = validate(live, data, schedule, d=d, device=device, compiled=searches)
     except Exception:  # the epoch's steps are kept, and counted once scored: a resume validates them first
         checkpoints.save(checkpoints.last_path, progress, {}, final=True)
         raise
@@ -133,6 +133,7 @@ def validate_and_save(
         live.scheduler.step(metrics[schedule.metric])
     lr = float(live.optimizer.param_groups[0]["lr"])
     improved = select(progress, metrics, schedule.metric, log=checkpoints.log, d=d, lr=lr, boxed=boxed)
+    checkpoints.log.examples(progress.step, data, hyps)
     # A signal during validation: last.pt is saved next, so stop there.
     stopped = distributed.any_true(d, resilience.stop_requested(stop), device)
     stale = progress.stale >= schedule.patience

@@ -38,6 +38,7 @@ from captioner.train.familiarity import fit_stats
 from captioner.train.finetune import FineTuneConfig, FineTuning
 from captioner.train.resume import restore
 from captioner.train.step import TrainStep, make_optimizer
+from captioner.train.tensorboard import open_board
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ def build(
         init: `--init`'s checkpoint; saved: the resumed last.pt (each may be None).
         began: how the run began, as its checkpoints record it (`resume.start_from`).
     """
+    board = open_board(cfg.checkpoints.tensorboard, main=d.main, saved=saved)  # before any slow preparation
     decoder = _decoder(data, model_cfg, device, init)
     targets = box_targets(data, began["boxes"], d) if began["boxes"] else None
     groups = [{"params": list(decoder.parameters())}]
@@ -99,7 +101,7 @@ def build(
     if tuning is not None:
         stages.append(stage(data, decoder, cfg, state=live.terms, targets=targets, tuning=tuning))
     # Started after the one-off pool4 cache of a fine-tuned encoder, which is preparation, like prepare's.
-    log = RunLog(out_dir, main=d.main, started=time.monotonic())
+    log = RunLog(out_dir, main=d.main, started=time.monotonic(), board=board)
     notes = resilience.FaultLog(log.write, show=d.main)
     progress = restore(live, saved, out_dir, notes) if saved is not None else Progress()
     made = record(data, model_cfg, cfg, began, familiarity(data, tuning, saved, cfg.optim.seed, d.main))

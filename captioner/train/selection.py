@@ -11,6 +11,7 @@ import logging
 import time
 
 from captioner.data.dataset import CaptionData
+from captioner.decoding.beams import Hypothesis
 from captioner.decoding.settings import Decoding
 from captioner.evaluation.captioning import caption_split, score_validation
 from captioner.evaluation.health import advice, attention_health, problems
@@ -24,9 +25,13 @@ logger = logging.getLogger(__name__)
 
 def validate(
     live: Live, data: CaptionData, schedule: ScheduleConfig, *, d: distributed.Dist, device, compiled: bool
-) -> dict:
+) -> tuple[dict, dict[int, Hypothesis]]:
     """Generation-based validation of the weights' average (or the weights), split over processes and scored
-    on the gathered captions; the searches `compiled` as `decoding.decode.beam_search` says."""
+    on the gathered captions; the searches `compiled` as `decoding.decode.beam_search` says.
+
+    Returns:
+        the metrics (every process's the same), and this process's share of the captions by image id.
+    """
     t0 = time.monotonic()
     texts, hyps = caption_split(
         live.average.model if live.average else live.decoder,
@@ -47,7 +52,7 @@ def validate(
     if d.main:
         metrics = score_validation(texts, data.references["val"])
         metrics["attention_health"] = attention_health(maps.values())
-    return {**distributed.broadcast(d, metrics), "seconds": round(time.monotonic() - t0, 2)}
+    return {**distributed.broadcast(d, metrics), "seconds": round(time.monotonic() - t0, 2)}, hyps
 
 
 def select(progress: Progress, metrics: dict, metric: str, *, log: RunLog, d: distributed.Dist, lr: float, boxed: bool):
