@@ -103,11 +103,14 @@ class OnnxCaptioner:
                 f"this one reads up to version {VERSION}: upgrade captioner"
             )
         vocab = Vocabulary(read_json(os.path.join(folder, "vocab.json"), "vocabulary").get("words") or [])
+        options = onnxruntime.SessionOptions()
+        # Threads that spin between runs take the cores the search's own steps and the image decoding need.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         sessions = {}
         for name, (inputs, outputs) in GRAPHS.items():
             path = os.path.join(folder, name)
             try:
-                session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+                session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
             except Exception as e:  # onnxruntime's own errors: a damaged or foreign file
                 line = (str(e).strip().splitlines() or [""])[0]
                 raise CaptionerError(f"{path}: not a readable ONNX graph, truncated or corrupt ({line})") from None
