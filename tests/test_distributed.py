@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from conftest import run_cli
 
 from captioner import Captioner
 from captioner.models.checkpoint import load_checkpoint
+from captioner.models.encoder import EncoderSpec
+from captioner.train.prepare import PrepareConfig, prepare
 
 pytestmark = pytest.mark.slow  # end to end: trains, serves or runs notebooks
 
@@ -79,17 +82,41 @@ def test_two_processes_match_one(data_dir, scenes, tmp_path):
     assert cap.caption(image, beam_size=2).attention.shape[1:] == (14, 14)
 
 
-def test_two_processes_compile_their_steps_as_pytorch_documents(data_dir, tmp_path):
+@pytest.fixture(scope="module")
+def one_length_bucket(scenes, tmp_path_factory) -> Path:
+    """The scenes with each caption cut to its first six words, prepared at 112 px without views: every
+    batch pads to the same length bucket, so a compiled step compiles one graph, not one a bucket."""
+    out = tmp_path_factory.mktemp("one_bucket")
+    coco = json.loads((scenes / "captions.json").read_text())
+    for a in coco["annotations"]:
+        a["caption"] = " ".join(a["caption"].split()[:6])
+    (out / "captions.json").write_text(json.dumps(coco))
+    config = PrepareConfig(
+        captions=[str(out / "captions.json")],
+        images=[str(scenes / "images")],
+        out=str(out / "data"),
+        splits=str(scenes / "splits.json"),
+        encoder=EncoderSpec(weights="none", image_size=112),
+        views=False,
+        workers=0,
+    )
+    prepare(config, progress=False)
+    return out / "data"
+
+
+def test_two_processes_compile_their_steps_as_pytorch_documents(one_length_bucket, tmp_path):
     """`torchrun ... fit --compile`: each process's objective compiles inside DDP with nothing fallen back,
     and trains as the eager processes do (nothing is drawn: no dropout, no views)."""
     runs = {}
+    data = str(one_length_bucket)
     for how in ("eager", "compiled"):
         runs[how] = tmp_path / how
         tiny = [*TINY, "--consistency", "0", "--shapes", "fixed", *(["--compile"] if how == "compiled" else [])]
-        p = torchrun("train.py", "fit", "--data", str(data_dir), "--out", str(runs[how]), "--batch-size", "4", *tiny)
+        p = torchrun("train.py", "fit", "--data", data, "--out", str(runs[how]), "--batch-size", "4", *tiny)
         assert p.returncode == 0, p.stderr[-3000:]
     lines = [json.loads(x) for x in (runs["compiled"] / "metrics.jsonl").read_text().splitlines()]
-    assert [x for x in lines if x["event"] == "compiled"] and not [x for x in lines if x["event"] == "compiled_failed"]
+    assert len([x for x in lines if x["event"] == "compiled"]) == 1  # rank 0's record: one graph, one bucket
+    assert not [x for x in lines if x["event"] == "compiled_failed"]
     assert train_losses(runs["compiled"]) == pytest.approx(train_losses(runs["eager"]), rel=1e-4)
 
 

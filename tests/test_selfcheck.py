@@ -12,8 +12,9 @@ from captioner.cli.selfcheck import modes
 # baseline (test_scst), --boxes-choice-weight (test_correctness), conv4_1 and boxes when fine-tuning
 # (test_finetune), a cross-entropy step in bf16 (test_finetune; bf16-scst runs autocast here), torchrun
 # (test_distributed, two processes), a ResNet-101 prepared, fine-tuned, exported and captioned
-# (test_backbones). A GPU session runs them all.
-ON_THE_CPU = ["soft", "hard", "scst-greedy", "boxes", "tune-conv5_1", "bf16-scst", "compile"]
+# (test_backbones), --compile (test_compiled: Inductor's step against the eager one; test_distributed:
+# torchrun compiling under DDP). A GPU session runs them all.
+ON_THE_CPU = ["soft", "hard", "scst-greedy", "boxes", "tune-conv5_1", "bf16-scst"]
 
 
 @pytest.mark.slow
