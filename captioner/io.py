@@ -48,6 +48,24 @@ def read_json(path: str, what: str):
         raise CaptionerError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}{hint}") from None
 
 
+def read_folder_config(folder: str, files: tuple[str, ...], *, kind: str, fmt: str, version: int) -> dict:
+    """A model folder's config.json, once every one of `files` is there and the config is of format `fmt`
+    at a version up to `version`; each failure names the file (`kind`: "exported model", "ONNX model")."""
+    missing = [name for name in files if not os.path.isfile(os.path.join(folder, name))]
+    if missing:
+        raise CaptionerError(f"{folder}: missing {', '.join(missing)} (an {kind} holds {', '.join(files)})")
+    path = os.path.join(folder, "config.json")
+    config = read_json(path, f"{kind} config")
+    if not isinstance(config, dict) or config.get("format") != fmt:
+        raise CaptionerError(f"{path}: not a captioner {kind} config (expected format {fmt!r})")
+    if not isinstance(config.get("version"), int) or config["version"] > version:
+        raise CaptionerError(
+            f"{path}: version {config.get('version')!r} was written by a newer captioner; "
+            f"this one reads up to version {version}: upgrade captioner"
+        )
+    return config
+
+
 def read_torch(path: str, *, name: str, kind: str, hint: str = "", map_location="cpu"):
     """`torch.load` with weights_only: a file that needs the full unpickler is refused, its code never run.
 

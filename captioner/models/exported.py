@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from captioner.errors import CaptionerError
-from captioner.io import atomic_path, read_json, write_json_atomic
+from captioner.io import atomic_path, read_folder_config, read_json, write_json_atomic
 from captioner.models.checkpoint import Trained, carry_encoder_weights, read_trained
 from captioner.models.encoder import EncoderSpec
 from captioner.models.preprocess import IMAGENET_MEAN, IMAGENET_STD
@@ -76,18 +76,7 @@ def read_exported(folder: str) -> Trained:
             truncated or corrupt safetensors file, or weights that do not fit the config or the
             vocabulary (the message names the file).
     """
-    missing = [name for name in FILES if not os.path.isfile(os.path.join(folder, name))]
-    if missing:
-        raise CaptionerError(f"{folder}: missing {', '.join(missing)} (an exported model holds {', '.join(FILES)})")
-    config_path = os.path.join(folder, "config.json")
-    config = read_json(config_path, "exported model config")
-    if not isinstance(config, dict) or config.get("format") != FORMAT:
-        raise CaptionerError(f"{config_path}: not a captioner model config (expected format {FORMAT!r})")
-    if not isinstance(config.get("version"), int) or config["version"] > VERSION:
-        raise CaptionerError(
-            f"{config_path}: version {config.get('version')!r} was written by a newer captioner; "
-            f"this one reads up to version {VERSION}: upgrade captioner"
-        )
+    config = read_folder_config(folder, FILES, kind="exported model", fmt=FORMAT, version=VERSION)
     words = read_json(os.path.join(folder, "vocab.json"), "vocabulary").get("words")
     tensors = _tensors(os.path.join(folder, "model.safetensors"))
     part = lambda prefix: {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}

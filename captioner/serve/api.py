@@ -21,7 +21,7 @@ from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.hub import load_trained, resolve
 from captioner.models.preprocess import Preprocess
 from captioner.models.vocab import Vocabulary
-from captioner.serve.caption import Caption, captions
+from captioner.serve.caption import Caption, attention_warning, captions
 from captioner.serve.onnx_runtime import OnnxCaptioner, is_onnx_folder
 
 __all__ = ["Caption", "Captioner"]
@@ -75,16 +75,8 @@ class Captioner:
 
     @property
     def attention_warning(self) -> str | None:
-        """A line to show beside this model's heatmaps when its attention health check found them
-        not meaningful (recorded in the checkpoint by `fit`); None when they passed or are unjudged."""
-        verdict = self.info.get("attention") or {}
-        if verdict.get("meaningful") is not False:
-            return None
-        return (
-            "This model's attention maps are not meaningful: the health check flagged them when it was "
-            f"trained ({'; '.join(verdict.get('problems') or [])}), so the heatmaps may not show what the words "
-            "name."
-        )
+        """A line to show beside this model's heatmaps when they are not meaningful (`serve.caption`)."""
+        return attention_warning(self.info)
 
     @classmethod
     def load(

@@ -31,6 +31,19 @@ class Caption:
     familiarity: dict | None = None
 
 
+def attention_warning(info: dict) -> str | None:
+    """A line to show beside a model's heatmaps when its attention health check found them not meaningful
+    (`info["attention"]`, recorded by `fit`); None when they passed or are unjudged."""
+    verdict = info.get("attention") or {}
+    if verdict.get("meaningful") is not False:
+        return None
+    return (
+        "This model's attention maps are not meaningful: the health check flagged them when it was "
+        f"trained ({'; '.join(verdict.get('problems') or [])}), so the heatmaps may not show what the words "
+        "name."
+    )
+
+
 def captions(
     found: list[list[Hypothesis]],
     vocab: Vocabulary,

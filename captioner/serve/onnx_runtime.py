@@ -22,11 +22,11 @@ from captioner.data.images import load_image
 from captioner.decoding.beams import NumpyArrays, search
 from captioner.decoding.settings import Decoding
 from captioner.errors import CaptionerError, OptionError
-from captioner.io import read_json
+from captioner.io import read_folder_config, read_json
 from captioner.models.contexts import EXPECTED
 from captioner.models.preprocess import Preprocess
 from captioner.models.vocab import Vocabulary
-from captioner.serve.caption import Caption, captions
+from captioner.serve.caption import Caption, attention_warning, captions
 
 FORMAT, VERSION = "captioner-onnx", 1
 GRAPHS = {  # each graph's inputs and outputs, by name
@@ -90,18 +90,7 @@ class OnnxCaptioner:
             import onnxruntime
         except ImportError:
             raise CaptionerError("captioning on ONNX needs onnxruntime: pip install onnxruntime") from None
-        missing = [name for name in FILES if not os.path.isfile(os.path.join(folder, name))]
-        if missing:
-            raise CaptionerError(f"{folder}: missing {', '.join(missing)} (an ONNX model holds {', '.join(FILES)})")
-        config_path = os.path.join(folder, "config.json")
-        config = read_json(config_path, "ONNX model config")
-        if not isinstance(config, dict) or config.get("format") != FORMAT:
-            raise CaptionerError(f"{config_path}: not a captioner ONNX config (expected format {FORMAT!r})")
-        if not isinstance(config.get("version"), int) or config["version"] > VERSION:
-            raise CaptionerError(
-                f"{config_path}: version {config.get('version')!r} was written by a newer captioner; "
-                f"this one reads up to version {VERSION}: upgrade captioner"
-            )
+        config = read_folder_config(folder, FILES, kind="ONNX model", fmt=FORMAT, version=VERSION)
         vocab = Vocabulary(read_json(os.path.join(folder, "vocab.json"), "vocabulary").get("words") or [])
         options = onnxruntime.SessionOptions()
         # Threads that spin between runs take the cores the search's own steps and the image decoding need.
@@ -125,11 +114,8 @@ class OnnxCaptioner:
 
     @property
     def attention_warning(self) -> str | None:
-        """A line to show beside this model's heatmaps when its attention health check found them not meaningful."""
-        verdict = self.info.get("attention") or {}
-        if verdict.get("meaningful") is not False:
-            return None
-        return f"This model's attention maps are not meaningful ({'; '.join(verdict.get('problems') or [])})."
+        """A line to show beside this model's heatmaps when they are not meaningful (`serve.caption`)."""
+        return attention_warning(self.info)
 
     def caption(self, image, beam_size: int | None = None, **settings) -> Caption:
         """Caption one image; see `caption_batch` for the settings."""
