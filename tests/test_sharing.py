@@ -129,6 +129,7 @@ def test_a_pinned_url_of_a_zipped_folder_loads(exported, small_run, tmp_path, mo
             r"vocab.json: 4 words, but the weights in model.safetensors are for",
         ),
         (lambda d: (d / "vocab.json").unlink(), r"missing vocab.json"),
+        (lambda d: (d / "config.json").write_text("[1, 2]"), r"config.json: not a captioner exported model config"),
     ],
 )
 def test_bad_files_are_refused_with_a_message(exported, tmp_path, damage, message, image):

@@ -42,7 +42,8 @@ def is_onnx_folder(path: str) -> bool:
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         return False
-    return read_json(config, "model config").get("format") == FORMAT
+    config = read_json(config, "model config")
+    return isinstance(config, dict) and config.get("format") == FORMAT
 
 
 class OnnxStep:
