@@ -27,6 +27,9 @@ from captioner.train.step import TrainStep, make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The small decoder that the command-line tests train with `fit`, validated by a greedy search.
+SMALL_FIT = ["--embed-dim", "32", "--hidden-dim", "48", "--attention-dim", "24", "--val-beam-size", "1"]
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import SMALL_FIT, run_cli
 
 from captioner import Captioner
 from captioner.models.checkpoint import load_checkpoint
@@ -24,14 +24,7 @@ TINY = [
     "0",
     "--log-every",
     "1",
-    "--embed-dim",
-    "32",
-    "--hidden-dim",
-    "48",
-    "--attention-dim",
-    "24",
-    "--val-beam-size",
-    "1",
+    *SMALL_FIT,
 ]
 
 

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import prepare_scenes, train_step
+from conftest import SMALL_FIT, prepare_scenes, train_step
 from test_reliability import start, wait_for
 
 import captioner.data.features as features
@@ -38,16 +38,8 @@ FIT = [
     "3",
     "--batch-size",
     "8",
-    "--embed-dim",
-    "32",
-    "--hidden-dim",
-    "48",
-    "--attention-dim",
-    "24",
     "--dropout",
     "0.3",
-    "--val-beam-size",
-    "1",
     "--checkpoint-every",
     "0",
     "--checkpoint-minutes",
@@ -56,6 +48,7 @@ FIT = [
     "10",
     "--log-every",
     "1",
+    *SMALL_FIT,
 ]
 TINY = DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8)
 

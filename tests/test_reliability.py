@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_cli
+from conftest import REPO, SMALL_FIT, run_cli
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -29,20 +29,13 @@ FIT = [
     "3",
     "--batch-size",
     "8",
-    "--embed-dim",
-    "32",
-    "--hidden-dim",
-    "48",
-    "--attention-dim",
-    "24",
     "--dropout",
     "0.3",
-    "--val-beam-size",
-    "1",
     "--checkpoint-every",
     "3",
     "--patience",
     "10",
+    *SMALL_FIT,
 ]
 
 

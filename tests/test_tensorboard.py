@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import SMALL_FIT, run_cli
 
 from captioner.cli.train import get_parser
 from captioner.data.dataset import CaptionData
@@ -29,14 +29,7 @@ TINY = [
     "4",
     "--log-every",
     "2",
-    "--embed-dim",
-    "32",
-    "--hidden-dim",
-    "48",
-    "--attention-dim",
-    "24",
-    "--val-beam-size",
-    "1",
+    *SMALL_FIT,
 ]
 
 
