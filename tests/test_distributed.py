@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_FIT, run_cli
+from conftest import SMALL_FIT, prepare_scenes, run_cli
 
 from captioner import Captioner
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.encoder import EncoderSpec
-from captioner.train.prepare import PrepareConfig, prepare
 
 pytestmark = pytest.mark.slow  # end to end: trains, serves or runs notebooks
 
@@ -84,16 +83,9 @@ def one_length_bucket(scenes, tmp_path_factory) -> Path:
     for a in coco["annotations"]:
         a["caption"] = " ".join(a["caption"].split()[:6])
     (out / "captions.json").write_text(json.dumps(coco))
-    config = PrepareConfig(
-        captions=[str(out / "captions.json")],
-        images=[str(scenes / "images")],
-        out=str(out / "data"),
-        splits=str(scenes / "splits.json"),
-        encoder=EncoderSpec(weights="none", image_size=112),
-        views=False,
-        workers=0,
-    )
-    prepare(config, progress=False)
+    for name in ("images", "splits.json"):
+        (out / name).symlink_to(scenes / name)
+    prepare_scenes(out, out / "data", encoder=EncoderSpec(weights="none", image_size=112), views=False)
     return out / "data"
 
 
