@@ -55,10 +55,11 @@ from captioner.models.views import max_shift, shifts  # noqa: E402
 from captioner.objectives.objective import Objective  # noqa: E402
 from captioner.objectives.terms import TermState  # noqa: E402
 from captioner.train.averaging import WeightAverage  # noqa: E402
+from captioner.train.checkpoints import Live  # noqa: E402
 from captioner.train.config import TrainConfig  # noqa: E402
-from captioner.train.distributed import Dist  # noqa: E402
-from captioner.train.parts import step_compiling, teacher_forced_objective  # noqa: E402
-from captioner.train.settle import settle  # noqa: E402
+from captioner.train.distributed import Dist, Process  # noqa: E402
+from captioner.train.settle import Start, settle  # noqa: E402
+from captioner.train.setup import step_compiling, teacher_forced_objective  # noqa: E402
 from captioner.train.step import TrainStep, make_optimizer  # noqa: E402
 
 B, L, D, V = 32, 196, 512, 10_000
@@ -235,23 +236,16 @@ def fit_step(
         ema=0.999 if objective == "default" else 0.0,
     )
     model_cfg = DecoderConfig(V, encoder_dim=D, dropout=0.5, attention=attention)
-    model_cfg, cfg = settle(model_cfg, cfg, vocab_size=V, device=device)
+    model_cfg, cfg = settle(model_cfg, cfg, Start(V), device)
     decoder = AttentionDecoder(model_cfg).to(device)
     if compiled == "auto":
         compiled = step_compiling(cfg.optim, device)
     views = objective == "default"
-    step = TrainStep(
-        teacher_forced_objective(
-            decoder, cfg.terms, cfg.hard, shapes=cfg.optim.shapes, views=views, state=TermState(device)
-        ),
-        make_optimizer([{"params": list(decoder.parameters())}], cfg.optim.lr, device),
-        cfg.optim,
-        average=WeightAverage(decoder, cfg.optim.ema) if cfg.optim.ema else None,
-        generator=torch.Generator(device=device).manual_seed(1),
-        d=Dist(),
-        device=device,
-        compiled=compiled,
-    )
+    objective = teacher_forced_objective(decoder, cfg, views=views, state=TermState(device))
+    optimizer = make_optimizer([{"params": list(decoder.parameters())}], cfg.optim.lr)
+    average = WeightAverage(decoder, cfg.optim.ema) if cfg.optim.ema else None
+    live = Live(decoder, average, None, optimizer, None, torch.Generator(device=device).manual_seed(1), None)
+    step = TrainStep(objective, live, cfg.optim, Process(Dist(), device, compiled))
     batch = fit_batch(device, batch_size, cfg.optim.shapes, views)
     return (lambda: step(batch)), decoder, step
 
@@ -669,7 +663,7 @@ def bench_scst(steps: int, images: int = 32, samples: int = 5) -> None:
     dec = AttentionDecoder(vocab_size=V, encoder_dim=D, embed_dim=512, hidden_dim=512, attention_dim=512, dropout=0.2)
     term = SelfCritical(ScstConfig(samples=samples), scorer, max_len=20)
     objective = Objective(dec, [term])
-    opt = make_optimizer([{"params": list(dec.parameters())}], 5e-5, torch.device("cpu"))
+    opt = make_optimizer([{"params": list(dec.parameters())}], 5e-5)
     batch = ImageBatch(torch.rand(images, L, D, generator=g), torch.arange(images))
     spent: list[float] = []
     reward = term.reward

@@ -26,10 +26,11 @@ from captioner.data.dataset import CaptionData
 from captioner.models.decoder import AttentionDecoder
 from captioner.objectives.terms import TermState
 from captioner.train import distributed
+from captioner.train.checkpoints import Live
 from captioner.train.config import TrainConfig
 from captioner.train.finetune import FineTuneConfig, FineTuning
-from captioner.train.parts import teacher_forced_objective
-from captioner.train.settle import settle
+from captioner.train.settle import Start, settle
+from captioner.train.setup import teacher_forced_objective
 from captioner.train.step import TrainStep, make_optimizer
 
 
@@ -40,10 +41,8 @@ def time_steps(
     torch.manual_seed(0)
     cpu = torch.device("cpu")
     fine_tune = None if mode == "frozen" else FineTuneConfig(mode, workers=workers, after=0)
-    model_cfg, cfg = settle(
-        None, TrainConfig.of(batch_size=batch_size, fine_tune=fine_tune), vocab_size=len(data.vocab), device=cpu,
-        views=data.views is not None,
-    )  # fmt: skip
+    given = TrainConfig.of(batch_size=batch_size, fine_tune=fine_tune)
+    model_cfg, cfg = settle(None, given, Start(len(data.vocab), views=data.views is not None), cpu)
     decoder = AttentionDecoder(model_cfg)
     decoder.set_feature_stats(*data.feature_stats())
     groups, encoder = [{"params": list(decoder.parameters())}], None
@@ -52,22 +51,12 @@ def time_steps(
     if fine_tune is None:
         source = CaptionBatches(data, batch_size, view_share=share)
     else:
-        source = FineTuning(data, cfg.fine_tune, distributed.Dist(), cpu, batch_size=batch_size)
+        source = FineTuning(data, cfg.fine_tune, distributed.Process(distributed.Dist(), cpu), batch_size=batch_size)
         groups.append({"params": list(source.parameters()), "lr": cfg.fine_tune.lr})
         encoder = source.encoder
-    objective = teacher_forced_objective(
-        decoder, cfg.terms, cfg.hard, shapes=source.shapes, views=views, state=TermState(cpu), encoder=encoder,
-        view_share=share,
-    )  # fmt: skip
-    step = TrainStep(
-        objective,
-        make_optimizer(groups, cfg.optim.lr, cpu),
-        cfg.optim,
-        average=None,
-        generator=torch.Generator().manual_seed(1),
-        d=distributed.Dist(),
-        device=cpu,
-    )
+    objective = teacher_forced_objective(decoder, cfg, views=views, state=TermState(cpu), encoder=encoder)
+    live = Live(decoder, None, None, make_optimizer(groups, cfg.optim.lr), None, torch.Generator().manual_seed(1), None)
+    step = TrainStep(objective, live, cfg.optim, distributed.Process(distributed.Dist(), cpu))
     times, cpu_times, sizes = [], [], []
     batches = source.batches(seed=0, epoch=0)
     step(next(batches))  # warm-up

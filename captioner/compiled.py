@@ -12,7 +12,7 @@ otherwise repeat:
   assert, a bad input) is the caller's, raised as it is, and the function stays compiled;
 - on a GPU, a function that compiled but runs without CUDA graphs (PyTorch skips them, for a mutated
   input say) is said in the same way;
-- each call that compiled is logged with its time (a run's metrics.jsonl records them: `train.loop`), and
+- each call that compiled is logged with its time (a run's metrics.jsonl records them: `train.trainer`), and
   the threads that compiled are kept (`threads`): CUDA graph trees are per thread, so a server compiles
   on the thread that serves.
 PyTorch keeps what it compiled on disk (`TORCHINDUCTOR_CACHE_DIR`), so a second run compiles faster;

@@ -16,14 +16,14 @@ from captioner.models.encoder import EncoderSpec
 from captioner.objectives.cross_entropy import attention_penalty
 from captioner.objectives.terms import TermState
 from captioner.scenes.synthetic import generate
+from captioner.train.checkpoints import Live
 from captioner.train.config import TrainConfig
-from captioner.train.distributed import Dist
-from captioner.train.finetune import FineTuning
-from captioner.train.loop import fit
-from captioner.train.parts import teacher_forced_objective
+from captioner.train.distributed import Dist, Process
 from captioner.train.prepare import PrepareConfig, prepare
-from captioner.train.settle import settle
+from captioner.train.settle import Start, settle
+from captioner.train.setup import teacher_forced_objective
 from captioner.train.step import TrainStep, make_optimizer
+from captioner.train.trainer import FitJob, fit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,29 +45,13 @@ def train_step(
     settled objective, optimizer and clipping, on one process."""
     device = torch.device(device)
     model_cfg = DecoderConfig(**decoder.config.to_dict())
-    _, cfg = settle(model_cfg, cfg or TrainConfig(), vocab_size=model_cfg.vocab_size, device=device)
-    objective = teacher_forced_objective(
-        decoder,
-        cfg.terms,
-        cfg.hard,
-        shapes=FineTuning.shapes if encoder is not None else cfg.optim.shapes,
-        views=views,
-        state=TermState(device),
-        encoder=encoder,
-        view_share=cfg.terms.consistency_share if views and cfg.terms.consistency > 0 else 0.0,
-    )
+    _, cfg = settle(model_cfg, cfg or TrainConfig(), Start(model_cfg.vocab_size), device)
+    views = views and cfg.terms.consistency > 0
+    objective = teacher_forced_objective(decoder, cfg, views=views, state=TermState(device), encoder=encoder)
     groups = [{"params": list(decoder.parameters())}] + [{"params": list(extra)}] * bool(extra)
-    optimizer = make_optimizer(groups, cfg.optim.lr, device)
-    return TrainStep(
-        objective,
-        optimizer,
-        cfg.optim,
-        average=None,
-        generator=torch.Generator(device).manual_seed(1),
-        d=Dist(),
-        device=device,
-        compiled=compiled,
-    )
+    optimizer = make_optimizer(groups, cfg.optim.lr)
+    live = Live(decoder, None, None, optimizer, None, torch.Generator(device).manual_seed(1), None)
+    return TrainStep(objective, live, cfg.optim, Process(Dist(), device, compiled))
 
 
 def prepare_scenes(scenes: Path, out: Path, **config) -> dict:
@@ -108,12 +92,14 @@ def small_run(data_dir, tmp_path_factory) -> Path:
     """A tiny model trained for two epochs: it writes words, though not good ones yet."""
     out = tmp_path_factory.mktemp("run")
     fit(
-        str(data_dir),
-        str(out),
-        DecoderConfig(0, embed_dim=32, hidden_dim=48, attention_dim=24, dropout=0.1),
-        TrainConfig.of(epochs=2, batch_size=8, lr=3e-3, val_beam_size=2),
-        device="cpu",
-        progress_bar=False,
+        FitJob(
+            str(data_dir),
+            str(out),
+            DecoderConfig(0, embed_dim=32, hidden_dim=48, attention_dim=24, dropout=0.1),
+            TrainConfig.of(epochs=2, batch_size=8, lr=3e-3, val_beam_size=2),
+            device="cpu",
+            progress_bar=False,
+        )
     )
     return out
 

@@ -19,7 +19,7 @@ from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
 from captioner.scenes.heldout import generate
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
+from captioner.train.trainer import FitJob, fit
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +34,14 @@ def heldout_112(tmp_path_factory):
 def test_defaults_point_at_objects_not_the_border(heldout_112, tmp_path):
     data, run = heldout_112 / "data", tmp_path / "run"
     fit(
-        str(data),
-        str(run),
-        DecoderConfig(0),
-        TrainConfig.of(epochs=3, val_beam_size=1),
-        device="cpu",
-        progress_bar=False,
+        FitJob(
+            str(data),
+            str(run),
+            DecoderConfig(0),
+            TrainConfig.of(epochs=3, val_beam_size=1),
+            device="cpu",
+            progress_bar=False,
+        )
     )
     log = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("consistency", 0) > 0 for r in log if r["event"] == "train"), "the term was not on"

@@ -15,7 +15,7 @@ from captioner.models.checkpoint import current_train, load_checkpoint, read_tra
 from captioner.models.decoder import DecoderConfig
 from captioner.train.averaging import WeightAverage
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
+from captioner.train.trainer import FitJob, fit
 
 SMALL = DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8)
 
@@ -49,7 +49,7 @@ def test_checkpoints_hold_the_average_and_the_raw_weights_for_resume(data_dir, t
     """best.pt and last.pt carry the average as their model (what validation scored and inference
     loads) and the optimizer's raw weights beside it; a resume goes on from both."""
     cfg = TrainConfig.of(epochs=2, batch_size=8, val_beam_size=1, ema=0.9)
-    fit(str(data_dir), str(tmp_path / "run"), SMALL, cfg, device="cpu", progress_bar=False)
+    fit(FitJob(str(data_dir), str(tmp_path / "run"), SMALL, cfg, device="cpu", progress_bar=False))
     last = load_checkpoint(str(tmp_path / "run" / "last.pt"))
     raw, averaged = last["training_model"], last["model"]
     assert raw.keys() == averaged.keys()
@@ -68,7 +68,7 @@ def test_checkpoints_hold_the_average_and_the_raw_weights_for_resume(data_dir, t
     assert score_validation(texts, data.references["val"])["CIDEr"] == pytest.approx(best["progress"]["best"])
 
     cfg = TrainConfig.of(epochs=3, batch_size=8, val_beam_size=1, ema=0.9)
-    fit(str(data_dir), str(tmp_path / "run"), SMALL, cfg, resume=True, device="cpu", progress_bar=False)
+    fit(FitJob(str(data_dir), str(tmp_path / "run"), SMALL, cfg, resume=True, device="cpu", progress_bar=False))
     resumed = load_checkpoint(str(tmp_path / "run" / "last.pt"))
     assert resumed["step"] > last["step"]
     assert any(not torch.equal(resumed["model"][k], averaged[k]) for k in averaged)
@@ -79,7 +79,7 @@ def test_checkpoints_hold_the_average_and_the_raw_weights_for_resume(data_dir, t
 @pytest.mark.slow
 def test_without_the_average_checkpoints_hold_only_the_trained_weights(data_dir, tmp_path):
     cfg = TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, ema=0.0)
-    fit(str(data_dir), str(tmp_path / "run"), SMALL, cfg, device="cpu", progress_bar=False)
+    fit(FitJob(str(data_dir), str(tmp_path / "run"), SMALL, cfg, device="cpu", progress_bar=False))
     assert "training_model" not in load_checkpoint(str(tmp_path / "run" / "last.pt"))
 
 

@@ -34,9 +34,9 @@ from captioner.scenes.synthetic import generate
 from captioner.serve.export import export
 from captioner.train.config import TrainConfig
 from captioner.train.finetune import FineTuneConfig
-from captioner.train.loop import fit
 from captioner.train.prepare import PrepareConfig
-from captioner.train.settle import settle
+from captioner.train.settle import Start, settle
+from captioner.train.trainer import FitJob, fit
 
 # The seeded random ResNet-50 must be the same network on every machine and release (NumPy's
 # RandomState draws it): a change here breaks every feature cache and checkpoint made with it.
@@ -203,9 +203,9 @@ def test_a_resnets_fine_tuning_step_stays_on_the_device():
 
 def test_the_decoder_takes_its_size_from_the_backbone():
     given = DecoderConfig(0, embed_dim=16)
-    model, _ = settle(given, TrainConfig(), vocab_size=9, device=torch.device("cpu"), encoder_dim=2048)
+    model, _ = settle(given, TrainConfig(), Start(9, encoder_dim=2048), torch.device("cpu"))
     assert model.encoder_dim == 2048 and model.embed_dim == 16
-    model, _ = settle(given, TrainConfig(), vocab_size=9, device=torch.device("cpu"))
+    model, _ = settle(given, TrainConfig(), Start(9), torch.device("cpu"))
     assert model.encoder_dim == 512
 
 
@@ -228,7 +228,11 @@ def test_a_resnet_prepares_fine_tunes_exports_and_captions(tmp_path):
     prepare_scenes(scenes, data, encoder=EncoderSpec(arch="resnet50", weights="none", image_size=SIDE), min_count=1)
     tune = FineTuneConfig("conv5_1", lr=1e-3, workers=0, after=0)
     cfg = TrainConfig.of(epochs=1, batch_size=8, lr=3e-3, val_beam_size=1, checkpoint_minutes=0, fine_tune=tune)
-    fit(str(data), str(run), DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8), cfg, progress_bar=False)
+    fit(
+        FitJob(
+            str(data), str(run), DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8), cfg, progress_bar=False
+        )
+    )
     ck = load_checkpoint(str(run / "best.pt"))
     assert ck["decoder"]["encoder_dim"] == 2048 and ck["encoder"]["arch"] == "resnet50"
     assert ck["encoder_state"] and all(k.startswith("layer4.") for k in ck["encoder_state"])

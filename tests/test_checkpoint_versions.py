@@ -18,7 +18,7 @@ from captioner import Captioner
 from captioner.models.checkpoint import TRAIN_GROUPS, VERSION, load_checkpoint, save_checkpoint
 from captioner.models.decoder import DecoderConfig
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
+from captioner.train.trainer import FitJob, fit
 
 V1_TRAIN = ("epochs", "batch_size", "lr", "grad_clip", "alpha_c", "max_minutes", "patience", "metric")
 V1_TRAIN += ("val_beam_size", "val_images", "checkpoint_every", "log_every", "seed", "hard")
@@ -88,12 +88,14 @@ def test_a_run_saved_by_an_older_version_resumes(small_run, data_dir, tmp_path, 
     current = load_checkpoint(str(small_run / "last.pt"))
     save_checkpoint(older(current, version), str(run / "last.pt"))
     progress = fit(
-        str(data_dir),
-        str(run),
-        cfg=TrainConfig.of(epochs=current["progress"]["epoch"] + 1),
-        resume=True,
-        device="cpu",
-        progress_bar=False,
+        FitJob(
+            str(data_dir),
+            str(run),
+            train=TrainConfig.of(epochs=current["progress"]["epoch"] + 1),
+            resume=True,
+            device="cpu",
+            progress_bar=False,
+        )
     )
     assert progress.step > current["step"]
     assert load_checkpoint(str(run / "last.pt"))["train"]["optim"]["lr"] == current["train"]["optim"]["lr"]

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import captioner.train.parts as parts_module
+import captioner.train.setup as train_setup
 from captioner.cli import selfcheck
 from captioner.compiled import FELL_BACK, GRAPHS, Compiled
 from captioner.decoding.decode import beam_search
@@ -28,8 +28,8 @@ from captioner.decoding.search_state import compiled_block
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.objectives.cross_entropy import CrossEntropy
 from captioner.train.config import OptimConfig, TrainConfig
-from captioner.train.loop import fit
-from captioner.train.parts import step_compiling
+from captioner.train.setup import step_compiling
+from captioner.train.trainer import FitJob, fit
 
 SMALL = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0)
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device named, not used: the decision alone
@@ -66,7 +66,9 @@ def same_search(a, b) -> None:
 def _fit(data_dir, out, **settings):
     base = dict(epochs=1, batch_size=8, lr=3e-3, val_beam_size=1, val_images=4, log_every=1, seed=3, consistency=0)
     cfg = TrainConfig.of(**base | settings)
-    fit(str(data_dir), str(out), SMALL, cfg, device="cpu", progress_bar=False, resume=(out / "last.pt").exists())
+    fit(
+        FitJob(str(data_dir), str(out), SMALL, cfg, device="cpu", progress_bar=False, resume=(out / "last.pt").exists())
+    )
     return [json.loads(x) for x in open(out / "metrics.jsonl", encoding="utf-8")]
 
 
@@ -106,7 +108,7 @@ def test_a_run_resumed_with_cuda_graphs_off_decides_on_eager_steps(data_dir, tmp
         made.append(step_compiling(optim, CUDA))
         return None
 
-    monkeypatch.setattr(parts_module, "step_compiling", on_a_gpu)
+    monkeypatch.setattr(train_setup, "step_compiling", on_a_gpu)
     run = tmp_path / "run"
     _fit(data_dir, run)
     _fit(data_dir, run, epochs=2, cuda_graphs="off")
@@ -402,21 +404,21 @@ def test_a_server_compiles_on_the_thread_that_serves_and_serves_other_settings_c
 def test_a_validation_that_fails_leaves_its_epoch_to_validate_on_resume(data_dir, tmp_path, monkeypatch):
     """A failure inside validation (a search that broke, an out-of-memory) saves last.pt with the epoch's
     steps, not counting the epoch: `fit --resume` validates it before it goes on."""
-    import captioner.train.loop as loop_module
+    import captioner.train.trainer as trainer_module
     from captioner.models.checkpoint import load_checkpoint
 
-    validate = loop_module.validate
+    validate = trainer_module.validate
 
     def breaks(*args, **kwargs):
         raise RuntimeError("injected failure during validation")
 
-    monkeypatch.setattr(loop_module, "validate", breaks)
+    monkeypatch.setattr(trainer_module, "validate", breaks)
     run = tmp_path / "run"
     with pytest.raises(RuntimeError, match="during validation"):
         _fit(data_dir, run, epochs=2)
     progress = load_checkpoint(str(run / "last.pt"))["progress"]
     assert progress["epoch"] == 0 and progress["batch_in_epoch"] == progress["step"] > 0
-    monkeypatch.setattr(loop_module, "validate", validate)
+    monkeypatch.setattr(trainer_module, "validate", validate)
     lines = _fit(data_dir, run, epochs=2)
     resumed = lines[max(i for i, x in enumerate(lines) if x["event"] == "start") :]
     assert [x["epoch"] for x in resumed if x["event"] == "val"] == [1, 2]

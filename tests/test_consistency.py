@@ -20,7 +20,7 @@ from captioner.models.views import back_from_view, max_shift, random_shifts, shi
 from captioner.objectives.consistency import consistency, disagreement, real_steps
 from captioner.objectives.passes import teacher_forced
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
+from captioner.train.trainer import FitJob, fit
 
 S = 14
 
@@ -192,7 +192,7 @@ def test_fit_adds_the_term_when_the_data_has_views(data_dir, tmp_path, attention
     small = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0, attention=attention)
     for name, weight in (("on", 1.0), ("off", 0.0)):
         cfg = TrainConfig.of(epochs=1, batch_size=8, val_images=4, log_every=1, consistency=weight)
-        fit(str(data_dir), str(tmp_path / name), small, cfg, device="cpu", progress_bar=False)
+        fit(FitJob(str(data_dir), str(tmp_path / name), small, cfg, device="cpu", progress_bar=False))
     rows = {
         name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         for name in ("on", "off")
@@ -210,12 +210,14 @@ def test_fit_says_when_the_data_has_no_views(scenes, tmp_path, caplog):
     prepare_scenes(scenes, out, min_count=1, views=False)
     assert CaptionData(str(out)).views is None
     fit(
-        str(out),
-        str(tmp_path / "run"),
-        DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12),
-        TrainConfig.of(epochs=1, batch_size=16, val_images=2),
-        device="cpu",
-        progress_bar=False,
+        FitJob(
+            str(out),
+            str(tmp_path / "run"),
+            DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12),
+            TrainConfig.of(epochs=1, batch_size=16, val_images=2),
+            device="cpu",
+            progress_bar=False,
+        )
     )
     assert "no features of the images' views" in caplog.text and "prepare again" in caplog.text
     saved = torch.load(tmp_path / "run" / "last.pt", weights_only=True)

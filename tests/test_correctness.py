@@ -17,7 +17,7 @@ from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import DecoderConfig
 from captioner.objectives.correctness import attention_correctness
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
+from captioner.train.trainer import FitJob, fit
 
 
 def test_grid_cells_of_boxes():
@@ -101,7 +101,7 @@ def test_fit_learns_from_the_boxes_and_refuses_a_file_without_training_images(da
     small = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0)
     cfg = TrainConfig.of(epochs=2, batch_size=8, val_images=4, log_every=1, boxes_choice_weight=10)
     boxes = str(scenes / "boxes.json")
-    fit(str(data_dir), str(tmp_path / "run"), small, cfg, boxes=boxes, device="cpu", progress_bar=False)
+    fit(FitJob(str(data_dir), str(tmp_path / "run"), small, cfg, boxes=boxes, device="cpu", progress_bar=False))
     log = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     terms = [r["boxes"] for r in log if r["event"] == "train"]
     assert terms and np.mean(terms[-5:]) < np.mean(terms[:5])  # attention moves onto the objects
@@ -118,11 +118,13 @@ def test_fit_learns_from_the_boxes_and_refuses_a_file_without_training_images(da
     (tmp_path / "held.json").write_text(json.dumps(instances))
     with pytest.raises(CaptionerError, match="no word of the training captions names an object boxed there"):
         fit(
-            str(data_dir),
-            str(tmp_path / "bad"),
-            small,
-            TrainConfig.of(epochs=1),
-            boxes=str(tmp_path / "held.json"),
-            device="cpu",
-            progress_bar=False,
+            FitJob(
+                str(data_dir),
+                str(tmp_path / "bad"),
+                small,
+                TrainConfig.of(epochs=1),
+                boxes=str(tmp_path / "held.json"),
+                device="cpu",
+                progress_bar=False,
+            )
         )

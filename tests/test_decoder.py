@@ -220,7 +220,7 @@ def test_decoding_after_a_training_step_uses_the_new_weights():
     cache keyed on them kept the weights of the first validation."""
     dec = tiny().eval()
     feats, caps, lengths = batch()
-    optimizer = make_optimizer([{"params": list(dec.parameters())}], 0.05, torch.device("cpu"))
+    optimizer = make_optimizer([{"params": list(dec.parameters())}], 0.05)
     beam_search(dec, feats, beam_size=3, max_len=8)
     for _ in range(3):
         optimizer.zero_grad()

@@ -28,8 +28,9 @@ from captioner.objectives.objective import Objective, objective_terms
 from captioner.objectives.reinforce import HardAttentionConfig
 from captioner.objectives.terms import TermsConfig, TermState
 from captioner.train.averaging import WeightAverage
+from captioner.train.checkpoints import Live
 from captioner.train.config import OptimConfig
-from captioner.train.distributed import Dist
+from captioner.train.distributed import Dist, Process
 from captioner.train.step import TrainStep
 
 META = torch.device("meta")
@@ -71,15 +72,11 @@ class StandInOptimizer(torch.optim.Optimizer):
 
 def meta_step(objective, decoder: AttentionDecoder, params, average: bool = True) -> TrainStep:
     """`fit`'s step on the meta device, with a stand-in for fused Adam (which the meta device lacks)."""
-    return TrainStep(
-        objective,
-        StandInOptimizer(params),
-        OptimConfig(),
-        average=WeightAverage(decoder, 0.99) if average else None,
-        generator=None,  # the default generator: the meta device draws from no other
-        d=Dist(),
-        device=META,
+    # generator None: the default generator, as the meta device draws from no other
+    live = Live(
+        decoder, WeightAverage(decoder, 0.99) if average else None, None, StandInOptimizer(params), None, None, None
     )
+    return TrainStep(objective, live, OptimConfig(), Process(Dist(), META))
 
 
 # attention, TermsConfig fields (and "boxes": `fit --boxes`): the modes `captioner selfcheck` trains on cached

@@ -26,7 +26,7 @@ from captioner.models.encoder import REGENERATED, EncoderSpec, build_encoder, ca
 from captioner.scenes.synthetic import generate
 from captioner.serve.export import export
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
+from captioner.train.trainer import FitJob, fit
 
 
 @pytest.fixture(scope="module")
@@ -133,12 +133,14 @@ def test_prepare_fit_export_load_rebuild_the_same_encoder(tmp_path, tiny_scenes,
         and spec["fingerprint"] == build_encoder(EncoderSpec(weights=str(weights)))[1].fingerprint
     )
     fit(
-        str(data),
-        str(run),
-        DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8, dropout=0.0),
-        TrainConfig.of(epochs=1, batch_size=8, lr=3e-3, val_beam_size=1, consistency=0.0),
-        device="cpu",
-        progress_bar=False,
+        FitJob(
+            str(data),
+            str(run),
+            DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8, dropout=0.0),
+            TrainConfig.of(epochs=1, batch_size=8, lr=3e-3, val_beam_size=1, consistency=0.0),
+            device="cpu",
+            progress_bar=False,
+        )
     )
     assert load_checkpoint(str(run / "best.pt"))["encoder"]["fingerprint"] == spec["fingerprint"]
     images = [str(p) for p in sorted((tiny_scenes / "images").iterdir())[:3]]

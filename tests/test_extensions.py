@@ -19,7 +19,7 @@ from captioner.objectives import objective
 from captioner.objectives.terms import Term
 from captioner.serve.sources import demo_model, example_images
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
+from captioner.train.trainer import FitJob, fit
 
 # a loss term
 
@@ -42,7 +42,7 @@ def test_a_new_loss_term_is_its_class_and_one_line(data_dir, tmp_path, monkeypat
     monkeypatch.setattr(objective, "TERMS", [*objective.TERMS, Spread])  # the one line
     cfg = TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, val_images=4, log_every=1)
     small = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12)
-    fit(str(data_dir), str(tmp_path / "run"), small, cfg, device="cpu", progress_bar=False)
+    fit(FitJob(str(data_dir), str(tmp_path / "run"), small, cfg, device="cpu", progress_bar=False))
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl", encoding="utf-8")]
     spread = [x["spread"] for x in lines if x["event"] == "train"]
     assert spread and all(0 < s < float("inf") for s in spread)

@@ -29,8 +29,8 @@ from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec
 from captioner.train import resilience as faults
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
 from captioner.train.prepare import PrepareConfig, prepare
+from captioner.train.trainer import FitJob, fit
 
 # Saves only at the end of each epoch; a log line per step shows how far a run has got.
 FIT = [
@@ -309,7 +309,7 @@ def test_failed_periodic_save_is_retried_and_training_goes_on(data_dir, tmp_path
     calls = _failing_save(monkeypatch, lambda n: n == 2)
     out = tmp_path / "run"
     cfg = TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, checkpoint_every=4, checkpoint_minutes=0)
-    progress = fit(str(data_dir), str(out), TINY, cfg, device="cpu", progress_bar=False)
+    progress = fit(FitJob(str(data_dir), str(out), TINY, cfg, device="cpu", progress_bar=False))
     failed = [r for r in log_of(out) if r["event"] == "save_failed"]
     assert len(failed) == 1 and failed[0]["step"] == calls[1] == 8
     assert "no space left" in failed[0]["message"] and "the last good checkpoint is" in failed[0]["message"]
@@ -324,7 +324,7 @@ def test_failed_final_save_raises_naming_the_last_good_checkpoint(data_dir, tmp_
     out = tmp_path / "run"
     cfg = TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, checkpoint_every=4, checkpoint_minutes=0)
     with pytest.raises(CaptionerError) as e:
-        fit(str(data_dir), str(out), TINY, cfg, device="cpu", progress_bar=False)
+        fit(FitJob(str(data_dir), str(out), TINY, cfg, device="cpu", progress_bar=False))
     message = str(e.value)
     assert "\n" not in message and "no space left on the device holding" in message
     assert f"the last good checkpoint is {out}/last.pt at step 4" in message and "--resume" in message
@@ -351,7 +351,7 @@ def test_damaged_feature_row_is_named_left_out_and_rechecked(scenes, data_dir, t
     out = tmp_path / "run"
     cfg = TrainConfig.of(epochs=2, batch_size=8, val_beam_size=1, checkpoint_minutes=0)
     caplog.set_level(logging.INFO, logger="captioner")
-    progress = fit(str(data), str(out), TINY, cfg, device="cpu", progress_bar=False)
+    progress = fit(FitJob(str(data), str(out), TINY, cfg, device="cpu", progress_bar=False))
     named = [
         r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "heatmaps" not in r.getMessage()
     ]

@@ -30,8 +30,10 @@ from captioner.train import distributed
 from captioner.train.config import TrainConfig
 from captioner.train.familiarity import calibration_photos
 from captioner.train.finetune import DECODER_FIRST, FineTuneConfig, FineTuning, image_batches
-from captioner.train.loop import fit
-from captioner.train.settle import settle
+from captioner.train.settle import Start, settle
+from captioner.train.trainer import FitJob, fit
+
+cpu_process = distributed.Process(distributed.Dist(), torch.device("cpu"))
 
 TINY = DecoderConfig(0, embed_dim=32, hidden_dim=48, attention_dim=24, dropout=0.0)
 TUNED = {f"{i}.{p}" for i in (24, 26, 28) for p in ("weight", "bias")}  # conv5_1..conv5_3 of VGG16
@@ -60,7 +62,7 @@ def tuned_data(data_dir, tmp_path_factory):
 def tuned_run(tuned_data, tmp_path_factory):
     """One epoch of conv5_1 fine-tuning on the pool4 cache."""
     out = tmp_path_factory.mktemp("tuned_run")
-    fit(str(tuned_data), str(out), TINY, tune_cfg(1), device="cpu", progress_bar=False)
+    fit(FitJob(str(tuned_data), str(out), TINY, tune_cfg(1), device="cpu", progress_bar=False))
     return out
 
 
@@ -178,10 +180,10 @@ def test_familiarity_describes_the_tuned_encoder(tuned_run, tuned_data):
 @pytest.mark.slow
 def test_resumed_fine_tuning_equals_uninterrupted(tuned_run, tuned_data, tmp_path):
     whole = tmp_path / "whole"
-    fit(str(tuned_data), str(whole), TINY, tune_cfg(2), device="cpu", progress_bar=False)
+    fit(FitJob(str(tuned_data), str(whole), TINY, tune_cfg(2), device="cpu", progress_bar=False))
     resumed = tmp_path / "resumed"
     shutil.copytree(tuned_run, resumed)  # stopped after epoch 1
-    fit(str(tuned_data), str(resumed), TINY, tune_cfg(2), resume=True, device="cpu", progress_bar=False)
+    fit(FitJob(str(tuned_data), str(resumed), TINY, tune_cfg(2), resume=True, device="cpu", progress_bar=False))
     a, b = (load_checkpoint(str(r / "last.pt")) for r in (whole, resumed))
     assert a["step"] == b["step"] > 0
     for k in TUNED:
@@ -190,32 +192,34 @@ def test_resumed_fine_tuning_equals_uninterrupted(tuned_run, tuned_data, tmp_pat
         assert torch.equal(a["model"][k], b["model"][k]), k
     with pytest.raises(Exception, match="with other --fine-tune-encoder settings"):
         fit(
-            str(tuned_data),
-            str(resumed),
-            TINY,
-            tune_cfg(3, start="conv4_1"),
-            resume=True,
-            device="cpu",
-            progress_bar=False,
+            FitJob(
+                str(tuned_data),
+                str(resumed),
+                TINY,
+                tune_cfg(3, start="conv4_1"),
+                resume=True,
+                device="cpu",
+                progress_bar=False,
+            )
         )
 
 
 @pytest.mark.slow
 def test_decoder_trains_alone_first_then_with_the_encoder(tuned_data, tmp_path, caplog):
     cpu = torch.device("cpu")
-    fresh = settle(None, TrainConfig.of(fine_tune=FineTuneConfig()), vocab_size=9, device=cpu)[1]
+    fresh = settle(None, TrainConfig.of(fine_tune=FineTuneConfig()), Start(9), cpu)[1]
     assert fresh.fine_tune.after == DECODER_FIRST
     older = {"fine_tune": {"start": "conv5_1", "lr": 1e-4, "workers": 2}}  # saved before --tune-after
     assert TrainConfig.from_dict(current_train(older)).fine_tune.after == 0
     run = tmp_path / "run"
-    fit(str(tuned_data), str(run), TINY, tune_cfg(1, after=1), device="cpu", progress_bar=False)
+    fit(FitJob(str(tuned_data), str(run), TINY, tune_cfg(1, after=1), device="cpu", progress_bar=False))
     assert "the encoder did not train" in caplog.text
     first = load_checkpoint(str(run / "last.pt"))
     seeded = build_encoder(CaptionData(str(tuned_data)).encoder)[0].features.state_dict()
     assert all(torch.equal(first["encoder_state"][k], seeded[k]) for k in TUNED)
     # The first epoch drew batches of captions from the cached features, not batches of whole images.
     assert first["step"] == CaptionBatches(CaptionData(str(tuned_data)), 8).num_batches()
-    fit(str(tuned_data), str(run), TINY, tune_cfg(2, after=1), resume=True, device="cpu", progress_bar=False)
+    fit(FitJob(str(tuned_data), str(run), TINY, tune_cfg(2, after=1), resume=True, device="cpu", progress_bar=False))
     second = load_checkpoint(str(run / "last.pt"))
     assert all(not torch.equal(second["encoder_state"][k], seeded[k]) for k in TUNED)
     events = [json.loads(line) for line in open(run / "metrics.jsonl")]
@@ -226,7 +230,9 @@ def test_decoder_trains_alone_first_then_with_the_encoder(tuned_data, tmp_path, 
 def test_the_encoder_trains_with_boxes_too(tuned_data, scenes, tmp_path):
     """`--fine-tune-encoder --boxes`: whole-image batches carry their box masks to the term."""
     boxes = str(scenes / "boxes.json")
-    fit(str(tuned_data), str(tmp_path / "run"), TINY, tune_cfg(1), boxes=boxes, device="cpu", progress_bar=False)
+    fit(
+        FitJob(str(tuned_data), str(tmp_path / "run"), TINY, tune_cfg(1), boxes=boxes, device="cpu", progress_bar=False)
+    )
     log = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     terms = [r for r in log if r["event"] == "train"]
     assert terms and all(r["boxes"] > 0 and r["consistency"] > 0 for r in terms)
@@ -235,7 +241,7 @@ def test_the_encoder_trains_with_boxes_too(tuned_data, scenes, tmp_path):
 def test_amp_step_trains_the_encoder(tuned_data):
     data = CaptionData(str(tuned_data))
     cfg = TrainConfig.of(batch_size=8, amp="bf16", lr=1e-3, fine_tune=FineTuneConfig(workers=0))
-    tuning = FineTuning(data, cfg.fine_tune, distributed.Dist(), torch.device("cpu"), batch_size=8, progress=False)
+    tuning = FineTuning(data, cfg.fine_tune, cpu_process, batch_size=8, progress=False)
     decoder = AttentionDecoder(vocab_size=len(data.vocab), embed_dim=32, hidden_dim=48, attention_dim=24)
     decoder.set_feature_stats(*data.feature_stats())
     step = train_step(decoder, cfg, encoder=tuning.encoder, extra=tuning.parameters())
@@ -257,7 +263,7 @@ def test_conv4_1_from_images(scenes, tmp_path):
     run = tmp_path / "run"
     cfg = tune_cfg(1, start="conv4_1")
     cfg = replace(cfg, fine_tune=replace(cfg.fine_tune, workers=1))  # images decoded by a DataLoader worker
-    fit(str(data_dir), str(run), TINY, cfg, device="cpu", progress_bar=False)
+    fit(FitJob(str(data_dir), str(run), TINY, cfg, device="cpu", progress_bar=False))
     ck = load_checkpoint(str(run / "last.pt"))
     assert set(ck["encoder_state"]) == {f"{i}.{p}" for i in (17, 19, 21, 24, 26, 28) for p in ("weight", "bias")}
     assert not list(data_dir.glob("pool4.*"))  # conv4_1 reads images, no cache

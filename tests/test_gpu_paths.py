@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-import captioner.train.parts as parts_module
+import captioner.train.setup as train_setup
 from captioner.data.batches import Batch
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
@@ -18,7 +18,7 @@ from captioner.objectives import objective as objective_module
 from captioner.objectives.scst import ScstConfig, SelfCritical
 from captioner.objectives.terms import Context, Term
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
+from captioner.train.trainer import FitJob, fit
 
 SMALL = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.1)
 
@@ -73,13 +73,15 @@ def test_a_terms_state_survives_resume(data_dir, tmp_path, monkeypatch):
     the checkpoints keep its state, and `--resume` goes on from it."""
     real = objective_module.objective_terms
     monkeypatch.setattr(objective_module, "objective_terms", lambda cfg, **kw: [*real(cfg, **kw), Counter(kw["state"])])
-    monkeypatch.setattr(parts_module, "objective_terms", objective_module.objective_terms)
+    monkeypatch.setattr(train_setup, "objective_terms", objective_module.objective_terms)
     cfg = TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, val_images=4, seed=2)
-    first = fit(str(data_dir), str(tmp_path / "run"), SMALL, cfg, device="cpu", progress_bar=False)
+    first = fit(FitJob(str(data_dir), str(tmp_path / "run"), SMALL, cfg, device="cpu", progress_bar=False))
     saved = load_checkpoint(str(tmp_path / "run" / "last.pt"))
     assert float(saved["terms"]["counter"]["applied"]) == first.step
     cfg = TrainConfig.of(epochs=2, batch_size=8, val_beam_size=1, val_images=4, seed=2)
-    second = fit(str(data_dir), str(tmp_path / "run"), SMALL, cfg, resume=True, device="cpu", progress_bar=False)
+    second = fit(
+        FitJob(str(data_dir), str(tmp_path / "run"), SMALL, cfg, resume=True, device="cpu", progress_bar=False)
+    )
     saved = load_checkpoint(str(tmp_path / "run" / "last.pt"))
     assert float(saved["terms"]["counter"]["applied"]) == second.step > first.step
 
@@ -89,13 +91,13 @@ def test_resume_on_another_device_reseeds_the_streams_it_cannot_map(data_dir, tm
     random streams that do not fit are reseeded, and the log says so."""
     run = tmp_path / "run"
     cfg = TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, val_images=4)
-    fit(str(data_dir), str(run), SMALL, cfg, device="cpu", progress_bar=False)
+    fit(FitJob(str(data_dir), str(run), SMALL, cfg, device="cpu", progress_bar=False))
     ck = load_checkpoint(str(run / "last.pt"))
     ck["rng"]["generator"] = torch.zeros(16, dtype=torch.uint8)  # a CUDA generator's state
     ck["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8)] * 2
     save_checkpoint(ck, str(run / "last.pt"))
     cfg = TrainConfig.of(epochs=2, batch_size=8, val_beam_size=1, val_images=4)
-    progress = fit(str(data_dir), str(run), SMALL, cfg, resume=True, device="cpu", progress_bar=False)
+    progress = fit(FitJob(str(data_dir), str(run), SMALL, cfg, resume=True, device="cpu", progress_bar=False))
     assert progress.epoch == 2
     lines = [json.loads(x) for x in open(run / "metrics.jsonl", encoding="utf-8")]
     notes = [x["message"] for x in lines if x["event"] == "rng_reseeded"]
@@ -108,13 +110,15 @@ def test_boxes_choice_weight_with_hard_attention_is_refused(data_dir, scenes, tm
     cfg = TrainConfig.of(epochs=1, boxes_choice_weight=1.0)
     with pytest.raises(CaptionerError, match="--boxes-choice-weight"):
         fit(
-            str(data_dir),
-            str(tmp_path / "run"),
-            DecoderConfig(0, attention="hard"),
-            cfg,
-            boxes=str(scenes / "boxes.json"),
-            device="cpu",
-            progress_bar=False,
+            FitJob(
+                str(data_dir),
+                str(tmp_path / "run"),
+                DecoderConfig(0, attention="hard"),
+                cfg,
+                boxes=str(scenes / "boxes.json"),
+                device="cpu",
+                progress_bar=False,
+            )
         )
 
 

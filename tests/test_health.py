@@ -75,18 +75,16 @@ PARKED = {**HEALTHY, "top5": 0.9}
 
 def test_best_is_the_best_scoring_validation_whose_health_is_ok():
     from captioner.train.config import Progress
-    from captioner.train.distributed import Dist
     from captioner.train.selection import select
 
     logged, progress = [], Progress()
-    log = type("Log", (), {"write": lambda _, record: logged.append(record)})()
+    log = type("Log", (), {"write": lambda _, record: logged.append(record), "main": True})()
     chosen = [
         select(
             progress,
             {"CIDEr": c, "BLEU-4": 0.1, "example": "", "attention_health": h},
             "CIDEr",
             log=log,
-            d=Dist(),
             lr=1e-3,
             boxed=False,
         )

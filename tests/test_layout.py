@@ -14,17 +14,9 @@ import pytest
 from conftest import REPO
 
 PACKAGE = REPO / "captioner"
-MAX_MODULE_LINES = 300
-# Modules that hold one concept and may be longer, each with why (STYLE.md's 300 lines are a guide).
-LONGER = {
-    "captioner/models/encoder.py": "one concept: the VGG trunk built from its weights (ImageNet's, a file's, "
-    "carried or seeded), checked by its fingerprint",
-    "captioner/models/decoder.py": "one concept: the decoder and the config it is built from, which travels in "
-    "every checkpoint (nanoGPT keeps GPTConfig beside GPT)",
-    "captioner/train/loop.py": "one concept: fit, one epoch of it read top to bottom (train_one_epoch, "
-    "validate_and_save), as torchvision's reference scripts read",
-}
-MAX_FUNCTION_LINES = 60
+# Guides, not cages: a module or function past these is worth a look, and none is exempt.
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
 
 
 def _tool(name: str) -> str:
@@ -132,7 +124,7 @@ def test_modules_and_functions_are_small():
     long = []
     for path in sorted(PACKAGE.rglob("*.py")):
         source = path.read_text(encoding="utf-8")
-        if len(source.splitlines()) > MAX_MODULE_LINES and str(path.relative_to(REPO)) not in LONGER:
+        if len(source.splitlines()) > MAX_MODULE_LINES:
             long.append(f"{path.relative_to(REPO)}: {len(source.splitlines())} lines")
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

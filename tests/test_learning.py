@@ -13,7 +13,7 @@ from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
 from captioner.scenes.synthetic import generate
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
+from captioner.train.trainer import FitJob, fit
 
 SMALL = DecoderConfig(0, embed_dim=64, hidden_dim=128, attention_dim=64, dropout=0.1)
 
@@ -35,7 +35,7 @@ def test_short_training_beats_untrained(scenes_112, tmp_path):
         ("untrained", TrainConfig.of(epochs=1, lr=1e-12, val_beam_size=1)),
     ):
         run = tmp_path / name
-        fit(str(scenes_112), str(run), SMALL, cfg, device="cpu", progress_bar=False)
+        fit(FitJob(str(scenes_112), str(run), SMALL, cfg, device="cpu", progress_bar=False))
         scores[name] = evaluate(str(run / "best.pt"), str(scenes_112), "test", str(run / "m.json"), use_java=False)
     trained, untrained = scores["trained"], scores["untrained"]
     assert trained["BLEU-4"] >= untrained["BLEU-4"] + 0.1, scores

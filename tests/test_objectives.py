@@ -13,7 +13,7 @@ from captioner.objectives.objective import Objective, objective_terms
 from captioner.objectives.terms import TermState
 from captioner.options import from_args
 from captioner.train.config import TrainConfig
-from captioner.train.settle import settle
+from captioner.train.settle import Start, settle
 
 
 def test_the_paper_switch_gives_eq_14_exactly(data_dir):
@@ -22,7 +22,7 @@ def test_the_paper_switch_gives_eq_14_exactly(data_dir):
     args = get_parser().parse_args(["fit", "--data", "d", "--out", "o", "--paper-objective"])
     assert from_args(TrainConfig, args) == TrainConfig.of(paper=True)
     data = CaptionData(str(data_dir))
-    _, cfg = settle(None, TrainConfig.of(paper=True), vocab_size=len(data.vocab), device=torch.device("cpu"))
+    _, cfg = settle(None, TrainConfig.of(paper=True), Start(len(data.vocab)), torch.device("cpu"))
     assert cfg.terms.alpha_c == 1.0 and cfg.terms.consistency == 0.0
     batch = next(CaptionBatches(data, 8).batches(seed=0, epoch=0))
     torch.manual_seed(0)

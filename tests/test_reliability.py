@@ -21,8 +21,8 @@ from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import DecoderConfig
 from captioner.models.vocab import SPECIALS, Vocabulary, tokenize
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
 from captioner.train.resilience import GracefulStop
+from captioner.train.trainer import FitJob, fit
 
 FIT = [
     "--epochs",
@@ -178,7 +178,7 @@ def test_vocabulary_round_trip(sentences, min_count):
 def test_last_checkpoint_is_also_written_on_a_clock(data_dir, tmp_path, monkeypatch):
     """A run whose epochs outlast a kill still leaves last.pt: it is saved every checkpoint_minutes."""
     import captioner.train.checkpoints as checkpoints
-    import captioner.train.loop as training
+    import captioner.train.trainer as training
     from captioner.models.decoder import DecoderConfig
 
     saved = []
@@ -187,13 +187,9 @@ def test_last_checkpoint_is_also_written_on_a_clock(data_dir, tmp_path, monkeypa
         checkpoints, "save_checkpoint", lambda ck, path: (saved.append((ck["step"], path)), real(ck, path))
     )
     cfg = training.TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, checkpoint_every=0, checkpoint_minutes=1e-6)
+    small = DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8)
     progress = training.fit(
-        str(data_dir),
-        str(tmp_path / "run"),
-        DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8),
-        cfg,
-        device="cpu",
-        progress_bar=False,
+        training.FitJob(str(data_dir), str(tmp_path / "run"), small, cfg, device="cpu", progress_bar=False)
     )
     mid_epoch = [step for step, path in saved if path.endswith("last.pt") and step < progress.step]
     assert len(mid_epoch) >= progress.step - 2  # about once per step at this setting, not only at the end
@@ -207,7 +203,7 @@ def test_learning_rate_cools_down_at_the_end_of_the_time_budget_and_a_resume_sta
     """On a clock that moves one second per step, a 12-second budget with cooldown 0.5 trains its
     first 6 steps at the full rate, then falls linearly towards 0; resumed with a new budget, the
     run starts again from the full rate, not from the cooled one its last.pt holds."""
-    import captioner.train.loop as training
+    import captioner.train.trainer as training
     from captioner.models.decoder import DecoderConfig
     from captioner.train.step import TrainStep
 
@@ -224,14 +220,16 @@ def test_learning_rate_cools_down_at_the_end_of_the_time_budget_and_a_resume_sta
     monkeypatch.setattr(TrainStep, "__call__", step)
     cfg = training.TrainConfig.of(epochs=5, batch_size=8, val_beam_size=1, lr=1e-3, max_minutes=0.2, cooldown=0.5)
     small = DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8)
-    training.fit(str(data_dir), str(tmp_path / "run"), small, cfg, device="cpu", progress_bar=False)
+    training.fit(training.FitJob(str(data_dir), str(tmp_path / "run"), small, cfg, device="cpu", progress_bar=False))
     assert len(rates) == 13  # the step that crosses 12 s is the last
     assert rates[:7] == [1e-3] * 7  # 0-6 s elapsed: before the cooldown
     assert rates[7:] == pytest.approx([1e-3 * (12 - t) / 6 for t in range(7, 13)])
     assert rates[-1] == 0.0
 
     rates.clear()
-    training.fit(str(data_dir), str(tmp_path / "run"), small, cfg, resume=True, device="cpu", progress_bar=False)
+    training.fit(
+        training.FitJob(str(data_dir), str(tmp_path / "run"), small, cfg, resume=True, device="cpu", progress_bar=False)
+    )
     assert rates[0] == 1e-3
 
 
@@ -258,7 +256,9 @@ def test_fit_stopped_mid_epoch_then_resumed_equals_uninterrupted(data_dir, tmp_p
     cfg = TrainConfig.of(
         epochs=2, batch_size=16, val_beam_size=1, val_images=4, checkpoint_every=0, checkpoint_minutes=0
     )
-    run = lambda out, **kw: fit(str(data_dir), str(tmp_path / out), model, cfg, device="cpu", progress_bar=False, **kw)
+    run = lambda out, stop=None, **kw: fit(
+        FitJob(str(data_dir), str(tmp_path / out), model, cfg, device="cpu", progress_bar=False, **kw), stop
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: a second thread only waits, and on a busy machine that is slow
     try:

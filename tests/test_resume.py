@@ -24,7 +24,7 @@ RECORD = dict(decoder={}, vocab=[], encoder={}, max_len=5, data=None, familiarit
 
 
 def run(seed: int, optimizer=None) -> Live:
-    """A tiny run's live objects on the CPU, its terms' generator seeded `seed` (`parts.build`: seed + 1 + rank)."""
+    """A tiny run's live objects on the CPU, its terms' generator seeded `seed` (`Trainer`: seed + 1 + rank)."""
     decoder = torch.nn.Linear(3, 2)
     optimizer = (optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3)))(list(decoder.parameters()))
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max")
@@ -180,16 +180,19 @@ def test_a_resumed_run_is_given_its_boxes_again_and_records_where_it_started(sma
     from captioner.errors import CaptionerError
     from captioner.models.checkpoint import save_checkpoint
     from captioner.train.resume import start_from
+    from captioner.train.trainer import FitJob
 
     data, cpu = CaptionData(str(data_dir)), torch.device("cpu")
     ck = load_checkpoint(str(small_run / "last.pt"))
     assert (ck["data"]["init"], ck["data"]["boxes"]) == (None, None)
     with pytest.raises(CaptionerError, match="trained without --boxes"):
-        start_from(data, str(small_run), None, True, cpu, boxes="boxes.json", command=None)
+        start_from(FitJob(str(data_dir), str(small_run), resume=True, boxes="boxes.json"), data, cpu)
     boxed = tmp_path / "boxed"
     boxed.mkdir()
     save_checkpoint({**ck, "data": {**ck["data"], "boxes": "scenes/boxes.json"}}, str(boxed / "last.pt"))
     with pytest.raises(CaptionerError, match="trained with --boxes scenes/boxes.json: pass it again"):
-        start_from(data, str(boxed), None, True, cpu, boxes=None, command="python train.py fit --resume")
-    _, saved, began = start_from(data, str(boxed), None, True, cpu, boxes="scenes/boxes.json", command="again")
+        start_from(FitJob(str(data_dir), str(boxed), resume=True, command="python train.py fit --resume"), data, cpu)
+    _, saved, began = start_from(
+        FitJob(str(data_dir), str(boxed), resume=True, boxes="scenes/boxes.json", command="again"), data, cpu
+    )
     assert saved["step"] == ck["step"] and began == {"init": None, "boxes": "scenes/boxes.json", "command": None}

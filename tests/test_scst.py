@@ -22,7 +22,7 @@ from captioner.objectives.cider import DocumentFrequency, NgramScorer, Reference
 from captioner.objectives.objective import Objective
 from captioner.objectives.scst import ScstConfig, SelfCritical, sample_captions
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
+from captioner.train.trainer import FitJob, fit
 
 # helpers
 
@@ -295,7 +295,14 @@ def scst_config(**kw) -> TrainConfig:
 def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkeypatch):
     init = small_run / "best.pt"
     whole = fit(
-        str(data_dir), str(tmp_path / "whole"), cfg=scst_config(), init=str(init), device="cpu", progress_bar=False
+        FitJob(
+            str(data_dir),
+            str(tmp_path / "whole"),
+            train=scst_config(),
+            init=str(init),
+            device="cpu",
+            progress_bar=False,
+        )
     )
     from captioner.train import checkpoints
 
@@ -308,15 +315,26 @@ def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkey
 
     monkeypatch.setattr(checkpoints, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        fit(str(data_dir), str(tmp_path / "run"), cfg=scst_config(), init=str(init), device="cpu", progress_bar=False)
+        fit(
+            FitJob(
+                str(data_dir),
+                str(tmp_path / "run"),
+                train=scst_config(),
+                init=str(init),
+                device="cpu",
+                progress_bar=False,
+            )
+        )
     monkeypatch.setattr(checkpoints, "save_checkpoint", real)
     resumed = fit(
-        str(data_dir),
-        str(tmp_path / "run"),
-        cfg=TrainConfig.of(epochs=2),
-        resume=True,
-        device="cpu",
-        progress_bar=False,
+        FitJob(
+            str(data_dir),
+            str(tmp_path / "run"),
+            train=TrainConfig.of(epochs=2),
+            resume=True,
+            device="cpu",
+            progress_bar=False,
+        )
     )
     assert resumed.step == whole.step > 3
     a, b = (load_checkpoint(str(tmp_path / r / "last.pt")) for r in ("whole", "run"))
@@ -333,7 +351,7 @@ def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkey
 def test_init_starts_from_the_checkpoint_weights(data_dir, small_run, tmp_path):
     cfg = TrainConfig.of(objective="scst", epochs=1, batch_size=8, lr=1e-12, val_beam_size=1)
     init = str(small_run / "best.pt")
-    fit(str(data_dir), str(tmp_path / "run"), cfg=cfg, init=init, device="cpu", progress_bar=False)
+    fit(FitJob(str(data_dir), str(tmp_path / "run"), train=cfg, init=init, device="cpu", progress_bar=False))
     start, end = (load_checkpoint(str(p)) for p in (small_run / "best.pt", tmp_path / "run" / "last.pt"))
     assert end["decoder"] == start["decoder"]  # sizes come from --init
     for name, value in start["model"].items():  # a vanishing lr: still the same weights
@@ -341,10 +359,10 @@ def test_init_starts_from_the_checkpoint_weights(data_dir, small_run, tmp_path):
     assert end["step"] == end["progress"]["step"] > 0 and end["train"]["optim"]["lr"] == 1e-12
     # How to decode is the command line's when it says (--decode-sharpness), the weights' otherwise.
     sharp = DecoderConfig(0, decode_sharpness=2.0)
-    fit(str(data_dir), str(tmp_path / "sharp"), sharp, cfg, init=init, device="cpu", progress_bar=False)
+    fit(FitJob(str(data_dir), str(tmp_path / "sharp"), sharp, cfg, init=init, device="cpu", progress_bar=False))
     assert load_checkpoint(str(tmp_path / "sharp" / "last.pt"))["decoder"]["decode_sharpness"] == 2.0
     again = str(tmp_path / "sharp" / "last.pt")
-    fit(str(data_dir), str(tmp_path / "again"), cfg=cfg, init=again, device="cpu", progress_bar=False)
+    fit(FitJob(str(data_dir), str(tmp_path / "again"), train=cfg, init=again, device="cpu", progress_bar=False))
     assert load_checkpoint(str(tmp_path / "again" / "last.pt"))["decoder"]["decode_sharpness"] == 2.0
 
 

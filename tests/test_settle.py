@@ -15,7 +15,7 @@ from captioner.models.decoder import DecoderConfig
 from captioner.options import command_line, from_args
 from captioner.train.config import GROUPS, TrainConfig
 from captioner.train.finetune import DECODER_FIRST, FineTuneConfig
-from captioner.train.settle import settle
+from captioner.train.settle import Start, settle
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 # Every field whose default is decided from other settings, and the fields that are optional on purpose.
@@ -28,7 +28,7 @@ INIT = {"decoder": DecoderConfig(9).to_dict()}  # an --init checkpoint, as settl
 
 
 def settled(model=None, device=CPU, init=None, boxes=False, **train):
-    return settle(model, TrainConfig.of(**train), vocab_size=9, device=device, init=init, boxes=boxes)
+    return settle(model, TrainConfig.of(**train), Start(9, init=init, boxes=boxes), device)
 
 
 def undecided(config) -> set[str]:
@@ -46,7 +46,7 @@ def undecided(config) -> set[str]:
 def test_the_derived_defaults_are_these_and_settle_leaves_none_undecided():
     given = TrainConfig(fine_tune=FineTuneConfig())
     assert undecided(given) | undecided(DecoderConfig(9)) == DERIVED | OPTIONAL - {"fine_tune"}
-    model, cfg = settle(None, given, vocab_size=9, device=CPU)
+    model, cfg = settle(None, given, Start(9), CPU)
     assert not (undecided(model) | undecided(cfg)) - OPTIONAL
     assert set(GROUPS) == {"optim", "schedule", "checkpoints", "terms", "hard", "scst"}
 
@@ -87,15 +87,11 @@ def test_given_values_win_and_configs_are_frozen():
 def test_init_takes_the_checkpoints_decoder_and_its_sharpness_unless_given():
     init = {"decoder": DecoderConfig(9, embed_dim=8, dropout=0.1, word_query=True, decode_sharpness=2.0).to_dict()}
     model, cfg = settle(
-        DecoderConfig(0, embed_dim=64),
-        TrainConfig.of(fine_tune=FineTuneConfig()),
-        vocab_size=9,
-        device=CPU,
-        init=init,
+        DecoderConfig(0, embed_dim=64), TrainConfig.of(fine_tune=FineTuneConfig()), Start(9, init=init), CPU
     )
     assert (model.embed_dim, model.dropout, model.decode_sharpness) == (8, 0.1, 2.0)
     assert cfg.fine_tune.after == 0  # the decoder is trained already
-    model, _ = settle(DecoderConfig(0, decode_sharpness=4.0), TrainConfig(), vocab_size=9, device=CPU, init=init)
+    model, _ = settle(DecoderConfig(0, decode_sharpness=4.0), TrainConfig(), Start(9, init=init), CPU)
     assert model.decode_sharpness == 4.0
 
 
@@ -107,14 +103,14 @@ def test_the_paper_objective_refuses_options_that_contradict_it():
     assert settled(paper=True, alpha_c=1.0, consistency=0.0)[1].terms.alpha_c == 1.0  # the same values: fine
     args = get_parser().parse_args(["fit", "--data", "d", "--out", "o", "--paper-objective", "--alpha-c", "0.3"])
     with pytest.raises(CaptionerError):
-        settle(None, from_args(TrainConfig, args), vocab_size=9, device=CPU)
+        settle(None, from_args(TrainConfig, args), Start(9), CPU)
 
 
 def test_a_resumed_run_keeps_its_settings_but_how_long_and_how_often():
     model, cfg = settled(lr=0.01, epochs=3, boxes=True)
     saved = {"decoder": model.to_dict(), "train": cfg.to_dict()}
     command = TrainConfig.of(epochs=9, lr=0.5, log_every=3, checkpoint_every=7)
-    model2, cfg2 = settle(None, command, vocab_size=9, device=CPU, saved=saved, boxes=True)
+    model2, cfg2 = settle(None, command, Start(9, saved=saved, boxes=True), CPU)
     assert model2 == model and model2.word_query
     assert (cfg2.optim.lr, cfg2.schedule.epochs) == (0.01, 9)
     assert (cfg2.checkpoints.log_every, cfg2.checkpoints.checkpoint_every) == (3, 7)
@@ -134,14 +130,14 @@ def test_a_resumed_run_takes_how_this_process_runs_it_from_its_command():
     model, cfg = settled()
     saved = {"decoder": model.to_dict(), "train": cfg.to_dict()}
     assert (cfg.optim.cuda_graphs, cfg.optim.shapes) == ("auto", "packed")
-    _, off = settle(None, TrainConfig.of(cuda_graphs="off"), vocab_size=9, device=CPU, saved=saved)
+    _, off = settle(None, TrainConfig.of(cuda_graphs="off"), Start(9, saved=saved), CPU)
     assert off.optim.cuda_graphs == "off"
-    _, on_gpu = settle(None, TrainConfig(), vocab_size=9, device=CUDA, saved=saved)
+    _, on_gpu = settle(None, TrainConfig(), Start(9, saved=saved), CUDA)
     assert on_gpu.optim.shapes == "fixed"  # --shapes auto follows the device this process trains on
-    _, compiled = settle(None, TrainConfig.of(compile=True), vocab_size=9, device=CPU, saved=saved)
+    _, compiled = settle(None, TrainConfig.of(compile=True), Start(9, saved=saved), CPU)
     assert (compiled.optim.compile, compiled.optim.shapes) == (True, "fixed")
     with pytest.raises(CaptionerError, match="--compile trains with fixed shapes"):
-        settle(None, TrainConfig.of(compile=True, shapes="packed"), vocab_size=9, device=CPU, saved=saved)
+        settle(None, TrainConfig.of(compile=True, shapes="packed"), Start(9, saved=saved), CPU)
 
 
 def test_a_resumed_run_takes_from_its_command_only_the_per_process_settings():
@@ -154,7 +150,7 @@ def test_a_resumed_run_takes_from_its_command_only_the_per_process_settings():
         given |= {f.name: _another_value(f, hints[f.name]) for f in dataclasses.fields(group)}
     given["shapes"] = "fixed"  # with --compile
     command = TrainConfig.of(**given, fine_tune=FineTuneConfig(workers=5, after=7))
-    _, resumed = settle(None, command, vocab_size=9, device=CPU, saved=saved)
+    _, resumed = settle(None, command, Start(9, saved=saved), CPU)
     changed = {
         f.name
         for name in [*GROUPS, "fine_tune"]
@@ -169,7 +165,7 @@ def test_a_resumed_run_keeps_its_model_and_optimisation_and_says_what_it_leaves_
     model, cfg = settled(lr=0.01)
     saved = {"decoder": model.to_dict(), "train": cfg.to_dict()}
     command = TrainConfig.of(lr=0.5, batch_size=16, cuda_graphs="off")
-    model2, cfg2 = settle(DecoderConfig(0, attention="hard"), command, vocab_size=9, device=CPU, saved=saved)
+    model2, cfg2 = settle(DecoderConfig(0, attention="hard"), command, Start(9, saved=saved), CPU)
     assert (model2, cfg2.optim.lr, cfg2.optim.batch_size, cfg2.optim.cuda_graphs) == (model, 0.01, 32, "off")
     warned = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
     assert "--attention hard" in warned and "--lr 0.5" in warned and "--batch-size 16" in warned
@@ -181,7 +177,7 @@ def test_a_resumed_run_settles_the_derived_settings_its_checkpoint_lacks():
     model, cfg = settled()
     saved = {"decoder": model.to_dict(), "train": cfg.to_dict()}
     del saved["decoder"]["dropout"], saved["train"]["terms"]["alpha_c"], saved["train"]["optim"]["lr"]
-    model2, cfg2 = settle(None, TrainConfig(), vocab_size=9, device=CPU, saved=saved)
+    model2, cfg2 = settle(None, TrainConfig(), Start(9, saved=saved), CPU)
     assert (model2, cfg2) == (model, cfg)
 
 
@@ -213,13 +209,13 @@ def test_a_run_resumed_with_cuda_graphs_off_records_it(data_dir, tmp_path):
     import json
 
     from captioner.models.checkpoint import load_checkpoint
-    from captioner.train.loop import fit
+    from captioner.train.trainer import FitJob, fit
 
     small, run = DecoderConfig(0, embed_dim=16, hidden_dim=24, attention_dim=12), tmp_path / "run"
     first = TrainConfig.of(epochs=1, batch_size=8, lr=3e-3, val_beam_size=1, val_images=4)
-    fit(str(data_dir), str(run), small, first, device="cpu", progress_bar=False)
+    fit(FitJob(str(data_dir), str(run), small, first, device="cpu", progress_bar=False))
     again = TrainConfig.of(epochs=2, batch_size=8, val_beam_size=1, val_images=4, cuda_graphs="off")
-    fit(str(data_dir), str(run), None, again, resume=True, device="cpu", progress_bar=False)
+    fit(FitJob(str(data_dir), str(run), None, again, resume=True, device="cpu", progress_bar=False))
     starts = [x for x in map(json.loads, open(run / "metrics.jsonl", encoding="utf-8")) if x["event"] == "start"]
     recorded = [s["train"]["optim"] for s in starts] + [load_checkpoint(str(run / "last.pt"))["train"]["optim"]]
     assert [(o["cuda_graphs"], o["lr"]) for o in recorded] == [("auto", 3e-3), ("off", 3e-3), ("off", 3e-3)]
@@ -257,8 +253,8 @@ def test_a_setting_name_in_two_groups_is_refused_when_the_config_is_defined():
 
 
 def test_without_views_the_consistency_is_settled_off_unless_a_fine_tuned_encoder_makes_them():
-    plain = settle(None, TrainConfig(), vocab_size=9, device=CPU, views=False)[1]
-    tuned = settle(None, TrainConfig(fine_tune=FineTuneConfig()), vocab_size=9, device=CPU, views=False)[1]
+    plain = settle(None, TrainConfig(), Start(9, views=False), CPU)[1]
+    tuned = settle(None, TrainConfig(fine_tune=FineTuneConfig()), Start(9, views=False), CPU)[1]
     assert (plain.terms.consistency, tuned.terms.consistency) == (0.0, 1.0)
 
 
@@ -284,17 +280,17 @@ def test_every_refusal_is_made_by_settle_before_anything_is_built(model, train, 
     files = {k: train[k] for k in ("init", "boxes") if k in train}  # fit's arguments, not settings
     train = {k: v for k, v in train.items() if k not in files}
     with pytest.raises(CaptionerError, match=refused):
-        settle(model, TrainConfig.of(**train), vocab_size=9, device=CPU, saved=saved, **files)
+        settle(model, TrainConfig.of(**train), Start(9, saved=saved, **files), CPU)
 
 
 def test_a_refused_fit_leaves_no_trace(data_dir, tmp_path):
     """`fit` refuses before it writes: no run directory, no pool4 cache in the data directory."""
-    from captioner.train.loop import fit
+    from captioner.train.trainer import FitJob, fit
 
     before = sorted(p.name for p in data_dir.iterdir())
     cfg = TrainConfig.of(objective="scst", fine_tune=FineTuneConfig())
     with pytest.raises(CaptionerError, match="--init"):
-        fit(str(data_dir), str(tmp_path / "run"), None, cfg, device="cpu", progress_bar=False)
+        fit(FitJob(str(data_dir), str(tmp_path / "run"), None, cfg, device="cpu", progress_bar=False))
     assert not (tmp_path / "run").exists() and sorted(p.name for p in data_dir.iterdir()) == before
 
 

@@ -16,8 +16,8 @@ from captioner.decoding.beams import Hypothesis
 from captioner.models.decoder import DecoderConfig
 from captioner.options import from_args
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
 from captioner.train.tensorboard import EXAMPLES, TensorBoard
+from captioner.train.trainer import FitJob, fit
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -53,7 +53,7 @@ def records(run, event: str) -> list[dict]:
 
 def train(data_dir, run, tb, *, epochs: int, resume: bool = False):
     cfg = TrainConfig.of(epochs=epochs, batch_size=8, lr=3e-3, val_beam_size=1, log_every=2, tensorboard=str(tb))
-    return fit(str(data_dir), str(run), SMALL, cfg, resume=resume, device="cpu", progress_bar=False)
+    return fit(FitJob(str(data_dir), str(run), SMALL, cfg, resume=resume, device="cpu", progress_bar=False))
 
 
 def torchrun(*args: str):

@@ -26,10 +26,10 @@ from captioner.models.decoder import DecoderConfig
 from captioner.options import Device, add_options, check_device, choose_device, from_args
 from captioner.train import distributed
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
 from captioner.train.prepare import PrepareConfig, prepare
 from captioner.train.resilience import GracefulStop
 from captioner.train.settle import DERIVED
+from captioner.train.trainer import FitJob, fit
 
 
 @dataclass(frozen=True)
@@ -134,18 +134,11 @@ def _fit(args: argparse.Namespace) -> int:
     )
     main = int(os.environ.get("RANK", "0")) == 0
     with GracefulStop(announce=main) as stop:
-        p = fit(
-            where.data,
-            where.out,
-            model,
-            cfg,
-            init=where.init,
-            boxes=where.boxes,
-            resume=where.resume,
-            device=where.device,
-            stop=stop,
-            command=shlex.join(["python", "train.py", *args.typed]),
+        command = shlex.join(["python", "train.py", *args.typed])
+        job = FitJob(
+            where.data, where.out, model, cfg, where.init, where.boxes, where.resume, where.device, command=command
         )
+        p = fit(job, stop)
     distributed.cleanup()
     if stop.requested:
         if main:

@@ -1,4 +1,4 @@
-"""A run's record on disk: last.pt and best.pt (`models.checkpoint`'s schema) and metrics.jsonl.
+"""A run's checkpoints on disk: last.pt and best.pt (`models.checkpoint`'s schema).
 
 `Checkpoints` is given once what a checkpoint captures of the run (the live decoder, its
 average, the optimizer, the schedule, the random streams, a fine-tuned encoder, and the run's
@@ -10,14 +10,11 @@ full disk, a quota, a read-only directory) leaves the previous file whole; `Chec
 account: one line naming the failure and the last good checkpoint with its step, and a record of
 which files' latest save failed, so that training goes on, retries at the next save, and `fit`
 raises with that message if its final save fails. A model whose weights are not finite is never
-written over a good checkpoint. The run's metrics.jsonl (`RunLog`, which also feeds `fit --tensorboard`)
-and its notes of what went wrong (`resilience.FaultLog`) travel with it: the loop writes both where it saves.
+written over a good checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import time
 from dataclasses import asdict
@@ -32,43 +29,6 @@ from captioner.models.checkpoint import Checkpoint, save_checkpoint
 from captioner.objectives.terms import TermState
 from captioner.train import distributed, resilience
 from captioner.train.config import Progress
-
-
-class RunLog:
-    """metrics.jsonl (rank 0): one JSON line per record, with the seconds since `started`; a full disk
-    loses log lines, not the run. With a `board` (`fit --tensorboard`: `train.tensorboard.TensorBoard`),
-    each record also goes there, and so do the validation's examples."""
-
-    def __init__(self, out_dir: str, *, main: bool, started: float, board=None):
-        self.started, self.file, self.board = started, None, board if main else None
-        if main:
-            os.makedirs(out_dir, exist_ok=True)
-            self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a", encoding="utf-8")
-
-    def write(self, record: dict) -> None:
-        if self.file is None:
-            return
-        record = {**record, "time": round(time.monotonic() - self.started, 2)}
-        try:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-        except OSError:
-            pass
-        if self.board is not None:
-            with contextlib.suppress(OSError):  # a full disk loses what the board shows, not the run
-                self.board.write(record)
-
-    def examples(self, step: int, data, hyps: dict) -> None:
-        """A validation's captions (image id → this process's `Hypothesis`) at `step`, shown on the board."""
-        if self.board is not None:
-            with contextlib.suppress(OSError):
-                self.board.examples(step, data, hyps)
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        if self.board is not None:
-            self.board.close()
 
 
 def streams(generator: torch.Generator) -> dict:
@@ -106,7 +66,7 @@ class Checkpoints:
         live: the live objects a checkpoint holds.
         record: what every checkpoint of the run says of it: "decoder", "train", "vocab",
             "encoder", "max_len", "data", "familiarity", "command".
-        log, notes: the run's metrics.jsonl and its notes of faults, where a failed save is reported.
+        notes: the run's notes of faults, where a failed save is reported.
         resumed: the progress of a resumed run (its last.pt and best.pt are known to be whole).
     """
 
@@ -117,11 +77,10 @@ class Checkpoints:
         main: bool,
         live: Live | None,
         record: dict,
-        log: RunLog | None = None,
         notes: resilience.FaultLog | None = None,
         resumed: Progress | None = None,
     ):
-        self.main, self.live, self.record, self.log, self.notes = main, live, record, log, notes
+        self.main, self.live, self.record, self.notes = main, live, record, notes
         self.last_path, self.best_path = os.path.join(out_dir, "last.pt"), os.path.join(out_dir, "best.pt")
         here = distributed.current()
         self.rank, self.world = here.rank, here.world

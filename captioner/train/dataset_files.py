@@ -73,8 +73,9 @@ def _encode_captions(usable: list, vocab: Vocabulary, max_len: int) -> tuple[lis
     return rows, tokens, lengths, too_long
 
 
-def write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped) -> dict:
-    """Write vocab.json, captions.npz, splits.json and the completed meta.json; return prepare's summary.
+def write_dataset(cfg, meta, records, cache, skipped) -> dict:
+    """Write vocab.json, captions.npz, splits.json and the completed meta.json into `cfg.out` (a
+    `train.prepare.PrepareConfig`, whose `min_count` and `max_len` make the vocabulary); return prepare's summary.
 
     Args:
         meta: meta.json as prepare began it; the features' statistics are added and it is marked complete.
@@ -82,6 +83,7 @@ def write_dataset(out_dir, meta, records, cache, min_count, max_len, skipped) ->
         cache: the finished feature cache: rows marked BAD (unreadable images) are left out.
         skipped: what reading the captions skipped (`data.coco.Skipped`), for the summary.
     """
+    out_dir, min_count, max_len = cfg.out, cfg.min_count, cfg.max_len
     usable = [(row, r) for row, r in enumerate(records) if cache.done[row] != BAD]
     counts, vocab, rare = _vocabulary(usable, min_count)
     rows, tokens, lengths, too_long = _encode_captions(usable, vocab, max_len)

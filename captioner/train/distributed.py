@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from captioner.compiled import GRAPHS
 from captioner.options import choose_device
 
 
@@ -31,6 +32,21 @@ class Dist:
     @property
     def active(self) -> bool:
         return self.world > 1
+
+
+@dataclass(frozen=True)
+class Process:
+    """How this process runs the training, decided once: its place, its device, and the compiler's mode for
+    its steps (`compiled.compile_mode`; None: eager)."""
+
+    dist: Dist
+    device: torch.device
+    compiling: str | None = None
+
+    @property
+    def searches_compile(self) -> bool:
+        """Validation's searches compile where the steps replay as CUDA graphs."""
+        return self.compiling == GRAPHS
 
 
 def current() -> Dist:

@@ -138,29 +138,23 @@ def _photo_features(spec: EncoderSpec, photos: tuple[str, ...]) -> tuple[tuple[s
 
 
 def photo_scores(
-    spec: EncoderSpec,
-    mean: torch.Tensor,
-    std: torch.Tensor,
-    mu: torch.Tensor,
-    precision: torch.Tensor,
-    photos: Sequence[str] | None = None,
-    encoder: torch.nn.Module | None = None,
+    spec: EncoderSpec, score: Callable[[torch.Tensor], torch.Tensor], encoder: torch.nn.Module | None = None
 ) -> dict[str, float]:
-    """Scores of the calibration photographs' views; empty when there are none or no encoder.
+    """Scores (`score` of their views' vectors) of the calibration photographs; empty when there are none or no
+    encoder.
 
     The encoder is the one the features were made with: the data's spec unless `encoder` is
     given (a fine-tuned one). If the spec's cannot be built here (e.g. weights not in the
     cache), the threshold is calibrated on the scenes alone.
     """
-    photos = tuple(calibration_photos() if photos is None else photos)
+    photos = tuple(calibration_photos())
     if not photos:
         return {}
     try:
         names, feats = _photo_features(spec, photos) if encoder is None else _encode_views(encoder, spec, photos)
     except CaptionerError:
         return {}
-    scores = mahalanobis(pool(feats, mean, std), mu, precision)  # (N,)
-    return dict(zip(names, scores.tolist()))
+    return dict(zip(names, score(feats).tolist()))
 
 
 def threshold(val_bound: float, photos: dict[str, float]) -> float:
@@ -173,9 +167,6 @@ def fit_stats(
     data,
     *,
     seed: int = 0,
-    max_train: int = MAX_TRAIN_IMAGES,
-    max_val: int = MAX_VAL_IMAGES,
-    photos: Sequence[str] | None = None,
     features: Callable[[np.ndarray], torch.Tensor] | None = None,
     encoder: torch.nn.Module | None = None,
 ) -> FamiliarityStats | None:
@@ -184,8 +175,7 @@ def fit_stats(
 
     Args:
         data: a `captioner.data.CaptionData`.
-        seed: which images are sampled when a split has more than max_train / max_val.
-        photos: calibration photographs (default: `calibration_photos()`; [] for none).
+        seed: which images are sampled when a split has more than MAX_TRAIN_IMAGES / MAX_VAL_IMAGES.
         features, encoder: a fine-tuned encoder's features of cache rows (rows → (n, L, D)) and
             that encoder for the photographs; default: the feature cache and the data's encoder.
 
@@ -199,11 +189,11 @@ def fit_stats(
     _, val_rows = data.split_images("val")
     mean, std = data.feature_stats()
     std = std.clamp_min(EPS)
-    train = _pooled(read, _sample(np.asarray(train_rows), max_train, seed), mean, std)  # (N, D)
+    train = _pooled(read, _sample(np.asarray(train_rows), MAX_TRAIN_IMAGES, seed), mean, std)  # (N, D)
     mu, precision, shrinkage = gaussian(train)
-    val = mahalanobis(_pooled(read, _sample(np.asarray(val_rows), max_val, seed), mean, std), mu, precision)
+    val = mahalanobis(_pooled(read, _sample(np.asarray(val_rows), MAX_VAL_IMAGES, seed), mean, std), mu, precision)
     quantile = float(torch.quantile(val, QUANTILE))
-    photo = photo_scores(data.encoder, mean, std, mu, precision, photos, encoder)
+    photo = photo_scores(data.encoder, lambda feats: mahalanobis(pool(feats, mean, std), mu, precision), encoder)
     return FamiliarityStats(
         mean,
         std,

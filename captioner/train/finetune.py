@@ -111,7 +111,7 @@ class FineTuning:
     Args:
         data: the prepared data directory.
         cfg: which layers train, their learning rate, workers.
-        d, device: this process's place and device.
+        process: this process's place and device.
         batch_size: about how many captions a batch holds (`image_batches`).
         targets: `data.boxes.BoxTargets` (`fit --boxes`): each batch then carries its box masks.
         progress: show the pool4 cache's progress bar.
@@ -123,24 +123,23 @@ class FineTuning:
         self,
         data: CaptionData,
         cfg: FineTuneConfig,
-        d: distributed.Dist,
-        device: torch.device,
+        process: distributed.Process,
         *,
         batch_size: int,
         targets=None,
         progress: bool = True,
     ):
-        self.data, self.cfg, self.device = data, cfg, device
+        self.data, self.cfg, self.device = data, cfg, process.device
         self.batch_size, self.targets = batch_size, targets
         base, _ = build_encoder(data.encoder)
         start = start_index(base.features, cfg.start, data.encoder.arch)
         self.cache = (
-            input_cache(data, base, start, d, device, workers=cfg.workers, progress=progress)
+            input_cache(data, base, start, process, workers=cfg.workers, progress=progress)
             if cfg.start == CACHED
             else None
         )
         cached, arch = self.cache is not None, data.encoder.arch
-        self.encoder = TunedEncoder(base.features, start, from_cache=cached, arch=arch).to(device)
+        self.encoder = TunedEncoder(base.features, start, from_cache=cached, arch=arch).to(process.device)
 
     def parameters(self):
         return self.encoder.tuned.parameters()
@@ -182,8 +181,7 @@ def input_cache(
     data: CaptionData,
     base: Encoder,
     start: int,
-    d: distributed.Dist,
-    device: torch.device,
+    process: distributed.Process,
     *,
     workers: int = 2,
     progress: bool = True,
@@ -194,6 +192,7 @@ def input_cache(
     rest. Under torchrun each process makes its share. Images the feature cache could not read
     are skipped here too.
     """
+    d, device = process.dist, process.device
     n, (L, D) = len(data.meta["image_ids"]), layer_input_shape(data.encoder, start)
     info = input_cache_info(data, start)
     info_path = os.path.join(data.dir, f"{INPUT_CACHE}.json")

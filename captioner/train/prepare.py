@@ -155,7 +155,7 @@ def prepare(
     if not dist.main:
         return {"rank": dist.rank}
     try:
-        return write_dataset(cfg.out, meta, records, caches[0], cfg.min_count, cfg.max_len, skipped)
+        return write_dataset(cfg, meta, records, caches[0], skipped)
     except OSError as e:
         raise CaptionerError(
             f"cannot write the dataset files in {cfg.out}: {describe_os_error(e, cfg.out)}; "

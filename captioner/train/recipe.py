@@ -21,7 +21,7 @@ from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
 from captioner.scenes.synthetic import generate
 from captioner.train.config import TrainConfig
-from captioner.train.loop import fit
+from captioner.train.trainer import FitJob, fit
 from captioner.train.prepare import PrepareConfig, prepare
 
 
@@ -95,7 +95,7 @@ def trained(
     try:
         if threads:
             torch.set_num_threads(threads)
-        fit(data, run, model, cfg, init=init, boxes=boxes, resume=again, device=device, progress_bar=progress_bar)
+        fit(FitJob(data, run, model, cfg, init, boxes, again, device, progress_bar))
     finally:
         torch.set_num_threads(before)
     return best

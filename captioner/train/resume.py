@@ -156,16 +156,15 @@ def _seed(base: int, rank: int, step: int) -> int:
     return hash((base, rank, step)) & (2**63 - 1)
 
 
-def start_from(
-    data: CaptionData, out_dir: str, init: str | None, resume: bool, device, *, boxes: str | None, command: str | None
-) -> tuple[dict | None, dict | None, dict]:
-    """The checkpoints a run starts from, (--init's, the resumed last.pt), each checked against the data
-    (`train.settle` checks the options against them), and how the run began as its checkpoints record it:
+def start_from(job, data: CaptionData, device) -> tuple[dict | None, dict | None, dict]:
+    """The checkpoints a run (`trainer.FitJob`) starts from, (--init's, the resumed last.pt), each checked against
+    the data (`train.settle` checks the options against them), and how the run began as its checkpoints record it:
     {"init", "boxes", "command"} (a resumed run keeps its first --init and command line, and reads its boxes
     again, as it reads its data).
     """
-    began = {"init": init, "boxes": boxes, "command": command}
-    if not resume:
+    init, boxes, out_dir = job.init, job.boxes, job.out
+    began = {"init": init, "boxes": boxes, "command": job.command}
+    if not job.resume:
         return (checked_checkpoint(init, data, device, "--init") if init else None), None, began
     last = os.path.join(out_dir, "last.pt")
     saved = checked_checkpoint(last, data, device, "--resume")

@@ -17,22 +17,23 @@ from captioner.evaluation.captioning import caption_split, score_validation
 from captioner.evaluation.health import advice, attention_health, problems
 from captioner.evaluation.health import summary as health_summary
 from captioner.train import distributed
-from captioner.train.checkpoints import Live, RunLog
+from captioner.train.checkpoints import Live
 from captioner.train.config import Progress, ScheduleConfig
+from captioner.train.log import RunLog
 
 logger = logging.getLogger(__name__)
 
 
 def validate(
-    live: Live, data: CaptionData, schedule: ScheduleConfig, *, d: distributed.Dist, device, compiled: bool
+    live: Live, data: CaptionData, schedule: ScheduleConfig, process: distributed.Process
 ) -> tuple[dict, dict[int, Hypothesis]]:
     """Generation-based validation of the weights' average (or the weights), split over processes and scored
-    on the gathered captions; the searches `compiled` as `decoding.decode.beam_search` says.
+    on the gathered captions; the searches compiled where the process's steps replay as CUDA graphs.
 
     Returns:
         the metrics (every process's the same), and this process's share of the captions by image id.
     """
-    t0 = time.monotonic()
+    t0, d, device = time.monotonic(), process.dist, process.device
     texts, hyps = caption_split(
         live.average.model if live.average else live.decoder,
         data,
@@ -44,7 +45,7 @@ def validate(
         max_images=schedule.val_images,
         shard=(d.rank, d.world),
         features=live.tuning.features if live.tuning else None,
-        compiled=compiled,
+        compiled=process.searches_compile,
     )
     texts = distributed.gather_dicts(d, texts)
     maps = distributed.gather_dicts(d, {i: h.attention.astype("float16") for i, h in hyps.items()})
@@ -55,7 +56,7 @@ def validate(
     return {**distributed.broadcast(d, metrics), "seconds": round(time.monotonic() - t0, 2)}, hyps
 
 
-def select(progress: Progress, metrics: dict, metric: str, *, log: RunLog, d: distributed.Dist, lr: float, boxed: bool):
+def select(progress: Progress, metrics: dict, metric: str, *, log: RunLog, lr: float, boxed: bool) -> bool:
     """Is this validation the new best.pt by `metric`? The best score among checkpoints whose attention
     is healthy, when any is; a healthy one replaces a flagged best.pt whatever its score. Logged with the
     learning rate `lr` (`boxed`: the run trains with --boxes, which the advice on flagged maps names)."""
@@ -78,7 +79,7 @@ def select(progress: Progress, metrics: dict, metric: str, *, log: RunLog, d: di
             "healthy": healthy,
         }
     )
-    if d.main:
+    if log.main:
         other = metric if metric != "BLEU-4" else "CIDEr"
         logger.info(
             f"epoch {progress.epoch}: step {progress.step}, BLEU-4 {metrics['BLEU-4']:.3f}, {other} "

@@ -18,7 +18,7 @@ settled as a fresh run's are, so that a setting its checkpoint lacks is derived,
 from __future__ import annotations
 
 import logging
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import torch
 
@@ -48,51 +48,47 @@ DERIVED = {  # each derived default's rule, as `fit --help` shows it
 }
 
 
-def settle(
-    model: DecoderConfig | None,
-    cfg: TrainConfig,
-    *,
-    vocab_size: int,
-    device: torch.device,
-    init: dict | None = None,
-    saved: dict | None = None,
-    views: bool = True,
-    encoder_dim: int | None = None,
-    boxes: bool = False,
-) -> tuple[DecoderConfig, TrainConfig]:
-    """The settled (decoder, training) configs of a run.
+@dataclass(frozen=True)
+class Start:
+    """What a run starts from: its data's vocabulary size, feature size D (its backbone row's channels: a fresh
+    decoder's `encoder_dim`; None keeps the config's), whether the data holds the features of the images' views
+    (without them, and without a fine-tuned encoder to make its own, the consistency is settled as 0), whether it
+    reads object boxes (`fit --boxes`, which set the word query's and the decoding sharpness's defaults), and the
+    checkpoint of `--init` or the resumed last.pt (migrated: `models.checkpoint.load_checkpoint`)."""
 
-    Args:
-        model: the decoder options given (None: the defaults); with --init its checkpoint sets the
-            sizes, and on resume the saved run sets them all (those given otherwise are warned of).
-        cfg: the training options given (on resume: their per-process settings, `_kept`).
-        vocab_size: the data's vocabulary size.
-        device: where the run trains (the shapes' default).
-        init: the checkpoint of `fit --init`, migrated (`models.checkpoint.load_checkpoint`).
-        saved: the checkpoint a resumed run continues from.
-        views: the data directory holds the features of the images' views (the consistency's); without
-            them (and without a fine-tuned encoder to make its own) the consistency is settled as 0.
-        encoder_dim: D of the data's features, its backbone row's channels (`EncoderSpec.channels`): a
-            fresh decoder's `encoder_dim`; None keeps the config's. --init and resumed checkpoints hold
-            their own, checked against the data's encoder before this.
-        boxes: the run reads object boxes (`fit --boxes`), which set the word query's and the
-            decoding sharpness's defaults.
+    vocab_size: int
+    encoder_dim: int | None = None
+    views: bool = True
+    boxes: bool = False
+    init: dict | None = None
+    saved: dict | None = None
+
+
+def settle(
+    model: DecoderConfig | None, cfg: TrainConfig, start: Start, device: torch.device
+) -> tuple[DecoderConfig, TrainConfig]:
+    """The settled (decoder, training) configs of a run on `device` (the shapes' default).
+
+    `model` is the decoder options given (None: the defaults); with --init its checkpoint sets the sizes, and on
+    resume the saved run sets them all (those given otherwise are warned of). `cfg`: the training options given
+    (on resume: their per-process settings, `_kept`).
 
     Raises:
         CaptionerError: options that cannot train together (`_refuse`, `_terms`, `_optim`), or that
             contradict the run being resumed (`_refuse_resumed`).
     """
+    init, saved, views, boxes = start.init, start.saved, start.views, start.boxes
     if saved is not None:
         settled = _derived(*_resumed(saved, cfg), device=device, init=None, views=views, boxes=boxes)
         _warn_overruled((model, cfg), settled)
         return settled
     _refuse(model, cfg, init)
-    given = model or DecoderConfig(vocab_size)
+    given = model or DecoderConfig(start.vocab_size)
     if init is not None:  # the checkpoint's sizes; how to decode is not the weights' to say
         model = replace(DecoderConfig(**init["decoder"]), decode_sharpness=given.decode_sharpness)
-    model = replace(model or given, vocab_size=vocab_size)
-    if encoder_dim is not None and init is None:
-        model = replace(model, encoder_dim=encoder_dim)
+    model = replace(model or given, vocab_size=start.vocab_size)
+    if start.encoder_dim is not None and init is None:
+        model = replace(model, encoder_dim=start.encoder_dim)
     return _derived(model, cfg, device=device, init=init, views=views, boxes=boxes)
 
 

@@ -25,50 +25,28 @@ import torch.distributed as torch_dist
 
 from captioner.compiled import Compiled, autocast
 from captioner.train import distributed
-from captioner.train.averaging import WeightAverage
 from captioner.train.config import OptimConfig
 
 AMP_DTYPES = {"none": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 RECOMPILES = 16  # most compiles of a step's forward: a few length buckets, in two stages
 
 
-def make_optimizer(groups: list[dict], lr: float, device: torch.device) -> torch.optim.Adam:
+def make_optimizer(groups: list[dict], lr: float) -> torch.optim.Adam:
     """Adam, fused into one kernel per step (CPU and CUDA)."""
     return torch.optim.Adam(groups, lr=lr, fused=True)
 
 
 class TrainStep:
-    """Steps an objective's loss with an optimizer; see the module doc.
+    """Steps an objective's loss (DDP-wrapped under torchrun) with the run's optimizer, updating its weights'
+    average and drawing from its generator in eager steps; `steps`: optimizer steps so far (a resumed run's),
+    for the average's ramp. Compiled where `process.compiling` says (module doc)."""
 
-    Args:
-        objective: `objectives.objective.Objective` (DDP-wrapped under torchrun).
-        optimizer: from `make_optimizer`.
-        cfg: clipping, precision.
-        average: the weights' moving average (`--ema`), or None.
-        generator: the terms' random draws (one stream per process) in eager steps.
-        d, device: this process's place and device.
-        steps: optimizer steps taken so far (a resumed run's), for the average's ramp.
-        compiled: the compiler's mode (`compiled.compile_mode`), or None for eager steps; used where
-            the module doc says a step can be compiled.
-    """
-
-    def __init__(
-        self,
-        objective,
-        optimizer: torch.optim.Optimizer,
-        cfg: OptimConfig,
-        *,
-        average: WeightAverage | None,
-        generator: torch.Generator,
-        d: distributed.Dist,
-        device: torch.device,
-        steps: int = 0,
-        compiled: str | None = None,
-    ):
-        self.objective, self.optimizer, self.cfg, self.average = objective, optimizer, cfg, average
-        self.generator, self.d, self.device = generator, d, device
+    def __init__(self, objective, live, cfg: OptimConfig, process: distributed.Process, steps: int = 0):
+        self.objective, self.optimizer, self.cfg, self.average = objective, live.optimizer, cfg, live.average
+        self.generator, self.d, self.device = live.generator, process.dist, process.device
+        device, d = self.device, self.d
         self.module = getattr(objective, "module", objective)  # the Objective itself, under DDP too
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
         self.steps = torch.tensor(float(steps), device=device)  # optimizer steps so far, for the average
         self.skip = torch.zeros((), device=device)  # 1.0: this step is not applied (Adam's found_inf)
@@ -77,9 +55,9 @@ class TrainStep:
         self.applied = torch.zeros((), device=device)
         self.skipped = torch.zeros((), device=device)
         self.passes = None
-        if compiled is not None and self.module.capturable:
+        if process.compiling is not None and self.module.capturable:
             # The objective's forward compiles in place, so that DDP, where it wraps the objective, calls it.
-            mode, eager = "default" if d.active else compiled, type(self.module).forward.__get__(self.module)
+            mode, eager = "default" if d.active else process.compiling, type(self.module).forward.__get__(self.module)
             self.module.forward = torch.compile(eager, mode=mode, fullgraph=True, dynamic=False)
 
             def eager_pass(*args):

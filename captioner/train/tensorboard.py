@@ -35,7 +35,7 @@ EXAMPLES = 4  # validation images shown after each validation
 PANEL_SIDE = 160  # longest side of each panel's image in a figure, in pixels
 DPI = 64  # the figures' resolution: a panel (2.4 inches) is 154 pixels wide
 FLUSH_SECONDS = 10  # how often what was written reaches the event files
-MACHINE = ("load_s", "peak_gib")  # a training line's fields about the machine (`train.telemetry`)
+MACHINE = ("load_s", "peak_gib")  # a training line's fields about the machine (`train.log`)
 PLACE = ("event", "step", "epoch", "time")  # a record's fields that say where the run is, not how it does
 # A validation's learning rate is the training lines' own (after the schedule's step); best.pt's step is no score.
 NOT_SCORES = (*PLACE, "lr", "best_step")
