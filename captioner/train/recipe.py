@@ -21,8 +21,8 @@ from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
 from captioner.scenes.synthetic import generate
 from captioner.train.config import TrainConfig
-from captioner.train.trainer import FitJob, fit
 from captioner.train.prepare import PrepareConfig, prepare
+from captioner.train.trainer import FitJob, fit
 
 
 def scene_set(out: str, n: int, seed: int) -> str:
