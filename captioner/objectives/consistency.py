@@ -4,12 +4,10 @@ Each map is asked to be found again in a view of the image (`models.views`: turn
 one or two whole cells) and to be sharp: C_t = −log Σ_i α_ti (V⁻¹α'_t)_i, where α_t is the map on the
 image, α'_t the map the same state h_{t−1} gives on the view, and V⁻¹ brings a map on the view back
 onto the image's cells. Only sharp maps that follow the content make it small; h_{t−1} is detached,
-so the term trains where to look, not the LSTM's state. It is estimated on a share of each batch's
-captions (`TermsConfig.consistency_share`), at one random real step each, scaled to the batch's words.
-Why each part is there, and what was measured: docs/attention.md#view-consistency.
+so the term trains where to look, not the LSTM's state. Why: docs/attention.md#view-consistency.
 
-Symbols: B captions, T steps, L locations, D feature size, A attention size, H LSTM size, N
-picked (caption, step) pairs.
+Symbols: B captions, T steps, L locations, D feature size, H LSTM size, E embedding size, N picked
+(caption, step) pairs.
 """
 
 from __future__ import annotations
@@ -53,17 +51,9 @@ def consistency(
     words,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """λ's multiplicand per word: the consistency of the maps between the images and their views,
-    estimated at one random real step of each caption in `rows` and scaled to the batch's real steps.
-
-    Args:
-        features: (B, L, D) the images' raw annotation vectors, as the pass saw them.
-        views: (N, L, D) the features of the views (`models.views`) of the images of captions
-            `rows` (N,), moved by `moves` (N, 2) cells.
-        unrolled: the teacher-forced pass on `features` (its states h_t).
-        mask: (B, T-1) real steps.
-        words: what to divide the batch total by.
-    """
+    """λ's multiplicand per word: the consistency between the maps on `features` (B, L, D) and on `views`
+    (N, L, D), the views of captions `rows` (N,) moved by `moves` (N, 2) cells, estimated at one random real
+    step of each of those captions and scaled to the batch's real steps (`mask`, (B, T-1))."""
     steps = real_steps(mask, rows, generator)  # (N,)
     images = decoder.normalize(features[rows])  # (N, L, D)
     h0, _ = decoder.init_state(images)  # (N, H)

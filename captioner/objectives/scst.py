@@ -84,9 +84,6 @@ def training_scorer(data: CaptionData, end_token: bool = True) -> NgramScorer:
     return NgramScorer(refs, df)
 
 
-# sampling
-
-
 class Samples(NamedTuple):
     """Sampled captions with what the gradient needs."""
 
@@ -107,13 +104,9 @@ def sample_captions(
 ) -> Samples:
     """Draw n captions per image from the decoder, step by step, keeping the graph for log p.
 
-    Uses the decoder's own `step`, as beam search does; the same words are banned
-    (`decoding.search_state.banned`: <pad>, <start>, <unk>, and <end> as the first word, so no caption
-    is empty) and a caption reaching max_len words is ended there, as in decoding.
-
-    Args:
-        features: (B, L, D) raw annotation vectors.
-        mode: context of each step: "expected", or "sample" (hard attention's locations).
+    The same words are banned as in decoding (<end> as the first word too, so no caption is empty),
+    and a caption reaching max_len words is ended there. `mode` is each step's context: "expected",
+    or "sample" (hard attention's locations).
     """
     feats = decoder.normalize(features)  # (B, L, D)
     projected = decoder.attention.project(feats).repeat_interleave(n, dim=0)  # (N, L, A)
@@ -154,12 +147,8 @@ def sample_captions(
 def greedy_tokens(
     decoder: AttentionDecoder, features: torch.Tensor, max_len: int, compiled: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The test-time greedy captions (beam size 1 of the one decoding routine), without dropout; its blocks
-    of steps `compiled` as `decoding.decode.beam_search` says.
-
-    Returns:
-        tokens (B, T): words, <end>, <pad>...; words (B,) before <end>.
-    """
+    """The test-time greedy captions (beam size 1), without dropout: tokens (B, T) (words, <end>, <pad>...)
+    and the words (B,) before <end>."""
     was_training = decoder.training
     decoder.eval()
     with no_autocast(features.device):  # as at test time, in the model's precision
@@ -172,18 +161,10 @@ def greedy_tokens(
     return tokens, torch.tensor([len(h) for h in hyps])
 
 
-# the term
-
-
 class SelfCritical(Term):
     """The SCST loss as a term: it samples its own captions from the batch's images (no teacher-forced
-    pass) and scores them on the host, so the step does not compile it.
-
-    Args:
-        cfg: samples, baseline, reward weights.
-        scorer: rewards against the training references (`training_scorer`).
-        max_len: most words per sampled caption.
-        compiled: the greedy baseline's search compiled (`fit` on a GPU with `--cuda-graphs auto`).
+    pass) and scores them on the host, so the step does not compile it. `compiled` compiles the greedy
+    baseline's search.
     """
 
     name = "scst"
