@@ -1,8 +1,5 @@
-"""What the page says about its model: the notice on top, the model panel, the examples' record.
-
-All of it comes from the checkpoint: its card (the bundled model's, written by
-`captioner.demo.build`), its validation metrics and attention health, its encoder and sizes.
-"""
+"""What the page says about its model, all from the checkpoint: the notice on top, the model panel,
+the examples' record."""
 
 from __future__ import annotations
 
