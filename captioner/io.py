@@ -1,12 +1,8 @@
-"""Files read and written safely: JSON and torch files read with messages that name the file (torch's
-with weights_only, so that no pickled code runs), one atomic write, and failed writes described in
-words that name the place.
+"""Files read and written safely: reads whose errors name the file, one atomic write, and failed writes
+described in words that name the place.
 
-Every file the package writes whole (checkpoints, JSON, the caption arrays, the feature cache's
-files, cached document frequencies) goes through `atomic_path`: written under a temporary name
-beside the target, fsync'ed, then renamed over it, so a reader sees the old file or the
-complete new one, never half of one, and a failed write leaves no temporary file behind (one
-killed outright leaves its temporary file until the next write in the same folder removes it).
+Every file the package writes whole goes through `atomic_path`, so a reader sees the old file or the
+complete new one, never half of one.
 """
 
 from __future__ import annotations
@@ -68,11 +64,7 @@ def read_folder_config(folder: str, files: tuple[str, ...], *, kind: str, fmt: s
 
 def read_torch(path: str, *, name: str, kind: str, hint: str = "", map_location="cpu"):
     """`torch.load` with weights_only: a file that needs the full unpickler is refused, its code never run.
-
-    Args:
-        name: how messages name the file (its path, or the option that gave it).
-        kind: what the file should be ("checkpoint", "torch state dict").
-        hint: what to do instead, added to a refusal.
+    Messages name the file `name` (its path, or the option that gave it).
 
     Raises:
         CaptionerError: the file holds pickled objects, or is truncated, corrupt or not torch's format.
@@ -123,8 +115,8 @@ _TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp(?P<pid>\d+)(?P<ext>\.[^./]*)?")
 
 
 def _remove_orphans(folder: str) -> None:
-    """Remove the temporary files `atomic_path` left in `folder` when its writer was killed
-    (SIGKILL, power loss) before it could clean up: those whose process no longer exists."""
+    """Remove the temporary files `atomic_path` left in `folder` when its writer was killed (SIGKILL, power
+    loss): those whose process no longer exists."""
     for entry in os.listdir(folder):
         m = _TEMPORARY.fullmatch(entry)
         if m and (m["ext"] or "") == os.path.splitext(m["name"])[1] and not _alive(int(m["pid"])):
@@ -148,9 +140,6 @@ def write_json_atomic(path: str, obj) -> None:
         json.dump(obj, f)
 
 
-# failed writes, in words
-
-
 def _size(n: float) -> str:
     if n < 1024:
         return f"{n:.0f} bytes"
@@ -162,11 +151,8 @@ def _size(n: float) -> str:
 
 
 def describe_os_error(err: OSError, path: str) -> str:
-    """What a failed write means, in words that name the place: 'no space left on ... (3 MB free)'.
-
-    Args:
-        path: the file written, or its directory.
-    """
+    """What a failed write to `path` (a file or its directory) means, in words that name the place:
+    'no space left on ... (3 MB free)'."""
     where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)) or "."
     if err.errno == errno.ENOSPC:
         try:

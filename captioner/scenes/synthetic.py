@@ -15,8 +15,7 @@ Running ``python -m captioner.scenes.synthetic OUT --n N --seed S`` writes::
                         pixels, plus a "color" field) for attention-grounding checks
 
 The dataset is tiny and fully deterministic for a given (N, seed), which makes
-it a smoke test for the whole pipeline and a training set for a demo model. The drawing is in
-`synthetic_drawing`, the captions in `synthetic_wording`; this module writes the files.
+it a smoke test for the whole pipeline and a training set for a demo model.
 """
 
 from __future__ import annotations
