@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 
 def check_base(base: int) -> None:
-    """Refuse a vocabulary too large for exact 4-gram codes."""
     if base**ORDERS >= 2**63:
         raise CaptionerError(
             f"a vocabulary of {base} words is too large for exact 4-gram codes "

@@ -24,12 +24,9 @@ AGREEMENT_FLOOR = 1e-6  # under the agreement before the log: maps that share no
 
 
 def disagreement(maps: torch.Tensor, maps_in_view: torch.Tensor, moves: torch.Tensor, grid: int) -> torch.Tensor:
-    """−log Σ_i α_i (V⁻¹α')_i per pair (N,): −log of the chance that a cell drawn from the map on
-    the image and one drawn from the view's map, brought back, are the same cell of the image.
-
-    Mass on cells only one of the two shows (the image's cells the move takes out of the view,
-    the view's uncovered cells) can agree with nothing, so it pays like mass on the wrong cell.
-    """
+    """−log Σ_i α_i (V⁻¹α')_i per pair (N,): −log of the chance that a cell drawn from each map is the same
+    cell of the image. Mass on cells only one of the two shows agrees with nothing: it pays like mass on
+    the wrong cell."""
     back = back_from_view(wide(maps_in_view), moves, grid)
     return -((wide(maps) * back).sum(-1) + AGREEMENT_FLOOR).log()
 

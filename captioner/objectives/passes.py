@@ -1,13 +1,11 @@
 """The teacher-forced pass the terms read, made in one of two shapes.
 
-- packed (CPUs): the fast soft pass (`models.fused`), which steps only the captions still being
-  written, with logits at the real positions only;
-- fixed (GPUs, `--compile`): the plain pass (`AttentionDecoder.unroll`) over every caption and
-  every step of the batch's padded length, with logits everywhere and masks: the same shapes at
-  every step of a length bucket and no host synchronisation, so the step compiles it (GPUs: CUDA graphs).
-Both give the same values and gradients on the real positions (tests). Hard attention always
-takes the plain pass, with sampled locations for the images whose coin says so (§4.1's
-"semi-sampling").
+- packed (CPUs): the fast soft pass, with logits at the real positions only;
+- fixed (GPUs): the plain pass over every step of the batch's padded length, with logits everywhere
+  and masks: the same shapes at every step of a length bucket and no host synchronisation, so the
+  step compiles it.
+Both give the same values and gradients on the real positions. Hard attention always takes the
+plain pass, with sampled locations for the images whose coin says so (§4.1's "semi-sampling").
 
 Symbols: B captions, T steps, L locations, D feature size, V vocabulary size, N real positions.
 """

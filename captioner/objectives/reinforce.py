@@ -6,14 +6,12 @@ the Monte-Carlo gradient
 with a moving-average baseline b ← 0.9 b + 0.1 log p(y|s̃,a): the cross-entropy term, `Reinforce`
 and `EntropyBonus`.
 
-Where this departs from the authors' released code (kelvinxu/arctic-captions, capgen.py), and why:
-- the semi-sampling coin is drawn per image, not once per minibatch (`binomial((1,))` there), so
-  every batch mixes both kinds of captions and the attention MLP gets both gradients each step;
-- the reward is the caption's log-likelihood log p(y|s̃,a), summed over its words, as in eq. (12),
-  where the code's default (`RL_sumCost`) uses the mean cost per step; λ_r = 0.01 on the sum
-  weighs the REINFORCE term about as the authors' 0.1 on the mean does for captions of ten words
-  (at 0.1 on the sum, maps could settle beside every object);
-- the baseline averages the summed log-likelihoods, to match.
+Where this departs from the authors' released code (kelvinxu/arctic-captions), and why:
+- the semi-sampling coin is drawn per image, not once per minibatch, so every batch mixes both
+  kinds of captions and the attention MLP gets both gradients each step;
+- the reward is log p(y|s̃,a) summed over the caption's words, as in eq. (12), not the code's mean
+  per step; λ_r = 0.01 on the sum weighs about as the authors' 0.1 on the mean for ten words (at
+  0.1 on the sum, maps could settle beside every object); the baseline averages the sums, to match.
 """
 
 from __future__ import annotations

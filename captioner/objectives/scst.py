@@ -1,21 +1,14 @@
 """Self-critical sequence training (Rennie et al., CVPR 2017): optimise CIDEr-D directly.
 
-For each image, n captions w^1..w^n are sampled from the model p(w|a); each earns a reward
-r(w) (CIDEr-D against the image's training references, plus an optional BLEU-4 weight), and
-the REINFORCE gradient with a baseline b,
-    ∇L = −(1/n) Σ_k (r(w^k) − b_k) ∇ log p(w^k | a),
-raises the probability of the samples that beat the baseline and lowers the others'. The
-baseline is the reward of the greedy caption (Rennie's "self-critical") or, the default, the
-mean reward of the image's other n − 1 samples (Luo 2020, "a better variant of SCST"), which
-needs no extra decoding and is still independent of the sample it judges.
+For each image, n captions w^1..w^n are sampled from the model p(w|a); each earns a reward r(w)
+(CIDEr-D against the image's training references), and the REINFORCE gradient with a baseline b,
+    ∇L = −(1/n) Σ_k (r(w^k) − b_k) ∇ log p(w^k | a).
+The baseline is the reward of the greedy caption (Rennie's "self-critical") or, the default, the
+mean reward of the image's other n − 1 samples (Luo 2020), which needs no extra decoding and is
+still independent of the sample it judges. An epoch is one pass over the training images.
 
-An epoch here is one pass over the training images (not their captions). A hard-attention
-model samples its words with the expected context (as it decodes by default) unless
-`context="sample"`, when the attention locations are sampled too and their log-probabilities
-join the words'.
-
-Symbols in shape comments: B images, n samples per image, N = B·n captions, L locations,
-D feature size, T steps, V vocabulary.
+Symbols: B images, n samples per image, N = B·n captions, L locations, D feature size, T steps,
+V vocabulary.
 """
 
 from __future__ import annotations
@@ -85,8 +78,6 @@ def training_scorer(data: CaptionData, end_token: bool = True) -> NgramScorer:
 
 
 class Samples(NamedTuple):
-    """Sampled captions with what the gradient needs."""
-
     tokens: torch.Tensor  # (N, T) words, <end>, then <pad>
     words: torch.Tensor  # (N,) words before <end>
     logp: torch.Tensor  # (N,) log p(w|a) (+ log p(s|a) of sampled locations), differentiable
@@ -102,12 +93,8 @@ def sample_captions(
     mode: str = EXPECTED,
     generator: torch.Generator | None = None,
 ) -> Samples:
-    """Draw n captions per image from the decoder, step by step, keeping the graph for log p.
-
-    The same words are banned as in decoding (<end> as the first word too, so no caption is empty),
-    and a caption reaching max_len words is ended there. `mode` is each step's context: "expected",
-    or "sample" (hard attention's locations).
-    """
+    """Draw n captions per image from the decoder, step by step, keeping the graph for log p. The same
+    words are banned as in decoding, and a caption reaching max_len words is ended there."""
     feats = decoder.normalize(features)  # (B, L, D)
     projected = decoder.attention.project(feats).repeat_interleave(n, dim=0)  # (N, L, A)
     h, c = (s.repeat_interleave(n, dim=0) for s in decoder.init_state(feats))  # (N, H)
@@ -163,9 +150,7 @@ def greedy_tokens(
 
 class SelfCritical(Term):
     """The SCST loss as a term: it samples its own captions from the batch's images (no teacher-forced
-    pass) and scores them on the host, so the step does not compile it. `compiled` compiles the greedy
-    baseline's search.
-    """
+    pass) and scores them on the host, so the step does not compile it."""
 
     name = "scst"
     capturable = False
