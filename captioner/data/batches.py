@@ -43,7 +43,7 @@ class FixedShapes:
 
 
 class Views(NamedTuple):
-    """The images' views (`models.views`, for the consistency) of k of a batch's captions."""
+    """The images' views (for the consistency) of k of a batch's captions."""
 
     features: torch.Tensor  # (k, L, D) the views' features
     rows: torch.Tensor  # (k,) long: their captions' places in the batch
@@ -85,7 +85,6 @@ class Batch:
         return self._map(torch.Tensor.pin_memory)
 
     def _map(self, fn) -> Batch:
-        """The batch with fn applied to each of its tensors (those of its views and boxes too)."""
         mapped = lambda v: fn(v) if torch.is_tensor(v) else type(v)(*map(fn, v)) if isinstance(v, (Views, Boxes)) else v
         return Batch(**{f.name: mapped(getattr(self, f.name)) for f in fields(self)})
 
@@ -151,8 +150,6 @@ class CaptionBatches:
 
     Captions whose image's features hold inf or NaN (a damaged cache row) never reach the model: packed
     batches leave them out, fixed ones make them padding rows; both name them in `Batch.dropped`.
-    `batch_size` counts captions per process; `view_share` is the share of each batch's captions that
-    also get their image's view (0: none are read).
     """
 
     def __init__(
@@ -169,7 +166,6 @@ class CaptionBatches:
 
     @property
     def shapes(self) -> str:
-        """The batches' shapes (`objectives.passes`)."""
         return "packed" if self.fixed is None else "fixed"
 
     def num_batches(self, world: int = 1) -> int:
@@ -255,7 +251,6 @@ class CaptionBatches:
         return self._with_targets(batch, padded)
 
     def _with_targets(self, batch: Batch, idx: np.ndarray) -> Batch:
-        """The batch with the box masks of its captions `idx` (-1: padding) (`fit --boxes`)."""
         if self.targets is not None:
             batch.boxes = Boxes(*map(torch.from_numpy, self.targets.for_captions(idx, batch.captions.size(1) - 1)))
         return batch

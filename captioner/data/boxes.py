@@ -173,13 +173,8 @@ def grid_cells(boxes: list[list[float]], grid_box, grid: int) -> np.ndarray:
 
 class BoxTargets:
     """Where the object words of the training images' captions should look: the grid cells of the
-    objects they name, for `fit --boxes`.
-
-    Each training image with boxes has a mask per vocabulary word that names one of its objects, so the
-    words of any caption of it, the dataset's or one the model wrote, find their cells by lookup; per
-    dataset caption, the (step, mask) pairs of its object words are listed, so that a batch's targets
-    are a slice.
-    """
+    objects they name. A mask per (image, word) lets the model's own words find their cells by lookup;
+    the (step, mask) pairs of each dataset caption are listed, so that a batch's targets are a slice."""
 
     def __init__(self, data, boxes: GroundingBoxes, preprocess, grid: int):
         ids = data.meta["image_ids"]

@@ -44,7 +44,6 @@ def progress_bar(total: int | None, desc: str, progress: bool, initial: int = 0)
 
 
 def size_of(path: str) -> int:
-    """The file's size in bytes; 0 when it does not exist."""
     return os.path.getsize(path) if os.path.exists(path) else 0
 
 

@@ -83,9 +83,8 @@ def extract_features(
     """Fill the cache's unfinished rows (this rank's share) with encoder features; return the messages
     of the images that could not be read or whose features came out NaN.
 
-    On a GPU a batch's features are copied back and written while the GPU encodes the next one, so the
-    encoder need not wait for the disk. `transform` maps (images (b, 3, S, S), cache rows (b,)) to the
-    images to encode instead (the views). Once `stop.requested`, it returns after the current batch.
+    On a GPU a batch's features are written while the GPU encodes the next one. `transform` maps
+    (images (b, 3, S, S), cache rows (b,)) to the images to encode instead (the views).
 
     Raises:
         CaptionerError: the first unreadable image, without `skip_bad` (the batch's good rows are saved).

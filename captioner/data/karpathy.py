@@ -1,6 +1,6 @@
 """Reading Karpathy's `dataset_coco.json` / `dataset_flickr8k.json` / `dataset_flickr30k.json` alone.
 
-These files (from `caption_datasets.zip`) carry images, their captions and the split together:
+These files carry images, their captions and the split together:
 
     {"dataset": "flickr8k", "images": [{"filename": "1000268201_693b08cb0e.jpg", "imgid": 0,
       "split": "train", "sentences": [{"raw": "A child in a pink dress ...", "tokens": [...]}, ...]},
