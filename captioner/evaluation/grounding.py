@@ -75,7 +75,6 @@ class _Tally:
 def _score_caption(
     tally: _Tally, image_id: int, words: list[str], attention: np.ndarray, boxes: GroundingBoxes, preprocess: Preprocess
 ) -> None:
-    """Add one caption's words to the tally."""
     size = boxes.size(image_id)
     l, t, r, b = preprocess.grid_box(*size)
     points = _peaks_in_pixels(attention, (l, t, r, b))
@@ -119,7 +118,6 @@ def _peaks_in_pixels(attention: np.ndarray, grid_box) -> list[tuple[float, float
 
 
 def _summary(tally: _Tally) -> dict:
-    """The tallies as `pointing_accuracy` returns them."""
     hits, chances, unmatched, on_another = tally.hits, tally.chances, tally.unmatched, tally.on_another
     by_word, by_kind, ahead, both = tally.by_word, tally.by_kind, tally.ahead, tally.both
     missed = len(hits) - sum(hits)

@@ -5,12 +5,11 @@ cell (often on the grid's border, where the encoder's zero padding makes the fea
 whatever the word. These figures catch that from the maps alone:
 
 - entropy: the mean entropy of the maps, as a fraction of log L (0: one cell, 1: spread evenly);
-- stay: per caption, the share of its words whose peak cell is the caption's most common peak
-  cell, averaged over captions (a caption naming two objects in different places is ≤ 0.5-0.8);
-- border: the share of peaks on the grid's outer ring, divided by that ring's share of the
-  cells (about 1 for peaks spread evenly; parked models put their peaks on the border);
-- top5: the share of all peaks that fall on the five cells most often peaked at, over all
-  images (object-driven peaks spread over the grid; a model that parks uses a few cells).
+- stay: per caption, the share of its words whose peak cell is the caption's most common one,
+  averaged over captions;
+- border: the share of peaks on the grid's outer ring, over that ring's share of the cells (about 1
+  for peaks spread evenly);
+- top5: the share of all peaks on the five cells most often peaked at, over all images.
 
 Symbols: n words of a caption, g grid side, L = g·g locations.
 """

@@ -118,7 +118,6 @@ def attention_figure(
 
 
 def figure_png(fig: Figure, dpi: int = 100) -> bytes:
-    """Render a figure to PNG bytes."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     return buf.getvalue()

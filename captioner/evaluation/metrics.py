@@ -108,12 +108,8 @@ def reference_agreement(
     metrics: Sequence[str] = ("BLEU-4", "CIDEr"),
     use_java: bool | None = None,
 ) -> dict[str, float]:
-    """How well the references agree with each other: the score a model could expect from
-    writing like one more annotator.
-
-    Each image's k-th reference is scored against its other references, for every k up to
-    the smallest count, and the scores are averaged over k. (A model is scored against all of
-    them, one more, so its ceiling is a little higher than this.)
+    """How well the references agree with each other: the score a model could expect from writing like one
+    more annotator (each image's k-th reference against its others, averaged over k).
 
     Raises:
         ValueError: an image has fewer than two references.
