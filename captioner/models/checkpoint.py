@@ -77,15 +77,9 @@ def current_decoder(d: dict) -> dict:
 
 
 def current_train(d: dict | None) -> dict | None:
-    """A training config of any version, grouped as version 4 groups it, without the files a run read.
-
-    The files a run started from and read boxes from (`fit --init`, `--boxes`) are not settings: they
-    are left out (`migrate` keeps them under "data"). Flat configs without "consistency" trained with
-    the half-turn equivariance term or without any attention term: a resumed run goes on with neither
-    (`consistency` 0). Those without "ema" trained without the weights' average, those without
-    "boxes_choice_weight" without that term, and fine-tuning without "after" trained the encoder from
-    the first step.
-    """
+    """A training config of any version, grouped as version 4 groups it, without the files a run read
+    (`--init`, `--boxes`: not settings). A setting that a version lacks gets the value that version
+    trained with: flat configs without "consistency" resume with neither attention term."""
     if not isinstance(d, dict):
         return d
     if "optim" in d:

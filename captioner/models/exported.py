@@ -1,12 +1,9 @@
 """The exported model: a folder the way models are shared, in which nothing can run code on load.
 
-DIR/model.safetensors   the decoder's weights ("decoder.*"), the encoder layers a fine-tuned run
-                        trained ("encoder.*"), the trunk of an --encoder-weights file
-                        ("encoder_weights.*"; config.json names the file by its base name only),
-                        the familiarity statistics' tensors ("familiarity.*")
+DIR/model.safetensors   tensors by prefix: "decoder.", "encoder." (fine-tuned layers),
+                        "encoder_weights." (a carried weights file), "familiarity."
 DIR/config.json         format and version, decoder config, encoder spec, preprocessing,
-                        max_len, step, and what the model's record says (familiarity's
-                        numbers, attention verdict, metrics, card)
+                        max_len, step, and the model's record (metrics, attention, card)
 DIR/vocab.json          {"words": [...]}, in id order
 DIR/README.md           the model card
 """

@@ -4,11 +4,9 @@ A captioning model describes anything in the words it knows: shown a photograph,
 trained on coloured shapes still writes "a red circle". These statistics say when an image is
 unlike the training images, so that a caption can say so.
 
-The score: the encoder's annotation vectors of an image (L, D), standardised per channel with
-the training features' mean and std, are averaged over the L locations into one D-vector x.
-The training images' vectors are modelled as one Gaussian (mean μ, covariance Σ, shrunk towards
-a multiple of the identity); the score is the Mahalanobis distance scaled to one channel,
-sqrt((x − μ)ᵀ Σ⁻¹ (x − μ) / D). Scores above the calibrated threshold are "unfamiliar".
+The score: an image's annotation vectors, standardised per channel, are averaged over locations into
+one D-vector x; the training images' vectors are modelled as one Gaussian (μ, Σ shrunk towards a
+multiple of the identity), and the score is sqrt((x − μ)ᵀ Σ⁻¹ (x − μ) / D).
 Symbols: B images, L locations, D annotation size.
 """
 
@@ -86,7 +84,6 @@ def mahalanobis(x: torch.Tensor, mu: torch.Tensor, precision: torch.Tensor) -> t
 
 
 def distances(features: torch.Tensor, stats: FamiliarityStats) -> torch.Tensor:
-    """Scores (B,) of images' annotation vectors."""
     return mahalanobis(pool(features, stats.feature_mean, stats.feature_std), stats.pooled_mean, stats.precision)
 
 

@@ -82,12 +82,9 @@ class _GradientSum(torch.autograd.Function):
 
 
 class _SharedWeight(torch.autograd.Function):
-    """W, unchanged, for a recurrence whose every step multiplies by it (`_StepProduct`).
-
-    Left to autograd, each step adds its own thin W gradient to the running sum: two passes over W
-    per step. Here the steps hand their (output gradient, input) pairs to this node, which autograd
-    runs after all of them: one product over every step's rows at once.
-    """
+    """W, unchanged, for a recurrence whose every step multiplies by it (`_StepProduct`). Left to autograd,
+    each step would add its own thin W gradient to the running sum: two passes over W per step. Here W's
+    gradient is one product over every step's (output gradient, input) rows, after all the steps."""
 
     @staticmethod
     def forward(ctx, W, pairs: list):
@@ -197,13 +194,8 @@ def _step(
     W_z: torch.Tensor,
     shared: tuple | None = None,
 ):
-    """One teacher-forced soft step for the n = len(h) captions still running: `AttentionDecoder.attend`
-    and `advance` with their three maps of h_{t-1} in one product. `projected` may hold the whole batch;
-    with `shared` (a training pass) the weights' gradients are summed once per pass.
-
-    Returns:
-        h (n, H), c (n, H), ẑ (n, D), α (n, L).
-    """
+    """One teacher-forced soft step for the n = len(h) captions still running: h (n, H), c (n, H), ẑ (n, D)
+    and α (n, L), as `AttentionDecoder.attend` and `advance` give them. `projected` may hold the whole batch."""
     pairs_h, pairs_z, total = shared or (None, None, None)
     hh = F.linear(h, W_hh) if shared is None else _StepProduct.apply(h, W_hh, pairs_h)  # (n, A + 4H + 1)
     q, gates_h, f = hh.split([decoder.config.attention_dim, decoder.lstm_h.out_features, 1], dim=1)

@@ -52,7 +52,6 @@ def split_pinned_url(url: str) -> tuple[str, str]:
 
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):

@@ -56,7 +56,6 @@ class Preprocess:
         return max(1, round(width * scale)), max(1, round(height * scale))
 
     def _crop(self, width: int, height: int) -> tuple[int, int]:
-        """The (left, top) of the centre crop of a resized image."""
         return (width - self.size) // 2, (height - self.size) // 2
 
     def array(self, img: Image.Image) -> np.ndarray:
@@ -69,7 +68,6 @@ class Preprocess:
         return (x - _MEAN) / _STD
 
     def __call__(self, img: Image.Image) -> torch.Tensor:
-        """`array` as a tensor."""
         import torch
 
         return torch.from_numpy(self.array(img))  # (3, S, S)

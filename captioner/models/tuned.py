@@ -71,7 +71,6 @@ class TunedEncoder(nn.Module):
         return f if index is None else f[index]  # (B, L, D)
 
     def grid(self, inputs: torch.Tensor) -> int:
-        """The side of the feature grid the inputs give."""
         if self.pooled:
             return self.pooled
         return math.isqrt(inputs.size(1)) if self.frozen is None else inputs.size(-1) // self.stride

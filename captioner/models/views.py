@@ -2,10 +2,9 @@
 
 The view is the image turned 180° and then moved by a few whole grid cells (dy down, dx right).
 The rows and columns it uncovers repeat the image's edge next to them: a blank fill would draw an
-edge inside the view that looks like the encoder's zero padding, and a map could follow it instead
-of an object. A map that rests on what a word names follows the content into the view; a map
-parked on the grid, mirrored through its centre, or at a fixed offset from the object does not,
-because the turn flips offsets and the move shifts the centre of the turn.
+edge that looks like the encoder's zero padding, which a map could follow. A map that rests on what
+a word names follows the content into the view; a map parked on the grid, mirrored through its
+centre, or at a fixed offset from the object does not.
 
 Each image's move comes from its row in the feature cache, so `prepare` and `fit` agree on it
 without storing it. Shapes: N maps or images, L = G×G locations, S image side.

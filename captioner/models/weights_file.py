@@ -1,8 +1,7 @@
 """A backbone's state-dict file, as `--encoder-weights PATH` names it: read safely, or refused by name.
 
-torch's format (`torch.save(model.state_dict(), PATH)`, .pt/.pth) is read with `weights_only`, so a
-file that would need the full unpickler is refused and its code never runs; safetensors files are
-read as they are. Whether the tensors fit the `--encoder` backbone's row is `models.encoder`'s check.
+torch's format is read with `weights_only`, so a file that would need the full unpickler is refused
+and its code never runs.
 """
 
 from __future__ import annotations
