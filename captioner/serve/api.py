@@ -69,7 +69,6 @@ class Captioner:
 
     @property
     def preprocess(self) -> Preprocess:
-        """The encoder's input from an image."""
         return self.encoder_spec.preprocess
 
     @property
@@ -126,13 +125,9 @@ class Captioner:
         )
 
     def compile_search(self, batch_sizes: Sequence[int] = (), decodings: Sequence[Decoding] = (Decoding(),)) -> float:
-        """From here on, on a GPU (and with `graphs`), search with the block of steps compiled and replayed as
-        CUDA graphs: worth it for a server, or for thousands of searches (`caption_batch` does it by itself).
-
-        It compiles now for every batch of `batch_sizes` under each of `decodings` (a server, before it says
-        it is ready), and returns the seconds that took. PyTorch keeps CUDA graphs per thread: call it on the
-        thread that will search.
-        """
+        """From here on, on a GPU (with `graphs`), search compiled and replayed as CUDA graphs; compile now for
+        each of `batch_sizes` under each of `decodings`, and return the seconds that took. PyTorch keeps CUDA
+        graphs per thread: call it on the thread that will search."""
         self.compiling = search_compiles(self.device, self.graphs)
         if not (self.compiling and batch_sizes):
             return 0.0
@@ -226,7 +221,6 @@ class Captioner:
         return out
 
     def _captions(self, x: torch.Tensor, sizes: list, settings: Decoding, generator) -> list[Caption]:
-        """The captions of one chunk's encoder inputs."""
         feats = self._features(x)  # (b, L, D)
         verdicts = familiarity(feats, self.familiarity)  # is each image like the training ones?
         compiled = self.compiling and settings.how.compiles

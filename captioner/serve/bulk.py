@@ -31,11 +31,8 @@ def _images_in(directory: str, recursive: bool) -> list[str]:
 
 
 def expand_inputs(specs: Sequence[str], recursive: bool = False) -> list[str]:
-    """Files, directories and glob patterns → image paths (normalised), each once, in order.
-
-    A file named on its own is taken as it is (if it is not an image, captioning says so); a
-    directory gives the image files in it (sorted; with `recursive`, below it too); a pattern
-    (`photos/*.jpg`, `**/*.png`) gives the image files it matches, sorted.
+    """Files, directories and glob patterns → image paths (normalised), each once, in order. A file named
+    on its own is taken as it is (if it is not an image, captioning says so).
 
     Raises:
         CaptionerError: a directory without images, or a pattern that matches none.
@@ -64,12 +61,8 @@ def expand_inputs(specs: Sequence[str], recursive: bool = False) -> list[str]:
 
 
 def image_ids(paths: Sequence[str]) -> dict[str, int | str]:
-    """One image id per path, all of one type.
-
-    COCO's numbers (COCO_val2014_000000391895.jpg → 391895) when every file name ends in a
-    number and the numbers differ; otherwise strings: the file names without extension when
-    they differ, else the paths as given.
-    """
+    """One image id per path, all of one type: COCO's numbers (COCO_val2014_000000391895.jpg → 391895)
+    when every file name ends in a distinct number; else the distinct stems, else the paths."""
     stems = [os.path.splitext(os.path.basename(p))[0] for p in paths]
     numbers = [s.rsplit("_", 1)[-1] for s in stems]
     if all(n.isdigit() for n in numbers) and len({int(n) for n in numbers}) == len(paths):
