@@ -228,8 +228,8 @@ class Demo:
     def _caption(
         self, picture: Image.Image, chosen: dict, max_len: float | None = None, seed: int | None = None
     ) -> Caption:
-        """The caption of the page's method (the beam search's, or another `decoding.settings.METHODS` names)
-        with the settings `chosen` that it reads, or with a `seed` a sampled one."""
+        """The caption of the page's method with the settings `chosen` that it reads, or with a `seed` a
+        sampled one."""
         try:
             reads = METHODS[self.method].reads
             given = {name: _number(name, value) for name, value in chosen.items() if name in reads}
@@ -243,10 +243,8 @@ class Demo:
             raise gr.Error(str(e), print_exception=False) from None
 
     def heatmaps(self, view: View, opacity: float) -> tuple[Image.Image | None, list]:
-        """The selected word's overlay at VIEW_SIDE, and every word's thumbnail (the selected one framed).
-
-        Each is drawn once per opacity and kept in the View: clicking words redraws nothing.
-        """
+        """The selected word's overlay at VIEW_SIDE, and every word's thumbnail (the selected one framed);
+        drawn once per opacity and kept in the View, so that clicking words redraws nothing."""
         if not view.words:
             return view.image, []
         drawn = view.drawn_at(float(opacity))
