@@ -40,7 +40,6 @@ def first_line(error: BaseException) -> str:
 
 
 def earns_back(searches: int) -> bool:
-    """Whether `searches` searches on a GPU earn back the search's compile."""
     return searches >= EARNS_BACK
 
 
@@ -56,15 +55,9 @@ def compile_mode(device: torch.device, *, graphs: bool) -> str:
 
 
 class Compiled:
-    """`fn` through `torch.compile`, falling back to eager calls of `fn` (module doc).
-
-    Args:
-        what: the function as a message names it ("the training step's forward and backward").
-        compiled: what runs in `fn`'s place (default: `fn` compiled whole), for work that is compiled in
-            parts, such as a compiled forward and the backward that AOTAutograd compiles for it.
-        dynamic: False specialises to every shape; None compiles again, once, as dynamic for sizes that changed.
-        limit: most compiles of it, first included, before the next one is a failure.
-    """
+    """`fn` through `torch.compile`, falling back to eager calls of `fn` (module doc). `compiled` runs in
+    `fn`'s place for work compiled in parts (a compiled forward and its AOTAutograd backward); `limit` is
+    the most compiles, the first included, before the next one is a failure."""
 
     def __init__(
         self,
@@ -116,7 +109,6 @@ class Compiled:
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
-    """Autocast to `dtype` (None: none)."""
     import torch
 
     if dtype is None:

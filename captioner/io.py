@@ -91,11 +91,9 @@ def _first_line(e: Exception) -> str:
 
 @contextlib.contextmanager
 def atomic_path(path: str) -> Iterator[str]:
-    """A temporary path beside `path` to write the new file to; when the block ends without an
-    error it is fsync'ed and renamed onto `path`, otherwise removed.
-
-    The temporary name ends with `path`'s own extension (numpy's savez appends ".npz" otherwise).
-    """
+    """A temporary path beside `path` to write the new file to; when the block ends without an error it is
+    fsync'ed and renamed onto `path`, otherwise removed. It keeps `path`'s extension (numpy's savez
+    appends ".npz" otherwise)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     _remove_orphans(folder)
@@ -170,16 +168,12 @@ def describe_os_error(err: OSError, path: str) -> str:
 
 
 def disk_error(err: OSError, path: str, what: str) -> CaptionerError:
-    """A CaptionerError for a failed write of `what` to `path`, in one line."""
     return CaptionerError(f"cannot write {what} {path}: {describe_os_error(err, path)}")
 
 
 def check_free_space(path: str, needed: int, what: str) -> str | None:
-    """Why a long write of `needed` more bytes to `path` will not fit, or None if it fits.
-
-    A warning, not a refusal: free space moves while a job runs, and some file systems count
-    allocation loosely; the write itself is what fails for certain.
-    """
+    """Why a long write of `needed` more bytes to `path` will not fit, or None. A warning, not a refusal:
+    free space moves while a job runs, and the write itself is what fails for certain."""
     where = os.path.dirname(os.path.abspath(path)) or "."
     free = shutil.disk_usage(where).free
     if needed <= free:
