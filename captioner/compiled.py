@@ -1,21 +1,15 @@
-"""PyTorch's compiler for the two fixed-shape loops: the training step's forward and backward
-(`train.step`) and the search's block of steps (`decoding.search_state`). On a GPU,
-`torch.compile(mode="reduce-overhead")` also replays them as CUDA graphs (PyTorch's cudagraph trees);
-elsewhere the default mode fuses their kernels.
+"""PyTorch's compiler for the two fixed-shape loops: the training step's forward and backward and the
+search's block of steps. On a GPU, `torch.compile(mode="reduce-overhead")` also replays them as CUDA
+graphs; elsewhere the default mode fuses their kernels.
 
-`Compiled` runs a function through the compiler, whole (`fullgraph`), with the guards every caller would
-otherwise repeat:
+`Compiled` runs a function through the compiler, whole, with the guards every caller would otherwise repeat:
 - an error of the compiler's own (a compile that fails, a graph break, more recompiles than its limit):
-  one warning naming the function and the reason, and the function runs eagerly from then on, as it would
-  without the compiler (`captioner selfcheck` fails such a mode). The compiler raises these before the
-  compiled code runs, so the function runs once either way. Any other error (out of memory, a device-side
-  assert, a bad input) is the caller's, raised as it is, and the function stays compiled;
-- on a GPU, a function that compiled but runs without CUDA graphs (PyTorch skips them, for a mutated
-  input say) is said in the same way;
-- each call that compiled is logged with its time (a run's metrics.jsonl records them: `train.trainer`), and
-  the threads that compiled are kept (`threads`): CUDA graph trees are per thread, so a server compiles
-  on the thread that serves.
-PyTorch keeps what it compiled on disk (`TORCHINDUCTOR_CACHE_DIR`), so a second run compiles faster;
+  one warning naming the function and the reason, and the function runs eagerly from then on. The
+  compiler raises these before the compiled code runs, so the function runs once either way. Any other
+  error (out of memory, a bad input) is the caller's, raised as it is, and the function stays compiled;
+- on a GPU, a function that compiled but runs without CUDA graphs is said in the same way;
+- each call that compiled is logged with its time, and the threads that compiled are kept: CUDA graph
+  trees are per thread, so a server compiles on the thread that serves.
 `TORCH_LOGS=recompiles` says why a function recompiled.
 """
 
@@ -46,7 +40,6 @@ def first_line(error: BaseException) -> str:
 
 
 def earns_back(searches: int) -> bool:
-    """Whether `searches` searches on a GPU earn back the search's compile."""
     return searches >= EARNS_BACK
 
 
@@ -62,18 +55,9 @@ def compile_mode(device: torch.device, *, graphs: bool) -> str:
 
 
 class Compiled:
-    """`fn` through `torch.compile`, falling back to eager calls of `fn` (module doc).
-
-    Args:
-        fn: the function (its arguments' shapes and constants are what it is specialised to).
-        what: the function as a message names it ("the training step's forward and backward").
-        mode: the compiler's mode (`compile_mode`).
-        compiled: what runs in `fn`'s place (default: `fn` compiled whole), for work that is compiled in
-            parts, such as a compiled forward and the backward that AOTAutograd compiles for it.
-        dynamic: `torch.compile`'s: False specialises to every shape; None compiles again for sizes
-            that changed, once, as dynamic.
-        limit: most compiles of it, first included, before the next one is a failure.
-    """
+    """`fn` through `torch.compile`, falling back to eager calls of `fn` (module doc). `compiled` runs in
+    `fn`'s place for work compiled in parts (a compiled forward and its AOTAutograd backward); `limit` is
+    the most compiles, the first included, before the next one is a failure."""
 
     def __init__(
         self,
@@ -125,7 +109,6 @@ class Compiled:
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
-    """Autocast to `dtype` (None: none)."""
     import torch
 
     if dtype is None:

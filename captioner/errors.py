@@ -1,8 +1,6 @@
 """The one exception type for mistakes a user can fix (bad files, wrong flags, missing data).
 
-Entry points catch it (and its kinds below) and print its message instead of a traceback;
-everything else is a bug and keeps its traceback. A command refuses bad input by raising it:
-`OptionError` for an option's value, which the option classes raise as they are made.
+Entry points print its message instead of a traceback; everything else is a bug and keeps its traceback.
 """
 
 

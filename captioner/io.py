@@ -1,12 +1,8 @@
-"""Files read and written safely: JSON and torch files read with messages that name the file (torch's
-with weights_only, so that no pickled code runs), one atomic write, and failed writes described in
-words that name the place.
+"""Files read and written safely: reads whose errors name the file, one atomic write, and failed writes
+described in words that name the place.
 
-Every file the package writes whole (checkpoints, JSON, the caption arrays, the feature cache's
-files, cached document frequencies) goes through `atomic_path`: written under a temporary name
-beside the target, fsync'ed, then renamed over it, so a reader sees the old file or the
-complete new one, never half of one, and a failed write leaves no temporary file behind (one
-killed outright leaves its temporary file until the next write in the same folder removes it).
+Every file the package writes whole goes through `atomic_path`, so a reader sees the old file or the
+complete new one, never half of one.
 """
 
 from __future__ import annotations
@@ -68,11 +64,7 @@ def read_folder_config(folder: str, files: tuple[str, ...], *, kind: str, fmt: s
 
 def read_torch(path: str, *, name: str, kind: str, hint: str = "", map_location="cpu"):
     """`torch.load` with weights_only: a file that needs the full unpickler is refused, its code never run.
-
-    Args:
-        name: how messages name the file (its path, or the option that gave it).
-        kind: what the file should be ("checkpoint", "torch state dict").
-        hint: what to do instead, added to a refusal.
+    Messages name the file `name` (its path, or the option that gave it).
 
     Raises:
         CaptionerError: the file holds pickled objects, or is truncated, corrupt or not torch's format.
@@ -99,11 +91,9 @@ def _first_line(e: Exception) -> str:
 
 @contextlib.contextmanager
 def atomic_path(path: str) -> Iterator[str]:
-    """A temporary path beside `path` to write the new file to; when the block ends without an
-    error it is fsync'ed and renamed onto `path`, otherwise removed.
-
-    The temporary name ends with `path`'s own extension (numpy's savez appends ".npz" otherwise).
-    """
+    """A temporary path beside `path` to write the new file to; when the block ends without an error it is
+    fsync'ed and renamed onto `path`, otherwise removed. It keeps `path`'s extension (numpy's savez
+    appends ".npz" otherwise)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     _remove_orphans(folder)
@@ -123,8 +113,8 @@ _TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp(?P<pid>\d+)(?P<ext>\.[^./]*)?")
 
 
 def _remove_orphans(folder: str) -> None:
-    """Remove the temporary files `atomic_path` left in `folder` when its writer was killed
-    (SIGKILL, power loss) before it could clean up: those whose process no longer exists."""
+    """Remove the temporary files `atomic_path` left in `folder` when its writer was killed (SIGKILL, power
+    loss): those whose process no longer exists."""
     for entry in os.listdir(folder):
         m = _TEMPORARY.fullmatch(entry)
         if m and (m["ext"] or "") == os.path.splitext(m["name"])[1] and not _alive(int(m["pid"])):
@@ -148,9 +138,6 @@ def write_json_atomic(path: str, obj) -> None:
         json.dump(obj, f)
 
 
-# failed writes, in words
-
-
 def _size(n: float) -> str:
     if n < 1024:
         return f"{n:.0f} bytes"
@@ -162,11 +149,8 @@ def _size(n: float) -> str:
 
 
 def describe_os_error(err: OSError, path: str) -> str:
-    """What a failed write means, in words that name the place: 'no space left on ... (3 MB free)'.
-
-    Args:
-        path: the file written, or its directory.
-    """
+    """What a failed write to `path` (a file or its directory) means, in words that name the place:
+    'no space left on ... (3 MB free)'."""
     where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)) or "."
     if err.errno == errno.ENOSPC:
         try:
@@ -184,16 +168,12 @@ def describe_os_error(err: OSError, path: str) -> str:
 
 
 def disk_error(err: OSError, path: str, what: str) -> CaptionerError:
-    """A CaptionerError for a failed write of `what` to `path`, in one line."""
     return CaptionerError(f"cannot write {what} {path}: {describe_os_error(err, path)}")
 
 
 def check_free_space(path: str, needed: int, what: str) -> str | None:
-    """Why a long write of `needed` more bytes to `path` will not fit, or None if it fits.
-
-    A warning, not a refusal: free space moves while a job runs, and some file systems count
-    allocation loosely; the write itself is what fails for certain.
-    """
+    """Why a long write of `needed` more bytes to `path` will not fit, or None. A warning, not a refusal:
+    free space moves while a job runs, and the write itself is what fails for certain."""
     where = os.path.dirname(os.path.abspath(path)) or "."
     free = shutil.disk_usage(where).free
     if needed <= free:

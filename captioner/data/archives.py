@@ -1,9 +1,7 @@
 """Archives on disk: how much room they need, and unpacking one safely, whole or not at all.
 
-A zip unpacks into a hidden folder beside its target, refusing members that would land outside
-it (absolute paths, "..", links), and is renamed into place whole, so a killed unpack is done
-again, never half used. Before fetching or unpacking, the room needed is compared with what
-the disk has free, and a shortfall is refused with both figures.
+A zip unpacks into a hidden folder beside its target and is renamed into place whole, so a killed
+unpack is done again, never half used.
 """
 
 from __future__ import annotations
@@ -62,10 +60,7 @@ def _unsafe(info: zipfile.ZipInfo) -> bool:
 
 
 def unpack(archive: str, root: str, folder: str, *, name: str, progress: bool = True) -> str:
-    """Unpack a checked zip to ROOT/folder, whole or not at all.
-
-    Returns:
-        The folder written.
+    """Unpack a checked zip to ROOT/folder, whole or not at all, and return that folder.
 
     Raises:
         CaptionerError: the zip is unreadable or damaged, a member would land outside the

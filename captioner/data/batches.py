@@ -1,15 +1,12 @@
 """Training batches from a prepared data directory, in packed or fixed shapes.
 
-A batch source gets all its options when it is made (the batch size, the share of captions that
-also get their image's view, the box targets, the shapes) and reads the data directory, which
-it never changes. The same (seed, epoch) gives the same batches, so a resumed run replays the
-rest of its epoch exactly; under torchrun each rank takes its share of every global batch.
+The same (seed, epoch) gives the same batches, so a resumed run replays the rest of its epoch
+exactly; under torchrun each rank takes its share of every global batch.
 
-Shapes: packed batches are as long as their longest caption and hold only real captions (CPUs:
-no work on padding). Fixed batches (`FixedShapes`) always hold `size` captions, rows of length 0
-filling the last batch and standing in for captions whose features are damaged, and are padded
-to the shortest of a few lengths that holds their longest caption, so that every step of a
-length bucket has the same shapes (GPUs: one compile per bucket).
+Packed batches are as long as their longest caption and hold only real captions (CPUs: no work on
+padding). Fixed batches (`FixedShapes`) always hold `size` captions, rows of length 0 filling the
+last batch and standing in for captions whose features are damaged, padded to one of a few
+lengths, so that every step of a length bucket has the same shapes (GPUs: one compile per bucket).
 Symbols: B captions, k of them with views, T tokens, L locations, D feature size.
 """
 
@@ -46,7 +43,7 @@ class FixedShapes:
 
 
 class Views(NamedTuple):
-    """The images' views (`models.views`, for the consistency) of k of a batch's captions."""
+    """The images' views (for the consistency) of k of a batch's captions."""
 
     features: torch.Tensor  # (k, L, D) the views' features
     rows: torch.Tensor  # (k,) long: their captions' places in the batch
@@ -88,7 +85,6 @@ class Batch:
         return self._map(torch.Tensor.pin_memory)
 
     def _map(self, fn) -> Batch:
-        """The batch with fn applied to each of its tensors (those of its views and boxes too)."""
         mapped = lambda v: fn(v) if torch.is_tensor(v) else type(v)(*map(fn, v)) if isinstance(v, (Views, Boxes)) else v
         return Batch(**{f.name: mapped(getattr(self, f.name)) for f in fields(self)})
 
@@ -128,11 +124,8 @@ class ImageBatch:
 def bucket_batches(
     lengths: np.ndarray, batch_size: int, *, seed: int, epoch: int, rank: int = 0, world: int = 1
 ) -> list[np.ndarray]:
-    """Caption indices grouped into batches of similar length, in a shuffled order.
-
-    The same (seed, epoch) gives the same batches, so a resumed run replays an epoch exactly.
-    With world > 1, each global batch of batch_size * world captions is split across ranks.
-    """
+    """Caption indices grouped into batches of similar length, in a shuffled order; with world > 1, each
+    global batch of batch_size * world captions is split across ranks."""
     rs = np.random.RandomState([seed, epoch])
     # Shuffle, then stable-sort by length: equal lengths end up in random order.
     order = rs.permutation(len(lengths))
@@ -157,14 +150,6 @@ class CaptionBatches:
 
     Captions whose image's features hold inf or NaN (a damaged cache row) never reach the model: packed
     batches leave them out, fixed ones make them padding rows; both name them in `Batch.dropped`.
-
-    Args:
-        data: the prepared data directory.
-        batch_size: captions per batch and process.
-        view_share: share of each batch's captions that also get their image's view (the
-            consistency's; 0: none are read); needs a data directory with the views' features.
-        targets: `data.boxes.BoxTargets` (`fit --boxes`): each batch then carries its box masks.
-        fixed: fixed shapes (None: packed).
     """
 
     def __init__(
@@ -181,7 +166,6 @@ class CaptionBatches:
 
     @property
     def shapes(self) -> str:
-        """The batches' shapes (`objectives.passes`)."""
         return "packed" if self.fixed is None else "fixed"
 
     def num_batches(self, world: int = 1) -> int:
@@ -240,11 +224,7 @@ class CaptionBatches:
 
     def _fixed(self, idx, features, bad, picked, views, dropped) -> Batch:
         """`size` rows padded to a bucket's length; damaged and missing rows have length 0 and zero features.
-
-        Args:
-            features: (size, L, D) fp16, the captions' rows read into its first len(idx); kept in the
-                cache's fp16 up to the device (`Batch.to`): half the bytes to copy, no host conversion.
-        """
+        `features` stay in the cache's fp16 up to the device: half the bytes to copy, no host conversion."""
         data, B = self.data, self.fixed.size
         T = self.fixed.length(int(data.lengths[idx].max()))
         tokens, lengths = np.zeros((B, T), dtype=np.int64), np.zeros(B, dtype=np.int64)
@@ -271,7 +251,6 @@ class CaptionBatches:
         return self._with_targets(batch, padded)
 
     def _with_targets(self, batch: Batch, idx: np.ndarray) -> Batch:
-        """The batch with the box masks of its captions `idx` (-1: padding) (`fit --boxes`)."""
         if self.targets is not None:
             batch.boxes = Boxes(*map(torch.from_numpy, self.targets.for_captions(idx, batch.captions.size(1) - 1)))
         return batch

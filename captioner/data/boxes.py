@@ -1,9 +1,7 @@
 """Object boxes per image (COCO instances files), and which caption words name which objects.
 
-Boxes come from a COCO instances file read with pycocotools: real COCO (`instances_val2014.json`,
-caption words mapped to categories by `SYNONYMS`) or the synthetic scenes' `boxes.json` (shape
-categories plus a `color` field per object). Evaluation scores attention against them
-(pointing accuracy); training can learn from them (`fit --boxes`).
+Real COCO (`instances_val2014.json`, caption words mapped to categories by `SYNONYMS`) or the
+synthetic scenes' `boxes.json` (shape categories plus a `color` field per object). Symbol: L cells.
 """
 
 from __future__ import annotations
@@ -157,11 +155,8 @@ class GroundingBoxes:
 
 def grid_cells(boxes: list[list[float]], grid_box, grid: int) -> np.ndarray:
     """The grid cells (L,) bool that the boxes [x, y, w, h] cover: those whose centre lies in a box,
-    or, for a box too small to hold a centre, the cell that holds the box's centre.
-
-    Args:
-        grid_box: the region of the image, in its pixels, that the grid covers (`Preprocess.grid_box`).
-    """
+    or, for a box too small to hold a centre, the cell that holds the box's centre. `grid_box` is the
+    region of the image, in its pixels, that the grid covers."""
     left, top, right, bottom = grid_box
     centres = (np.arange(grid) + 0.5) / grid
     cx, cy = left + centres * (right - left), top + centres * (bottom - top)  # (g,) each, in image pixels
@@ -178,18 +173,8 @@ def grid_cells(boxes: list[list[float]], grid_box, grid: int) -> np.ndarray:
 
 class BoxTargets:
     """Where the object words of the training images' captions should look: the grid cells of the
-    objects they name (through `GroundingBoxes`' categories, synonyms and colours), for `fit --boxes`.
-
-    Only training images' boxes are read. Each training image with boxes has a mask per vocabulary
-    word that names one of its objects (`mask_of`), so the words of any caption of it, the
-    dataset's or one the model wrote, find their cells by lookup; per dataset caption, the
-    (step, mask) pairs of its object words are listed, so that a batch's targets are a slice.
-
-    Args:
-        data: the prepared data directory (`CaptionData`).
-        boxes: the object boxes.
-        preprocess, grid: how images were fed to the encoder, and its grid side.
-    """
+    objects they name. A mask per (image, word) lets the model's own words find their cells by lookup;
+    the (step, mask) pairs of each dataset caption are listed, so that a batch's targets are a slice."""
 
     def __init__(self, data, boxes: GroundingBoxes, preprocess, grid: int):
         ids = data.meta["image_ids"]
@@ -226,8 +211,8 @@ class BoxTargets:
         self.names_object[[w for words in naming.values() for w in words]] = True
 
     def mask_of(self, row: int, word: int) -> np.ndarray | None:
-        """The cells (L,) bool of the objects word id `word` names in the image of feature row
-        `row`; None when it names none there (or the image is not a training image with boxes)."""
+        """The cells (L,) bool of the objects `word` names in the image of feature row `row`; None when
+        it names none there (or the image is not a training image with boxes)."""
         m = self.index.get((row, word))
         return None if m is None else self.masks[m]
 

@@ -199,17 +199,13 @@ def load_dataset(
     skip_missing: bool = False,
     skip_bad: bool = False,
 ) -> tuple[list[ImageRecord], Skipped]:
-    """Read one or more COCO caption files and pair each image with its file and split.
+    """Read one or more COCO caption files and pair each image with its file (found in the first of
+    `image_dirs` that holds it) and split: the records sorted by image id, and what was skipped.
 
-    Args:
-        captions: COCO captions JSON files (e.g. captions_train2014.json and captions_val2014.json).
-        image_dirs: directories searched, in order, for each image's file_name.
-        splits_path: optional Karpathy split file; images it does not list are left out.
-        skip_missing: go on without images whose file is missing (else it is an error).
-        skip_bad: go on without malformed annotations (else it is an error).
+    A Karpathy split file (`splits_path`) leaves out the images it does not list.
 
-    Returns:
-        Records sorted by image id, and what was skipped.
+    Raises:
+        CaptionerError: a file is malformed, an image is missing (without `skip_missing`) or none is usable.
     """
     for d in image_dirs:
         if not os.path.isdir(d):

@@ -1,14 +1,13 @@
 """A prepared data directory, read back for training and evaluation.
 
-Files written by `prepare` (see prepare.py):
+Files written by `prepare` (N images, L locations, D feature size, C captions):
     meta.json        encoder spec, image ids and paths in feature-row order, settings
     features.npy     (N, L, D) fp16, read row by row; features.done marks finished rows
     features_views.npy  the same for the images' views (`models.views`), for the consistency
     vocab.json       the vocabulary
     captions.npz     training captions: tokens (C, max_len+2) int32, lengths (C,), rows (C,)
     splits.json      split → [[image_id, row], ...] and split → {image_id: [raw references]}
-Features stay on disk and are read per batch (`data.batches`), so memory does not grow with the
-dataset.
+Features stay on disk and are read per batch, so memory does not grow with the dataset.
 """
 
 from __future__ import annotations
@@ -89,11 +88,8 @@ class CaptionData:
         return ids_rows[:, 0], ids_rows[:, 1]
 
     def features(self, rows) -> torch.Tensor:
-        """Features of rows, as float32 (n, L, D), for captioning a split.
-
-        A damaged row (inf or NaN: a bad sector, a broken copy) would make beam search return
-        nothing; it is read as zeros instead, and its image is named once on stderr.
-        """
+        """Features of rows, as float32 (n, L, D), for captioning a split. A damaged row (inf or NaN) would
+        make beam search return nothing: it is read as zeros instead, and its image is named once."""
         rows = np.atleast_1d(np.asarray(rows))
         raw = self.cache[rows]  # (n, L, D) fp16, a fresh array
         bad = nonfinite_rows(raw)  # (n,)

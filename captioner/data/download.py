@@ -1,9 +1,7 @@
 """Resumable HTTP downloads: NAME.part continued with Range requests, transient failures retried.
 
-A download goes to NAME.part and resumes from it with an HTTP Range request; it takes its own name
-only once complete. A lost connection or a 5xx answer is tried again until RETRIES attempts in a
-row got no byte further; the network's, the server's and the disk's failures become
-`CaptionerError`s that name the file and the URL.
+A file takes its own name only once complete. A lost connection or a 5xx answer is tried again until
+RETRIES attempts in a row got no byte further.
 """
 
 from __future__ import annotations
@@ -46,7 +44,6 @@ def progress_bar(total: int | None, desc: str, progress: bool, initial: int = 0)
 
 
 def size_of(path: str) -> int:
-    """The file's size in bytes; 0 when it does not exist."""
     return os.path.getsize(path) if os.path.exists(path) else 0
 
 
@@ -84,8 +81,8 @@ def download(url: str, dest: str, *, name: str, size: int | None = None, progres
     """Fetch `url` to `dest`, going on from `dest`.part; `dest` appears only once complete.
 
     Raises:
-        CaptionerError: the server refuses (4xx), keeps failing, or offers a file of another
-            size than `size`; or the disk fails. The message names the file and the URL.
+        CaptionerError: the server refuses (4xx), keeps failing, or offers a file of another size than
+            `size`; or the disk fails.
     """
     part, before = dest + ".part", [0]
 

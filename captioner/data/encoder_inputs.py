@@ -1,10 +1,8 @@
 """What a fine-tuned encoder reads: the pool4 cache beside the features, or the images themselves.
 
 Fine-tuning from conv5_1 runs the trained layers on the output of the layers before them (VGG's
-pool4, ResNet's conv4_x), cached once in the data directory (DATA/pool4.npy and pool4.done, the
-feature cache's format, its rows of `encoder.layer_input_shape`; made by
-`train.finetune.input_cache`); from conv4_1 it runs on the images, decoded and preprocessed by
-DataLoader workers ahead of the step.
+pool4, ResNet's conv4_x), cached once in the data directory in the feature cache's format; from
+conv4_1 it runs on the images, decoded by DataLoader workers ahead of the step.
 Shapes: n images, L locations, D feature size, S image side.
 """
 
@@ -83,12 +81,8 @@ def encoded_features(
     device: torch.device,
     workers: int = 2,
 ) -> torch.Tensor:
-    """Features (n, L, D) of rows by `encoder`, on the cached pool4 rows or on the images.
-
-    Args:
-        encoder: a `TunedEncoder` from the cache, or any encoder of images (`Encoder`, `TunedEncoder`).
-        cache: the pool4 cache when the encoder reads it; None to decode the images.
-    """
+    """Features (n, L, D) of rows by `encoder`, on the cached pool4 rows (`cache`) or, when None, on the
+    images."""
     if cache is not None:
         return encoder(torch.from_numpy(cache[rows].astype(np.float32)).to(device)).float()  # (n, L, D)
     # Groups of 8 images, so that the workers decode in parallel.

@@ -80,22 +80,14 @@ def extract_features(
     progress: bool = True,
     stop=None,
 ) -> list[str]:
-    """Fill the cache's unfinished rows (this rank's share) with encoder features.
+    """Fill the cache's unfinished rows (this rank's share) with encoder features; return the messages
+    of the images that could not be read or whose features came out NaN.
 
-    DataLoader workers decode and preprocess the images into page-locked memory; on a GPU the
-    batch is copied without waiting, and a batch's features are copied back and written while
-    the GPU encodes the next one, so the encoder need not wait for the disk.
+    On a GPU a batch's features are written while the GPU encodes the next one. `transform` maps
+    (images (b, 3, S, S), cache rows (b,)) to the images to encode instead (the views).
 
-    Args:
-        transform: (images (b, 3, S, S) on the device, cache rows (b,)) → the images to encode
-            instead (the views of `models.views`).
-        stop: once its `requested` is true (`train.resilience.GracefulStop`: SIGTERM, SIGINT),
-            return after the current batch is on disk.
-
-    Returns:
-        Messages for images that could not be read or whose features came out NaN (only with
-        skip_bad; otherwise the first one raises CaptionerError after the batch's good rows
-        are saved).
+    Raises:
+        CaptionerError: the first unreadable image, without `skip_bad` (the batch's good rows are saved).
     """
     rows = cache.todo(rank, world)
     if len(rows) == 0:

@@ -4,15 +4,10 @@ Layout in the data directory:
     features.npy    (N, L, D) float16, a plain .npy (`np.load(path, mmap_mode="r")` maps it),
                     rows in the order of meta.json's images
     features.done   (N,) uint8: 0 to do, 1 written, 2 unreadable image (skipped)
-Rows are read and written with positioned reads and writes (pread/pwrite), not a memory map:
-the operating system's page cache keeps what fits, and the process's own memory stays the
-size of one batch whatever the size of the cache (a memory map would count every page
-touched). A row is marked done only after its features are fsync'ed, so a killed `prepare`
-leaves at worst rows that are redone, never a row marked done with half-written features;
-a failed write (a full disk) marks nothing. Both files are created under a temporary name and
-renamed, so they exist whole or not at all. `recheck` finds done rows whose features hold
-inf or NaN (a damaged disk or copy) and marks them to do again. `captioner.data.extraction` fills
-the cache with an encoder's outputs.
+Rows are read and written with pread/pwrite, not a memory map: the page cache keeps what fits, and
+the process's own memory stays the size of one batch (a memory map would count every page touched).
+A row is marked done only after its features are fsync'ed, so a killed `prepare` leaves at worst
+rows that are redone, never a row marked done with half-written features.
 """
 
 from __future__ import annotations
@@ -41,9 +36,8 @@ def _create_atomically(path: str, make) -> None:
 def nonfinite_rows(features: np.ndarray) -> np.ndarray:
     """Which of n feature rows hold an inf or NaN anywhere; (n, ...) → (n,) bool.
 
-    On fp16 a bit test: inf and NaN are exactly the values whose five exponent bits are all set,
-    so the largest magnitude bit pattern of a row finds one in one integer pass, several times
-    cheaper than np.isfinite.
+    On fp16 a bit test, cheaper than np.isfinite: inf and NaN are exactly the values whose five exponent
+    bits are all set, so a row's largest magnitude bit pattern finds one in one integer pass.
     """
     n = len(features)
     if n == 0 or features.size == 0:
@@ -77,7 +71,6 @@ class FeatureCache:
     """(N, L, D) fp16 features on disk with a per-row done mark."""
 
     def __init__(self, data_dir: str, n: int, locations: int, dim: int, mode: str = "r", name: str = "features"):
-        # name: "features" (the encoder's output); finetune.py keeps a "pool4" cache beside it
         self.path = os.path.join(data_dir, f"{name}.npy")
         self.done_path = os.path.join(data_dir, f"{name}.done")
         self.shape = (n, locations, dim)

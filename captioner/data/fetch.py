@@ -1,12 +1,8 @@
 """Fetching dataset archives over HTTP: downloaded, checked before use, unpacked safely.
 
 The official locations of the COCO 2014 files and of Karpathy's split are named here, once, with
-their known sizes and checksums. A download (`captioner.data.download`: NAME.part, resumed with
-HTTP Range requests) is checked (size, then SHA-256 or MD5) before anything is unpacked. A
-mirror's `SHA256SUMS` replaces the official size and checksum of each file it lists. A zip
-unpacks into a hidden folder beside its target, refusing members that would land outside it, and
-is renamed into place whole, so a killed unpack is done again, never half used. The network's,
-the server's and the disk's failures become `CaptionerError`s that name the file and the URL.
+their known sizes and checksums. A download is checked (size, then SHA-256 or MD5) before anything
+is unpacked; a mirror's `SHA256SUMS` replaces the official size and checksum of each file it lists.
 """
 
 from __future__ import annotations
@@ -117,7 +113,7 @@ def verify(path: str, r: Remote, *, progress: bool = True) -> None:
     """Check a downloaded archive's size and checksum; a file that fails is removed.
 
     Raises:
-        CaptionerError: naming the file, its URL and what differs.
+        CaptionerError: the size or checksum differs.
     """
     actual, problem = os.path.getsize(path), None
     algorithm, expected = ("sha256", r.sha256) if r.sha256 else ("md5", r.md5)
@@ -143,16 +139,8 @@ def verify(path: str, r: Remote, *, progress: bool = True) -> None:
 def fetch(
     remotes: Sequence[Remote], root: str, *, mirror: str | None = None, keep: bool = False, progress: bool = True
 ) -> list[str]:
-    """Download, check and unpack each archive whose folder is not yet under `root`.
-
-    Args:
-        remotes: the archives (e.g. `COCO_2014`).
-        mirror: a base URL holding them under their official relative paths.
-        keep: keep ROOT/downloads/NAME after unpacking (else it is removed).
-
-    Returns:
-        The folders fetched by this call (empty when all were there).
-    """
+    """Download, check and unpack each archive whose folder is not yet under `root`; return the folders
+    fetched. `mirror` holds them under their official relative paths; `keep` keeps ROOT/downloads/NAME."""
     todo = [r for r in remotes if not os.path.isdir(os.path.join(root, r.folder))]
     for r in remotes:
         if r not in todo:

@@ -1,8 +1,4 @@
-"""Image loading, defined once for feature extraction, the API, the app and notebooks.
-
-`load_image` turns any file Pillow can read into an upright RGB image or raises an `ImageError`
-that says what is wrong with it (`models.preprocess.Preprocess` then makes the encoder's input).
-"""
+"""Image loading, defined once for feature extraction, the API, the app and notebooks."""
 
 from __future__ import annotations
 
@@ -53,10 +49,8 @@ def _to_rgb(img: Image.Image) -> Image.Image:
 
 
 def load_image(src, *, max_pixels: int | None = None) -> Image.Image:
-    """Open an image from a path, bytes or a PIL image; return it upright in RGB.
-
-    Applies the EXIF orientation, takes the first frame of animations and converts any mode
-    (L, RGBA, P, CMYK, I;16, ...) to RGB.
+    """Open an image from a path, bytes or a PIL image; return it upright (EXIF orientation) in RGB, the
+    first frame of an animation.
 
     Raises:
         ImageError: the file is missing, empty, truncated, not an image, or over the pixel limit.

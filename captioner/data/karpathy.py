@@ -1,6 +1,6 @@
 """Reading Karpathy's `dataset_coco.json` / `dataset_flickr8k.json` / `dataset_flickr30k.json` alone.
 
-These files (from `caption_datasets.zip`) carry images, their captions and the split together:
+These files carry images, their captions and the split together:
 
     {"dataset": "flickr8k", "images": [{"filename": "1000268201_693b08cb0e.jpg", "imgid": 0,
       "split": "train", "sentences": [{"raw": "A child in a pink dress ...", "tokens": [...]}, ...]},
@@ -9,8 +9,7 @@ These files (from `caption_datasets.zip`) carry images, their captions and the s
 COCO's file adds `filepath` ("train2014" / "val2014") and `cocoid` (COCO's image id). The image
 is DIR/filepath/filename (or DIR/filename: then the train2014 and val2014 directories can be
 given as two --images directories); the id is `cocoid` when present, `imgid` otherwise;
-`restval` counts as train. Mistakes become `CaptionerError`s naming the file, the image (index
-and file name) and the field, as for COCO files.
+`restval` counts as train.
 """
 
 from __future__ import annotations
@@ -105,16 +104,8 @@ def _captions(sentences: list, path: str, where: str, skip_bad: bool, skipped: S
 def load_karpathy(
     path: str, image_dirs: Sequence[str], *, skip_missing: bool = False, skip_bad: bool = False
 ) -> tuple[list[ImageRecord], Skipped]:
-    """Read a Karpathy dataset file and pair each image with its file, split and captions.
-
-    Args:
-        path: dataset_coco.json, dataset_flickr8k.json or dataset_flickr30k.json (or the same layout).
-        image_dirs: directories searched, in order, for DIR/filepath/filename, then DIR/filename.
-        skip_missing: go on without images whose file is missing (else it is an error).
-        skip_bad: go on without malformed sentences (else it is an error).
-
-    Returns:
-        Records sorted by image id, and what was skipped.
+    """Read a Karpathy dataset file and pair each image with its file, split and captions: the records
+    sorted by image id, and what was skipped.
 
     Raises:
         CaptionerError: the file is unreadable or malformed (the message names the image and

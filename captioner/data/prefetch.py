@@ -1,6 +1,4 @@
-"""Batches made ahead, on a thread of their own: while the device runs one step (on a GPU the host only
-queues it), the next batches are read, padded and page-locked, so that the step does not wait for them.
-"""
+"""Batches made ahead on a thread of their own, so that the step does not wait for them."""
 
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ def prefetched(items: Iterable, depth: int = 2) -> Iterator:
     stop = threading.Event()
 
     def put(entry) -> bool:
-        """Hand one entry over, unless the consumer has stopped; whether it was handed over."""
         while not stop.is_set():
             try:
                 ready.put(entry, timeout=0.1)

@@ -3,10 +3,8 @@
     captioner demo [--checkpoint PATH_OR_URL#sha256=HEX] [--host 127.0.0.1] [--port 7860]
     python app.py [...]     # the same, from a checkout
 
-With no --checkpoint it serves the bundled demo model. The page is laid out here; its events
-are `demo.handlers.Demo` methods, and what it says about the model comes from `demo.card`.
-API: `/caption` takes (image, beam_size) and returns the caption, then its words, score,
-attention, alternatives and familiarity (is the image like the training images) as JSON.
+With no --checkpoint it serves the bundled demo model. API: `/caption` takes (image, beam_size)
+and returns the caption, then its words, score, attention, alternatives and familiarity as JSON.
 """
 
 from __future__ import annotations

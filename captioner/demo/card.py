@@ -1,8 +1,5 @@
-"""What the page says about its model: the notice on top, the model panel, the examples' record.
-
-All of it comes from the checkpoint: its card (the bundled model's, written by
-`captioner.demo.build`), its validation metrics and attention health, its encoder and sizes.
-"""
+"""What the page says about its model, all from the checkpoint: the notice on top, the model panel,
+the examples' record."""
 
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ def trained_on(captioner: Captioner) -> str:
 
 
 def knows_only_scenes(captioner: Captioner) -> bool:
-    """Whether the model knows only the synthetic scenes: its encoder is the seeded random one, or its card
-    says it learnt from the synthetic scenes (the bundled model, its encoder pretrained on them)."""
+    """Whether the model knows only the synthetic scenes (the seeded random encoder, or its card says so)."""
     return captioner.encoder_spec.weights == "none" or "synthetic scenes" in trained_on(captioner)
 
 

@@ -1,15 +1,8 @@
 """The web demo's logic: read an upload, caption it through a shared batcher, draw its views.
 
-`app.py` lays out the page and wires its events to a `Demo`; nothing here knows the layout.
-Uploads arrive undecoded and are read once by `load_image`, so each error says what is wrong
-with the image. Concurrent requests share `caption_batch` calls through a `Batcher`, each
-image's failure staying its own. Each browser tab has a `Session`: its current `View` (what a
-captioned image leaves: enough to redraw every heatmap, and the heatmaps already drawn) and a
-ticket counter, so that a caption request overtaken by a newer one never shows its results.
-The page's caption event returns a `PageOutputs`, every output of the page at once: a new
-image, an error or a cleared input each set all of them, so nothing stale stays on the page.
-Reading uploads is `demo.uploads`'; the View and the outputs drawn from it are `demo.views`'.
-Symbols: n words, g×g attention grid (14×14 for VGG at 224).
+Nothing here knows the page's layout. Each browser tab has a `Session` with a ticket counter, so
+that a caption request overtaken by a newer one never shows its results. The caption event sets
+every output of the page at once, so nothing stale stays on the page.
 """
 
 from __future__ import annotations
@@ -79,15 +72,8 @@ def _frame(thumb: Image.Image, selected: bool) -> Image.Image:
 
 
 class Demo:
-    """The demo's event handlers around one loaded model.
-
-    Args:
-        captioner: the model.
-        max_batch_size: most images per `caption_batch` call.
-        figures_dir: where downloadable attention PNGs go (default: a fresh temporary directory).
-        method: the page's decoding method (`decoding.settings.METHODS`).
-        warm: the settings whose searches the batcher compiles before it serves (`serve.batcher.Batcher`).
-    """
+    """The demo's event handlers around one loaded model; `figures_dir` holds the downloadable attention
+    PNGs (default: a fresh temporary directory, removed on exit)."""
 
     def __init__(
         self,
@@ -106,8 +92,6 @@ class Demo:
         self._figures: collections.deque[str] = collections.deque()
         self._figures_lock = threading.Lock()
 
-    # events
-
     def caption(self, image: dict | str | None, beam_size: float = 3) -> tuple[str, dict]:
         """The `/caption` API: an image and a beam size → the caption text, then its data.
 
@@ -116,7 +100,7 @@ class Demo:
             beam_size: K of the beam search (1 is greedy).
 
         Returns:
-            The caption, and a dict with words, score, attention (n, 14, 14), alternatives and
+            The caption, and a dict with words, score, attention (n, g, g), alternatives and
             familiarity (is the image like the training images; None if the model cannot tell).
         """
         out = self._caption(read_upload(image), {"beam_size": beam_size})
@@ -134,13 +118,8 @@ class Demo:
         sample: bool = False,
     ):
         """The page's caption event: yields `PageOutputs`, first with the outputs cleared, then filled.
-
-        Args:
-            image: the upload (gr.Image's payload, or a path); None clears the page.
-            chosen: the page's decoding settings by `Decoding` field (those its method reads are used).
-            show: a path to put in the image input first (an example was chosen).
-            sample: draw a caption ("Another caption"), a new one each time, instead of the beam search.
-        """
+        `image` None clears the page; `show` is a path to put in the image input first (an example was
+        chosen); `sample` draws a new caption each time ("Another caption")."""
         session = session or Session()
         ticket = session.ticket()
         seed = session.draw() if sample else None
@@ -232,8 +211,6 @@ class Demo:
         drawn["figure",] = path
         return path
 
-    # helpers
-
     def _cleared(self, session: Session, image) -> PageOutputs:
         """Every output emptied, the error line hidden and the download disabled."""
         return PageOutputs(
@@ -251,8 +228,8 @@ class Demo:
     def _caption(
         self, picture: Image.Image, chosen: dict, max_len: float | None = None, seed: int | None = None
     ) -> Caption:
-        """The caption of the page's method (the beam search's, or another `decoding.settings.METHODS` names)
-        with the settings `chosen` that it reads, or with a `seed` a sampled one."""
+        """The caption of the page's method with the settings `chosen` that it reads, or with a `seed` a
+        sampled one."""
         try:
             reads = METHODS[self.method].reads
             given = {name: _number(name, value) for name, value in chosen.items() if name in reads}
@@ -266,10 +243,8 @@ class Demo:
             raise gr.Error(str(e), print_exception=False) from None
 
     def heatmaps(self, view: View, opacity: float) -> tuple[Image.Image | None, list]:
-        """The selected word's overlay at VIEW_SIDE, and every word's thumbnail (the selected one framed).
-
-        Each is drawn once per opacity and kept in the View: clicking words redraws nothing.
-        """
+        """The selected word's overlay at VIEW_SIDE, and every word's thumbnail (the selected one framed);
+        drawn once per opacity and kept in the View, so that clicking words redraws nothing."""
         if not view.words:
             return view.image, []
         drawn = view.drawn_at(float(opacity))

@@ -1,8 +1,4 @@
-"""Reading the web demo's uploads: the file as sent, named as the user knows it, decoded once.
-
-Uploads arrive undecoded (the caption events skip gr.Image's preprocessing) and are read once by
-`load_image`, so each error says what is wrong with the image, naming it by its own file name.
-"""
+"""Reading the web demo's uploads: the file as sent, named as the user knows it, decoded once."""
 
 from __future__ import annotations
 
@@ -56,10 +52,7 @@ def upload_name(payload: dict | str | None) -> str | None:
 
 
 def read_upload(payload: dict | str | None) -> Image.Image:
-    """Decode an upload with `load_image`; errors become a gr.Error about that image.
-
-    The message names the file by its own name, not by the server's cache path.
-    """
+    """Decode an upload; errors become a gr.Error about that image, named as the user knows it."""
     image = upload_source(payload)
     if image is None:
         raise gr.Error("No image: upload, paste or take one first.", title="No image", print_exception=False)

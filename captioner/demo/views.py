@@ -1,10 +1,6 @@
 """What the web demo shows of a captioned image: its `View` and the pieces of the page drawn from it.
 
-A `View` is what a captioned image leaves in a session: enough to redraw every heatmap, and the
-heatmaps already drawn. The functions here turn a caption or a View into the page's outputs: the
-caption's JSON, the highlighted words, the familiarity and error lines, the large heatmap's label;
-`PageOutputs` is every output of the caption event at once.
-Symbols: n words, g×g attention grid (14×14 for VGG at 224).
+Symbols: n words, g×g attention grid.
 """
 
 from __future__ import annotations
@@ -48,15 +44,12 @@ class View:
 
 
 def fit_view(image: Image.Image) -> Image.Image:
-    """Scale to VIEW_SIDE on the longest side: tiny images become visible, huge ones light.
-
-    The attention grid covers the resized image just as it covered the original.
-    """
+    """Scale to VIEW_SIDE on the longest side: tiny images become visible, huge ones light."""
     return viz.fit_side(image, VIEW_SIDE)
 
 
 def caption_data(out: Caption, decimals: int = 6) -> dict:
-    """A caption as plain JSON for programs: words, score, attention (n, g, g) nested lists."""
+    """A caption as plain JSON for programs."""
     return {
         "caption": out.text,
         "words": out.words,

@@ -1,2 +1,1 @@
-"""Evaluation: captioning a split, the coco-caption metrics, pointing against boxes, attention
-health, the attention figures, and `evaluate` itself."""
+"""Evaluation: captioning a split and scoring the captions and their attention."""

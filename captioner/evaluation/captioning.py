@@ -1,7 +1,5 @@
 """Captioning a split of a prepared data directory: validation during `fit`, and `evaluate`.
 
-The features come from the cache, or, for a fine-tuned checkpoint, from its own encoder layers
-(the cache holds the frozen encoder's output): see `checkpoint_features`.
 Shapes: n images, L locations, D feature size.
 """
 
@@ -38,18 +36,11 @@ def caption_split(
     features: Callable[[np.ndarray], torch.Tensor] | None = None,
     compiled: bool = False,
 ) -> tuple[dict[int, str], dict[int, Hypothesis]]:
-    """Captions for a split's images, one each (a beam search's best, or the first sample).
+    """Captions for a split's images, one each (a beam search's best, or the first sample): image id →
+    text, and image id → its hypothesis (with its attention).
 
-    Args:
-        decoding: how to decode (default: beam search at 3 beams).
-        max_len: most words where `decoding` does not say (the training maximum).
-        shard: (rank, world): caption only every world-th image from rank on.
-        features: rows → (n, L, D) features; default the data's cache (a fine-tuned encoder's
-            features are not in it: see finetune.py).
-        compiled: the search's blocks of steps compiled (`decoding.decode.beam_search`).
-
-    Returns:
-        image id → caption text, and image id → its hypothesis (with its attention).
+    `shard` (rank, world) captions every world-th image from rank on; `features` maps rows to (n, L, D)
+    features (default: the data's cache, which lacks a fine-tuned encoder's).
     """
     device, decoding = torch.device(device), decoding or Decoding()
     generator = decoding.generator(device)
@@ -86,16 +77,9 @@ def score_validation(texts: dict[int, str], references: dict[int, list[str]]) ->
 def checkpoint_features(
     spec_encoder: Encoder, encoder_state: dict, data: CaptionData, device, source: str, workers: int = 2
 ) -> Callable[[np.ndarray], torch.Tensor]:
-    """rows → features of a fine-tuned checkpoint's encoder, for `evaluate`.
-
-    The feature cache holds the frozen encoder's output, which the fine-tuned one no longer
-    gives: its layers run on the pool4 cache when the data directory has a complete one for
-    them, else on the images.
-
-    Args:
-        spec_encoder: the encoder the features were made with (`build_encoder` of the data's spec).
-        encoder_state: the checkpoint's trained layers.
-    """
+    """rows → features of a fine-tuned checkpoint's encoder (`spec_encoder` with the checkpoint's trained
+    layers), which the feature cache no longer holds: on the pool4 cache when the data directory has a
+    complete one for them, else on the images."""
     start = layers_of(encoder_state)
     cache = complete_input_cache(data, start)
     if cache is not None:

@@ -43,23 +43,14 @@ def evaluate(
     grounding: str | None = None,
     cuda_graphs: str = "auto",
 ) -> dict:
-    """Caption a split with a checkpoint and write the metrics JSON and the COCO results JSON.
+    """Caption a split with a checkpoint and write the metrics JSON and the COCO results JSON; return the
+    metrics.
 
-    The metrics are coco-caption's (`"official": true`) when Java runs its tokenizer and METEOR;
-    without Java they are nltk's BLEU and Python tokenisation, METEOR is None, `"official"` is
-    false, and a warning says so.
+    `checkpoint` is a checkpoint, an exported folder, a pinned URL or hf://ORG/NAME; `grounding` a COCO
+    instances file of object boxes, which adds pointing accuracy. `use_java`: None uses Java when present.
 
-    Args:
-        checkpoint: the model: a checkpoint, an exported folder, a pinned URL or hf://ORG/NAME.
-        decoding: how to decode (default: beam search at 3 beams); one caption per image is scored.
-        grounding: a COCO instances file of object boxes: adds pointing accuracy and its chance rate,
-            and how often the maps of captions naming two separate objects peak on both.
-        use_java: None uses Java when present; False forces the Python figures.
-        cuda_graphs: "auto": on a GPU, the search compiled where the split earns it back (`compiled.earns_back`).
-
-    Returns:
-        The metrics written: the seven coco-caption metrics, "official", the images scored
-        against the split's size, attention health, and pointing with `grounding`.
+    Raises:
+        CaptionerError: `decoding.n` is not 1, the data's encoder is not the checkpoint's, or `split` is unknown.
     """
     decoding = _one_each(decoding or Decoding())
     model = load_trained(checkpoint)

@@ -1,9 +1,9 @@
 """Does attention look at what the word names? Pointing accuracy against object boxes.
 
 For each generated word that names an object present in the image, a hit is when the peak of
-that word's attention map (as drawn: upsampled and smoothed by half a grid cell, see `peak`)
-lies inside a box of such an object. Chance is the share of the encoder's view those boxes cover: what a
-peak dropped at random would score. Boxes, and which words name them: `data.boxes`.
+that word's attention map (as drawn) lies inside a box of such an object. Chance is the share of
+the encoder's view those boxes cover: what a peak dropped at random would score.
+Symbols: g grid side.
 """
 
 from __future__ import annotations
@@ -31,11 +31,8 @@ def _covered_share(boxes, grid_box, size) -> float:
 
 
 def peak(attention: np.ndarray, cells: int = 4) -> tuple[float, float]:
-    """Where one word's map peaks, as fractions (x, y) of the region the grid covers.
-
-    The peak of the map as the figures draw it (`maps.upsample`: bilinear, smoothed by half a
-    cell), at `cells` pixels per grid cell: a cluster of strong cells outweighs one stray cell.
-    """
+    """Where one word's map peaks, as fractions (x, y) of the region the grid covers: the peak of the
+    map as the figures draw it (smoothed), so that a cluster of strong cells outweighs one stray cell."""
     g = attention.shape[-1]
     side = cells * g
     m = upsample(attention, (side, side))
@@ -48,22 +45,10 @@ def pointing_accuracy(
 ) -> dict:
     """Pointing accuracy of generated words, by word and by kind, and the look-ahead rate.
 
-    Args:
-        captions: image id → (words, attention (len(words), g, g)).
-        boxes: the object boxes.
-        preprocess: how images were fed to the encoder (which part the grid covers).
-
-    Returns:
-        {"pointing": hit rate, "chance": mean box share, "words": words scored,
-         "unmatched": object words with no such object in the image, "missed_on_another_object":
-         share of the scored words whose peak missed their object but lies on another boxed object
-         (the map is on an object, the word names a different one), "missed_on_no_object": share
-         whose peak lies on no boxed object, "by_word": {word: [hits, n]},
-         "by_kind": {"colour" | "category": hit rate}, "lookahead": share of words whose peak
-         lies on the object named by the next object word after them, "lookahead_words": how many
-         words that was measured on, "two_objects": of the captions naming two objects whose boxes
-         share none, the share in which some word's map peaks on each, "two_object_captions": how
-         many captions that was measured on}
+    `captions`: image id → (words, attention (len(words), g, g)). Beside the hit rate and its chance,
+    "lookahead" is the share of words whose peak lies on the object the next object word names, and
+    "two_objects", of the captions naming two objects whose boxes share none, the share in which some
+    word's map peaks on each.
     """
     preprocess = preprocess or Preprocess()
     tally = _Tally()
@@ -90,7 +75,6 @@ class _Tally:
 def _score_caption(
     tally: _Tally, image_id: int, words: list[str], attention: np.ndarray, boxes: GroundingBoxes, preprocess: Preprocess
 ) -> None:
-    """Add one caption's words (attention (len(words), g, g)) to the tally."""
     size = boxes.size(image_id)
     l, t, r, b = preprocess.grid_box(*size)
     points = _peaks_in_pixels(attention, (l, t, r, b))
@@ -134,7 +118,6 @@ def _peaks_in_pixels(attention: np.ndarray, grid_box) -> list[tuple[float, float
 
 
 def _summary(tally: _Tally) -> dict:
-    """The tallies as `pointing_accuracy` returns them."""
     hits, chances, unmatched, on_another = tally.hits, tally.chances, tally.unmatched, tally.on_another
     by_word, by_kind, ahead, both = tally.by_word, tally.by_kind, tally.ahead, tally.both
     missed = len(hits) - sum(hits)

@@ -1,17 +1,15 @@
 """Attention health: figures that tell meaningful maps from collapsed or parked ones, with no boxes.
 
-A soft-attention model can write good captions while its maps say nothing: the words come from
-the LSTM's initial state, and attention rests on one cell (often on the grid's border, where the
-encoder's zero padding makes the features stand out), whatever the word. These figures catch
-that from the maps alone, so they can be logged at every validation and shown for any model:
+A soft-attention model can write good captions while its maps say nothing: attention rests on one
+cell (often on the grid's border, where the encoder's zero padding makes the features stand out),
+whatever the word. These figures catch that from the maps alone:
 
 - entropy: the mean entropy of the maps, as a fraction of log L (0: one cell, 1: spread evenly);
-- stay: per caption, the share of its words whose peak cell is the caption's most common peak
-  cell, averaged over captions (a caption naming two objects in different places is ≤ 0.5-0.8);
-- border: the share of peaks on the grid's outer ring, divided by that ring's share of the
-  cells (about 1 for peaks spread evenly; parked models put their peaks on the border);
-- top5: the share of all peaks that fall on the five cells most often peaked at, over all
-  images (object-driven peaks spread over the grid; a model that parks uses a few cells).
+- stay: per caption, the share of its words whose peak cell is the caption's most common one,
+  averaged over captions;
+- border: the share of peaks on the grid's outer ring, over that ring's share of the cells (about 1
+  for peaks spread evenly);
+- top5: the share of all peaks on the five cells most often peaked at, over all images.
 
 Symbols: n words of a caption, g grid side, L = g·g locations.
 """
@@ -39,14 +37,8 @@ def _maps(attention: np.ndarray) -> np.ndarray:
 
 
 def attention_health(captions: Iterable[np.ndarray]) -> dict:
-    """Health figures of many captions' maps.
-
-    Args:
-        captions: one (n, g, g) or (n, L) array of maps per caption (L must be a square).
-
-    Returns:
-        {"entropy", "stay", "border", "top5", "words", "captions"}; figures are None without words.
-    """
+    """Health figures of many captions' maps, one (n, g, g) or (n, L) array per caption; None without
+    words."""
     entropies, stays, peaks = [], [], []
     L = None
     for attention in captions:

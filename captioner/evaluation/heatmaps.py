@@ -1,13 +1,6 @@
 """Attention heatmaps, drawn once here for the CLI, the web demo, the notebooks and `fit --tensorboard`.
 
-Below training and serving alike, so that both draw with this code: the CLI, the demo and the
-notebooks import it as `serve.heatmaps`, and `fit --tensorboard` draws its validation examples with it.
-
-Each map is smoothed and upsampled to the image by `evaluation.maps.heatmaps` (the maps as the
-pointing metric reads them: smoothed by half a grid cell, as in the paper's figures). `overlay` blends a map
-over the image with a perceptual colour map whose opacity follows the attention, so the parts
-the model did not look at stay as they are. `attention_figure` lays out the image, then one
-panel per word with the word beneath it.
+It lies below training and serving alike, so that both draw with this code.
 Symbols: n words, g grid side, H×W the drawn image.
 """
 
@@ -30,9 +23,6 @@ CMAP = "inferno"  # perceptually uniform, dark to bright: brighter is more atten
 OPACITY = 0.7  # opacity at a map's peak; it falls with the attention elsewhere
 
 
-# helpers
-
-
 @functools.lru_cache(maxsize=8)
 def _lut(cmap: str) -> np.ndarray:
     """The colour map as a (256, 3) float32 table in 0..255: one lookup per pixel, no float maths."""
@@ -40,11 +30,8 @@ def _lut(cmap: str) -> np.ndarray:
 
 
 def overlay(image: Image.Image, heat: np.ndarray, opacity: float = OPACITY, cmap: str = CMAP) -> Image.Image:
-    """Blend a [0, 1] heat map (H, W) over an RGB image; the colour's opacity is opacity × heat.
-
-    Where the model did not look (heat near 0) the image shows as it is; at the peak the
-    colour map's brightest colour covers it at `opacity`.
-    """
+    """Blend a [0, 1] heat map (H, W) over an RGB image; the colour's opacity is opacity × heat, so where
+    the model did not look the image shows as it is."""
     rgb = np.asarray(image.convert("RGB"), dtype=np.float32)  # (H, W, 3)
     heat = np.clip(heat, 0.0, 1.0)
     colours = _lut(cmap)[(heat * 255 + 0.5).astype(np.uint8)]  # (H, W, 3)
@@ -96,11 +83,8 @@ def attention_figure(
 ) -> Figure:
     """The paper-style figure: the image, then each word's overlay with the word beneath.
 
-    Args:
-        locations: (row, col) grid cells chosen by hard attention, marked with a dot.
-        panel_side: longest side of each panel's image in pixels (a panel is 240 at 100 dpi).
-        warning: a line shown in red under the title (`Captioner.attention_warning`: the model's
-            maps are not meaningful).
+    `locations` are hard attention's (row, col) cells, marked with a dot; `panel_side` is each panel
+    image's longest side in pixels; `warning` is shown in red under the title.
     """
     base = image.convert("RGB")
     if max(base.size) > panel_side:
@@ -134,7 +118,6 @@ def attention_figure(
 
 
 def figure_png(fig: Figure, dpi: int = 100) -> bytes:
-    """Render a figure to PNG bytes."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     return buf.getvalue()

@@ -1,10 +1,9 @@
 """Attention maps read as pictures: smoothed, upsampled onto the image, and where they peak.
 
 As in the paper's figures, each g×g map is smoothed with a Gaussian of half a grid cell and
-upsampled to the image. The smoothing runs on a small grid (FINE pixels per cell, 56×56 for
-14×14), which is then upsampled once, bilinearly, to whatever size is drawn: the cost follows
-the grid, not the image. The figures (`evaluation.heatmaps`) draw these maps, and the pointing
-metric (`evaluation.grounding`) takes their peak, so what is scored is what is shown.
+upsampled to the image. The smoothing runs on a small grid (FINE pixels per cell), upsampled once
+to whatever size is drawn: the cost follows the grid, not the image. The figures draw these maps
+and the pointing metric takes their peak, so what is scored is what is shown.
 Symbols: n words, g grid side, H×W the drawn image.
 """
 
@@ -26,11 +25,8 @@ def _as_maps(attention) -> torch.Tensor:
 
 
 def smooth_maps(attention) -> torch.Tensor:
-    """(n, g, g) maps → (n, 1, FINE·g, FINE·g): bilinear onto the small grid, then the Gaussian.
-
-    Each cell covers FINE pixels there, so σ = FINE·SIGMA_CELLS pixels is half a cell, and the
-    ±3σ kernel stays far smaller than the grid (13 of 56 pixels for 14×14).
-    """
+    """(n, g, g) maps → (n, 1, FINE·g, FINE·g): bilinear onto the small grid, then the Gaussian (σ in
+    pixels of the small grid)."""
     a = _as_maps(attention)  # (n, 1, g, g)
     gh, gw = a.shape[-2:]
     up = F.interpolate(a, size=(FINE * gh, FINE * gw), mode="bilinear", align_corners=False)
@@ -42,14 +38,8 @@ def smooth_maps(attention) -> torch.Tensor:
 def heatmaps(
     attention, size: tuple[int, int], box: tuple[float, float, float, float] | None = None, smooth: bool = True
 ) -> np.ndarray:
-    """Maps (n, g, g) → heat (n, H, W) for an image of size (W, H), each scaled to [0, 1].
-
-    Args:
-        attention: each word's α on the grid.
-        size: (width, height) of the image as drawn.
-        box: the image region the grid covers (left, top, right, bottom); default all of it.
-        smooth: Gaussian smoothing of half a grid cell, as in the paper's figures.
-    """
+    """Maps (n, g, g) → heat (n, H, W) for an image of size (W, H), each scaled to [0, 1]; `box` is the
+    region (left, top, right, bottom) the grid covers, default all of it."""
     W, H = size
     if len(attention) == 0:
         return np.zeros((0, H, W), dtype=np.float32)

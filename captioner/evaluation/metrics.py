@@ -3,9 +3,8 @@
 With Java (the PTB tokenizer and METEOR run on it) the numbers are those of the official
 pipeline, and `"official"` is true: BLEU-1..4, METEOR, ROUGE-L, CIDEr. Without Java they are
 BLEU (nltk's corpus BLEU), ROUGE-L and CIDEr on Python tokenisation, METEOR is None, and
-`"official"` is false (`evaluate` warns, naming Java). SPICE is left
-out: it downloads models and needs Java 8. Scores are computed on the caption text, i.e. on
-words already cut at <end>, never on padded ids.
+`"official"` is false. SPICE is left out: it downloads models and needs Java 8. Scores are
+computed on the caption text, i.e. on words already cut at <end>, never on padded ids.
 """
 
 from __future__ import annotations
@@ -49,17 +48,11 @@ def score_captions(
     metrics: Sequence[str] = ALL_METRICS,
     use_java: bool | None = None,
 ) -> dict:
-    """Score generated captions against references, as coco-caption does.
+    """Score generated captions against raw reference texts, as coco-caption does: metric name → score
+    (fractions; CIDEr as is), plus "official" and "tokenizer". `use_java`: None uses Java when present.
 
-    Args:
-        results: image id → generated caption.
-        references: image id → reference captions (raw text); must cover every result id.
-        metrics: which of ALL_METRICS to compute (fewer is faster, e.g. for validation).
-        use_java: None uses Java when present; False forces the Python fallback.
-
-    Returns:
-        metric name → score (fractions; CIDEr as is), plus "official" (coco-caption's own code
-        ran, with Java) and "tokenizer".
+    Raises:
+        ValueError: a result's image has no references.
     """
     from pycocoevalcap.bleu.bleu import Bleu
     from pycocoevalcap.cider.cider import Cider
@@ -115,15 +108,11 @@ def reference_agreement(
     metrics: Sequence[str] = ("BLEU-4", "CIDEr"),
     use_java: bool | None = None,
 ) -> dict[str, float]:
-    """How well the references agree with each other: the score a model could expect from
-    writing like one more annotator.
+    """How well the references agree with each other: the score a model could expect from writing like one
+    more annotator (each image's k-th reference against its others, averaged over k).
 
-    Each image's k-th reference is scored against its other references, for every k up to
-    the smallest count, and the scores are averaged over k. (A model is scored against all of
-    them, one more, so its ceiling is a little higher than this.)
-
-    Args:
-        references: image id → its reference captions; every image needs at least two.
+    Raises:
+        ValueError: an image has fewer than two references.
     """
     counts = [len(r) for r in references.values()]
     if not counts or min(counts) < 2:

@@ -24,7 +24,7 @@ class Attention(nn.Module):
 
     Computed as e_ti = 2v·σ(2 W_a a_i + 2 W_h h_{t-1}): tanh(x) = 2σ(2x) − 1, so the two differ by
     −Σv for every location, which softmax ignores: α is exactly the paper's, and σ is the cheaper
-    of the two on CPUs. W_a a_i is computed once per image (`project`), doubled.
+    of the two on CPUs.
     """
 
     def __init__(self, encoder_dim: int, hidden_dim: int, attention_dim: int, embed_dim: int | None = None):
@@ -40,13 +40,12 @@ class Attention(nn.Module):
         return F.linear(features, 2 * self.W_a.weight, 2 * self.W_a.bias)  # (B, L, A)
 
     def query(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """W_h h_{t-1} (+ W_y E y_{t-1}) (B, A) from h_{t-1} (B, H) and the word's embedding (B, E)."""
+        """W_h h_{t-1} (+ W_y E y_{t-1}) (B, A)."""
         q = self.W_h(h)
         return q if self.W_y is None else q + self.W_y(emb)
 
     def forward(self, projected: torch.Tensor, h: torch.Tensor, emb: torch.Tensor, sharpness: float = 1.0):
-        """α_t (B, L) from `project`'s output (B, L, A), h_{t-1} (B, H) and E y_{t-1} (B, E);
-        softmax(k e_t) with `sharpness` k (decoding; 1 is the paper's map)."""
+        """α_t (B, L) = softmax(k e_t), with `sharpness` k (decoding; 1 is the paper's map)."""
         s = torch.sigmoid(projected + 2 * self.query(h, emb).unsqueeze(1))  # (B, L, A)
         e = s @ (2 * sharpness * self.v.weight.view(-1))  # (B, L), k e_t
         return e.softmax(dim=1)  # (B, L), sums to 1

@@ -1,10 +1,9 @@
 """The checkpoint format, in one place: its schema, one atomic save, one safe load, and migrations.
 
 A checkpoint is a plain dict of tensors and Python values (never a pickled object), so
-`torch.load(..., weights_only=True)` reads it and refuses anything that would run code. Its
-keys are the fields of `Checkpoint` (those left None are not written), plus "format":
-"captioner-checkpoint/<version>". `fit` fills a `Checkpoint`; `load_checkpoint` brings a file of
-any earlier version up to the current one (`migrate`), so every reader sees one layout.
+`torch.load(..., weights_only=True)` reads it and refuses anything that would run code. Its keys
+are the fields of `Checkpoint` that are not None, plus "format": "captioner-checkpoint/<version>".
+A file of any earlier version is brought up to the current one on load, so every reader sees one layout.
 
 Versions: 1 and 2 trained attention with the half-turn equivariance term (2), later replaced by
 the view consistency; 3 added the consistency and kept `train` flat; 4 groups `train` by concern
@@ -78,15 +77,9 @@ def current_decoder(d: dict) -> dict:
 
 
 def current_train(d: dict | None) -> dict | None:
-    """A training config of any version, grouped as version 4 groups it, without the files a run read.
-
-    The files a run started from and read boxes from (`fit --init`, `--boxes`) are not settings: they
-    are left out (`migrate` keeps them under "data"). Flat configs without "consistency" trained with
-    the half-turn equivariance term or without any attention term: a resumed run goes on with neither
-    (`consistency` 0). Those without "ema" trained without the weights' average, those without
-    "boxes_choice_weight" without that term, and fine-tuning without "after" trained the encoder from
-    the first step.
-    """
+    """A training config of any version, grouped as version 4 groups it, without the files a run read
+    (`--init`, `--boxes`: not settings). A setting that a version lacks gets the value that version
+    trained with: flat configs without "consistency" resume with neither attention term."""
     if not isinstance(d, dict):
         return d
     if "optim" in d:
@@ -136,9 +129,10 @@ class _Writer:
 
 
 def save_checkpoint(ck: Checkpoint | dict, path: str) -> None:
-    """Write a checkpoint atomically (`captioner.io.atomic_path`): never a half-written file.
+    """Write a checkpoint atomically: never a half-written file.
 
     Raises:
+        ValueError: a required key is missing.
         OSError: the write failed (e.g. ENOSPC, a full disk); `path` is untouched.
     """
     ck = ck.to_dict() if isinstance(ck, Checkpoint) else ck
@@ -201,9 +195,7 @@ def migrate(ck, path: str) -> dict:
 def carry_encoder_weights(ck: dict) -> dict:
     """A checkpoint that carries its encoder's weights file, so that it loads where the file is not.
 
-    A model whose encoder came from `--encoder-weights PATH` is otherwise rebuilt from that file.
-    The carried trunk goes under "encoder_weights" (`encoder.carried_weights`: fp16 where lossless)
-    and the spec keeps only the file's base name, so nothing names a path of the machine that made it.
+    The spec keeps only the file's base name, so nothing names a path of the machine that made it.
 
     Raises:
         CaptionerError: the file is missing, unreadable, or not the one the spec's fingerprint names.

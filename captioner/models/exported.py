@@ -1,19 +1,11 @@
 """The exported model: a folder the way models are shared, in which nothing can run code on load.
 
-    DIR/model.safetensors   the decoder's weights ("decoder.*"), the encoder layers a fine-tuned run
-                            trained ("encoder.*"), the trunk of an --encoder-weights file
-                            ("encoder_weights.*"; config.json names the file by its base name only),
-                            the familiarity statistics' tensors ("familiarity.*")
-    DIR/config.json         format and version, decoder config, encoder spec, preprocessing,
-                            max_len, step, and what the model's record says (familiarity's
-                            numbers, attention verdict, metrics, card)
-    DIR/vocab.json          {"words": [...]}, in id order
-    DIR/README.md           the model card (written by `serve.export`)
-
-`write_exported` writes the first three from a checkpoint; `read_exported` reads a folder back
-into what inference needs, refusing (with the file and what is wrong) a missing file, a
-truncated or corrupt safetensors file, a config of a newer version, or a vocabulary whose size
-disagrees with the weights.
+DIR/model.safetensors   tensors by prefix: "decoder.", "encoder." (fine-tuned layers),
+                        "encoder_weights." (a carried weights file), "familiarity."
+DIR/config.json         format and version, decoder config, encoder spec, preprocessing,
+                        max_len, step, and the model's record (metrics, attention, card)
+DIR/vocab.json          {"words": [...]}, in id order
+DIR/README.md           the model card
 """
 
 from __future__ import annotations
@@ -74,7 +66,7 @@ def read_exported(folder: str) -> Trained:
     Raises:
         CaptionerError: a missing file, a config of another format or a newer version, a
             truncated or corrupt safetensors file, or weights that do not fit the config or the
-            vocabulary (the message names the file).
+            vocabulary.
     """
     config = read_folder_config(folder, FILES, kind="exported model", fmt=FORMAT, version=VERSION)
     words = read_json(os.path.join(folder, "vocab.json"), "vocabulary").get("words")

@@ -1,17 +1,12 @@
 """Is an image like the ones the model was trained on? A distance of its features from theirs.
 
 A captioning model describes anything in the words it knows: shown a photograph, a model
-trained on coloured shapes still writes "a red circle". The statistics here, stored in every
-checkpoint `fit` writes, say when an image is unlike the training images, so that the page, the
-API and the CLI can say so next to the caption.
+trained on coloured shapes still writes "a red circle". These statistics say when an image is
+unlike the training images, so that a caption can say so.
 
-The score: the encoder's annotation vectors of an image (L, D), standardised per channel with
-the training features' mean and std, are averaged over the L locations into one D-vector x.
-The training images' vectors are modelled as one Gaussian (mean μ, covariance Σ, shrunk towards
-a multiple of the identity); the score is the Mahalanobis distance scaled to one channel,
-sqrt((x − μ)ᵀ Σ⁻¹ (x − μ) / D). Scores above the calibrated threshold are "unfamiliar".
-`train.familiarity` estimates the statistics and calibrates the threshold; a checkpoint
-without them reports nothing (None).
+The score: an image's annotation vectors, standardised per channel, are averaged over locations into
+one D-vector x; the training images' vectors are modelled as one Gaussian (μ, Σ shrunk towards a
+multiple of the identity), and the score is sqrt((x − μ)ᵀ Σ⁻¹ (x − μ) / D).
 Symbols: B images, L locations, D annotation size.
 """
 
@@ -77,7 +72,7 @@ class FamiliarityStats:
 
 
 def pool(features: torch.Tensor, feature_mean: torch.Tensor, feature_std: torch.Tensor) -> torch.Tensor:
-    """Annotation vectors (B, L, D) → standardised, averaged over locations (B, D)."""
+    """Standardised, averaged over locations: (B, L, D) → (B, D)."""
     z = (features.float() - feature_mean.to(features.device)) / feature_std.to(features.device).clamp_min(EPS)
     return z.mean(dim=1)  # (B, D)
 
@@ -89,7 +84,6 @@ def mahalanobis(x: torch.Tensor, mu: torch.Tensor, precision: torch.Tensor) -> t
 
 
 def distances(features: torch.Tensor, stats: FamiliarityStats) -> torch.Tensor:
-    """Scores (B,) of images' annotation vectors (B, L, D)."""
     return mahalanobis(pool(features, stats.feature_mean, stats.feature_std), stats.pooled_mean, stats.precision)
 
 
@@ -115,7 +109,7 @@ def describe(score: float, stats: FamiliarityStats) -> dict:
 
 
 def familiarity(features: torch.Tensor, stats: FamiliarityStats | None) -> list[dict | None]:
-    """One verdict per image of features (B, L, D); Nones when the checkpoint has no statistics."""
+    """One verdict per image; Nones when the checkpoint has no statistics."""
     if stats is None:
         return [None] * len(features)
     return [describe(s, stats) for s in distances(features, stats).tolist()]

@@ -1,17 +1,14 @@
 """The fast soft training pass, beside the plain one (`AttentionDecoder.unroll`) and tested equal to it.
 
 `fused_unroll` gives the plain teacher-forced pass's values and gradients with less work:
-- the attention score e = 2v·σ(2p + 2q) (`Attention`'s form) has a hand-written backward
-  (`_Score`) that saves two passes over the (B, L, A) tensor per step; its gradients for the
-  annotation projection are added in place into one buffer (`_GradientSum`), and the factor
-  2v that all steps share is applied once per pass;
+- the attention score has a hand-written backward (`_Score`) that saves two passes over the
+  (B, L, A) tensor per step; its gradients for the annotation projection are added in place into
+  one buffer (`_GradientSum`), and the factor 2v that all steps share is applied once per pass;
 - the three maps of h_{t-1} (attention, LSTM, β gate) are one product per step, and the
   recurrent weights' gradients are one product over every step's rows at the end of the
-  backward pass (`_SharedWeight`, `_StepProduct`), not one thin product per step;
-- it steps only the captions still being written, and maps the LSTM's word inputs for those
-  rows only.
-`objectives.passes` trains with it on packed batches (CPUs); fixed-shape batches (GPUs, `--compile`)
-take the plain pass. It reads the captions' lengths back to the host once per pass (`active`).
+  backward pass (`_SharedWeight`, `_StepProduct`);
+- it steps only the captions still being written.
+It reads the captions' lengths back to the host once per pass, so GPUs take the plain pass.
 
 Symbols: B batch, L locations, D annotation size, E embedding size, H LSTM size, A attention
 size, T steps, n captions still running at a step.
@@ -26,13 +23,10 @@ from captioner.models.decoder import AttentionDecoder, Unrolled, lstm_cell
 
 
 class _Score(torch.autograd.Function):
-    """e_ti = v·tanh(p_ti + q_t) up to a per-row constant, computed as 2v·σ(2p + 2q).
+    """e_ti = v·tanh(p_ti + q_t) up to a per-row constant, computed as 2v·σ(2p + 2q) (see `Attention`).
 
-    tanh(x) = 2σ(2x) − 1, so the two differ by −Σv for every location, which softmax ignores:
-    α is exactly the paper's. On CPUs σ is the cheaper of the two, and the hand-written
-    backward saves two passes over the (B, L, A) tensor; this is the decoder's hot loop. It
-    takes 2p and 2q (`Attention.project` doubles p once per image), which saves a third pass
-    over (B, L, A) at every step.
+    This is the decoder's hot loop: the hand-written backward saves two passes over the (B, L, A)
+    tensor, and taking 2p and 2q (p doubled once per image) saves a third.
     """
 
     @staticmethod
@@ -71,11 +65,9 @@ class _Score(torch.autograd.Function):
 
 
 class _GradientSum(torch.autograd.Function):
-    """x, unchanged, for a recurrence whose steps add their gradients for x into `total`
-    themselves (`_Score`), in place, through one reused scratch tensor: left to autograd, each
-    step would allocate a gradient the size of x, and autograd would add them up. The steps add
-    their gradients without the factor `scale` that all of them share (2v); it is applied here,
-    once per pass, which saves a pass over the step's (n, L, A) tensor at every step."""
+    """x, unchanged, for a recurrence whose steps add their gradients for x into `total` themselves,
+    in place: left to autograd, each step would allocate a gradient the size of x. The factor `scale`
+    that all steps share (2v) is applied here, once per pass, not at every step."""
 
     @staticmethod
     def forward(ctx, x, buffers: tuple[torch.Tensor, torch.Tensor], scale: torch.Tensor):
@@ -90,13 +82,9 @@ class _GradientSum(torch.autograd.Function):
 
 
 class _SharedWeight(torch.autograd.Function):
-    """W, unchanged, for a recurrence whose every step multiplies by it (`_StepProduct`).
-
-    Left to autograd, each step computes its own small W gradient (n rows deep, n ≤ B) and adds
-    it to the running sum: two passes over W per step. Here the steps hand their (output
-    gradient, input) pairs to this node, which autograd runs after all of them, and W's gradient
-    is one product over every step's rows at once.
-    """
+    """W, unchanged, for a recurrence whose every step multiplies by it (`_StepProduct`). Left to autograd,
+    each step would add its own thin W gradient to the running sum: two passes over W per step. Here W's
+    gradient is one product over every step's (output gradient, input) rows, after all the steps."""
 
     @staticmethod
     def forward(ctx, W, pairs: list):
@@ -147,13 +135,8 @@ def _attention_weights(decoder: AttentionDecoder, projected: torch.Tensor, q: to
 def fused_unroll(decoder: AttentionDecoder, features: torch.Tensor, captions: torch.Tensor) -> Unrolled:
     """The soft teacher-forced pass, fast: `AttentionDecoder.unroll`'s values and gradients.
 
-    It steps only the captions still being written (longest first), maps h_{t-1} with one
-    product per step, and sums the recurrent gradients once per pass (see the module doc).
-
-    Captions are sorted by length so that those still running at step t are a prefix of
-    the batch; each step works on that prefix and finished captions cost nothing. Steps
-    past a caption's end hold zeros (α: uniform), as they do not enter the loss. The sort
-    is applied to the inputs and undone on the (small) outputs.
+    Captions are sorted by length so that those still running at step t are a prefix of the batch.
+    Steps past a caption's end hold zeros (α: uniform), as they do not enter the loss.
     """
     B, T1 = captions.size(0), captions.size(1) - 1
     L = features.size(1)
@@ -211,17 +194,8 @@ def _step(
     W_z: torch.Tensor,
     shared: tuple | None = None,
 ):
-    """One teacher-forced soft step for the n = len(h) captions still running: attend with
-    h_{t-1} (and the word's share of the query, with `word_query`), then the LSTM. `features`
-    and `words` (`_word_maps`) hold those n rows; `projected` may hold
-    the whole batch (its first n rows are used); W_hh is `_h_weights`, W_z the LSTM's map
-    of ẑ. The same math as `AttentionDecoder.attend` and `advance`, with their three maps of
-    h_{t-1} in one product. With `shared` (a training pass), W_hh and W_z come from
-    `_SharedWeight` and `projected` from `_GradientSum`, which sum their gradients.
-
-    Returns:
-        h (n, H), c (n, H), ẑ (n, D), α (n, L).
-    """
+    """One teacher-forced soft step for the n = len(h) captions still running: h (n, H), c (n, H), ẑ (n, D)
+    and α (n, L), as `AttentionDecoder.attend` and `advance` give them. `projected` may hold the whole batch."""
     pairs_h, pairs_z, total = shared or (None, None, None)
     hh = F.linear(h, W_hh) if shared is None else _StepProduct.apply(h, W_hh, pairs_h)  # (n, A + 4H + 1)
     q, gates_h, f = hh.split([decoder.config.attention_dim, decoder.lstm_h.out_features, 1], dim=1)

@@ -7,10 +7,8 @@ or the Hugging Face Hub; `load_trained` reads whichever it is.
     hf://ORG/NAME[@REVISION]         an exported folder on the Hub, through huggingface_hub's cache
                                      (HF_HUB_OFFLINE=1 reads the cache only)
 
-A URL must pin its content, `URL#sha256=<64 hex digits>`: it is downloaded once into torch's
-hub cache (`$TORCH_HOME/hub/checkpoints/`, as torchvision's weights are), its sha256 is checked
-before it is used, and a file whose digest differs is refused and deleted; a .zip is unpacked
-beside it, once.
+A URL must pin its content, `URL#sha256=<64 hex digits>`: it is downloaded once into torch's hub
+cache, as torchvision's weights are, and a file whose digest differs is refused and deleted.
 """
 
 from __future__ import annotations
@@ -54,7 +52,6 @@ def split_pinned_url(url: str) -> tuple[str, str]:
 
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -63,15 +60,8 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> str:
 
 
 def download_checkpoint(url: str, *, cache_dir: str | None = None, progress: bool = True) -> str:
-    """Download a pinned checkpoint once and return its path in the cache.
-
-    Args:
-        url: `URL#sha256=HEX`.
-        cache_dir: where to keep it (default: torch hub's `checkpoints/` directory).
-        progress: show a progress bar while downloading.
-
-    Returns:
-        The path of the verified file; a cached file with the right digest is reused.
+    """Download a pinned checkpoint (`URL#sha256=HEX`) once and return its path in the cache (default:
+    torch hub's `checkpoints/` directory).
 
     Raises:
         CaptionerError: no pin, the download fails, or the file's sha256 differs (refused).
@@ -102,7 +92,7 @@ def download_checkpoint(url: str, *, cache_dir: str | None = None, progress: boo
 
 
 def resolve(source: str, *, cache_dir: str | None = None) -> str:
-    """A local checkpoint file or exported folder for any source (see the module doc)."""
+    """A local checkpoint file or exported folder for any source."""
     if source.startswith("hf://"):
         return from_hub(source)
     if is_url(source):

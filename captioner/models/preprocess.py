@@ -1,11 +1,9 @@
 """The encoder's input, defined once for feature extraction, the API, the app and notebooks.
 
-`Preprocess` turns an upright RGB image (`data.images.load_image`) into the encoder's input
-(3, S, S), a NumPy array (`array`, which needs no torch: the ONNX runtime's) or a tensor of the same
-values, and knows which part of the image the attention grid covers. Its `pixels` does
-the same resize on a uint8 tensor where it lies (the API's, on a GPU): PyTorch's antialiased
-bilinear is Pillow's filter computed in floats, without Pillow's rounding to uint8 between its
-two passes, so the inputs differ by about one grey level at most.
+`array` needs no torch (the ONNX runtime's). `pixels` does the same resize on a uint8 tensor where
+it lies (on a GPU): PyTorch's antialiased bilinear is Pillow's filter computed in floats, without
+Pillow's rounding to uint8 between its two passes, so the inputs differ by one grey level at most.
+Shapes: B images, S the input side.
 """
 
 from __future__ import annotations
@@ -28,12 +26,10 @@ _MEAN, _STD = (np.array(v, dtype=np.float32).reshape(3, 1, 1) for v in (IMAGENET
 
 @dataclass(frozen=True)
 class Preprocess:
-    """Image → normalised encoder input.
+    """Image → normalised encoder input (3, S, S).
 
-    Args:
-        size: side of the square input (224 gives VGG's 14×14 conv5 grid).
-        crop: False resizes the whole image to size×size, so the attention grid covers all of
-            it; True is the paper's resize-shorter-side-to-256 then centre-crop-224.
+    `crop` False resizes the whole image to size×size, so the attention grid covers all of it; True
+    is the paper's resize-shorter-side-to-256 then centre-crop-224.
     """
 
     size: int = 224
@@ -60,11 +56,10 @@ class Preprocess:
         return max(1, round(width * scale)), max(1, round(height * scale))
 
     def _crop(self, width: int, height: int) -> tuple[int, int]:
-        """The (left, top) of the centre crop of a resized image."""
         return (width - self.size) // 2, (height - self.size) // 2
 
     def array(self, img: Image.Image) -> np.ndarray:
-        """An RGB PIL image → float32 array (3, size, size), ImageNet-normalised."""
+        """An RGB PIL image → float32 array (3, S, S), ImageNet-normalised."""
         img = img.resize(self.resized(*img.size), Image.BILINEAR, reducing_gap=None)
         if self.crop:
             left, top = self._crop(*img.size)
@@ -73,15 +68,13 @@ class Preprocess:
         return (x - _MEAN) / _STD
 
     def __call__(self, img: Image.Image) -> torch.Tensor:
-        """An RGB PIL image → float tensor (3, size, size), ImageNet-normalised (`array`'s values)."""
         import torch
 
         return torch.from_numpy(self.array(img))  # (3, S, S)
 
     def pixels(self, x: torch.Tensor) -> torch.Tensor:
-        """RGB uint8 images of one size (B, H, W, 3), or one (H, W, 3), on any device → float tensors
-        (B, 3, size, size) or (3, size, size) there, ImageNet-normalised: `__call__`'s resize and crop,
-        done where the pixels are."""
+        """RGB uint8 images of one size (B, H, W, 3), or one (H, W, 3) → (B, 3, S, S) or (3, S, S): `__call__`'s
+        resize and crop, done on the pixels' device."""
         import torch.nn.functional as F
 
         one = x.dim() == 3

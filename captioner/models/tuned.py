@@ -1,12 +1,10 @@
 """The encoder's trained layers (`fit --fine-tune-encoder`): which layers, and a module holding them.
 
-Training starts at a stage of the backbone's row (`models.backbones`): conv5_1 (VGG's conv5 block,
-ResNet's conv5_x stage, torchvision's layer4) on the cached output of the layers before it, or
-conv4_1 on the images. The trained layers go into checkpoints as "encoder_state" under the names
-of `Encoder.features` ("24.weight", "layer4.0.conv1.weight", ...); `encoder.apply_encoder_state`
-puts them back into a whole encoder. BatchNorm keeps its running statistics (ImageNet's, or the
-seeded ones) while its scale and shift train: a batch of a few images would give poor ones.
-Shapes: n images, B captions, L locations, D feature size, S image side, g grid side.
+Training starts at conv5_1 (VGG's conv5 block, ResNet's conv5_x stage) on the cached output of
+the layers before it, or at conv4_1 on the images. The trained layers go into checkpoints under
+the names of `Encoder.features` ("24.weight", "layer4.0.conv1.weight", ...). BatchNorm keeps its
+running statistics while its scale and shift train: a batch of a few images would give poor ones.
+Shapes: n images, B captions, L locations, D feature size, S image side.
 """
 
 from __future__ import annotations
@@ -37,14 +35,8 @@ def layers_of(state: dict) -> int:
 
 
 class TunedEncoder(nn.Module):
-    """The trained layers of the trunk (and, from images, the frozen ones before them).
-
-    Args:
-        trunk: `Encoder.features`, with the weights the cached features were made with.
-        start: index of the first trained layer.
-        from_cache: inputs are cached (n, L', D') outputs of layer start-1 (VGG's pool4), else images.
-        arch: the backbone's row, whose stride makes the grid of images.
-    """
+    """The trained layers of the trunk from index `start` on (and, from images, the frozen ones before
+    them); `from_cache`: the inputs are the cached (n, L', D') outputs of layer start-1, else images."""
 
     def __init__(self, trunk: nn.Sequential, start: int, *, from_cache: bool, arch: str):
         super().__init__()
@@ -63,13 +55,8 @@ class TunedEncoder(nn.Module):
         return self
 
     def forward(self, inputs: torch.Tensor, index: torch.Tensor | None = None, moves: torch.Tensor | None = None):
-        """(n, L', D') cached inputs or (n, 3, S, S) images → (n, L, D), or (B, L, D) per caption by index.
-
-        Args:
-            moves: (n, 2) cells: the features of the inputs' views instead (`models.views`, the
-                consistency's): the images themselves turned and moved, or, from the cache, the
-                cached maps turned and moved by as many of their cells as fit in a grid cell.
-        """
+        """(n, L', D') cached inputs or (n, 3, S, S) images → (n, L, D), or (B, L, D) per caption by index;
+        with `moves` (n, 2) cells, the features of the inputs' views instead."""
         g = self.grid(inputs)
         if self.frozen is None:
             n, L, D = inputs.shape
@@ -84,7 +71,6 @@ class TunedEncoder(nn.Module):
         return f if index is None else f[index]  # (B, L, D)
 
     def grid(self, inputs: torch.Tensor) -> int:
-        """The side of the feature grid the inputs give."""
         if self.pooled:
             return self.pooled
         return math.isqrt(inputs.size(1)) if self.frozen is None else inputs.size(-1) // self.stride

@@ -1,15 +1,13 @@
 """The second view of an image that the attention's consistency compares maps across.
 
 The view is the image turned 180° and then moved by a few whole grid cells (dy down, dx right).
-The rows and columns it uncovers repeat the image's edge next to them, so the view shows no new
-boundary: a blank fill would draw the image's edge inside the view, where it looks like the
-encoder's zero padding at the grid's border, and a map could follow that edge (the image's
-corner) instead of an object. A map that rests on what a word names follows the content into
-the view; a map parked on the grid, mirrored through its centre, or at a fixed offset from the
-object does not, because the turn flips offsets and the move shifts the centre of the turn.
+The rows and columns it uncovers repeat the image's edge next to them: a blank fill would draw an
+edge that looks like the encoder's zero padding, which a map could follow. A map that rests on what
+a word names follows the content into the view; a map parked on the grid, mirrored through its
+centre, or at a fixed offset from the object does not.
 
-Each image's move comes from its row in the feature cache (`shifts`), so `prepare` and `fit`
-agree on it without storing it. Shapes: N maps or images, L = G×G locations, S image side.
+Each image's move comes from its row in the feature cache, so `prepare` and `fit` agree on it
+without storing it. Shapes: N maps or images, L = G×G locations, S image side.
 """
 
 from __future__ import annotations
@@ -45,11 +43,10 @@ def random_shifts(n: int, most: int, generator: torch.Generator | None = None, d
 
 
 def view(x: torch.Tensor, moves: torch.Tensor | np.ndarray, grid: int) -> torch.Tensor:
-    """Images or maps (N, C, S, S) → their views: turned 180°, then moved by `moves` (N, 2) cells
-    of S / grid pixels each, the uncovered rows and columns repeating the edge next to them.
+    """Images or maps (N, C, S, S) → their views, moved by `moves` (N, 2) cells of S / grid pixels each.
 
-    Pixel (y, x) of a view is pixel (y − dy·c, x − dx·c) of the turned image, clamped to its
-    edge (c = S / grid): two gathers on x's device, for any moves, with no copy to the host.
+    Pixel (y, x) of a view is pixel (y − dy·c, x − dx·c) of the turned image, clamped to its edge:
+    two gathers on x's device, with no copy to the host.
     """
     x = x.flip(-2, -1)
     N, C, S, _ = x.shape

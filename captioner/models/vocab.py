@@ -57,12 +57,12 @@ class Vocabulary:
 
     @classmethod
     def build(cls, token_lists: Iterable[Sequence[str]], min_count: int = 5) -> Vocabulary:
-        """Keep words seen at least `min_count` times; ties broken alphabetically for determinism."""
+        """Keep words seen at least `min_count` times; ties broken alphabetically."""
         return cls.from_counts(Counter(t for tokens in token_lists for t in tokens), min_count)
 
     @classmethod
     def from_counts(cls, counts: Counter, min_count: int = 5) -> Vocabulary:
-        """The vocabulary of words counted at least `min_count` times, most frequent first."""
+        """The vocabulary of words counted at least `min_count` times, most frequent first (see `build`)."""
         kept = sorted(
             (w for w, c in counts.items() if c >= min_count and w not in SPECIALS), key=lambda w: (-counts[w], w)
         )

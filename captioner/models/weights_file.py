@@ -1,8 +1,7 @@
 """A backbone's state-dict file, as `--encoder-weights PATH` names it: read safely, or refused by name.
 
-torch's format (`torch.save(model.state_dict(), PATH)`, .pt/.pth) is read with `weights_only`, so a
-file that would need the full unpickler is refused and its code never runs; safetensors files are
-read as they are. Whether the tensors fit the `--encoder` backbone's row is `models.encoder`'s check.
+torch's format is read with `weights_only`, so a file that would need the full unpickler is refused
+and its code never runs.
 """
 
 from __future__ import annotations
@@ -18,17 +17,11 @@ from captioner.io import read_torch
 
 
 def read_weights_file(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of a state-dict file: safetensors, or torch's format read with weights_only.
-
-    Args:
-        path: the file; torch's zip (or legacy) format is told from safetensors by its first bytes.
-
-    Returns:
-        Its tensors by name (a {"state_dict": ...} wrapper, as some trainers save, is unwrapped).
+    """The tensors of a state-dict file by name (a {"state_dict": ...} wrapper is unwrapped).
 
     Raises:
-        CaptionerError: naming the file: missing, empty, truncated or corrupt, holding pickled
-            objects (refused unrun), or not a dict of tensors.
+        CaptionerError: the file is missing, empty, truncated or corrupt, holds pickled objects
+            (refused unrun), or is not a dict of tensors.
     """
     if not os.path.isfile(path):
         raise CaptionerError(

@@ -1,21 +1,20 @@
 """CIDEr-D and sentence BLEU-4 on token ids, vectorised: the rewards of self-critical training.
 
-CIDEr-D as coco-caption computes it (pycocoevalcap's `Cider` is the D variant: clipped
-weights and a Gaussian length penalty, added by the metric's authors after the paper). For
-n = 1..4 a caption is a vector v of tf·idf weights of its n-grams, with
+CIDEr-D as coco-caption computes it (pycocoevalcap's `Cider`: clipped weights and a Gaussian
+length penalty). For n = 1..4 a caption is a vector v of tf·idf weights of its n-grams, with
 idf(g) = log N − log max(1, df(g)), df counted over N documents (one document is the set of an
 image's reference n-grams). A candidate c scores against each reference r of its image
     sim_n(c, r) = Σ_g min(v_c(g), v_r(g)) v_r(g) / (‖v_c,n‖ ‖v_r,n‖) · exp(−δ² / 2σ²),  σ = 6,
 where δ is the difference of the two captions' bigram counts (coco-caption measures length
 that way: words − 1), and CIDEr-D(c) = 10 · mean_n mean_r sim_n(c, r).
 
-Everything is done on integer n-gram codes, never on strings: the n-gram (w1, ..., wn) of ids
-below `base` is the int64 Σ w_i base^(n−i), exact while base^4 < 2^63, and since ids are ≥ 1 it
-lies in [base^(n−1), base^n), so the code also tells the order. A candidate's n-grams are matched
-against its references' by sorted search in a table built once.
+N-grams are integer codes, never strings: (w1, ..., wn) of ids in [1, base) is the int64
+Σ w_i base^(n−i), exact while base^4 < 2^63, and it lies in [base^(n−1), base^n), so the code
+also tells the order.
 
-Symbols in shape comments: N candidates, T tokens, C reference captions, G distinct reference
-n-grams, E (caption, n-gram) entries, P (candidate, reference) pairs, Q (entry, reference) pairs.
+Symbols: N candidates, T tokens (ids ≥ 1; whatever follows a sequence's length is ignored), C
+reference captions, G distinct reference n-grams, E (caption, n-gram) entries, P (candidate,
+reference) pairs, Q (entry, reference) pairs.
 """
 
 from __future__ import annotations
@@ -39,11 +38,7 @@ _TINY, _SMALL = 1e-15, 1e-9  # coco-caption BLEU's guards against 0/0, kept for 
 log = logging.getLogger(__name__)
 
 
-# helpers
-
-
 def check_base(base: int) -> None:
-    """Refuse a vocabulary too large for exact 4-gram codes."""
     if base**ORDERS >= 2**63:
         raise CaptionerError(
             f"a vocabulary of {base} words is too large for exact 4-gram codes "
@@ -52,16 +47,8 @@ def check_base(base: int) -> None:
 
 
 def ngrams(tokens: torch.Tensor, lengths: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every distinct n-gram (n = 1..4) of each sequence, with its count.
-
-    Args:
-        tokens: (N, T) ids ≥ 1; whatever follows a sequence's length is ignored.
-        lengths: (N,) tokens per sequence.
-        base: larger than every id.
-
-    Returns:
-        owner (E,) sequence index, code (E,) int64 n-gram code, count (E,) float64; sorted by owner.
-    """
+    """Every distinct n-gram (n = 1..4) of each sequence (N, T) and its count: owner, code (int64) and
+    count (float64), each (E,), sorted by owner."""
     tokens, lengths = tokens.long(), lengths.long()
     N, T = tokens.shape
     owners, codes = [], []
@@ -92,9 +79,6 @@ def _lookup(table: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torc
         return torch.zeros_like(keys), torch.zeros(keys.shape, dtype=torch.bool)
     pos = torch.searchsorted(table, keys).clamp_max(len(table) - 1)
     return pos, table[pos] == keys
-
-
-# classes
 
 
 @dataclass
@@ -167,13 +151,7 @@ def cached_document_frequency(path: str, refs: References, salt: str = "") -> Do
 
 
 class NgramScorer:
-    """CIDEr-D and sentence BLEU-4 of candidate captions against fixed references, on ids.
-
-    Args:
-        refs: the reference captions of every image a candidate may belong to.
-        df: document frequencies (e.g. of the training references).
-        sigma: σ of CIDEr-D's length penalty.
-    """
+    """CIDEr-D and sentence BLEU-4 of candidate captions against fixed references, on ids."""
 
     def __init__(self, refs: References, df: DocumentFrequency, *, sigma: float = SIGMA):
         check_base(refs.base)
@@ -200,16 +178,11 @@ class NgramScorer:
     def score(
         self, tokens: torch.Tensor, lengths: torch.Tensor, images: torch.Tensor, bleu: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Score candidates against the references of their images.
+        """CIDEr-D (N,) float64, and coco-caption's per-sentence BLEU-4 (N,) when `bleu` else None, of each
+        candidate against the references of its image (N,).
 
-        Args:
-            tokens: (N, T) candidate ids ≥ 1 (anything after each length).
-            lengths: (N,) tokens per candidate.
-            images: (N,) the image of each candidate (as in `References.images`).
-            bleu: also compute coco-caption's per-sentence BLEU-4 ("closest" reference length).
-
-        Returns:
-            CIDEr-D (N,) float64, and BLEU-4 (N,) float64 or None.
+        Raises:
+            ValueError: a candidate's image has no reference captions.
         """
         tokens, lengths, images = tokens.cpu(), lengths.cpu().long(), images.cpu().long()
         N = len(lengths)

@@ -4,12 +4,10 @@ Each map is asked to be found again in a view of the image (`models.views`: turn
 one or two whole cells) and to be sharp: C_t = −log Σ_i α_ti (V⁻¹α'_t)_i, where α_t is the map on the
 image, α'_t the map the same state h_{t−1} gives on the view, and V⁻¹ brings a map on the view back
 onto the image's cells. Only sharp maps that follow the content make it small; h_{t−1} is detached,
-so the term trains where to look, not the LSTM's state. It is estimated on a share of each batch's
-captions (`TermsConfig.consistency_share`), at one random real step each, scaled to the batch's words.
-Why each part is there, and what was measured: docs/attention.md#view-consistency.
+so the term trains where to look, not the LSTM's state. Why: docs/attention.md#view-consistency.
 
-Symbols: B captions, T steps, L locations, D feature size, A attention size, H LSTM size, N
-picked (caption, step) pairs.
+Symbols: B captions, T steps, L locations, D feature size, H LSTM size, E embedding size, N picked
+(caption, step) pairs.
 """
 
 from __future__ import annotations
@@ -26,12 +24,9 @@ AGREEMENT_FLOOR = 1e-6  # under the agreement before the log: maps that share no
 
 
 def disagreement(maps: torch.Tensor, maps_in_view: torch.Tensor, moves: torch.Tensor, grid: int) -> torch.Tensor:
-    """−log Σ_i α_i (V⁻¹α')_i per pair (N,): −log of the chance that a cell drawn from the map on
-    the image and one drawn from the view's map, brought back, are the same cell of the image.
-
-    Mass on cells only one of the two shows (the image's cells the move takes out of the view,
-    the view's uncovered cells) can agree with nothing, so it pays like mass on the wrong cell.
-    """
+    """−log Σ_i α_i (V⁻¹α')_i per pair (N,): −log of the chance that a cell drawn from each map is the same
+    cell of the image. Mass on cells only one of the two shows agrees with nothing: it pays like mass on
+    the wrong cell."""
     back = back_from_view(wide(maps_in_view), moves, grid)
     return -((wide(maps) * back).sum(-1) + AGREEMENT_FLOOR).log()
 
@@ -53,17 +48,9 @@ def consistency(
     words,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """λ's multiplicand per word: the consistency of the maps between the images and their views,
-    estimated at one random real step of each caption in `rows` and scaled to the batch's real steps.
-
-    Args:
-        features: (B, L, D) the images' raw annotation vectors, as the pass saw them.
-        views: (N, L, D) the features of the views (`models.views`) of the images of captions
-            `rows` (N,), moved by `moves` (N, 2) cells.
-        unrolled: the teacher-forced pass on `features` (its states h_t).
-        mask: (B, T-1) real steps.
-        words: what to divide the batch total by.
-    """
+    """λ's multiplicand per word: the consistency between the maps on `features` (B, L, D) and on `views`
+    (N, L, D), the views of captions `rows` (N,) moved by `moves` (N, 2) cells, estimated at one random real
+    step of each of those captions and scaled to the batch's real steps (`mask`, (B, T-1))."""
     steps = real_steps(mask, rows, generator)  # (N,)
     images = decoder.normalize(features[rows])  # (N, L, D)
     h0, _ = decoder.init_state(images)  # (N, H)

@@ -1,18 +1,14 @@
 """Attention correctness (Liu et al., "Attention Correctness in Neural Image Captioning", AAAI 2017):
 where a dataset has object boxes, a word that names a boxed object should look at it.
 
-For each such word, −log Σ_{i in the object's cells} α_ti: the attention the map gives the
-object's cells, as a likelihood. `fit --boxes INSTANCES_JSON` adds it to the objective, per word,
-for the training images' boxes only (`data.boxes.BoxTargets` says which words and cells; each
-batch carries them as a (B, T-1, L) mask, empty where a step's word names no boxed object).
+For each such word, −log Σ_{i in the object's cells} α_ti: the attention on the object, as a
+likelihood. A batch carries the cells as a (B, T-1, L) mask, empty where a step's word names no
+boxed object.
 
-On the dataset's words alone the term cannot make a map commit where the next object is the
-caption's choice: captions name a scene's objects in either order, so under teacher forcing the
-map drawn before "yellow" in "a yellow triangle and a purple square" pays least split between
-the two objects, and the word is then read from a blend of both. The same term at the word the
-model itself would write at each step (its most likely word there, `BoxTargets.masks_for_predictions`)
-asks that map to lie on the object of the model's own choice, so that the choice and the map agree.
-Symbols: B captions, T steps, L locations.
+Why the model's own words too: captions name a scene's objects in either order, so under teacher
+forcing the map drawn before "yellow" in "a yellow triangle and a purple square" pays least split
+between the two objects. At the word the model itself would write, the map must lie on the object
+of its own choice. Symbols: B captions, T steps, L locations.
 """
 
 from __future__ import annotations
@@ -25,13 +21,8 @@ LOG_EPS = 1e-12
 
 
 def attention_correctness(alphas: torch.Tensor, masks: torch.Tensor, words) -> torch.Tensor:
-    """λ's multiplicand per word: Σ over the steps with a target of −log (attention on the object's cells).
-
-    Args:
-        alphas: (B, T-1, L) the pass's maps.
-        masks: (B, T-1, L) bool, the cells of the objects each step's word names (none: no target).
-        words: what to divide the batch total by.
-    """
+    """λ's multiplicand per word: Σ over the steps with a target of −log (attention on the object's cells);
+    `alphas` and `masks` are (B, T-1, L)."""
     on_object = (wide(alphas) * masks).sum(-1)  # (B, T-1)
     return -(on_object.clamp_min(LOG_EPS).log() * masks.any(-1)).sum() / words
 
@@ -52,9 +43,6 @@ class AttentionCorrectness(Term):
 class ChosenWordCorrectness(Term):
     """`attention_correctness` at the word the model would write at each step, where it names an object of
     the image (`--boxes-choice-weight`). The words are looked up on the host, so the step does not compile it.
-
-    Args:
-        targets: `data.boxes.BoxTargets` of the training images.
     """
 
     name = "boxes_choice"

@@ -3,8 +3,7 @@ doubly stochastic regularisation λ Σ_i (1 − Σ_t α_ti)², as two terms.
 
 Both are per caption, as in the paper (the likelihood summed over the caption's words, not
 averaged), so their balance is the paper's; dividing a batch's total by its predicted words
-only sets the scale. Padding is masked out of both.
-Symbols: B captions, T steps, L locations, V vocabulary size.
+only sets the scale. Symbols: B captions, T steps, L locations.
 """
 
 from __future__ import annotations

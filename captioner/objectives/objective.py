@@ -1,11 +1,7 @@
 """The training objective: a sum of loss terms over one teacher-forced pass.
 
-`objective_terms` builds the list from the settled configs and `TERMS` (the one place a term is added);
-`Objective` makes the pass the terms read (`objectives.passes`, in the batch's shapes), asks each
-term for its value, and returns Σ weight × value with every value by name. It is an `nn.Module`,
-so that DistributedDataParallel wraps one forward. With a fine-tuned encoder (`fit
---fine-tune-encoder`) the batch holds the encoder's inputs, one per image; the objective encodes
-them, and the views of the captions the consistency picks, first.
+It is an `nn.Module` so that DistributedDataParallel wraps one forward. With a fine-tuned encoder
+the batch holds the encoder's inputs, one per image, which the objective encodes first.
 
 Symbols: B captions, n images, L locations, D feature size.
 """
@@ -50,15 +46,8 @@ def objective_terms(
     state: TermState,
     targets=None,
 ) -> list[Term]:
-    """The cross-entropy objective's terms (`TERMS` that the settings turn on).
-
-    Args:
-        cfg: settled attention terms (no None left).
-        attention: "soft" or "hard".
-        views: the batches carry the views' features (or a fine-tuned encoder makes them).
-        state: the run's terms' state (saved in checkpoints), which terms with state claim theirs from.
-        targets: `data.boxes.BoxTargets` of `fit --boxes` (None: the attention correctness terms are off).
-    """
+    """The cross-entropy objective's terms: those of `TERMS` that the settled `cfg` turns on (`Setup` says
+    what the other arguments are)."""
     setup = Setup(attention, hard, views, state, targets)
     return [term for kind in TERMS if (term := kind.make(cfg, setup)) is not None]
 
@@ -66,13 +55,9 @@ def objective_terms(
 class Objective(nn.Module):
     """Σ weight × value over `terms`, on one pass over a batch.
 
-    Args:
-        decoder: the model being trained.
-        terms: the loss terms (`objective_terms`, or `[SelfCritical(...)]`).
-        shapes: the batches' shapes, "packed" or "fixed" (`objectives.passes`).
-        semi_sampling: hard attention's share of images on the expected context; None for soft.
-        encoder: fine-tuned encoder layers (`models.tuned.TunedEncoder`), None on cached features.
-        view_share: with an encoder, the share of captions whose image's view it encodes for the consistency.
+    `semi_sampling` is hard attention's share of images on the expected context (None: soft); `encoder`
+    the fine-tuned encoder layers (None: cached features), which encode the view of a `view_share` of
+    the captions' images for the consistency.
     """
 
     def __init__(
@@ -95,11 +80,8 @@ class Objective(nn.Module):
         return self.shapes == "fixed" and self.encoder is None and all(t.capturable for t in self.terms)
 
     def forward(self, batch, words, generator: torch.Generator | None = None):
-        """(loss, {term name: detached value, and what terms report}) for one batch.
-
-        Args:
-            words: what each term divides its batch total by (predicted words; images for SCST).
-        """
+        """(loss, {term name: detached value, and what terms report}) for one batch; each term divides its
+        batch total by `words` (predicted words; images for SCST)."""
         features = batch.features
         if self.encoder is not None:
             batch, features = self.encoded(batch, generator)

@@ -1,15 +1,13 @@
 """The teacher-forced pass the terms read, made in one of two shapes.
 
-- packed (CPUs): the fast soft pass (`models.fused`), which steps only the captions still being
-  written, with logits at the real positions only;
-- fixed (GPUs, `--compile`): the plain pass (`AttentionDecoder.unroll`) over every caption and
-  every step of the batch's padded length, with logits everywhere and masks: the same shapes at
-  every step of a length bucket and no host synchronisation, so the step compiles it (GPUs: CUDA graphs).
-Both give the same values and gradients on the real positions (tests). Hard attention always
-takes the plain pass, with sampled locations for the images whose coin says so (§4.1's
-"semi-sampling").
+- packed (CPUs): the fast soft pass, with logits at the real positions only;
+- fixed (GPUs): the plain pass over every step of the batch's padded length, with logits everywhere
+  and masks: the same shapes at every step of a length bucket and no host synchronisation, so the
+  step compiles it.
+Both give the same values and gradients on the real positions. Hard attention always takes the
+plain pass, with sampled locations for the images whose coin says so (§4.1's "semi-sampling").
 
-Symbols: B captions, T steps, L locations, V vocabulary size, N real positions.
+Symbols: B captions, T steps, L locations, D feature size, V vocabulary size, N real positions.
 """
 
 from __future__ import annotations
@@ -49,13 +47,9 @@ def teacher_forced(
 ) -> TeacherForced:
     """The teacher-forced pass over a batch, with its negative log-likelihoods.
 
-    Args:
-        features: (B, L, D) raw annotation vectors, one row per caption.
-        captions: (B, T) <start> w1 ... <end> then <pad>; lengths (B,) count <start> and <end>.
-        shapes: "packed" or "fixed" (see the module doc).
-        semi_sampling: hard attention: the probability that an image takes the expected context
-            instead of sampled locations; None for soft attention.
-        predict: also return the most likely word at each position.
+    `captions` (B, T) are <start> w1 ... <end> then <pad>, and `lengths` (B,) count <start> and <end>.
+    `semi_sampling` (hard attention) is the probability that an image takes the expected context
+    instead of sampled locations; None for soft attention.
     """
     sampled = None
     if semi_sampling is not None:

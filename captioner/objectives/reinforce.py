@@ -3,20 +3,15 @@
 With locations s sampled from α, the variational lower bound L_s = Σ_s p(s|a) log p(y|s,a) has
 the Monte-Carlo gradient
     ∂log p(y|s̃,a) + λ_r (log p(y|s̃,a) − b) ∂log p(s̃|a) + λ_e ∂H[s̃]
-with a moving-average baseline b ← 0.9 b + 0.1 log p(y|s̃,a). The objective's terms give exactly
-that estimator: the cross-entropy (∂log p(y|s̃,a)), `Reinforce` and `EntropyBonus`. With
-probability `semi_sampling` a caption uses the expected context (soft attention) for all its
-steps instead of sampled locations (§4.1's "semi-sampling"; `objectives.passes`).
+with a moving-average baseline b ← 0.9 b + 0.1 log p(y|s̃,a): the cross-entropy term, `Reinforce`
+and `EntropyBonus`.
 
-Where this departs from the authors' released code (kelvinxu/arctic-captions, capgen.py), and why:
-- the semi-sampling coin is drawn per image, not once per minibatch (`binomial((1,))` there), so
-  every batch mixes both kinds of captions and the attention MLP gets both gradients each step;
-- the reward is the caption's log-likelihood log p(y|s̃,a), summed over its words, as in eq. (12),
-  where the code's default (`RL_sumCost`) uses the mean cost per step; λ_r = 0.01 on the sum
-  weighs the REINFORCE term about as the authors' 0.1 on the mean does for captions of ten words
-  (at 0.1 on the sum, maps could settle beside every object);
-- the baseline averages the summed log-likelihoods, to match.
-
+Where this departs from the authors' released code (kelvinxu/arctic-captions), and why:
+- the semi-sampling coin is drawn per image, not once per minibatch, so every batch mixes both
+  kinds of captions and the attention MLP gets both gradients each step;
+- the reward is log p(y|s̃,a) summed over the caption's words, as in eq. (12), not the code's mean
+  per step; λ_r = 0.01 on the sum weighs about as the authors' 0.1 on the mean for ten words (at
+  0.1 on the sum, maps could settle beside every object); the baseline averages the sums, to match.
 """
 
 from __future__ import annotations
@@ -44,17 +39,9 @@ class HardAttentionConfig:
 
 
 class Reinforce(Term):
-    """The REINFORCE part of eq. (12) as a loss: −Σ (log p(y|s̃,a) − b) log p(s̃|a) per word, weighted by λ_r.
-
-    Its gradient is λ_r (log p(y|s̃,a) − b) ∂log p(s̃|a) (no gradient through the reward); the
-    cross-entropy term gives ∂log p(y|s̃,a). The baseline b is the term's state, on the device, and
-    moves after each applied step, b ← decay·b + (1 − decay)·mean log p(y|s̃,a) over the captions
-    that sampled locations (`after_step`); under DDP the step sums `shared()` over processes first.
-
-    Args:
-        cfg: λ_r and the baseline's decay.
-        state: the run's terms' state, where b is kept (0 at first).
-    """
+    """The REINFORCE part of eq. (12) as a loss: −Σ (log p(y|s̃,a) − b) log p(s̃|a) per word, weighted by λ_r
+    (no gradient through the reward). b moves after each applied step, over the captions that sampled
+    locations only."""
 
     name = "reinforce"
 

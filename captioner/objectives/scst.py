@@ -1,21 +1,14 @@
 """Self-critical sequence training (Rennie et al., CVPR 2017): optimise CIDEr-D directly.
 
-For each image, n captions w^1..w^n are sampled from the model p(w|a); each earns a reward
-r(w) (CIDEr-D against the image's training references, plus an optional BLEU-4 weight), and
-the REINFORCE gradient with a baseline b,
-    ∇L = −(1/n) Σ_k (r(w^k) − b_k) ∇ log p(w^k | a),
-raises the probability of the samples that beat the baseline and lowers the others'. The
-baseline is the reward of the greedy caption (Rennie's "self-critical") or, the default, the
-mean reward of the image's other n − 1 samples (Luo 2020, "a better variant of SCST"), which
-needs no extra decoding and is still independent of the sample it judges.
+For each image, n captions w^1..w^n are sampled from the model p(w|a); each earns a reward r(w)
+(CIDEr-D against the image's training references), and the REINFORCE gradient with a baseline b,
+    ∇L = −(1/n) Σ_k (r(w^k) − b_k) ∇ log p(w^k | a).
+The baseline is the reward of the greedy caption (Rennie's "self-critical") or, the default, the
+mean reward of the image's other n − 1 samples (Luo 2020), which needs no extra decoding and is
+still independent of the sample it judges. An epoch is one pass over the training images.
 
-An epoch here is one pass over the training images (not their captions). A hard-attention
-model samples its words with the expected context (as it decodes by default) unless
-`context="sample"`, when the attention locations are sampled too and their log-probabilities
-join the words'.
-
-Symbols in shape comments: B images, n samples per image, N = B·n captions, L locations,
-D feature size, T steps, V vocabulary.
+Symbols: B images, n samples per image, N = B·n captions, L locations, D feature size, T steps,
+V vocabulary.
 """
 
 from __future__ import annotations
@@ -84,12 +77,7 @@ def training_scorer(data: CaptionData, end_token: bool = True) -> NgramScorer:
     return NgramScorer(refs, df)
 
 
-# sampling
-
-
 class Samples(NamedTuple):
-    """Sampled captions with what the gradient needs."""
-
     tokens: torch.Tensor  # (N, T) words, <end>, then <pad>
     words: torch.Tensor  # (N,) words before <end>
     logp: torch.Tensor  # (N,) log p(w|a) (+ log p(s|a) of sampled locations), differentiable
@@ -105,16 +93,8 @@ def sample_captions(
     mode: str = EXPECTED,
     generator: torch.Generator | None = None,
 ) -> Samples:
-    """Draw n captions per image from the decoder, step by step, keeping the graph for log p.
-
-    Uses the decoder's own `step`, as beam search does; the same words are banned
-    (`decoding.search_state.banned`: <pad>, <start>, <unk>, and <end> as the first word, so no caption
-    is empty) and a caption reaching max_len words is ended there, as in decoding.
-
-    Args:
-        features: (B, L, D) raw annotation vectors.
-        mode: context of each step: "expected", or "sample" (hard attention's locations).
-    """
+    """Draw n captions per image from the decoder, step by step, keeping the graph for log p. The same
+    words are banned as in decoding, and a caption reaching max_len words is ended there."""
     feats = decoder.normalize(features)  # (B, L, D)
     projected = decoder.attention.project(feats).repeat_interleave(n, dim=0)  # (N, L, A)
     h, c = (s.repeat_interleave(n, dim=0) for s in decoder.init_state(feats))  # (N, H)
@@ -154,12 +134,8 @@ def sample_captions(
 def greedy_tokens(
     decoder: AttentionDecoder, features: torch.Tensor, max_len: int, compiled: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The test-time greedy captions (beam size 1 of the one decoding routine), without dropout; its blocks
-    of steps `compiled` as `decoding.decode.beam_search` says.
-
-    Returns:
-        tokens (B, T): words, <end>, <pad>...; words (B,) before <end>.
-    """
+    """The test-time greedy captions (beam size 1), without dropout: tokens (B, T) (words, <end>, <pad>...)
+    and the words (B,) before <end>."""
     was_training = decoder.training
     decoder.eval()
     with no_autocast(features.device):  # as at test time, in the model's precision
@@ -172,19 +148,9 @@ def greedy_tokens(
     return tokens, torch.tensor([len(h) for h in hyps])
 
 
-# the term
-
-
 class SelfCritical(Term):
     """The SCST loss as a term: it samples its own captions from the batch's images (no teacher-forced
-    pass) and scores them on the host, so the step does not compile it.
-
-    Args:
-        cfg: samples, baseline, reward weights.
-        scorer: rewards against the training references (`training_scorer`).
-        max_len: most words per sampled caption.
-        compiled: the greedy baseline's search compiled (`fit` on a GPU with `--cuda-graphs auto`).
-    """
+    pass) and scores them on the host, so the step does not compile it."""
 
     name = "scst"
     capturable = False

@@ -1,18 +1,10 @@
 """Loss terms as parts: what a term is, what it reads, and the attention terms' settings.
 
-A term is an object with a `name`, a `weight` and a call that returns its value per word from a
-`Context`: the batch, the features the decoder saw, and the teacher-forced pass when the
-objective made one (`objectives.passes`). `objectives.objective.Objective` sums weight × value
-over the terms it was given and reports each value by name. A term also says whether a compiled
-step can hold it (`capturable`: no host synchronisation, no shapes that depend on values)
-and whether it needs the pass's most likely words (`predicts`).
-A term that keeps state across steps (REINFORCE's baseline) claims it from the run's `TermState`:
-named tensors on the training device that the checkpoints save and a resumed run restores, and
-that the term updates in place (`after_step`); under DDP the step first sums what `shared`
-returns over processes. A term decides from the settings whether a run trains with it, and with
-what weight (`make`). A new term is a new module with its class, and one line in `objective.TERMS`.
+A term that keeps state across steps (REINFORCE's baseline) claims it from the run's `TermState`,
+which checkpoints save, and updates it in place (`after_step`). A new term is a new module with its
+class, and one line in `objective.TERMS`.
 
-Symbols: B captions, T steps, L locations, D feature size.
+Symbols: B captions, L locations, D feature size.
 """
 
 from __future__ import annotations
@@ -87,14 +79,10 @@ class Context(NamedTuple):
 
 
 class Term:
-    """A loss term: `weight` × `self(ctx)` is its share of the loss.
+    """A loss term: `weight` × `self(ctx)` is its share of the loss (a negative weight: a bonus).
 
-    Attributes:
-        name: the name its value is reported under.
-        weight: its weight in the sum (negative for a bonus, a value the objective maximises).
-        capturable: a compiled step can hold it (no host synchronisation, fixed shapes).
-        predicts: it reads the pass's most likely word at each step.
-        teacher_forced: it reads the teacher-forced pass.
+    `capturable`: a compiled step can hold it (no host synchronisation, fixed shapes); `predicts`: it reads
+    the pass's most likely word at each step; `teacher_forced`: it reads the teacher-forced pass.
     """
 
     name = ""
@@ -132,12 +120,8 @@ class Term:
 class TermState:
     """The terms' own state across steps: for each term by name, named tensors on the training device.
 
-    The same tensors serve every objective of a run (the terms update them in place); checkpoints
-    save `state_dict()` and a resumed run starts from it.
-
-    Args:
-        device: the training device.
-        saved: a checkpoint's `state_dict()`, or None for a fresh run.
+    The same tensors serve every objective of a run; `saved` is a checkpoint's `state_dict()`, or None for
+    a fresh run.
     """
 
     def __init__(self, device: torch.device | str, saved: dict | None = None):

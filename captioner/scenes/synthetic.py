@@ -1,10 +1,8 @@
 """Synthetic "coloured shapes" captioning dataset in MS-COCO format.
 
-Each image shows 1-3 non-overlapping coloured shapes (circle, square, triangle,
-diamond, star) on a plain, slightly noisy or gradient background. Every image
-gets five captions built from a small vocabulary ("a red circle to the left of
-a blue square", "A single green star near the top." ...); spatial words are
-derived from the object boxes, so captions are always true of the image.
+Each image shows 1-3 non-overlapping coloured shapes on a plain, noisy or gradient background, with
+five captions ("a red circle to the left of a blue square", ...) whose spatial words are derived
+from the object boxes, so captions are always true of the image.
 
 Running ``python -m captioner.scenes.synthetic OUT --n N --seed S`` writes::
 
@@ -15,8 +13,7 @@ Running ``python -m captioner.scenes.synthetic OUT --n N --seed S`` writes::
                         pixels, plus a "color" field) for attention-grounding checks
 
 The dataset is tiny and fully deterministic for a given (N, seed), which makes
-it a smoke test for the whole pipeline and a training set for a demo model. The drawing is in
-`synthetic_drawing`, the captions in `synthetic_wording`; this module writes the files.
+it a smoke test for the whole pipeline and a training set for a demo model.
 """
 
 from __future__ import annotations
@@ -47,7 +44,6 @@ _MIN_SIDE, _MAX_SIDE = 96, 320
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically so readers never see a half-written file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -97,7 +93,6 @@ def _box_annotations(img_id: int, objs: list[Obj], first_id: int) -> list[dict]:
 
 
 def _write_files(out: Path, seed: int, images: list, caps_anns: list, box_anns: list, karpathy: list) -> None:
-    """captions.json, splits.json and boxes.json, each written atomically."""
     info = {
         "description": "captioner synthetic coloured shapes",
         "version": "1.1",

@@ -1,2 +1,1 @@
-"""Serving a trained model: the `Captioner` API, batched requests, bulk captioning, heatmaps,
-the bundled model, and `captioner export`."""
+"""Serving a trained model: the `Captioner` API and what is built on it."""

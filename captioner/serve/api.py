@@ -28,7 +28,10 @@ __all__ = ["Caption", "Captioner"]
 
 
 class Captioner:
-    """A trained captioning model with its encoder, ready for images."""
+    """A trained captioning model with its encoder, ready for images.
+
+    Shapes: B images, S the encoder's input side, L locations, D feature size.
+    """
 
     def __init__(
         self,
@@ -66,7 +69,6 @@ class Captioner:
 
     @property
     def preprocess(self) -> Preprocess:
-        """The encoder's input from an image (`models.preprocess`)."""
         return self.encoder_spec.preprocess
 
     @property
@@ -75,27 +77,24 @@ class Captioner:
 
     @property
     def attention_warning(self) -> str | None:
-        """A line to show beside this model's heatmaps when they are not meaningful (`serve.caption`)."""
+        """A line to show beside this model's heatmaps when they are not meaningful."""
         return attention_warning(self.info)
 
     @classmethod
     def load(
         cls, source: str, *, device: str = "cpu", build_encoder: bool = True, fast: bool = True, graphs: bool = True
     ) -> Captioner | OnnxCaptioner:
-        """Load a model: a checkpoint written by `fit`, an exported folder (`captioner export`), a
-        pinned URL of either, or hf://ORG/NAME[@REVISION] (`models.hub`). Nothing is unpickled:
-        checkpoints are read with weights_only, exported weights are safetensors. A folder of ONNX graphs
-        (`captioner export --onnx`) loads onto onnxruntime (`serve.onnx_runtime.OnnxCaptioner`, the same
-        `caption` and `caption_batch`), and the other arguments do not apply.
+        """Load a model: a checkpoint written by `fit`, an exported folder, a pinned URL of either, or
+        hf://ORG/NAME[@REVISION]. Nothing is unpickled. A folder of ONNX graphs loads onto onnxruntime
+        (the same `caption` and `caption_batch`), and the other arguments do not apply.
 
         Args:
-            source: where the model is.
-            device: where to run.
             build_encoder: also rebuild the image encoder (not needed on cached features).
-            fast: run the encoder through `optimize_encoder` (same features, faster); False
-                keeps the plain PyTorch modules.
-            graphs: on a GPU, let the search compile, and replay as CUDA graphs, where it earns back its
-                compile (`compile_search`); False: plain steps.
+            fast: run the encoder through `optimize_encoder` (same features, faster).
+            graphs: on a GPU, let the search compile where it earns back its compile (`compile_search`).
+
+        Raises:
+            CaptionerError: the model cannot be found, fetched or read.
         """
         path = resolve(source)
         if os.path.isdir(path) and is_onnx_folder(path):
@@ -126,18 +125,9 @@ class Captioner:
         )
 
     def compile_search(self, batch_sizes: Sequence[int] = (), decodings: Sequence[Decoding] = (Decoding(),)) -> float:
-        """From here on, on a GPU (and with `graphs`), search with the block of steps compiled and replayed as
-        CUDA graphs (`decoding.search_state`): worth it for a server, or for thousands of searches (a
-        `caption_batch` of that many chunks does it by itself: `compiled.earns_back`).
-
-        Args:
-            batch_sizes, decodings: compile now for every batch of these sizes under each of these settings
-                (a server, before it says it is ready), rather than at the first search of each. PyTorch keeps
-                CUDA graphs per thread: call it on the thread that will search.
-
-        Returns:
-            The seconds spent compiling now.
-        """
+        """From here on, on a GPU (with `graphs`), search compiled and replayed as CUDA graphs; compile now for
+        each of `batch_sizes` under each of `decodings`, and return the seconds that took. PyTorch keeps CUDA
+        graphs per thread: call it on the thread that will search."""
         self.compiling = search_compiles(self.device, self.graphs)
         if not (self.compiling and batch_sizes):
             return 0.0
@@ -152,9 +142,9 @@ class Captioner:
         return time.monotonic() - began
 
     def _inputs(self, images: Sequence) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Images (paths, bytes, PIL or HxWxC arrays) → the encoder's inputs (B, 3, S, S) and the upright
-        images' sizes. On a GPU the pixels go there as they are, one page-locked copy per image size,
-        and are resized there (`Preprocess.pixels`); elsewhere Pillow resizes them, as `prepare` does."""
+        """Images → the encoder's inputs (B, 3, S, S) and the upright images' sizes. On a GPU the pixels go
+        there as they are, one page-locked copy per image size, and are resized there; elsewhere Pillow
+        resizes them, as `prepare` does."""
         pils = [load_image(Image.fromarray(im) if isinstance(im, np.ndarray) else im) for im in images]
         preprocess = self.encoder_spec.preprocess
         if self.device.type != "cuda":
@@ -197,15 +187,11 @@ class Captioner:
         decoding: Decoding | None = None,
         **settings,
     ) -> list[Caption]:
-        """Caption several images, a chunk at a time.
+        """Caption several images (paths, bytes, PIL images or HxWxC uint8 arrays), a chunk at a time.
 
         Args:
-            images: paths, bytes, PIL images or HxWxC uint8 arrays.
             beam_size: K (1 is greedy; default 3).
-            batch_size: images per forward pass.
-            decoding: the decoding settings (`decoding.settings.Decoding`); keywords change them.
-            **settings: any of `Decoding`'s fields: max_len (default: the training maximum),
-                length_norm, mode ("expected", or "argmax" or "sample" for hard-attention models),
+            **settings: any of `Decoding`'s fields, which change `decoding`: max_len, length_norm, mode,
                 seed, sharpness; method="sampling" with temperature, top_k, top_p and n.
 
         Returns:
@@ -235,7 +221,6 @@ class Captioner:
         return out
 
     def _captions(self, x: torch.Tensor, sizes: list, settings: Decoding, generator) -> list[Caption]:
-        """The captions of one chunk's encoder inputs (b, 3, S, S)."""
         feats = self._features(x)  # (b, L, D)
         verdicts = familiarity(feats, self.familiarity)  # is each image like the training ones?
         compiled = self.compiling and settings.how.compiles

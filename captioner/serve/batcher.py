@@ -20,13 +20,8 @@ class Batcher:
 
     Requests that wait while a batch runs form the next batch (up to `max_batch_size`,
     grouped by their decoding settings). If a batch fails, its images are retried one at a
-    time, so an error reaches only the request that caused it.
-
-    Args:
-        captioner: the model.
-        max_batch_size: most images per batch.
-        warm: decoding settings whose searches the thread compiles for every batch size first
-            (`Captioner.compile_search`; on a GPU only), before it takes requests; `ready` says when.
+    time, so an error reaches only the request that caused it. On a GPU the thread first compiles
+    the searches of the `warm` settings for every batch size; `ready` says when it serves.
     """
 
     def __init__(self, captioner: Captioner, *, max_batch_size: int = 8, warm: Sequence[Decoding] = ()):

@@ -1,9 +1,7 @@
 """Captioning many image files: `captioner caption` on files, directories and globs.
 
-Images are decoded by worker threads while the model captions the previous batch; batches go
-through `Captioner.caption_batch`; each result is appended to a JSON-lines log as soon as its
-batch is done (flushed and fsync'ed), so a killed run keeps what it did and `--resume` skips
-the images already in the log. The COCO results JSON is written at the end, atomically.
+Each result is appended to a JSON-lines log as soon as its batch is done (fsync'ed), so a killed
+run keeps what it did and `--resume` skips the images already in the log.
 """
 
 from __future__ import annotations
@@ -24,9 +22,6 @@ from captioner.errors import CaptionerError, ImageError
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
-# inputs
-
-
 def _images_in(directory: str, recursive: bool) -> list[str]:
     if recursive:
         found = [os.path.join(root, f) for root, _, files in os.walk(directory) for f in files]
@@ -36,11 +31,8 @@ def _images_in(directory: str, recursive: bool) -> list[str]:
 
 
 def expand_inputs(specs: Sequence[str], recursive: bool = False) -> list[str]:
-    """Files, directories and glob patterns → image paths (normalised), each once, in order.
-
-    A file named on its own is taken as it is (if it is not an image, captioning says so); a
-    directory gives the image files in it (sorted; with `recursive`, below it too); a pattern
-    (`photos/*.jpg`, `**/*.png`) gives the image files it matches, sorted.
+    """Files, directories and glob patterns → image paths (normalised), each once, in order. A file named
+    on its own is taken as it is (if it is not an image, captioning says so).
 
     Raises:
         CaptionerError: a directory without images, or a pattern that matches none.
@@ -69,12 +61,8 @@ def expand_inputs(specs: Sequence[str], recursive: bool = False) -> list[str]:
 
 
 def image_ids(paths: Sequence[str]) -> dict[str, int | str]:
-    """One image id per path, all of one type.
-
-    COCO's numbers (COCO_val2014_000000391895.jpg → 391895) when every file name ends in a
-    number and the numbers differ; otherwise strings: the file names without extension when
-    they differ, else the paths as given.
-    """
+    """One image id per path, all of one type: COCO's numbers (COCO_val2014_000000391895.jpg → 391895)
+    when every file name ends in a distinct number; else the distinct stems, else the paths."""
     stems = [os.path.splitext(os.path.basename(p))[0] for p in paths]
     numbers = [s.rsplit("_", 1)[-1] for s in stems]
     if all(n.isdigit() for n in numbers) and len({int(n) for n in numbers}) == len(paths):
@@ -84,16 +72,12 @@ def image_ids(paths: Sequence[str]) -> dict[str, int | str]:
     return {p: p for p in paths}
 
 
-# the results log
-
-
 class ResultLog:
-    """Results as JSON lines, one per image, appended as they are made.
+    """Results as JSON lines, one per image, appended as they are made; with `resume`, the results
+    already in it are kept (their images are skipped).
 
-    Args:
-        path: the .jsonl file.
-        resume: keep the results already in it (their images are skipped); without it an
-            existing, non-empty log is refused rather than overwritten.
+    Raises:
+        CaptionerError: the log holds results and `resume` is off, or a line is not a result.
     """
 
     def __init__(self, path: str, resume: bool):
@@ -136,9 +120,6 @@ class ResultLog:
 
     def close(self) -> None:
         self._file.close()
-
-
-# captioning
 
 
 def decoded(paths: Sequence[str], workers: int, ahead: int) -> Iterator[tuple[str, object]]:
@@ -206,19 +187,10 @@ def caption_files(
     on_error: Callable | None = None,
     **caption_kwargs,
 ) -> Outcome:
-    """Caption image files in batches, decoding ahead in threads.
+    """Caption image files in batches, decoding ahead in `workers` threads (0: in this thread).
 
-    Args:
-        captioner: a loaded `Captioner`.
-        paths: the image files (already expanded).
-        ids: image id per path (`image_ids`).
-        batch_size: images per `caption_batch` call.
-        workers: decoding threads (0: decode in this thread).
-        attention: put the words and attention maps in the records.
-        log: where each batch's records are appended as soon as they are made.
-        on_result: called as on_result(path, image, caption, record) after each batch is logged.
-        on_error: called as on_error(path, ImageError) for an image that cannot be read.
-        **caption_kwargs: `caption_batch`'s decoding settings (`decoding=`, or any of its fields).
+    `on_result(path, image, caption, record)` is called after each batch is logged, `on_error(path,
+    ImageError)` for an image that cannot be read; `caption_kwargs` go to `caption_batch`.
     """
     outcome = Outcome()
     batch: list[tuple[str, object]] = []

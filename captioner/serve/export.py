@@ -1,10 +1,6 @@
 """`captioner export CHECKPOINT DIR`: a trained model as the ecosystem shares models.
 
-Writes `models.exported`'s folder (weights in safetensors, config and vocabulary as JSON) and a
-README.md model card: what the model is, the data it learnt from, its test scores, pointing and
-attention health when known, the command that made it, its limits, and how to load it. Publish
-the folder with `hf upload ORG/NAME DIR .`; load it with
-`Captioner.load("hf://ORG/NAME")`.
+Publish the folder with `hf upload ORG/NAME DIR .`; load it with `Captioner.load("hf://ORG/NAME")`.
 """
 
 from __future__ import annotations
@@ -22,11 +18,8 @@ SCORES = ("BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "pointing")
 
 
 def export(checkpoint: str, out_dir: str) -> str:
-    """Write the exported folder and its model card for a training checkpoint (a path or pinned URL).
-
-    Returns:
-        The folder written.
-    """
+    """Write the exported folder and its model card for a training checkpoint (a path or pinned URL);
+    return the folder."""
     ck = load_checkpoint(resolve(checkpoint))
     write_exported(ck, out_dir)
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:

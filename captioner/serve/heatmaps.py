@@ -1,8 +1,4 @@
-"""Attention heatmaps for the CLI, the web demo and the notebooks, as serving imports them.
-
-They are drawn in `evaluation.heatmaps`, a layer below, so that `fit --tensorboard` (training, which
-may not import serving) draws its validation examples with the same code.
-"""
+"""Attention heatmaps as serving imports them: drawn a layer below, so that training draws with them too."""
 
 from captioner.evaluation.heatmaps import (
     CMAP,

@@ -1,9 +1,7 @@
 """The bundled demo model and its example scenes, and the model a program serves by default.
 
-The bundled model (`captioner/assets/demo/`, an exported folder) is a small soft-attention model
-trained on the package's synthetic scenes with the seeded random VGG16 encoder (no ImageNet
-weights), so the demo runs offline on a fresh machine; it knows coloured shapes only.
-`python -m captioner.demo.build` rebuilds it, with the example scenes beside it.
+The bundled model is trained on the synthetic scenes with the seeded random VGG16 encoder (no
+ImageNet weights), so the demo runs offline on a fresh machine; it knows coloured shapes only.
 """
 
 from __future__ import annotations
@@ -34,6 +32,5 @@ def example_images() -> list[str]:
 
 
 def model_source(source: str | None) -> str:
-    """The model to serve: the bundled demo model for None, else the source as given (a path, a
-    pinned URL or hf://ORG/NAME: `models.hub`)."""
+    """The model to serve: the bundled demo model for None, else the source as given."""
     return source or demo_model()
