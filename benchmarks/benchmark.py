@@ -246,7 +246,7 @@ def fit_step(
     average = WeightAverage(decoder, cfg.optim.ema) if cfg.optim.ema else None
     live = Live(decoder, average, None, optimizer, None, torch.Generator(device=device).manual_seed(1), None)
     step = TrainStep(objective, live, cfg.optim, Process(Dist(), device, compiled))
-    batch = fit_batch(device, batch_size, cfg.optim.shapes, views)
+    batch = fit_batch(device, batch_size, cfg.process.shapes, views)
     return (lambda: step(batch)), decoder, step
 
 

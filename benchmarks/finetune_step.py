@@ -40,8 +40,8 @@ def time_steps(
     """`fit`'s step (`train.step.TrainStep`), settled as `fit` settles it on the CPU, timed with its batches."""
     torch.manual_seed(0)
     cpu = torch.device("cpu")
-    fine_tune = None if mode == "frozen" else FineTuneConfig(mode, workers=workers, after=0)
-    given = TrainConfig.of(batch_size=batch_size, fine_tune=fine_tune)
+    fine_tune = None if mode == "frozen" else FineTuneConfig(mode, after=0)
+    given = TrainConfig.of(batch_size=batch_size, workers=workers, fine_tune=fine_tune)
     model_cfg, cfg = settle(None, given, Start(len(data.vocab), views=data.views is not None), cpu)
     decoder = AttentionDecoder(model_cfg)
     decoder.set_feature_stats(*data.feature_stats())
@@ -51,7 +51,7 @@ def time_steps(
     if fine_tune is None:
         source = CaptionBatches(data, batch_size, view_share=share)
     else:
-        source = FineTuning(data, cfg.fine_tune, distributed.Process(distributed.Dist(), cpu), batch_size=batch_size)
+        source = FineTuning(data, cfg, distributed.Process(distributed.Dist(), cpu))
         groups.append({"params": list(source.parameters()), "lr": cfg.fine_tune.lr})
         encoder = source.encoder
     objective = teacher_forced_objective(decoder, cfg, views=views, state=TermState(cpu), encoder=encoder)

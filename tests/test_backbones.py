@@ -226,8 +226,10 @@ def test_a_resnet_prepares_fine_tunes_exports_and_captions(tmp_path):
     scenes, data, run = tmp_path / "scenes", tmp_path / "data", tmp_path / "run"
     generate(str(scenes), 16, seed=31)
     prepare_scenes(scenes, data, encoder=EncoderSpec(arch="resnet50", weights="none", image_size=SIDE), min_count=1)
-    tune = FineTuneConfig("conv5_1", lr=1e-3, workers=0, after=0)
-    cfg = TrainConfig.of(epochs=1, batch_size=8, lr=3e-3, val_beam_size=1, checkpoint_minutes=0, fine_tune=tune)
+    tune = FineTuneConfig("conv5_1", lr=1e-3, after=0)
+    cfg = TrainConfig.of(
+        epochs=1, batch_size=8, lr=3e-3, val_beam_size=1, checkpoint_minutes=0, workers=0, fine_tune=tune
+    )
     fit(
         FitJob(
             str(data), str(run), DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8), cfg, progress_bar=False

@@ -4,7 +4,8 @@ The older layouts are written out from a current checkpoint as each version wrot
 (the first `fit`: a flat training config without the attention terms), 2 (the half-turn
 equivariance term, fine-tuning without --tune-after), 3 (the consistency; still flat, with
 `fused`; decoders before the word query and the decoding sharpness lacked those fields), 5 (grouped; the
---init and --boxes files among the settings, where 1 to 3 held them too).
+--init and --boxes files among the settings, where 1 to 3 held them too; how its process ran it among the
+other groups, as up to 6).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from captioner import Captioner
-from captioner.models.checkpoint import TRAIN_GROUPS, VERSION, load_checkpoint, save_checkpoint
+from captioner.models.checkpoint import PROCESS, TRAIN_GROUPS, VERSION, load_checkpoint, save_checkpoint
 from captioner.models.decoder import DecoderConfig
 from captioner.train.config import TrainConfig
 from captioner.train.trainer import FitJob, fit
@@ -29,6 +30,15 @@ V2_NEW_IN_3 = ("consistency", "consistency_share", "boxes", "boxes_weight", "box
 FILES = {"init": "first/best.pt", "boxes": "scenes/boxes.json"}  # what an older run read, among its settings
 
 
+def _process_in_its_groups(train: dict) -> dict:
+    """A version-7 training config as versions 4 to 6 grouped it: how its process ran it among the other groups."""
+    train, process = {k: v for k, v in train.items() if k != "process"}, train["process"]
+    for name, keys in PROCESS.items():
+        if name == "checkpoints" or train.get(name) is not None:
+            train[name] = {**train.get(name, {}), **{k: process[k] for k in keys}}
+    return train
+
+
 def older(ck: dict, version: int, *, early_decoder: bool = False, files: dict | None = None) -> dict:
     """A current checkpoint written out in an earlier version's layout (`files`: the --init and --boxes
     it read, its own by default)."""
@@ -36,7 +46,7 @@ def older(ck: dict, version: int, *, early_decoder: bool = False, files: dict | 
     files = files or {k: old["data"][k] for k in FILES}
     old["data"] = {k: v for k, v in old["data"].items() if k not in FILES}
     terms = {**old["train"]["terms"], "boxes": files["boxes"]}
-    old["train"] = {**old["train"], "init": files["init"], "terms": terms}
+    old["train"] = {**_process_in_its_groups(old["train"]), "init": files["init"], "terms": terms}
     if version == 5:
         return {**old, "format": "captioner-checkpoint/5"}
     train = {k: v for group in TRAIN_GROUPS for k, v in old["train"][group].items()}
@@ -74,8 +84,8 @@ def test_each_older_layout_loads_as_the_current_one(small_run, scenes, tmp_path,
     elif version < 3:  # trained without the consistency (and, before --ema, without the average)
         assert cfg.terms.consistency == 0.0 and cfg.optim.ema == 0.0 and "equivariance" not in str(ck["train"])
     else:  # `fused` said only which pass; the shapes are settled for the device the run resumes on
-        assert cfg.optim.shapes == "auto"
-        assert replace(cfg, optim=replace(cfg.optim, shapes="packed")) == TrainConfig.from_dict(current["train"])
+        assert cfg.process.shapes == "auto"
+        assert replace(cfg, process=replace(cfg.process, shapes="packed")) == TrainConfig.from_dict(current["train"])
     image = sorted((scenes / "images").iterdir())[0]
     assert Captioner.load(str(path)).caption(image, beam_size=2).words
 

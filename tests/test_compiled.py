@@ -27,7 +27,7 @@ from captioner.decoding.decode import beam_search
 from captioner.decoding.search_state import compiled_block
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.objectives.cross_entropy import CrossEntropy
-from captioner.train.config import OptimConfig, TrainConfig
+from captioner.train.config import ProcessConfig, TrainConfig
 from captioner.train.setup import step_compiling
 from captioner.train.trainer import FitJob, fit
 
@@ -92,11 +92,11 @@ def graph_break_in_the_cross_entropy(monkeypatch):
 
 
 def test_a_gpu_compiles_with_graphs_unless_they_are_off_and_a_cpu_only_when_asked():
-    assert step_compiling(OptimConfig(), CUDA) == GRAPHS
-    assert step_compiling(OptimConfig(cuda_graphs="off"), CUDA) is None
-    assert step_compiling(OptimConfig(cuda_graphs="off", compile=True), CUDA) == "default"
-    assert step_compiling(OptimConfig(), CPU) is None
-    assert step_compiling(OptimConfig(compile=True), CPU) == "default"
+    assert step_compiling(ProcessConfig(), CUDA) == GRAPHS
+    assert step_compiling(ProcessConfig(cuda_graphs="off"), CUDA) is None
+    assert step_compiling(ProcessConfig(cuda_graphs="off", compile=True), CUDA) == "default"
+    assert step_compiling(ProcessConfig(), CPU) is None
+    assert step_compiling(ProcessConfig(compile=True), CPU) == "default"
 
 
 def test_a_run_resumed_with_cuda_graphs_off_decides_on_eager_steps(data_dir, tmp_path, monkeypatch):

@@ -46,7 +46,8 @@ def tune_cfg(epochs: int, start: str = "conv5_1", after: int = 0) -> TrainConfig
         lr=3e-3,
         val_beam_size=1,
         checkpoint_minutes=0,
-        fine_tune=FineTuneConfig(start, lr=1e-3, workers=0, after=after),
+        workers=0,
+        fine_tune=FineTuneConfig(start, lr=1e-3, after=after),
     )
 
 
@@ -240,8 +241,8 @@ def test_the_encoder_trains_with_boxes_too(tuned_data, scenes, tmp_path):
 
 def test_amp_step_trains_the_encoder(tuned_data):
     data = CaptionData(str(tuned_data))
-    cfg = TrainConfig.of(batch_size=8, amp="bf16", lr=1e-3, fine_tune=FineTuneConfig(workers=0))
-    tuning = FineTuning(data, cfg.fine_tune, cpu_process, batch_size=8, progress=False)
+    cfg = TrainConfig.of(batch_size=8, amp="bf16", lr=1e-3, workers=0, fine_tune=FineTuneConfig())
+    tuning = FineTuning(data, cfg, cpu_process, progress=False)
     decoder = AttentionDecoder(vocab_size=len(data.vocab), embed_dim=32, hidden_dim=48, attention_dim=24)
     decoder.set_feature_stats(*data.feature_stats())
     step = train_step(decoder, cfg, encoder=tuning.encoder, extra=tuning.parameters())
@@ -262,7 +263,7 @@ def test_conv4_1_from_images(scenes, tmp_path):
     prepare_scenes(scenes, data_dir, encoder=EncoderSpec(weights="none", image_size=64), min_count=1)
     run = tmp_path / "run"
     cfg = tune_cfg(1, start="conv4_1")
-    cfg = replace(cfg, fine_tune=replace(cfg.fine_tune, workers=1))  # images decoded by a DataLoader worker
+    cfg = replace(cfg, process=replace(cfg.process, workers=1))  # images decoded by a DataLoader worker
     fit(FitJob(str(data_dir), str(run), TINY, cfg, device="cpu", progress_bar=False))
     ck = load_checkpoint(str(run / "last.pt"))
     assert set(ck["encoder_state"]) == {f"{i}.{p}" for i in (17, 19, 21, 24, 26, 28) for p in ("weight", "bias")}

@@ -13,7 +13,7 @@ from captioner.cli.train import get_parser
 from captioner.errors import CaptionerError
 from captioner.models.decoder import DecoderConfig
 from captioner.options import command_line, from_args
-from captioner.train.config import GROUPS, TrainConfig
+from captioner.train.config import GROUPS, ProcessConfig, TrainConfig
 from captioner.train.finetune import DECODER_FIRST, FineTuneConfig
 from captioner.train.settle import Start, settle
 
@@ -48,13 +48,13 @@ def test_the_derived_defaults_are_these_and_settle_leaves_none_undecided():
     assert undecided(given) | undecided(DecoderConfig(9)) == DERIVED | OPTIONAL - {"fine_tune"}
     model, cfg = settle(None, given, Start(9), CPU)
     assert not (undecided(model) | undecided(cfg)) - OPTIONAL
-    assert set(GROUPS) == {"optim", "schedule", "checkpoints", "terms", "hard", "scst"}
+    assert set(GROUPS) == {"optim", "process", "schedule", "terms", "hard", "scst"}
 
 
 def test_each_derived_default():
     model, cfg = settled()
     assert (cfg.optim.lr, model.dropout, cfg.terms.alpha_c, cfg.terms.consistency) == (1e-3, 0.2, 0.3, 1.0)
-    assert (model.word_query, model.decode_sharpness, cfg.optim.shapes) == (False, 1.0, "packed")
+    assert (model.word_query, model.decode_sharpness, cfg.process.shapes) == (False, 1.0, "packed")
     assert settled(objective="scst", init=INIT)[1].optim.lr == 5e-5
     assert settled(DecoderConfig(0, attention="hard"))[0].dropout == 0.5
     boxed, _ = settled(boxes=True)
@@ -64,14 +64,14 @@ def test_each_derived_default():
     paper, paper_cfg = settled(boxes=True, paper=True)
     assert (paper.word_query, paper.decode_sharpness) == (False, 1.0)
     assert (paper_cfg.terms.alpha_c, paper_cfg.terms.consistency) == (1.0, 0.0)
-    assert settled(device=CUDA)[1].optim.shapes == "fixed"
-    assert settled(compile=True)[1].optim.shapes == "fixed"
+    assert settled(device=CUDA)[1].process.shapes == "fixed"
+    assert settled(compile=True)[1].process.shapes == "fixed"
     assert settled(fine_tune=FineTuneConfig())[1].fine_tune.after == DECODER_FIRST
 
 
 def test_given_values_win_and_configs_are_frozen():
     model, cfg = settled(DecoderConfig(0, dropout=0.4, word_query=True), lr=0.5, alpha_c=0.0, shapes="fixed")
-    assert (model.dropout, model.word_query, cfg.optim.lr, cfg.terms.alpha_c, cfg.optim.shapes) == (
+    assert (model.dropout, model.word_query, cfg.optim.lr, cfg.terms.alpha_c, cfg.process.shapes) == (
         0.4,
         True,
         0.5,
@@ -112,8 +112,8 @@ def test_a_resumed_run_keeps_its_settings_but_how_long_and_how_often():
     command = TrainConfig.of(epochs=9, lr=0.5, log_every=3, checkpoint_every=7)
     model2, cfg2 = settle(None, command, Start(9, saved=saved, boxes=True), CPU)
     assert model2 == model and model2.word_query
-    assert (cfg2.optim.lr, cfg2.schedule.epochs) == (0.01, 9)
-    assert (cfg2.checkpoints.log_every, cfg2.checkpoints.checkpoint_every) == (3, 7)
+    assert (cfg2.optim.lr, cfg2.process.epochs) == (0.01, 9)
+    assert (cfg2.process.log_every, cfg2.process.checkpoint_every) == (3, 7)
 
 
 # What a resumed run takes from its own command: how this process runs the training, and how far it goes.
@@ -125,17 +125,21 @@ PER_PROCESS = {"shapes", "compile", "cuda_graphs", "epochs", "max_minutes", "wor
 }
 
 
+def test_how_a_process_runs_the_training_is_one_group():
+    assert {f.name for f in dataclasses.fields(ProcessConfig)} == PER_PROCESS
+
+
 def test_a_resumed_run_takes_how_this_process_runs_it_from_its_command():
     """The obvious way out of a misbehaving GPU run is to stop it and resume with --cuda-graphs off."""
     model, cfg = settled()
     saved = {"decoder": model.to_dict(), "train": cfg.to_dict()}
-    assert (cfg.optim.cuda_graphs, cfg.optim.shapes) == ("auto", "packed")
+    assert (cfg.process.cuda_graphs, cfg.process.shapes) == ("auto", "packed")
     _, off = settle(None, TrainConfig.of(cuda_graphs="off"), Start(9, saved=saved), CPU)
-    assert off.optim.cuda_graphs == "off"
+    assert off.process.cuda_graphs == "off"
     _, on_gpu = settle(None, TrainConfig(), Start(9, saved=saved), CUDA)
-    assert on_gpu.optim.shapes == "fixed"  # --shapes auto follows the device this process trains on
+    assert on_gpu.process.shapes == "fixed"  # --shapes auto follows the device this process trains on
     _, compiled = settle(None, TrainConfig.of(compile=True), Start(9, saved=saved), CPU)
-    assert (compiled.optim.compile, compiled.optim.shapes) == (True, "fixed")
+    assert (compiled.process.compile, compiled.process.shapes) == (True, "fixed")
     with pytest.raises(CaptionerError, match="--compile trains with fixed shapes"):
         settle(None, TrainConfig.of(compile=True, shapes="packed"), Start(9, saved=saved), CPU)
 
@@ -149,7 +153,7 @@ def test_a_resumed_run_takes_from_its_command_only_the_per_process_settings():
         hints = typing.get_type_hints(group, include_extras=True)
         given |= {f.name: _another_value(f, hints[f.name]) for f in dataclasses.fields(group)}
     given["shapes"] = "fixed"  # with --compile
-    command = TrainConfig.of(**given, fine_tune=FineTuneConfig(workers=5, after=7))
+    command = TrainConfig.of(**given, fine_tune=FineTuneConfig(after=7))
     _, resumed = settle(None, command, Start(9, saved=saved), CPU)
     changed = {
         f.name
@@ -158,7 +162,7 @@ def test_a_resumed_run_takes_from_its_command_only_the_per_process_settings():
         if getattr(getattr(resumed, name), f.name) != getattr(getattr(cfg, name), f.name)
     }
     assert changed == PER_PROCESS
-    assert resumed.fine_tune.workers == 5 and resumed.objective == cfg.objective
+    assert resumed.fine_tune.after == cfg.fine_tune.after and resumed.objective == cfg.objective
 
 
 def test_a_resumed_run_keeps_its_model_and_optimisation_and_says_what_it_leaves_out(caplog):
@@ -166,7 +170,7 @@ def test_a_resumed_run_keeps_its_model_and_optimisation_and_says_what_it_leaves_
     saved = {"decoder": model.to_dict(), "train": cfg.to_dict()}
     command = TrainConfig.of(lr=0.5, batch_size=16, cuda_graphs="off")
     model2, cfg2 = settle(DecoderConfig(0, attention="hard"), command, Start(9, saved=saved), CPU)
-    assert (model2, cfg2.optim.lr, cfg2.optim.batch_size, cfg2.optim.cuda_graphs) == (model, 0.01, 32, "off")
+    assert (model2, cfg2.optim.lr, cfg2.optim.batch_size, cfg2.process.cuda_graphs) == (model, 0.01, 32, "off")
     warned = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
     assert "--attention hard" in warned and "--lr 0.5" in warned and "--batch-size 16" in warned
     assert "cuda-graphs" not in warned
@@ -179,28 +183,6 @@ def test_a_resumed_run_settles_the_derived_settings_its_checkpoint_lacks():
     del saved["decoder"]["dropout"], saved["train"]["terms"]["alpha_c"], saved["train"]["optim"]["lr"]
     model2, cfg2 = settle(None, TrainConfig(), Start(9, saved=saved), CPU)
     assert (model2, cfg2) == (model, cfg)
-
-
-def test_a_per_process_setting_is_declared_so_where_it_is_declared():
-    """`config.per_process` marks a field: a resumed run takes it from the command, whatever its group."""
-    from dataclasses import dataclass, field
-
-    from captioner.train.config import per_process
-    from captioner.train.settle import _kept
-
-    @dataclass(frozen=True)
-    class Group:
-        size: int = 1
-        threads: int = per_process(1)
-
-    @dataclass(frozen=True)
-    class Whole:
-        group: Group = field(default_factory=Group)
-        name: str = "a"
-        verbose: bool = per_process(False)
-
-    saved, command = Whole(Group(2, 2), "b", False), Whole(Group(3, 3), "c", True)
-    assert _kept(saved, command) == Whole(Group(2, 3), "b", True)
 
 
 def test_a_run_resumed_with_cuda_graphs_off_records_it(data_dir, tmp_path):
@@ -217,13 +199,17 @@ def test_a_run_resumed_with_cuda_graphs_off_records_it(data_dir, tmp_path):
     again = TrainConfig.of(epochs=2, batch_size=8, val_beam_size=1, val_images=4, cuda_graphs="off")
     fit(FitJob(str(data_dir), str(run), None, again, resume=True, device="cpu", progress_bar=False))
     starts = [x for x in map(json.loads, open(run / "metrics.jsonl", encoding="utf-8")) if x["event"] == "start"]
-    recorded = [s["train"]["optim"] for s in starts] + [load_checkpoint(str(run / "last.pt"))["train"]["optim"]]
-    assert [(o["cuda_graphs"], o["lr"]) for o in recorded] == [("auto", 3e-3), ("off", 3e-3), ("off", 3e-3)]
+    recorded = [s["train"] for s in starts] + [load_checkpoint(str(run / "last.pt"))["train"]]
+    assert [(t["process"]["cuda_graphs"], t["optim"]["lr"]) for t in recorded] == [
+        ("auto", 3e-3),
+        ("off", 3e-3),
+        ("off", 3e-3),
+    ]
 
 
 def test_fit_help_is_grouped_by_concern():
     text = get_parser()._subparsers._group_actions[0].choices["fit"].format_help()
-    for title in ("Optimisation", "Schedule", "Checkpoints and logs", "Attention terms", "Hard attention"):
+    for title in ("Optimisation", "How this process runs", "Schedule", "Attention terms", "Hard attention"):
         assert f"\n{title}" in text, title
     assert "ms" not in text.split() and "docs/" not in text
 
@@ -249,7 +235,7 @@ def test_a_setting_name_in_two_groups_is_refused_when_the_config_is_defined():
 
     with pytest.raises(TypeError, match="'lr' is in both a and b"):
         _groups(Both)
-    assert set(GROUPS) == {"optim", "schedule", "checkpoints", "terms", "hard", "scst"}
+    assert set(GROUPS) == {"optim", "process", "schedule", "terms", "hard", "scst"}
 
 
 def test_without_views_the_consistency_is_settled_off_unless_a_fine_tuned_encoder_makes_them():
@@ -318,7 +304,7 @@ def test_every_setting_is_an_option_written_once():
     for group in GROUPS.values():
         hints = typing.get_type_hints(group, include_extras=True)
         given |= {f.name: _another_value(f, hints[f.name]) for f in dataclasses.fields(group)}
-    cfg = TrainConfig.of(**given, fine_tune=FineTuneConfig(start="conv4_1", lr=0.5, workers=3, after=1))
+    cfg = TrainConfig.of(**given, fine_tune=FineTuneConfig(start="conv4_1", lr=0.5, after=1))
     args = ["fit", "--data", "d", "--out", "o", *command_line(cfg)]
     assert from_args(TrainConfig, get_parser().parse_args(args)) == cfg
 

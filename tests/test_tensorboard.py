@@ -67,9 +67,9 @@ def torchrun(*args: str):
 
 def test_the_option_names_the_folder_and_is_off_unless_given():
     args = get_parser().parse_args(["fit", "--data", "d", "--out", "o", "--tensorboard", "runs/a"])
-    assert from_args(TrainConfig, args).checkpoints.tensorboard == "runs/a"
+    assert from_args(TrainConfig, args).process.tensorboard == "runs/a"
     args = get_parser().parse_args(["fit", "--data", "d", "--out", "o"])
-    assert from_args(TrainConfig, args).checkpoints.tensorboard is None
+    assert from_args(TrainConfig, args).process.tensorboard is None
 
 
 def test_records_become_scalars_with_the_steps_per_second_between_them(tmp_path):

@@ -101,9 +101,9 @@ def model_card(captioner: Captioner) -> str:
         f"- **Decoder:** embedding {cfg.embed_dim}, LSTM {cfg.hidden_dim}, attention {cfg.attention_dim}",
     ]
     if train:
-        optim, schedule = train.get("optim") or {}, train.get("schedule") or {}
+        optim, schedule, process = (train.get(k) or {} for k in ("optim", "schedule", "process"))
         lines.append(
-            f"- **Training:** up to {schedule.get('epochs', '?')} epochs, batch {optim.get('batch_size', '?')}, "
+            f"- **Training:** up to {process.get('epochs', '?')} epochs, batch {optim.get('batch_size', '?')}, "
             f"lr {optim.get('lr', '?')}, best checkpoint by {schedule.get('metric', '?')}"
         )
     card = info.get("card") or {}

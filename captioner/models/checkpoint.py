@@ -9,7 +9,8 @@ Versions: 1 and 2 trained attention with the half-turn equivariance term (2), la
 the view consistency; 3 added the consistency and kept `train` flat; 4 groups `train` by concern
 (optim, schedule, checkpoints, terms, hard, fine_tune, scst) and records every decoder setting;
 5 keeps the loss terms' own state under "terms" (4 kept hard attention's baseline in `progress`); 6
-keeps the files a run read beside its data, under "data" ("init", "boxes"), out of its settings.
+keeps the files a run read beside its data, under "data" ("init", "boxes"), out of its settings; 7 keeps
+how a process ran the run (`PROCESS`) in a group of its own, "process", which "checkpoints" becomes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from captioner.models.encoder import EncoderSpec, carried_weights, from_file
 from captioner.models.vocab import Vocabulary
 
 FORMAT = "captioner-checkpoint"
-VERSION = 6
+VERSION = 7
 REQUIRED = ("model", "decoder", "vocab", "encoder", "step")
 
 
@@ -69,6 +70,15 @@ TRAIN_GROUPS = {
 }
 
 
+# What version 7 moved into "process", from the groups of version 4 to 6 that held it.
+PROCESS = {
+    "optim": ("shapes", "compile", "cuda_graphs"),
+    "schedule": ("epochs", "max_minutes"),
+    "checkpoints": ("checkpoint_every", "checkpoint_minutes", "log_every", "tensorboard"),
+    "fine_tune": ("workers",),
+}
+
+
 def current_decoder(d: dict) -> dict:
     """A decoder config of any version, with every setting: configs from before the word query
     attended from h_{t-1} alone, and those from before `decode_sharpness` decoded with the maps
@@ -83,7 +93,7 @@ def current_train(d: dict | None) -> dict | None:
     if not isinstance(d, dict):
         return d
     if "optim" in d:
-        return {**_without(d, "init"), "terms": _without(d.get("terms") or {}, "boxes")}
+        return _process_apart({**_without(d, "init"), "terms": _without(d.get("terms") or {}, "boxes")})
     flat = {k: v for k, v in d.items() if k not in ("equivariance", "init")}
     flat.setdefault("consistency", 0.0)
     flat.setdefault("ema", 0.0)
@@ -94,7 +104,20 @@ def current_train(d: dict | None) -> dict | None:
     grouped["terms"].pop("boxes", None)
     if flat.get("fine_tune"):
         flat["fine_tune"] = {"after": 0, **flat["fine_tune"]}
-    return {**flat, **grouped}
+    return _process_apart({**flat, **grouped})
+
+
+def _process_apart(d: dict) -> dict:
+    """A grouped config with how its process ran it in "process" (version 7)."""
+    if "process" in d:
+        return d
+    d, process = dict(d), {}
+    for name, keys in PROCESS.items():
+        if isinstance(d.get(name), dict):
+            process |= {k: d[name][k] for k in keys if k in d[name]}
+            d[name] = {k: v for k, v in d[name].items() if k not in keys}
+    d.pop("checkpoints", None)
+    return {**d, "process": process}
 
 
 def _without(d: dict, key: str) -> dict:

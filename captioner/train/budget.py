@@ -8,15 +8,16 @@ import time
 import torch
 
 from captioner.train import distributed
-from captioner.train.config import Progress, ScheduleConfig
+from captioner.train.config import Progress, TrainConfig
 
 
 class Budget:
     """The run's time (`--max-minutes`, counted from the start of its log) and the cooldown at its end."""
 
-    def __init__(self, schedule: ScheduleConfig, *, started: float):
-        self.seconds = schedule.max_minutes * 60 if schedule.max_minutes else math.inf
-        self.cooldown, self.started = schedule.cooldown, started
+    def __init__(self, cfg: TrainConfig, *, started: float):
+        minutes = cfg.process.max_minutes
+        self.seconds = minutes * 60 if minutes else math.inf
+        self.cooldown, self.started = cfg.schedule.cooldown, started
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started

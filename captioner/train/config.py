@@ -6,9 +6,8 @@ settles it; the settled configs are frozen and travel in every checkpoint (`Trai
 `Progress` as a dict), so a resumed run continues as it was configured, from where it was.
 
 A resumed run keeps what the run is (model, objective, data, optimisation and schedule) and takes
-how this process runs it (how far it goes, the time budget, shapes, compile, CUDA graphs, workers,
-logging and saving) from its own command line: a field declared with `per_process(default)` is of
-the second kind, wherever its group is, and `train.settle` puts the two together.
+how this process runs it (`ProcessConfig`: how far it goes, shapes, compile, workers, logging and saving)
+from its own command line, as nanoGPT's and torchvision's reference scripts resume.
 """
 
 from __future__ import annotations
@@ -25,18 +24,11 @@ from captioner.options import check_positive
 from captioner.train.finetune import FineTuneConfig
 
 XE_LR = 1e-3  # Adam's learning rate for cross-entropy training
-PER_PROCESS = "per_process"  # the metadata key that marks a setting of how this process runs the training
-
-
-def per_process(default):
-    """A field that says how this process runs the training, not what the run is: a resumed run
-    takes it from its own command line (`resumed`). Declared `name: Annotated[...] = per_process(default)`."""
-    return field(default=default, metadata={PER_PROCESS: True})
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Optimisation: batches, Adam, precision and how a step runs."""
+    """Optimisation: batches, Adam and precision."""
 
     batch_size: Annotated[int, "captions per step and process (scst: images, each sampled --samples times)"] = 32
     lr: Annotated[float | None, "Adam learning rate"] = None
@@ -52,24 +44,6 @@ class OptimConfig:
         "precision: none (float32), tf32 (float32 with TF32 matmuls on GPUs that have them), bf16 or fp16 "
         "(autocast; fp16 adds a gradient scaler on CUDA)",
     ] = "none"
-    # How this process steps (the same batches, the same losses): a resumed run takes them from its command.
-    shapes: Annotated[
-        Literal["auto", "packed", "fixed"],
-        "packed: each batch as long as its longest caption, finished captions dropped step by step (fast on "
-        "CPUs); fixed: every batch padded to its length bucket, with masks, so a step has the same shapes each "
-        "time and no host synchronisation (GPUs: compiled); auto: packed on CPUs, fixed on GPUs",
-    ] = per_process("auto")
-    compile: Annotated[
-        bool,
-        "torch.compile the training step on any device (trains with fixed shapes; a GPU compiles it anyway, "
-        "unless --cuda-graphs off)",
-    ] = per_process(False)
-    cuda_graphs: Annotated[
-        Literal["auto", "off"],
-        "auto: on a GPU, compile each fixed-shape step and the validation's search with "
-        'torch.compile(mode="reduce-overhead"), which replays them as CUDA graphs, going on eagerly with a '
-        "warning where a compile fails; off: neither (--compile still compiles, without graphs)",
-    ] = per_process("auto")
 
     def __post_init__(self):
         check_positive(self, "batch_size", "lr", "grad_clip")
@@ -81,11 +55,6 @@ class OptimConfig:
 class ScheduleConfig:
     """Schedule: how long to train, when to validate and stop."""
 
-    # How far to go: a resumed run goes on as far as its command says.
-    epochs: Annotated[int, "passes over the training captions"] = per_process(30)
-    max_minutes: Annotated[float | None, "stop at a step boundary after this long, then validate and save"] = (
-        per_process(None)
-    )
     cooldown: Annotated[
         float,
         "share of the --max-minutes budget, at its end, over which the learning rate falls linearly to 0 "
@@ -97,31 +66,58 @@ class ScheduleConfig:
     val_images: Annotated[int | None, "validation images per epoch"] = 5000
 
     def __post_init__(self):
-        check_positive(self, "epochs", "max_minutes", "patience", "val_beam_size", "val_images")
+        check_positive(self, "patience", "val_beam_size", "val_images")
         if not 0 <= self.cooldown <= 1:
             raise OptionError(f"--cooldown is a share of the time budget, from 0 to 1, got {self.cooldown}")
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
-    """Checkpoints and logs: how often last.pt and metrics.jsonl are written, and where TensorBoard's go."""
+class ProcessConfig:
+    """How this process runs the training: how far, shapes, compile, workers, logging and saving.
 
-    checkpoint_every: Annotated[int, "also write last.pt every N steps (0: off)"] = per_process(0)
+    A resumed run takes these from its own command line."""
+
+    epochs: Annotated[int, "passes over the training captions"] = 30
+    max_minutes: Annotated[float | None, "stop at a step boundary after this long, then validate and save"] = None
+    shapes: Annotated[
+        Literal["auto", "packed", "fixed"],
+        "packed: each batch as long as its longest caption, finished captions dropped step by step (fast on "
+        "CPUs); fixed: every batch padded to its length bucket, with masks, so a step has the same shapes each "
+        "time and no host synchronisation (GPUs: compiled); auto: packed on CPUs, fixed on GPUs",
+    ] = "auto"
+    compile: Annotated[
+        bool,
+        "torch.compile the training step on any device (trains with fixed shapes; a GPU compiles it anyway, "
+        "unless --cuda-graphs off)",
+    ] = False
+    cuda_graphs: Annotated[
+        Literal["auto", "off"],
+        "auto: on a GPU, compile each fixed-shape step and the validation's search with "
+        'torch.compile(mode="reduce-overhead"), which replays them as CUDA graphs, going on eagerly with a '
+        "warning where a compile fails; off: neither (--compile still compiles, without graphs)",
+    ] = "auto"
+
+    workers: Annotated[
+        int, "DataLoader workers decoding images (--fine-tune-encoder: the pool4 cache, conv4_1 batches)"
+    ] = 2
+    checkpoint_every: Annotated[int, "also write last.pt every N steps (0: off)"] = 0
     checkpoint_minutes: Annotated[
         float,
         "also write last.pt when this many minutes have passed since the last save (0: off), so a killed run "
         "loses at most that much",
-    ] = per_process(0.5)
-    log_every: Annotated[int, "steps between log lines (the loss is read back from the device then)"] = per_process(20)
+    ] = 0.5
+    log_every: Annotated[int, "steps between log lines (the loss is read back from the device then)"] = 20
     tensorboard: Annotated[
         str | None,
         "also write the log as TensorBoard event files in this folder (rank 0): the losses, learning rate, "
         "steps per second, validation scores and attention health, and at each validation a few images' captions "
         "and attention maps; a resumed run given it again goes on in it (needs the [train] extra's tensorboard)",
-    ] = per_process(None)
+    ] = None
 
     def __post_init__(self):
-        check_positive(self, "log_every")
+        check_positive(self, "epochs", "max_minutes", "log_every")
+        if self.workers < 0:
+            raise OptionError(f"--workers must be 0 or more, got {self.workers}")
 
 
 @dataclass(frozen=True)
@@ -134,8 +130,8 @@ class TrainConfig:
         "(a resumed run keeps its own objective)",
     ] = "xe"
     optim: OptimConfig = field(default_factory=OptimConfig)
+    process: ProcessConfig = field(default_factory=ProcessConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
     terms: TermsConfig = field(default_factory=TermsConfig)
     hard: HardAttentionConfig = field(default_factory=HardAttentionConfig)
     fine_tune: Annotated[

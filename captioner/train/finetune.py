@@ -29,7 +29,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import numpy as np
@@ -68,10 +68,6 @@ class FineTuneConfig:
         "--encoder-lr",
         "Adam learning rate of the encoder's layers",
     ] = 1e-5
-    # How this process runs it: a resumed run takes it from its own command (`train.config.per_process`).
-    workers: Annotated[int, "DataLoader workers decoding images (the pool4 cache, conv4_1 batches)"] = field(
-        default=2, metadata={"per_process": True}
-    )
     after: Annotated[
         int | None,
         "--tune-after",
@@ -108,13 +104,10 @@ def image_batches(
 class FineTuning:
     """The fine-tuned encoder and where its inputs come from, for `fit`.
 
-    Args:
-        data: the prepared data directory.
-        cfg: which layers train, their learning rate, workers.
-        process: this process's place and device.
-        batch_size: about how many captions a batch holds (`image_batches`).
-        targets: `data.boxes.BoxTargets` (`fit --boxes`): each batch then carries its box masks.
-        progress: show the pool4 cache's progress bar.
+    `cfg` is the run's `TrainConfig`: its fine_tune says which layers train, its batch size about how many
+    captions a batch holds (`image_batches`), its process's workers who decode images. With `targets`
+    (`data.boxes.BoxTargets`, `fit --boxes`) each batch carries its box masks; `progress` shows the pool4
+    cache's progress bar.
     """
 
     shapes = "packed"  # a batch's captions are as long as its longest (`objectives.passes`)
@@ -122,20 +115,19 @@ class FineTuning:
     def __init__(
         self,
         data: CaptionData,
-        cfg: FineTuneConfig,
+        cfg,
         process: distributed.Process,
         *,
-        batch_size: int,
         targets=None,
         progress: bool = True,
     ):
-        self.data, self.cfg, self.device = data, cfg, process.device
-        self.batch_size, self.targets = batch_size, targets
+        self.data, self.cfg, self.device = data, cfg.fine_tune, process.device
+        self.batch_size, self.workers, self.targets = cfg.optim.batch_size, cfg.process.workers, targets
         base, _ = build_encoder(data.encoder)
-        start = start_index(base.features, cfg.start, data.encoder.arch)
+        start = start_index(base.features, self.cfg.start, data.encoder.arch)
         self.cache = (
-            input_cache(data, base, start, process, workers=cfg.workers, progress=progress)
-            if cfg.start == CACHED
+            input_cache(data, base, start, process, workers=self.workers, progress=progress)
+            if self.cfg.start == CACHED
             else None
         )
         cached, arch = self.cache is not None, data.encoder.arch
@@ -157,7 +149,7 @@ class FineTuning:
         if self.cache is not None:
             inputs = (torch.from_numpy(self.cache[r].astype(np.float32)) for r in rows)  # (n, L', D') cached maps
         else:
-            inputs = image_groups(self.data.meta["paths"], rows, self.data.encoder.preprocess, self.cfg.workers)
+            inputs = image_groups(self.data.meta["paths"], rows, self.data.encoder.preprocess, self.workers)
         for idx, r, x in zip(groups, rows, inputs):
             T = int(self.data.lengths[idx].max())
             batch = Batch(
@@ -173,7 +165,7 @@ class FineTuning:
     def features(self, rows: np.ndarray) -> torch.Tensor:
         """The fine-tuned encoder's features of rows (n, L, D), for validation."""
         return encoded_features(
-            self.encoder, self.data, rows, cache=self.cache, device=self.device, workers=self.cfg.workers
+            self.encoder, self.data, rows, cache=self.cache, device=self.device, workers=self.workers
         )
 
 

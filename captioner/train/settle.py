@@ -6,19 +6,19 @@ device, and returns frozen configs with nothing left to decide. `DERIVED` says h
 default is settled (and is what `fit --help` says of it); `--shapes auto` is packed on a CPU,
 fixed on a GPU or with --compile. Combinations of settings that cannot train, and options that
 contradict a resumed run, are refused here, before anything is built; what needs the data itself
-(a `--boxes` file naming none of the training captions' objects: `parts.box_targets`) is refused
+(a `--boxes` file naming none of the training captions' objects: `setup.box_targets`) is refused
 where the data is read, and the files a resumed run read (`resume.start_from`) where its checkpoint is.
 
-A resumed run keeps what the run is (its saved configs) and takes how this process runs it from
-the command (`config.per_process` fields: how far it goes, shapes, compile, CUDA graphs, workers, saving and
-logging); the command's other settings are left out with a warning. Its derived defaults are then
-settled as a fresh run's are, so that a setting its checkpoint lacks is derived, not left None.
+A resumed run keeps what the run is (its saved configs) and takes how this process runs it
+(`config.ProcessConfig`) from the command; the command's other settings are left out with a warning.
+Its derived defaults are then settled as a fresh run's are, so that a setting its checkpoint lacks is derived,
+not left None.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,7 +27,7 @@ from captioner.models.decoder import DecoderConfig
 from captioner.objectives.scst import LR as SCST_LR
 from captioner.objectives.terms import TermsConfig
 from captioner.options import command_line
-from captioner.train.config import PER_PROCESS, XE_LR, OptimConfig, TrainConfig
+from captioner.train.config import XE_LR, ProcessConfig, TrainConfig
 from captioner.train.finetune import DECODER_FIRST
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,9 @@ def _derived(
     fine_tune = cfg.fine_tune
     if fine_tune is not None:
         fine_tune = replace(fine_tune, after=_given(fine_tune.after, 0 if init is not None else DECODER_FIRST))
-    return model, replace(cfg, optim=_optim(cfg.optim, cfg.objective, device), terms=terms, fine_tune=fine_tune)
+    lr = _given(cfg.optim.lr, SCST_LR if cfg.objective == "scst" else XE_LR)
+    optim, process = replace(cfg.optim, lr=lr), _process(cfg.process, device)
+    return model, replace(cfg, optim=optim, process=process, terms=terms, fine_tune=fine_tune)
 
 
 def _refuse(model: DecoderConfig | None, cfg: TrainConfig, init: dict | None) -> None:
@@ -161,21 +163,22 @@ def _terms(t: TermsConfig, views: bool) -> TermsConfig:
     return t
 
 
-def _optim(o: OptimConfig, objective: str, device: torch.device) -> OptimConfig:
-    shapes = o.shapes
+def _process(p: ProcessConfig, device: torch.device) -> ProcessConfig:
+    """`--shapes auto`: packed on a CPU, fixed on a GPU or with --compile."""
+    shapes = p.shapes
     if shapes == "auto":
-        shapes = "fixed" if device.type == "cuda" or o.compile else "packed"
-    elif o.compile and shapes == "packed":
+        shapes = "fixed" if device.type == "cuda" or p.compile else "packed"
+    elif p.compile and shapes == "packed":
         raise CaptionerError("--compile trains with fixed shapes: leave out --shapes packed")
-    return replace(o, lr=_given(o.lr, SCST_LR if objective == "scst" else XE_LR), shapes=shapes)
+    return replace(p, shapes=shapes)
 
 
 def _resumed(saved: dict, cfg: TrainConfig) -> tuple[DecoderConfig, TrainConfig]:
     """A resumed run's configs, before its derived defaults are settled: the saved ones, with how this
-    process runs them taken from the command (`_kept`; --shapes auto then follows this device)."""
+    process runs them taken from the command (--shapes auto then follows this device)."""
     kept = TrainConfig.from_dict(saved["train"])
     _refuse_resumed(kept, cfg)
-    return DecoderConfig(**saved["decoder"]), _kept(kept, cfg)
+    return DecoderConfig(**saved["decoder"]), replace(kept, process=cfg.process)
 
 
 def _warn_overruled(given: tuple, settled: tuple) -> None:
@@ -210,29 +213,10 @@ def _refuse_resumed(kept: TrainConfig, cfg: TrainConfig) -> None:
             "--resume --objective scst: --out holds a cross-entropy run; start self-critical training from it "
             "with --init OUT/best.pt and a new --out"
         )
-    # Encoder fine-tuning: the layers and their learning rate are the saved ones; workers may change.
+    # Encoder fine-tuning: the layers and their learning rate are the saved ones.
     mine, theirs = cfg.fine_tune, kept.fine_tune
     if mine is not None and (theirs is None or (mine.start, mine.lr) != (theirs.start, theirs.lr)):
         raise CaptionerError(
             f"--resume: --out holds a run trained {'with other' if theirs else 'without'} --fine-tune-encoder "
             "settings; resume without those flags to continue as it was"
         )
-
-
-def _kept(saved, command):
-    """A resumed run's config: what the run is from `saved`, how this process runs it (the `per_process`
-    fields, group by group) from this `command`.
-
-    Args:
-        saved: the config the checkpoint records (a dataclass, e.g. `TrainConfig`).
-        command: the same class, as this process's command line gives it; an optional group it leaves
-            out gives its per-process fields their defaults.
-    """
-    changes = {}
-    for f in fields(saved):
-        kept, given = getattr(saved, f.name), getattr(command, f.name)
-        if f.metadata.get(PER_PROCESS):
-            changes[f.name] = given
-        elif is_dataclass(kept):
-            changes[f.name] = _kept(kept, given if given is not None else type(kept)())
-    return replace(saved, **changes)

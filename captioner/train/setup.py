@@ -26,7 +26,7 @@ from captioner.objectives.scst import SelfCritical, training_scorer
 from captioner.objectives.terms import TermState
 from captioner.train import distributed
 from captioner.train.checkpoints import Live
-from captioner.train.config import OptimConfig, TrainConfig
+from captioner.train.config import OptimConfig, ProcessConfig, TrainConfig
 from captioner.train.familiarity import fit_stats
 from captioner.train.finetune import FineTuneConfig, FineTuning
 from captioner.train.step import TrainStep
@@ -52,11 +52,11 @@ def make_decoder(data: CaptionData, model_cfg: DecoderConfig, device, init: dict
     return decoder
 
 
-def step_compiling(optim: OptimConfig, device: torch.device) -> str | None:
+def step_compiling(process: ProcessConfig, device: torch.device) -> str | None:
     """The compiler's mode for the run's steps: on a GPU with `--cuda-graphs auto`, "reduce-overhead" (and the
     searches compile too); elsewhere "default" with `--compile`; None: eager steps."""
-    if device.type == "cuda" and optim.cuda_graphs == "auto" or optim.compile:
-        return compile_mode(device, graphs=optim.cuda_graphs == "auto")
+    if device.type == "cuda" and process.cuda_graphs == "auto" or process.compile:
+        return compile_mode(device, graphs=process.cuda_graphs == "auto")
     return None
 
 
@@ -134,14 +134,14 @@ def stage(
     fine-tuned encoder's inputs (which also makes the views of the consistency's share of captions)."""
     if cfg.objective == "scst":
         scorer = training_scorer(data, cfg.scst.end_token)
-        compiled = cfg.optim.cuda_graphs == "auto" and decoder.feature_mean.is_cuda  # a search at every step
+        compiled = cfg.process.cuda_graphs == "auto" and decoder.feature_mean.is_cuda  # a search at every step
         terms = [SelfCritical(cfg.scst, scorer, data.max_len, compiled=compiled)]
         return Stage(Objective(decoder, terms), TrainingImages(data, cfg.optim.batch_size), tuned=False)
     # `settle` set the consistency to 0 where neither the prepared views nor an encoder's own will be
     views = cfg.terms.consistency > 0 and (tuning is not None or data.views is not None)
     share = cfg.terms.consistency_share if views else 0.0
     fixed = None
-    if tuning is None and cfg.optim.shapes == "fixed":
+    if tuning is None and cfg.process.shapes == "fixed":
         fixed = FixedShapes.for_data(cfg.optim.batch_size, int(data.lengths.max()))
     source = tuning
     if tuning is None:
@@ -168,7 +168,7 @@ def teacher_forced_objective(
     return Objective(
         decoder,
         terms,
-        shapes=FineTuning.shapes if encoder is not None else cfg.optim.shapes,
+        shapes=FineTuning.shapes if encoder is not None else cfg.process.shapes,
         semi_sampling=hard.semi_sampling if attention == "hard" else None,
         encoder=encoder,
         view_share=cfg.terms.consistency_share if views else 0.0,

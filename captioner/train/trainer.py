@@ -95,8 +95,8 @@ class Trainer:
         torch.manual_seed(cfg.optim.seed)  # the process's own settings, for this run:
         if cfg.optim.amp == "tf32":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        self.process = distributed.Process(d, device, setup.step_compiling(cfg.optim, device))
-        board = open_board(cfg.checkpoints.tensorboard, main=d.main, saved=saved)  # before any slow preparation
+        self.process = distributed.Process(d, device, setup.step_compiling(cfg.process, device))
+        board = open_board(cfg.process.tensorboard, main=d.main, saved=saved)  # before any slow preparation
         live = self.live = self._live()
         self.stages = [setup.stage(data, live.decoder, cfg, state=live.terms, targets=self.targets)]
         if live.tuning is not None:
@@ -117,7 +117,7 @@ class Trainer:
             notes=self.notes,
             resumed=self.progress if saved is not None else None,
         )
-        self.budget = Budget(cfg.schedule, started=self.log.started)
+        self.budget = Budget(cfg, started=self.log.started)
         self.stage = setup.stage_at(self.stages, self.progress.epoch, cfg.fine_tune)
         self.step = self._step()
         self.metrics = (saved or {}).get("metrics") or {}
@@ -128,7 +128,7 @@ class Trainer:
         self.start()
         cfg, progress, stopped = self.cfg, self.progress, False
         with self.notes.recording(compiled.log):  # what compiled, and what fell back: in the log too
-            while progress.epoch < cfg.schedule.epochs:
+            while progress.epoch < cfg.process.epochs:
                 ft = cfg.fine_tune
                 if len(self.stages) > 1 and progress.epoch == ft.after > 0 and progress.batch_in_epoch == 0:
                     self._encoder_joins()
@@ -150,12 +150,7 @@ class Trainer:
         tuning = None
         if cfg.fine_tune is not None:
             tuning = FineTuning(
-                data,
-                cfg.fine_tune,
-                self.process,
-                batch_size=cfg.optim.batch_size,
-                targets=self.targets,
-                progress=self.job.progress_bar and d.main,
+                data, cfg, self.process, targets=self.targets, progress=self.job.progress_bar and d.main
             )
             groups.append({"params": list(tuning.parameters()), "lr": cfg.fine_tune.lr})
         optimizer = make_optimizer(groups, cfg.optim.lr)
@@ -201,7 +196,7 @@ class Trainer:
 
     def train_one_epoch(self) -> str | None:
         """The rest of the current epoch's steps; "stopped" or "out of time" if it ended early."""
-        progress, saves, saver = self.progress, self.cfg.checkpoints, self.saver
+        progress, saves, saver = self.progress, self.cfg.process, self.saver
         d, device = self.process.dist, self.process.device
         pin = device.type == "cuda"
         self.bar = tqdm(
@@ -254,7 +249,7 @@ class Trainer:
     def _save_due(self, agree: bool) -> bool:
         """Whether `--checkpoint-minutes` have passed since the last save. Under DDP each rank's clock is its
         own: the ranks agree on it where they agree on everything, at log lines."""
-        minutes, d = self.cfg.checkpoints.checkpoint_minutes, self.process.dist
+        minutes, d = self.cfg.process.checkpoint_minutes, self.process.dist
         due = bool(minutes) and time.monotonic() - self.saver.last_save > minutes * 60
         return agree and distributed.any_true(d, due, self.process.device) if d.active else due
 
@@ -299,7 +294,7 @@ class Trainer:
         # A signal during validation: last.pt is saved next, so stop there.
         stopped = distributed.any_true(d, resilience.stop_requested(self.stop), self.process.device)
         stale = progress.stale >= schedule.patience
-        final = stopped or ended is not None or progress.epoch >= schedule.epochs or stale
+        final = stopped or ended is not None or progress.epoch >= self.cfg.process.epochs or stale
         if improved:
             saver.save(saver.best_path, progress, metrics, final=final)
         saver.save(saver.last_path, progress, metrics, final=final)
@@ -353,7 +348,7 @@ class Trainer:
     def _tuned_familiarity(self) -> None:
         """A fine-tuned encoder's checkpoints get its own features' statistics."""
         paths = [self.saver.best_path, self.saver.last_path]
-        workers, seed = self.cfg.fine_tune.workers, self.cfg.optim.seed
+        workers, seed = self.cfg.process.workers, self.cfg.optim.seed
         seconds = add_tuned_familiarity(paths, self.data, self.saver, self.process.device, seed=seed, workers=workers)
         self.log.write({"event": "familiarity", "step": self.progress.step, "seconds": round(seconds, 2)})
 
