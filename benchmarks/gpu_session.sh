@@ -28,10 +28,10 @@ SUMMARY=$OUT/summary.txt
   # The device gets the working tree, not the commits: the package's own hash says which code ran.
   echo "code: captioner/*.py sha1 $(find captioner -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)"
   date -u; } | tee "$SUMMARY"
-defaults() {  # defaults NAME GENERATOR SEED: fit at its defaults for docs/results.md's steps, then pointing
+defaults() {  # defaults NAME GENERATOR_MODULE SEED: fit at its defaults for docs/results.md's steps, then pointing
   local d=$WORK/defaults_$1 train=("$PY" -m captioner.cli.train)
   mkdir -p "$d"
-  { "$PY" -m captioner.scenes."$2" "$d/scenes" --n "${DEFAULT_SCENES:-1200}" --seed "$3" \
+  { "$PY" -m "$2" "$d/scenes" --n "${DEFAULT_SCENES:-1200}" --seed "$3" \
     && "${train[@]}" prepare --captions "$d/scenes/captions.json" --images "$d/scenes/images" \
          --splits "$d/scenes/splits.json" --out "$d/data" --encoder-weights none --device "$DEVICE" \
     && "${train[@]}" fit --data "$d/data" --out "$d/run" --epochs "${DEFAULT_EPOCHS:-8}" --seed 0 --device "$DEVICE" \
@@ -59,7 +59,7 @@ for group in $MODE_GROUPS; do
   (selfcheck "$WORK/g$i" ${group//,/ }; echo "(selfcheck of $group exited $?)") > "$WORK/g$i.txt" 2>&1 &
   pids+=($!)
 done
-for run in ${DEFAULTS:-synthetic:synthetic:21 held-out:heldout:5}; do
+for run in ${DEFAULTS:-synthetic:captioner.scenes.synthetic:21 held-out:tools.heldout:5}; do
   [ "$run" = none ] && break
   IFS=: read -r name generator seed <<< "$run"
   defaults "$name" "$generator" "$seed" &

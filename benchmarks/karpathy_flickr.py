@@ -1,12 +1,12 @@
 """Rewrite a Karpathy dataset file in COCO layout into Flickr8k/30k layout, for the acceptance check.
 
-`python -m captioner.scenes.heldout OUT --n N --seed S` writes OUT/splits.json as Karpathy's
+`python -m tools.heldout OUT --n N --seed S` (from the repo root) writes OUT/splits.json as Karpathy's
 dataset_coco.json does (filepath "images", cocoid ids). Flickr's files have neither: images are
 DIR/filename and `imgid` (0, 1, 2, ...) is the only id; part of the training images is marked
 `restval`. This script makes such a file from the COCO-layout one, so that `prepare --karpathy`
 is checked on the layout most people start with (Flickr8k):
 
-    python -m captioner.scenes.heldout /tmp/k_scenes --n 1500 --seed 3
+    python -m tools.heldout /tmp/k_scenes --n 1500 --seed 3
     python benchmarks/karpathy_flickr.py /tmp/k_scenes/splits.json /tmp/k_scenes/dataset_flickr.json
     python train.py prepare --karpathy /tmp/k_scenes/dataset_flickr.json --images /tmp/k_scenes/images \\
         --out /tmp/k_data --encoder-weights none
@@ -48,7 +48,7 @@ def to_flickr(data: dict, dataset: str = "flickr8k", restval_every: int = 10) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("source", help="Karpathy dataset JSON in COCO layout (e.g. OUT/splits.json of captioner.heldout)")
+    p.add_argument("source", help="Karpathy dataset JSON in COCO layout (e.g. OUT/splits.json of tools.heldout)")
     p.add_argument("out", help="where to write the Flickr-layout JSON")
     p.add_argument("--restval-every", type=int, default=10, help="every Nth training image becomes restval")
     args = p.parse_args()

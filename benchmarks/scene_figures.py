@@ -4,7 +4,7 @@ Given the log and the scenes' boxes (a COCO instances file with a "color" per bo
 set's boxes.json, or `to_instances.py`'s output for the independent generator), it reports:
 
 - scenes named exactly right: every object's colour and shape, none missing, none extra
-  (`captioner.scenes.judge`);
+  (`tools.judge`);
 - pointing: the share of object words whose map peaks on such an object (`evaluation.grounding`);
 - two-object reach: of the captions naming two or more objects (colour word then shape word), the
   share where every named object is one of the scene's and its shape word's map peaks on it (and,
@@ -18,13 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 
 from captioner.data.boxes import GroundingBoxes
 from captioner.evaluation.grounding import peak, pointing_accuracy
 from captioner.models.preprocess import Preprocess
-from captioner.scenes import judge
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/, at the repo root
+from tools import judge  # noqa: E402
 
 
 def read_log(path: str, ids_by_name: dict[str, int]) -> dict[int, tuple[list[str], np.ndarray]]:

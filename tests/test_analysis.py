@@ -16,11 +16,11 @@ from captioner.data.dataset import CaptionData
 from captioner.decoding.settings import Decoding
 from captioner.errors import CaptionerError
 from captioner.evaluation.captioning import caption_split
-from captioner.lab import analysis, plots, recipes
 from captioner.models.decoder import DecoderConfig
 from captioner.models.vocab import Vocabulary
 from captioner.serve.api import Caption, Captioner
 from captioner.train.config import TrainConfig
+from tools.lab import analysis, plots, recipes
 
 
 def _caption(words: list[str], attention: np.ndarray) -> Caption:

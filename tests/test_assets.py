@@ -23,7 +23,7 @@ def test_no_file_of_the_bundled_model_names_a_path_of_the_machine_it_was_built_o
 
 def test_the_card_says_how_it_was_made_and_how_it_does_on_its_examples():
     card = json.loads((ASSETS / "demo" / "config.json").read_text())["card"]
-    assert card["rebuild"].startswith("python -m captioner.demo.build ") and card["commit"]
+    assert card["rebuild"].startswith("python -m tools.build_demo ") and card["commit"]
     examples = {e["file"]: e for e in card["examples"]}
     assert set(examples) == {p.name for p in (ASSETS / "examples").iterdir()}
     assert all(isinstance(e["correct"], bool) for e in examples.values())

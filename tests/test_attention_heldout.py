@@ -1,6 +1,6 @@
 """Attention at the defaults looks at the objects on scenes of the held-out generator.
 
-A short training on `captioner.heldout` scenes: 1,200 scenes at 112×112 (a 7×7 grid), three
+A short training on `tools.heldout` scenes: 1,200 scenes at 112×112 (a 7×7 grid), three
 epochs of the default decoder. Trained on captions alone, soft attention parked on the grid's
 border cells on such scenes, whatever the word; the test guards that the defaults keep it on the
 objects and off the border. Pointing is noisy at this budget, hence the fixed data seed and a bar
@@ -17,9 +17,9 @@ from conftest import prepare_scenes
 from captioner.evaluation.evaluate import evaluate
 from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
-from captioner.scenes.heldout import generate
 from captioner.train.config import TrainConfig
 from captioner.train.trainer import FitJob, fit
+from tools.heldout import generate
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from captioner.data.coco import load_dataset
-from captioner.scenes.heldout import SHAPES, generate
-from captioner.scenes.heldout_drawing import PALETTE
+from tools.heldout import SHAPES, generate
+from tools.heldout_drawing import PALETTE
 
 
 @pytest.fixture(scope="module")

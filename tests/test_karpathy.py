@@ -215,8 +215,8 @@ def test_prepare_cli_karpathy_and_its_errors(tmp_path):
 
 @pytest.mark.slow
 def test_held_out_scenes_rewritten_in_flickr_layout(tmp_path):
-    # The acceptance check's input: benchmarks/karpathy_flickr.py on captioner.heldout's splits.json.
-    from captioner.scenes.heldout import generate
+    # The acceptance check's input: benchmarks/karpathy_flickr.py on tools.heldout's splits.json.
+    from tools.heldout import generate
 
     generate(tmp_path / "scenes", 30, seed=2)
     out = tmp_path / "dataset_flickr.json"

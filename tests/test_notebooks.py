@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from captioner.lab.recipes import WORK_ENV
+from tools.lab.recipes import WORK_ENV
 
 pytestmark = pytest.mark.slow  # end to end: trains, serves or runs notebooks
 

@@ -6,7 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from captioner.demo.pretrain import (
+from captioner.models.encoder import EncoderSpec, build_encoder
+from captioner.scenes.synthetic import generate
+from captioner.scenes.synthetic_drawing import COLORS, SHAPES
+from tools.pretrain_encoder import (
     PretrainConfig,
     base_trunk,
     cell_targets,
@@ -15,9 +18,6 @@ from captioner.demo.pretrain import (
     trained_on,
     tuned_from,
 )
-from captioner.models.encoder import EncoderSpec, build_encoder
-from captioner.scenes.synthetic import generate
-from captioner.scenes.synthetic_drawing import COLORS, SHAPES
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +69,12 @@ def test_a_resnets_last_stage_pretrains_into_a_file_its_row_takes(scenes, tmp_pa
 
 
 def test_an_epoch_trains_on_the_readers_device(tmp_path):
-    """On a GPU (`python -m captioner.demo.build --device cuda`) the cached pool4 and its targets, kept on
+    """On a GPU (`python -m tools.build_demo --device cuda`) the cached pool4 and its targets, kept on
     the host, go to the reader's device, and the epoch reads nothing back until its end: on the meta
     device, which refuses a CPU tensor beside its own and every read of a value."""
     import numpy as np
 
-    from captioner.demo.pretrain import CellReader, batch_on, train_epoch
+    from tools.pretrain_encoder import CellReader, batch_on, train_epoch
 
     meta = torch.device("meta")
     reader = CellReader(base_trunk(0)).to(meta)

@@ -2,11 +2,11 @@
 the search and the loading code.
 
 The bundled model's card records, for each bundled example, the caption, its score and every word's map
-as the page captions it (`demo.examples.record_outputs`). Here the bundled model, and a checkpoint of
+as the page captions it (`tools.demo_examples.record_outputs`). Here the bundled model, and a checkpoint of
 every layout `models.checkpoint` migrates (tests/test_checkpoint_versions.py writes them out), caption the
 examples again. Versions 1 and 2 predate the word query, so their checkpoint is the bundled model without
 it (its W_y dropped, maps as trained): what that model wrote is recorded in saved_outputs.json beside this
-file. A change meant to move these outputs records them again: `python -m captioner.demo.examples` for the
+file. A change meant to move these outputs records them again: `python -m tools.demo_examples` for the
 card, `python tests/test_saved_outputs.py` for the file; say why in the commit. `python
 tests/test_saved_outputs.py spread` measures how far apart the outputs are under each of KERNELS.
 
@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from captioner import Captioner
-from captioner.demo.examples import example_outputs
+from captioner.demo.card import example_outputs
 from captioner.models import decoder as decoder_module
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import AttentionDecoder, lstm_cell
@@ -78,7 +78,8 @@ MEASURED = {
 PROBE = """
 import json, sys, torch
 from captioner import Captioner
-from captioner.demo.examples import PAGE_BEAM, example_outputs
+from captioner.demo.card import example_outputs
+from captioner.demo.options import PAGE_BEAM
 from captioner.serve.sources import demo_model, example_images
 captioner = Captioner.load(demo_model())
 if sys.argv[1:] == ["raw"]:

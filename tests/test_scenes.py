@@ -9,12 +9,12 @@ import shutil
 
 import pytest
 
-from captioner.demo import build
-from captioner.demo.examples import draw_examples
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.vocab import tokenize
-from captioner.scenes.judge import accuracy, judge, read_objects
-from captioner.train.recipe import finished
+from tools import build_demo
+from tools.demo_examples import draw_examples
+from tools.judge import accuracy, judge, read_objects
+from tools.scene_runs import finished
 
 
 def test_wrong_shape_and_colour_are_caught_where_bleu_would_not():
@@ -84,15 +84,15 @@ def test_build_picks_decoding_sharpness_on_the_validation_scenes(small_run, data
     boxes = str(scenes / "boxes.json")
     objects = read_objects(boxes)
     before = load_checkpoint(str(run / "best.pt"))["decoder"]["decode_sharpness"]
-    monkeypatch.setattr(build, "MIN_POINTING", 0.0)  # every k qualifies: the most scenes right wins
-    path, how = build.choose_sharpness(str(run / "best.pt"), str(data_dir), boxes, objects, "cpu")
+    monkeypatch.setattr(build_demo, "MIN_POINTING", 0.0)  # every k qualifies: the most scenes right wins
+    path, how = build_demo.choose_sharpness(str(run / "best.pt"), str(data_dir), boxes, objects, "cpu")
     chosen = load_checkpoint(path)["decoder"]["decode_sharpness"]
     right = {}
-    for k in build.SHARPNESS:
+    for k in build_demo.SHARPNESS:
         assert f"k = {k:g}: " in how
         right[k] = float(re.search(rf"k = {k:g}: ([\d.]+)% right", how).group(1))
     assert right[chosen] == max(right.values())
     assert load_checkpoint(str(run / "best.pt"))["decoder"]["decode_sharpness"] == before  # the run's file as it was
-    monkeypatch.setattr(build, "MIN_POINTING", 2.0)  # none qualifies: the most scenes right of all
-    path, _ = build.choose_sharpness(str(run / "best.pt"), str(data_dir), boxes, objects, "cpu")
+    monkeypatch.setattr(build_demo, "MIN_POINTING", 2.0)  # none qualifies: the most scenes right of all
+    path, _ = build_demo.choose_sharpness(str(run / "best.pt"), str(data_dir), boxes, objects, "cpu")
     assert load_checkpoint(path)["decoder"]["decode_sharpness"] == chosen

@@ -1,11 +1,12 @@
 """What the page says about its model, all from the checkpoint: the notice on top, the model panel,
-the examples' record."""
+the examples' record (the bundled model's card is written by `python -m tools.build_demo`)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 
+from captioner.demo.options import PAGE_BEAM
 from captioner.evaluation.health import summary as health_summary
 from captioner.models.backbones import backbone
 from captioner.serve.api import Captioner
@@ -23,6 +24,7 @@ CARD_SECTIONS = (
     "scene_accuracy_by_objects",
 )
 COUNTS = {"1": "one object", "2": "two", "3": "three"}
+MAP_DECIMALS = 4  # the precision of the maps a card records for its examples
 
 
 def trained_on(captioner: Captioner) -> str:
@@ -157,3 +159,18 @@ def examples_note(captioner: Captioner, examples: Sequence[str]) -> str:
     if isinstance(card.get("scene_accuracy"), (int, float)):
         text += f" and in **{card['scene_accuracy']:.0%}** of all {card.get('test_images', 'its')} test scenes"
     return text + "."
+
+
+def example_outputs(captioner: Captioner, paths: Sequence[str]) -> list[dict]:
+    """What a model writes for each image as the page captions it: the caption, its score and each word's map.
+    A card records them for its examples, and tests/test_saved_outputs.py checks a model still writes them."""
+    outs = captioner.caption_batch(list(paths), beam_size=PAGE_BEAM)
+    return [
+        {
+            "file": os.path.basename(path),
+            "caption": out.text,
+            "score": round(out.score, 6),
+            "maps": [[round(float(x), MAP_DECIMALS) for x in word.ravel()] for word in out.attention],
+        }
+        for path, out in zip(paths, outs)
+    ]

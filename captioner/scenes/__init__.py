@@ -1,1 +1,1 @@
-"""Scene generators in COCO format (`synthetic`, `heldout`) and the judge of a caption of a scene."""
+"""The synthetic scenes in COCO format (`python -m captioner.scenes.synthetic`)."""

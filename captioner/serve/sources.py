@@ -2,6 +2,7 @@
 
 The bundled model is trained on the synthetic scenes with the seeded random VGG16 encoder (no
 ImageNet weights), so the demo runs offline on a fresh machine; it knows coloured shapes only.
+`python -m tools.build_demo`, run from a source checkout, rebuilds it with the example scenes beside it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ EXAMPLES_DIR = os.path.join(ASSETS, "examples")
 def demo_model() -> str:
     """Path of the bundled demo model (an exported folder)."""
     if not os.path.isdir(DEMO_MODEL):
-        raise CaptionerError(f"{DEMO_MODEL} is missing; rebuild it with `python -m captioner.demo.build`")
+        raise CaptionerError(
+            f"{DEMO_MODEL} is missing; reinstall captioner, or rebuild it from a source checkout with "
+            "`python -m tools.build_demo`"
+        )
     return DEMO_MODEL
 
 

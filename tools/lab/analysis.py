@@ -1,7 +1,7 @@
 """What the notebooks compute: attention statistics, training logs, dataset summaries, tables.
 
 The notebooks in `notebooks/` import these functions and only display the results; the
-figures are drawn by `captioner.lab.plots`.
+figures are drawn by `tools.lab.plots`.
 
 Symbols in shape comments: n words of a caption, g side of the attention grid, L = g·g
 locations, N captions.
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from captioner.errors import CaptionerError
-from captioner.lab.recipes import SplitCaption
 from captioner.models.vocab import tokenize
 from captioner.serve.api import Caption
+from tools.lab.recipes import SplitCaption
 
 # attention statistics
 

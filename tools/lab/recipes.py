@@ -25,7 +25,7 @@ from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
 from captioner.serve.api import Caption, Captioner
 from captioner.train.config import TrainConfig
-from captioner.train.recipe import prepared, scene_set, trained
+from tools.scene_runs import prepared, scene_set, trained
 
 WORK_ENV = "CAPTIONER_NOTEBOOK_DIR"  # where notebooks write scenes, features and runs
 

@@ -9,7 +9,7 @@ striped backgrounds; images are small to large and often far from square; files 
 touch the image's edges; the captions use their own wording. The drawing is in `heldout_drawing`,
 the wording in `heldout_wording`; this module writes the files.
 
-``python -m captioner.scenes.heldout OUT --n N --seed S`` writes the same layout as `synthetic`::
+``python -m tools.heldout OUT --n N --seed S`` writes the same layout as `synthetic`::
 
     OUT/images/         N images (JPEG and PNG; RGB, RGBA and grayscale)
     OUT/captions.json   COCO captions file
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from captioner.scenes.heldout_drawing import SHAPES, render
-from captioner.scenes.heldout_wording import captions_for
+from tools.heldout_drawing import SHAPES, render
+from tools.heldout_wording import captions_for
 
 
 def _size(rng: np.random.Generator) -> tuple[int, int]:
@@ -116,7 +116,7 @@ def generate(out_dir: str | os.PathLike[str], n: int, seed: int = 0) -> dict[str
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m captioner.scenes.heldout", description="Write independent held-out scenes in COCO format."
+        prog="python -m tools.heldout", description="Write independent held-out scenes in COCO format."
     )
     p.add_argument("out", help="output directory")
     p.add_argument("--n", type=int, default=500, help="number of images (default: %(default)s)")

@@ -2,9 +2,10 @@
 by hand, never a training or test scene), copied beside the demo model, and each judged by the
 caption the saved model writes for it, as the page shows it.
 
-The card records what the saved model wrote for each example (words, score and every word's map),
-so that a change to the code that moves a saved model's outputs is seen (tests/test_saved_outputs.py).
-`python -m captioner.demo.examples` records them again for the bundled model, keeping the rest of its card.
+The card records what the saved model wrote for each example (`demo.card.example_outputs`: words, score
+and every word's map), so that a change to the code that moves a saved model's outputs is seen
+(tests/test_saved_outputs.py). `python -m tools.demo_examples`, run from the repo root, records them
+again for the bundled model, keeping the rest of its card.
 """
 
 from __future__ import annotations
@@ -15,29 +16,14 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 
-from captioner.demo.options import PAGE_BEAM
+from captioner.demo.card import example_outputs
 from captioner.io import read_json, write_json_atomic
-from captioner.scenes import judge as scenes
 from captioner.scenes.synthetic import generate
 from captioner.serve.api import Captioner
 from captioner.serve.sources import DEMO_MODEL, example_images
+from tools import judge as scenes
 
 EXAMPLES_SEED = 20261127  # the examples' scenes: a seed fixed before the model was scored, used for nothing else
-MAP_DECIMALS = 4  # the recorded maps' precision
-
-
-def example_outputs(captioner: Captioner, paths: Sequence[str]) -> list[dict]:
-    """What a model writes for each image as the page captions it: the caption, its score and each word's map."""
-    outs = captioner.caption_batch(list(paths), beam_size=PAGE_BEAM)
-    return [
-        {
-            "file": os.path.basename(path),
-            "caption": out.text,
-            "score": round(out.score, 6),
-            "maps": [[round(float(x), MAP_DECIMALS) for x in word.ravel()] for word in out.attention],
-        }
-        for path, out in zip(paths, outs)
-    ]
 
 
 def judge_examples(checkpoint: str, paths: dict[int, str], objects: dict[int, list]) -> list[dict]:

@@ -18,9 +18,9 @@ from matplotlib.ticker import MaxNLocator
 
 from captioner.data.images import load_image
 from captioner.evaluation.health import attention_health, summary
-from captioner.lab.analysis import TrainingLog, attention_entropy, attention_stats, length_histogram
-from captioner.lab.recipes import SplitCaption
 from captioner.serve.api import Caption
+from tools.lab.analysis import TrainingLog, attention_entropy, attention_stats, length_histogram
+from tools.lab.recipes import SplitCaption
 
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
 

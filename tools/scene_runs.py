@@ -1,5 +1,5 @@
 """Generated scenes → prepared features → a trained model, each made once: the recipe the notebooks
-(`lab.recipes`) and the demo model's build (`demo.build`) share.
+(`tools.lab.recipes`) and the demo model's build (`tools.build_demo`) share.
 
 Each step leaves what it made in the directory it is given and, run again, finds it there:
 scenes are complete once their boxes.json is written (the generator writes it last), a data

@@ -1,7 +1,7 @@
-"""Build the bundled demo model: `python -m captioner.demo.build [--n 8000 --epochs 20 --device auto]`.
+"""Build the bundled demo model: `python -m tools.build_demo [--n 8000 --epochs 20 --device auto]`.
 
 Generates synthetic scenes; pretrains VGG16's conv5 block on the training scenes' boxes, as VGG is
-pretrained on ImageNet for photos (`demo.pretrain`: conv1-4 the seeded random ones, no download
+pretrained on ImageNet for photos (`tools.pretrain_encoder`: conv1-4 the seeded random ones, no download
 needed; `--encoder-scenes 0` keeps the whole encoder random), and prepares the scenes with that
 weights file through `--encoder-weights PATH`, as a user would their own VGG; then trains a
 soft-attention decoder on the frozen features at `fit`'s defaults with the scenes' object
@@ -13,10 +13,10 @@ the most validation scenes right among those whose maps still point at `MIN_POIN
 The build scores the result on the held-out test scenes (the
 coco-caption metrics, pointing against the boxes, whether a caption's maps reach both of two
 objects it names, and scene accuracy: the share of scenes whose caption names exactly their
-objects, by `captioner.scenes.judge`) and writes `captioner/assets/demo/` (an exported folder:
+objects, by `tools.judge`) and writes `captioner/assets/demo/` (an exported folder:
 weights, the trained encoder layers in fp16 (the layers its pretraining left at their seeded values
 are drawn again at load), no optimizer state, with a model card) and, as example images, the first
-six scenes of `examples.EXAMPLES_SEED`, a seed fixed before the model was scored, never chosen by
+six scenes of `tools.demo_examples.EXAMPLES_SEED`, a seed fixed before the model was scored, never chosen by
 hand; the card records for each the caption the saved model writes and whether it is right.
 The card names the command and the commit that made the model, and the machine; nothing in the
 folder names a path of the machine it was built on. With `--work DIR`, what a previous build
@@ -39,18 +39,18 @@ from typing import Annotated
 
 import torch
 
-from captioner.demo import pretrain
-from captioner.demo.examples import EXAMPLES_SEED, draw_examples, judge_examples
 from captioner.evaluation.evaluate import evaluate, results_path
 from captioner.models.checkpoint import carry_encoder_weights, load_checkpoint, save_checkpoint
 from captioner.models.encoder import EncoderSpec
 from captioner.options import Device, add_options, check_device, choose_device, from_args
-from captioner.scenes import judge as scenes
 from captioner.serve.export import export
 from captioner.serve.sources import DEMO_MODEL, EXAMPLES_DIR
 from captioner.train.config import TrainConfig
 from captioner.train.finetune import FineTuneConfig
-from captioner.train.recipe import finished, prepared, scene_set, trained
+from tools import judge as scenes
+from tools import pretrain_encoder as pretrain
+from tools.demo_examples import EXAMPLES_SEED, draw_examples, judge_examples
+from tools.scene_runs import finished, prepared, scene_set, trained
 
 TUNE_LR, TUNE_ENCODER_LR = 2e-4, 1e-5  # the second stage's: the decoder at a fifth of its rate
 SCORES = ("BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "pointing", "two_objects")
@@ -60,7 +60,7 @@ MIN_POINTING = 0.9  # the least pointing accuracy a chosen sharpness may give on
 
 @dataclass
 class BuildOptions:
-    """`python -m captioner.demo.build`'s options."""
+    """`python -m tools.build_demo`'s options."""
 
     n: Annotated[int, "synthetic scenes to generate"] = 8000
     seed: Annotated[int, "seed of the scenes, the training and the examples drawn"] = 0
@@ -81,7 +81,7 @@ class BuildOptions:
     @property
     def command(self) -> str:
         return (
-            f"python -m captioner.demo.build --n {self.n} --seed {self.seed} --epochs {self.epochs} "
+            f"python -m tools.build_demo --n {self.n} --seed {self.seed} --epochs {self.epochs} "
             f"--patience {self.patience} --minutes {self.minutes:g} --tune-minutes {self.tune_minutes:g} "
             f"--encoder-scenes {self.encoder_scenes} --encoder-epochs {self.encoder_epochs} "
             f"--encoder-minutes {self.encoder_minutes:g} --device {self.device}"
@@ -257,7 +257,7 @@ def _machine(device: str) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.build_demo", description=__doc__.split("\n")[0])
     add_options(p, BuildOptions)
     opts = from_args(BuildOptions, p.parse_args(argv))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
