@@ -6,9 +6,6 @@ Each one records in ROOT/recipe.json that it finished and what it produced; a re
 finished stages whose products are still there and resumes a partial one: a download goes on
 from its .part file, `prepare` keeps its finished feature rows, `fit` continues from last.pt.
 Later stages run as subprocesses of the training CLI, each command printed before it runs.
-
-The stages themselves and the options they read are in `coco_stages`; this module holds the command
-line, chooses which stages run, and records them.
 """
 
 from __future__ import annotations
@@ -80,7 +77,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the `coco` command, with its options, to a training CLI's subcommands."""
     p = subparsers.add_parser(
         "coco",
         help="from nothing to a COCO model: fetch, prepare, fit, evaluate, export (each resumable)",

@@ -1,9 +1,5 @@
-"""The COCO recipe's stages (`train.py coco`): fetch, prepare, fit, evaluate and export, one function each.
-
-Each stage is given the recipe's options (`CocoOptions`) and where it keeps what it makes (`Paths`),
-runs its step (the later ones as subprocesses of the training CLI, each command printed first),
-and returns what it produced for ROOT/recipe.json, or an exit status when it did not finish.
-"""
+"""The COCO recipe's stages (`train.py coco`), one function each: it returns what it produced, for
+ROOT/recipe.json, or an exit status when it did not finish."""
 
 from __future__ import annotations
 
@@ -170,9 +166,6 @@ def _last_event(log: str) -> str | None:
 def _stopped(stage: str, status: int, how: str) -> int:
     print(f"{stage} stopped before it finished (exit status {status}); {how}", file=sys.stderr)
     return status or 1
-
-
-# stages: each returns what it produced, or an exit status when it did not finish
 
 
 def _fetch(opts: CocoOptions, paths: Paths) -> dict | int:

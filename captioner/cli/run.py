@@ -1,8 +1,6 @@
 """What every command line shares: logging set up for a program, and errors as one line.
 
-Mistakes in the user's input (`CaptionerError`, a bad option value) end with one `error:` line
-naming the file or flag, never a traceback; exit status 2 for such errors and for a full disk.
-Ctrl-C outside a graceful stop ends with status 130 and says what was kept.
+A mistake in the user's input ends with one `error:` line naming the file or flag, never a traceback.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ TRAIN = [sys.executable, "-m", TRAIN_MODULE]
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with every subcommand's options showing their defaults (the fields' own help says them)."""
+    """argparse that keeps a description's line breaks (the options' own help says their defaults)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)

@@ -1,16 +1,9 @@
 """`captioner selfcheck [--device cuda]`: does every training mode run on this machine's device?
 
-It makes a few hundred synthetic scenes, prepares them with the seeded random encoder (VGG16, and
-ResNet-101 for its own modes), then runs each training mode briefly, exactly as a user runs it
-(`train.py prepare`, `fit`, `torchrun`, `evaluate`, `captioner export`, `captioner caption`, each in
-its own process), and prints one line per mode: whether it passed and its training steps per
-second. A mode in which a compiled function fell back to eager work (a compile that failed, a graph
-break, recompiles past its limit, or on a GPU no CUDA graphs) fails, naming the function and why.
-A fine-tuned model's checkpoint is also captioned on the CPU, where its encoder layers
-must load too. The compiled run's validation is checked against the same weights evaluated without
-compiling, and one run trains as two DDP processes (gloo on a CPU; on one GPU the two share it
-through gloo). Run it first on a new GPU machine: a mode that fails here would fail on COCO after
-hours of preparation.
+Run it first on a new GPU machine: a mode that fails here would fail on COCO after hours of preparation.
+Each mode trains briefly on synthetic scenes, each command in its own process as a user runs it, and
+fails where a compiled function fell back to eager work (a failed compile, a graph break, recompiles
+past the limit, or on a GPU no CUDA graphs), naming the function and why.
 """
 
 from __future__ import annotations
@@ -67,9 +60,6 @@ class Mode:
 
 
 def modes(boxes: str) -> list[Mode]:
-    """Every training mode, briefly: the defaults, hard attention, SCST with both baselines, boxes,
-    fine-tuning, precision, compile with the weights' average, torchrun with one and two processes;
-    then a ResNet-101 encoder with boxes, and its last stage fine-tuned."""
     tune = ["--fine-tune-encoder", "--tune-after", "0"]
     scst = ["--objective", "scst"]
     return [
@@ -120,7 +110,7 @@ def _compile_failures(run: str) -> None:
 
 
 def steps_per_second(run: str) -> float | None:
-    """Training steps per second from a run's metrics.jsonl (start to its last training line)."""
+    """From a run's start to its last training line."""
     lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"), encoding="utf-8")]
     trained = [x for x in lines if x.get("event") == "train"]
     if not trained or not trained[-1]["time"]:

@@ -1,8 +1,5 @@
 """`python train.py` / `captioner-train`: prepare, fit, evaluate, and the COCO recipe.
 
-Each subcommand's options are the fields of its dataclasses (`captioner.options`): prepare's
-`PrepareConfig`, fit's `FitOptions`, `DecoderConfig` and `TrainConfig` (its groups are sections
-of `fit --help`), evaluate's `EvaluateOptions`, coco's `CocoOptions` (in `cli.coco`).
 SIGTERM and Ctrl-C make `fit` and `prepare` finish their step or batch, save, and exit with 0
 (SIGTERM, a clean preemption) or 130 (Ctrl-C); `fit --resume` and a second `prepare` go on.
 """

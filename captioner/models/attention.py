@@ -1,8 +1,5 @@
 """f_att, the attention MLP of "Show, Attend and Tell" eqs. (4)-(5) (Xu et al., 2015), and how hard
-attention chooses a location from its map (§4.1).
-
-Symbols: B batch, L locations, D annotation size, E embedding size, H LSTM size, A attention size.
-"""
+attention chooses a location from its map (§4.1). Shapes as in `models.decoder`."""
 
 from __future__ import annotations
 
@@ -18,13 +15,11 @@ __all__ = ["ARGMAX", "CONTEXT_MODES", "EXPECTED", "SAMPLE", "Attention", "choose
 class Attention(nn.Module):
     """f_att, the MLP of eq. (4): e_ti = v·tanh(W_a a_i + W_h h_{t-1}); α_t = softmax(e_t), eq. (5).
 
-    With `embed_dim`, the query also holds the word just written: e_ti = v·tanh(W_a a_i + W_h h_{t-1}
-    + W_y E y_{t-1}). h_{t-1} has not seen y_{t-1} (it enters the LSTM at step t), so without it the
-    map for "triangle" in "a yellow triangle" cannot know that the caption chose the yellow object.
+    With `embed_dim`, the query also holds the word just written (+ W_y E y_{t-1}): h_{t-1} has not seen
+    y_{t-1}, so without it the map for "triangle" in "a yellow triangle" cannot know which object was chosen.
 
-    Computed as e_ti = 2v·σ(2 W_a a_i + 2 W_h h_{t-1}): tanh(x) = 2σ(2x) − 1, so the two differ by
-    −Σv for every location, which softmax ignores: α is exactly the paper's, and σ is the cheaper
-    of the two on CPUs.
+    Computed as e_ti = 2v·σ(2 W_a a_i + 2 W_h h_{t-1}): tanh(x) = 2σ(2x) − 1, so the two differ by −Σv at
+    every location, which softmax ignores; σ is the cheaper of the two on CPUs.
     """
 
     def __init__(self, encoder_dim: int, hidden_dim: int, attention_dim: int, embed_dim: int | None = None):

@@ -1,14 +1,10 @@
 """LSTM decoder with MLP attention, "Show, Attend and Tell" §3.1.2 and §4 (Xu et al., 2015).
 
-Symbols used in shape comments:
-    B batch, L locations (196 = 14×14), D annotation size (512), E embedding size,
-    H LSTM size, A attention size, T caption steps, V vocabulary size.
+Soft attention (§4.2) feeds the expected context ẑ_t = β_t Σ_i α_ti a_i; hard attention (§4.1)
+feeds one sampled annotation a_{s_t}, s_t ~ Multinoulli(α_t).
 
-Soft attention (§4.2) feeds the expected context ẑ_t = β_t Σ_i α_ti a_i; hard attention
-(§4.1) feeds one sampled annotation a_{s_t}, s_t ~ Multinoulli(α_t). One step, written once
-(`attend`, then `advance`), serves decoding, sampling and the plain teacher-forced pass
-(`unroll`); the fast soft training pass (`models.fused`) is its own module beside it, tested
-equal to it, and `objectives.passes` chooses between them.
+Shapes: B batch, L locations (196 = 14×14), D annotation size (512), E embedding size, H LSTM size,
+A attention size, T caption steps, V vocabulary size.
 """
 
 from __future__ import annotations
@@ -85,12 +81,8 @@ class Joined(NamedTuple):
 
 
 class AttentionDecoder(nn.Module):
-    """Caption generator over annotation vectors, built from its config alone.
-
-    `AttentionDecoder(config)` takes a settled config (`train.settle` settles a run's);
-    `AttentionDecoder(vocab_size=V, ...)` is `AttentionDecoder(DecoderConfig.paper(vocab_size=V, ...))`:
-    the fields given, and the paper's settings for the rest.
-    """
+    """Caption generator over annotation vectors, built from a settled config alone;
+    `AttentionDecoder(vocab_size=V, ...)` is `AttentionDecoder(DecoderConfig.paper(vocab_size=V, ...))`."""
 
     def __init__(self, config: DecoderConfig | None = None, /, **fields):
         super().__init__()
@@ -126,8 +118,6 @@ class AttentionDecoder(nn.Module):
         self.register_buffer("feature_mean", torch.zeros(D))
         self.register_buffer("feature_std", torch.ones(D))
 
-    # the step: attend, then advance
-
     def set_feature_stats(self, mean: torch.Tensor, std: torch.Tensor) -> None:
         self.feature_mean.copy_(mean)
         self.feature_std.copy_(std.clamp_min(1e-3))
@@ -156,15 +146,8 @@ class AttentionDecoder(nn.Module):
         locations: torch.Tensor | None = None,
         joined: Joined | None = None,
     ):
-        """The context from α_t, gated by β_t (§4.2.1), then the LSTM, eqs. (1)-(3).
-
-        Args:
-            locations: (B,) the location each row attends (hard attention), -1 for the
-                expected context; None: the expected context for all.
-
-        Returns:
-            h_t (B, H), c_t (B, H), ẑ_t (B, D).
-        """
+        """The context from α_t, gated by β_t (§4.2.1), then the LSTM, eqs. (1)-(3): h_t, c_t, ẑ_t.
+        `locations` (B,): where each row attends (hard attention); -1, or None for every row: the expected context."""
         beta = torch.sigmoid(self.f_beta(h))  # (B, 1)
         z = torch.bmm(alpha.unsqueeze(1).to(features.dtype), features).squeeze(1)  # (B, D), expected
         if locations is not None:
@@ -208,25 +191,15 @@ class AttentionDecoder(nn.Module):
         joined: Joined | None = None,
         sharpness: float | torch.Tensor | None = None,
     ):
-        """One generation step from the previous words (B,): attend, choose the context, advance, output.
-
-        Args:
-            mode: "expected" (soft), "argmax" or "sample" (hard attention's location).
-            joined: `self.joined()`, taken since the weights last changed: fewer products.
-            sharpness: k of the map softmax(k e_t), a float or a () tensor (None: the model's
-                `decode_sharpness`).
-
-        Returns:
-            logits (B, V), h (B, H), c (B, H), α (B, L), chosen locations (B,) or None.
-        """
+        """One generation step from the previous words (B,): logits (B, V), h, c, α (B, L) and the
+        chosen locations (B,) or None. `mode`: hard attention's location ("expected" for soft);
+        `sharpness`: k of softmax(k e_t), a float or a () tensor (None: `decode_sharpness`)."""
         emb = self.embedding(words)  # (B, E)
         sharpness = self.config.decode_sharpness if sharpness is None else sharpness  # a float, or a tensor
         alpha = self.attend(projected, h, emb, sharpness)  # (B, L)
         loc = choose_locations(alpha, mode, generator)  # (B,) or None
         h, c, z = self.advance(features, alpha, emb, h, c, loc, joined)
         return self.output(emb, h, z, joined), h, c, alpha, loc
-
-    # teacher forcing
 
     def unroll(
         self,
@@ -236,15 +209,9 @@ class AttentionDecoder(nn.Module):
         generator: torch.Generator | None = None,
         locations: torch.Tensor | None = None,
     ) -> Unrolled:
-        """The plain teacher-forced pass (autograd throughout), soft by default; hard where asked.
-
-        Args:
-            features: (B, L, D) annotation vectors.
-            captions: (B, T) token ids.
-            sampled: (B,) bool, images whose context is a location drawn from α_t at every step.
-            generator: random source for those draws.
-            locations: (B, T-1) fixed locations (-1: expected context); overrides `sampled`.
-        """
+        """The plain teacher-forced pass (autograd throughout), soft by default. `sampled` (B,): images
+        whose context is a location drawn from α_t at every step; `locations` (B, T-1), fixed locations
+        (-1: expected context), overrides it."""
         B, T = captions.shape
         features = self.normalize(features)  # (B, L, D)
         projected = self.attention.project(features)  # (B, L, A), once per image
@@ -264,16 +231,9 @@ class AttentionDecoder(nn.Module):
     def forward(
         self, features: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The plain teacher-forced soft pass (training takes the faster equal one: `objectives.passes`).
-
-        Args:
-            features: (B, L, D) annotation vectors.
-            captions: (B, T) <start> w1 ... <end> then <pad>=0.
-            lengths: (B,) tokens per caption including <start> and <end>.
-
-        Returns:
-            logits (B, T-1, V), where position t predicts captions[:, t+1]; α (B, T-1, L).
-        """
+        """The plain teacher-forced soft pass (training takes an equal faster one): logits (B, T-1, V),
+        position t predicting captions[:, t+1], and α (B, T-1, L). `captions` (B, T): <start> w1 ... <end>
+        then <pad>=0; `lengths` (B,) counts <start> and <end>."""
         u = self.unroll(features, captions)
         return self.output(u.emb, u.h, u.z), u.alphas
 

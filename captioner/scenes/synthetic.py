@@ -9,11 +9,9 @@ Running ``python -m captioner.scenes.synthetic OUT --n N --seed S`` writes::
     OUT/images/         N images (mostly RGB JPEG; some RGB/RGBA/P PNG, CMYK JPEG)
     OUT/captions.json   COCO captions file, like captions_train2014.json
     OUT/splits.json     Karpathy dataset_coco.json layout (train/restval/val/test)
-    OUT/boxes.json      COCO instances file (one category per shape, bbox in
-                        pixels, plus a "color" field) for attention-grounding checks
+    OUT/boxes.json      COCO instances file (a category per shape, bbox in pixels, a "color" field)
 
-The dataset is tiny and fully deterministic for a given (N, seed), which makes
-it a smoke test for the whole pipeline and a training set for a demo model.
+Deterministic for a given (N, seed): a smoke test for the whole pipeline and the demo model's data.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""What captioning an image gives, the same from PyTorch (`serve.api`) and from onnxruntime (`serve.onnx_runtime`):
-a `Caption`, made from an image's hypotheses (`captions`). Needs no torch."""
+"""What captioning an image gives, the same from PyTorch and from onnxruntime; needs no torch."""
 
 from __future__ import annotations
 
@@ -27,13 +26,13 @@ class Caption:
     samples: list[Caption] = field(default_factory=list)  # sampling: the n captions drawn, each with its maps
     size: tuple[int, int] = (0, 0)  # (width, height) of the upright image
     # Is the image like the training images? {"score", "unfamiliar", "message", "threshold"}
-    # (captioner.familiarity); None when the checkpoint holds no training-feature statistics.
+    # (models.familiarity); None when the checkpoint holds no training-feature statistics.
     familiarity: dict | None = None
 
 
 def attention_warning(info: dict) -> str | None:
-    """A line to show beside a model's heatmaps when its attention health check found them not meaningful
-    (`info["attention"]`, recorded by `fit`); None when they passed or are unjudged."""
+    """A line to show beside a model's heatmaps when `fit`'s attention health check found them not
+    meaningful; None when they passed or are unjudged."""
     verdict = info.get("attention") or {}
     if verdict.get("meaningful") is not False:
         return None
@@ -70,7 +69,6 @@ def captions(
 
 
 def _caption(hyp: Hypothesis, vocab: Vocabulary, grid: int, settings: Decoding) -> Caption:
-    """One hypothesis as a caption: its words, score and per-word maps on the grid."""
     words = vocab.decode(hyp.tokens)
     locs = None
     if settings.context in (ARGMAX, SAMPLE):
