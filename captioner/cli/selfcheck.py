@@ -176,8 +176,8 @@ def _same_validation(run: str, data: str, device: str, log) -> None:
     best = next(x for x in reversed(val) if x["step"] == x["best_step"])
     out = os.path.join(run, "val", "metrics.json")
     checkpoint = os.path.join(run, "best.pt")
-    _run([*TRAIN, "evaluate", "--checkpoint", checkpoint, "--data", data, "--out", out, "--split", "val",
-          "--beam-size", "2", "--device", device, "--cuda-graphs", "off"], log)  # fmt: skip
+    where = ["--checkpoint", checkpoint, "--data", data, "--out", out, "--split", "val"]
+    _run([*TRAIN, "evaluate", *where, "--beam-size", "2", "--device", device, "--cuda-graphs", "off"], log)
     with open(results_path(out), encoding="utf-8") as f:
         texts = {r["image_id"]: r["caption"] for r in json.load(f)}
     again = score_validation(texts, CaptionData(data).references["val"])  # scored as fit scores
