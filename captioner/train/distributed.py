@@ -57,12 +57,9 @@ def current() -> Dist:
 
 
 def setup(device: str = "auto") -> tuple[Dist, torch.device]:
-    """Join the process group if launched by torchrun, and pick this process's device.
-
-    Args:
-        device: "auto", "cpu" or "cuda"; under torchrun with CUDA each process takes its local GPU,
-            and processes beyond the GPUs share them through gloo (NCCL takes one process per GPU).
-    """
+    """Join the process group if launched by torchrun, and pick this process's device ("auto", "cpu" or "cuda").
+    Under torchrun with CUDA each process takes its local GPU; processes beyond the GPUs share them through gloo (NCCL
+    takes one process per GPU)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist(), choose_device(device)
