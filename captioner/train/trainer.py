@@ -69,8 +69,7 @@ def fit(job: FitJob, stop: resilience.GracefulStop | None = None) -> Progress:
 
 
 class Trainer:
-    """One training run: its data and settled configs, this process, the model's state, where it is, its log
-    and its checkpoints."""
+    """One training run: its data and settled configs, this process, the model's state, progress, log and saver."""
 
     def __init__(self, job: FitJob, stop: resilience.GracefulStop | None = None):
         self.job, self.stop = job, stop
