@@ -1,2 +1,1 @@
-"""Training: `prepare` (the feature cache), `fit` (config, run set-up, the step, the loop), encoder
-fine-tuning, torchrun, and surviving faults."""
+"""Training: `prepare` and `fit`."""

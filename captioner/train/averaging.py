@@ -1,16 +1,10 @@
-"""An exponential moving average of the decoder's weights (Polyak averaging; Polyak and Juditsky,
-1992): `fit --ema DECAY`, on by default.
+"""An exponential moving average of the decoder's weights (Polyak and Juditsky, 1992): `fit --ema DECAY`.
 
-At a constant learning rate the weights jitter around where the loss is low, and which
-validation happens to catch them low or high decides `best.pt`; the average of the recent
-steps sits nearer the middle. Validation captions with the average, `best.pt` is chosen on it,
-and every checkpoint holds it as its model, while the optimizer steps the raw weights (saved
-beside it, so `--resume` continues exactly).
-
-After step t the average keeps min(DECAY, (1 + t) / (10 + t)) of itself: early on the ramp
-binds, so the average spans about the last tenth of the steps taken and the first random
-weights do not linger; DECAY caps the span in long runs (0.999: about a thousand steps).
-The encoder layers of `--fine-tune-encoder` are not averaged.
+At a constant learning rate the weights jitter around where the loss is low, and which validation happens to catch
+them low or high decides `best.pt`; the average sits nearer the middle. So validation captions with it and every
+checkpoint holds it as its model, while the optimizer steps the raw weights (saved beside it, for `--resume`).
+After step t it keeps min(DECAY, (1 + t) / (10 + t)) of itself: early on it spans about the last tenth of the
+steps, so the first random weights do not linger. The encoder layers of `--fine-tune-encoder` are not averaged.
 """
 
 from __future__ import annotations
@@ -22,12 +16,8 @@ from torch import nn
 
 
 class WeightAverage:
-    """A copy of `model` whose parameters follow its exponential moving average.
-
-    Args:
-        model: the module being trained (its buffers are copied once: they do not train).
-        decay: how much of the average each step keeps, at most (`OptimConfig.ema`, checked there).
-    """
+    """A copy of `model` whose parameters follow its exponential moving average (its buffers are copied once: they
+    do not train); `decay`: how much of the average each step keeps, at most."""
 
     def __init__(self, model: nn.Module, decay: float):
         self.decay = decay

@@ -1,16 +1,9 @@
 """A run's checkpoints on disk: last.pt and best.pt (`models.checkpoint`'s schema).
 
-`Checkpoints` is given once what a checkpoint captures of the run (the live decoder, its
-average, the optimizer, the schedule, the random streams, a fine-tuned encoder, and the run's
-record: configs, vocabulary, encoder, data, command), and at each save the moment (progress and
-the last validation's metrics). Rank 0 alone writes the checkpoints; under torchrun each other rank
-keeps its own random streams beside last.pt (`last.rank<r>.rng.pt`), since a resumed rank goes on
-with its own draws. `save_checkpoint` writes a temporary file and renames it, so a failed save (a
-full disk, a quota, a read-only directory) leaves the previous file whole; `Checkpoints` adds the
-account: one line naming the failure and the last good checkpoint with its step, and a record of
-which files' latest save failed, so that training goes on, retries at the next save, and `fit`
-raises with that message if its final save fails. A model whose weights are not finite is never
-written over a good checkpoint.
+Rank 0 alone writes them; each other rank keeps its own random streams beside last.pt, since a resumed rank goes on
+with its own draws. A failed save (full disk, quota, read-only directory) leaves the previous file whole and is
+reported in one line naming the last good checkpoint; training goes on, retries at the next save, and `fit` raises
+if its final save fails. A model whose weights are not finite is never written over a good checkpoint.
 """
 
 from __future__ import annotations
@@ -58,17 +51,9 @@ class Live(NamedTuple):
 
 
 class Checkpoints:
-    """Writes a run's last.pt and best.pt, and says which are whole (module doc).
-
-    Args:
-        out_dir: the run directory.
-        main: this process writes (rank 0).
-        live: the live objects a checkpoint holds.
-        record: what every checkpoint of the run says of it: "decoder", "train", "vocab",
-            "encoder", "max_len", "data", "familiarity", "command".
-        notes: the run's notes of faults, where a failed save is reported.
-        resumed: the progress of a resumed run (its last.pt and best.pt are known to be whole).
-    """
+    """Writes a run's last.pt and best.pt, and says which are whole. `record`: what every checkpoint of the run says
+    of it ("decoder", "train", "vocab", ...); `notes`: where a failed save is reported; `resumed`: a resumed run's
+    progress (its last.pt and best.pt are known to be whole)."""
 
     def __init__(
         self,
@@ -102,8 +87,7 @@ class Checkpoints:
         """Write `ck` (with a "step" and a "model" state dict) to `path`; False if the write failed.
 
         Raises:
-            CaptionerError: the model's weights are not finite; such a checkpoint is never
-                written over a good one.
+            CaptionerError: the model's weights are not finite; such a checkpoint is never written over a good one.
         """
         bad = resilience.first_nonfinite(ck["model"])
         if bad is not None:

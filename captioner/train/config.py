@@ -1,13 +1,7 @@
 """What `fit` is asked to do, grouped by concern, and where a run is.
 
-Each field is also `fit`'s option (`captioner.options`); a nested group is a section of
-`fit --help`. A field whose default depends on other settings is None until `train.settle`
-settles it; the settled configs are frozen and travel in every checkpoint (`TrainConfig.to_dict`,
-`Progress` as a dict), so a resumed run continues as it was configured, from where it was.
-
-A resumed run keeps what the run is (model, objective, data, optimisation and schedule) and takes
-how this process runs it (`ProcessConfig`: how far it goes, shapes, compile, workers, logging and saving)
-from its own command line, as nanoGPT's and torchvision's reference scripts resume.
+Each field is also `fit`'s option, each group a section of `fit --help`. A field whose default depends on other
+settings is None until `train.settle` settles it; the settled configs travel in every checkpoint.
 """
 
 from __future__ import annotations

@@ -74,15 +74,9 @@ def _encode_captions(usable: list, vocab: Vocabulary, max_len: int) -> tuple[lis
 
 
 def write_dataset(cfg, meta, records, cache, skipped) -> dict:
-    """Write vocab.json, captions.npz, splits.json and the completed meta.json into `cfg.out` (a
-    `train.prepare.PrepareConfig`, whose `min_count` and `max_len` make the vocabulary); return prepare's summary.
-
-    Args:
-        meta: meta.json as prepare began it; the features' statistics are added and it is marked complete.
-        records: the images (`data.coco.ImageRecord`), in the cache's row order.
-        cache: the finished feature cache: rows marked BAD (unreadable images) are left out.
-        skipped: what reading the captions skipped (`data.coco.Skipped`), for the summary.
-    """
+    """Write vocab.json, captions.npz, splits.json and the completed meta.json (`meta` as prepare began it, with the
+    features' statistics added) into `cfg.out`; return prepare's summary. Rows of `cache` marked BAD (unreadable
+    images) are left out."""
     out_dir, min_count, max_len = cfg.out, cfg.min_count, cfg.max_len
     usable = [(row, r) for row, r in enumerate(records) if cache.done[row] != BAD]
     counts, vocab, rare = _vocabulary(usable, min_count)

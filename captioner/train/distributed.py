@@ -1,8 +1,5 @@
-"""Running under `torchrun`: process group set-up and the few collectives training needs.
-
-Everything here is PyTorch's own engine (torch.distributed with gloo on CPU, NCCL on GPU);
-with one process every function is a no-op, so the training code reads the same either way.
-"""
+"""Running under `torchrun`: process group set-up and the few collectives training needs (gloo on CPU, NCCL on
+GPU); with one process every function is a no-op, so the training code reads the same either way."""
 
 from __future__ import annotations
 
@@ -57,12 +54,9 @@ def current() -> Dist:
 
 
 def setup(device: str = "auto") -> tuple[Dist, torch.device]:
-    """Join the process group if launched by torchrun, and pick this process's device.
-
-    Args:
-        device: "auto", "cpu" or "cuda"; under torchrun with CUDA each process takes its local GPU,
-            and processes beyond the GPUs share them through gloo (NCCL takes one process per GPU).
-    """
+    """Join the process group if launched by torchrun, and pick this process's device ("auto", "cpu" or "cuda").
+    Under torchrun with CUDA each process takes its local GPU; processes beyond the GPUs share them through gloo (NCCL
+    takes one process per GPU)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist(), choose_device(device)
@@ -93,7 +87,6 @@ def barrier(d: Dist) -> None:
 
 
 def all_sum(d: Dist, values: list[float], device: torch.device) -> list[float]:
-    """Sum floats over all processes."""
     if not d.active:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -119,7 +112,6 @@ def gather_dicts(d: Dist, part: dict) -> dict:
 
 
 def broadcast(d: Dist, obj):
-    """Rank 0's value of obj, on every process."""
     if not d.active:
         return obj
     box = [obj]

@@ -1,24 +1,12 @@
 """The familiarity statistics (`models.familiarity`) of a run's training images, and their threshold.
 
-The training images' pooled vectors are modelled as one Gaussian; its covariance Σ is shrunk
-towards a multiple of the identity, since a few thousand images cannot estimate
-D² = 262,144 covariances; how much is chosen from the data (Ledoit-Wolf). The full covariance
-separates scenes from photographs far better than the diagonal alone or than per-location
-distances: photographs differ less in any one channel than in how
-channels go together.
-
-The threshold is calibrated on two sides. Familiar: the held-out validation images, which the
-model never trained on; the QUANTILE of their scores, times MARGIN, is the least the threshold
-may be. Unfamiliar: real photographs that Python packages ship (matplotlib's sample photograph,
-`calibration_photos`), whole and in crops. When the
-photographs all score above that least value, the threshold lies halfway between the two (the
-geometric mean with the photographs' lowest score), so neither side sits on the edge; when some
-do not, it stays at the validation bound, since a scene flagged as unlike its own training
-scenes would be worse than a photograph missed. Statistics, threshold and the photographs'
-scores are computed by `fit` and stored in the checkpoint under "familiarity" as plain tensors
-and numbers (a fine-tuned encoder's checkpoints get them when `fit` ends, from the layers each
-holds: `finetune.add_tuned_familiarity`).
-Symbols: B images, L locations, D annotation size, N images sampled from a split.
+The training images' pooled vectors are modelled as one Gaussian, its covariance shrunk towards a multiple of the
+identity (Ledoit-Wolf), since a few thousand images cannot estimate D² = 262,144 covariances. The full covariance
+separates scenes from photographs far better than the diagonal: photographs differ less in any one channel than in
+how channels go together. The threshold is at least MARGIN times the QUANTILE of the held-out validation images'
+scores; when real photographs (`calibration_photos`, whole and cropped) all score above that, it is the geometric
+mean of the two, else it stays there: a scene flagged as unlike its own training scenes is worse than a photograph
+missed. Symbols: L locations, D annotation size, N images sampled from a split.
 """
 
 from __future__ import annotations
@@ -43,15 +31,8 @@ MAX_VAL_IMAGES = 1000
 
 
 def gaussian(vectors: torch.Tensor, shrinkage: float | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Mean (D,) and precision (D, D) of vectors (N, D), the covariance shrunk towards m·I.
-
-    Args:
-        shrinkage: s in Σ ← (1 − s) S + s·m·I, m the mean variance; None picks it from the data
-            (Ledoit and Wolf, 2004): near 1 for a few vectors, small for many.
-
-    Returns:
-        μ, Σ⁻¹ and the shrinkage used.
-    """
+    """Mean (D,) and precision (D, D) of vectors (N, D), the covariance shrunk as Σ ← (1 − s) S + s·m·I, m the
+    mean variance; `shrinkage` s, or None to pick it from the data (Ledoit and Wolf, 2004). Returns μ, Σ⁻¹ and s."""
     mu = vectors.mean(0)  # (D,)
     x = (vectors - mu).double()  # (N, D)
     n, D = x.shape
@@ -76,10 +57,7 @@ def _sample(rows: np.ndarray, most: int, seed: int) -> np.ndarray:
 def _pooled(
     read: Callable[[np.ndarray], torch.Tensor], rows: np.ndarray, mean: torch.Tensor, std: torch.Tensor, batch: int = 64
 ) -> torch.Tensor:
-    """Pooled standardised vectors (N, D) of the features `read` gives for rows, a batch at a time.
-
-    Rows whose features are not finite (damaged; `fit` names them) are left out quietly.
-    """
+    """Pooled standardised vectors (N, D) of rows' features; non-finite (damaged) rows are left out quietly."""
     out = []
     for i in range(0, len(rows), batch):
         raw = read(rows[i : i + batch]).cpu()  # (b, L, D), fp16 if cached
@@ -88,13 +66,8 @@ def _pooled(
 
 
 def calibration_photos() -> list[str]:
-    """The real photograph every install has: matplotlib's (a declared dependency).
-
-    Only photographs the declared dependencies guarantee, so that the same training run stores
-    the same threshold on every machine, whatever else happens to be installed. Gradio's sample
-    photographs are left out on purpose: the tests check the verdict on them, so they must not be
-    among the images the threshold was set with.
-    """
+    """The real photograph every install has: matplotlib's (a declared dependency), so that a run stores the same
+    threshold on every machine. Gradio's samples are left out on purpose: the tests check the verdict on them."""
     import matplotlib.cbook
 
     return [str(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))]
@@ -132,21 +105,15 @@ def _encode_views(encoder: torch.nn.Module, spec: EncoderSpec, photos: Sequence[
 
 @functools.lru_cache(maxsize=4)
 def _photo_features(spec: EncoderSpec, photos: tuple[str, ...]) -> tuple[tuple[str, ...], torch.Tensor]:
-    """The views' vectors by the spec's own encoder, run as `prepare` and the captioner run it
-    (cached: one encoder pass per process)."""
+    """The views' vectors by the spec's own encoder, run as the captioner runs it; cached per process."""
     return _encode_views(optimize_encoder(build_encoder(spec)[0], image_size=spec.image_size), spec, photos)
 
 
 def photo_scores(
     spec: EncoderSpec, score: Callable[[torch.Tensor], torch.Tensor], encoder: torch.nn.Module | None = None
 ) -> dict[str, float]:
-    """Scores (`score` of their views' vectors) of the calibration photographs; empty when there are none or no
-    encoder.
-
-    The encoder is the one the features were made with: the data's spec unless `encoder` is
-    given (a fine-tuned one). If the spec's cannot be built here (e.g. weights not in the
-    cache), the threshold is calibrated on the scenes alone.
-    """
+    """Scores of the calibration photographs' views by `encoder` (a fine-tuned one) or the spec's; empty when the
+    spec's encoder cannot be built here (weights not cached): the threshold then rests on the scenes alone."""
     photos = tuple(calibration_photos())
     if not photos:
         return {}
@@ -170,18 +137,9 @@ def fit_stats(
     features: Callable[[np.ndarray], torch.Tensor] | None = None,
     encoder: torch.nn.Module | None = None,
 ) -> FamiliarityStats | None:
-    """Statistics of a prepared data directory's training features, calibrated on its val split
-    and on real photographs.
-
-    Args:
-        data: a `captioner.data.CaptionData`.
-        seed: which images are sampled when a split has more than MAX_TRAIN_IMAGES / MAX_VAL_IMAGES.
-        features, encoder: a fine-tuned encoder's features of cache rows (rows → (n, L, D)) and
-            that encoder for the photographs; default: the feature cache and the data's encoder.
-
-    Returns:
-        The stats, or None when the data has no training or no validation images.
-    """
+    """Statistics of a prepared `CaptionData`'s training features, calibrated on its val split and on real
+    photographs; None without training or validation images. `features`, `encoder`: a fine-tuned encoder's features
+    of cache rows (rows → (n, L, D)) and that encoder, instead of the feature cache and the data's encoder."""
     if any(len(data.images.get(split, ())) == 0 for split in ("train", "val")):
         return None  # nothing to learn from, or nothing to calibrate on
     read = features or (lambda rows: torch.from_numpy(data.cache[rows]))

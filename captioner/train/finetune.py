@@ -1,24 +1,13 @@
 """Fine-tuning the encoder's last layers with the decoder (`fit --fine-tune-encoder`).
 
-Where training starts (a stage of the backbone's row, `models.backbones`) decides where its inputs
-come from:
-- conv5_1 (default): the output of the layers before it (VGG16's pool4 at 224: 14×14×512, the size
-  of the cached conv5 features; ResNet's conv4_x at 256: 16×16×1024) is cached the same way, once
-  (DATA/pool4.npy and pool4.done: the feature cache's format, resumable, made by the first `fit`
-  that needs it and shared by later ones), and each step runs the last block or stage on cached
-  rows: no image is decoded in the training loop.
-- conv4_1: DataLoader workers decode and preprocess the images of upcoming batches; the layers
-  before it run without gradients, the last two blocks or stages train.
-A batch holds all the captions of a few images (about `batch_size` captions in all), so the
-encoder runs once per image rather than once per caption; the features are then indexed per
-caption. The trained layers go into checkpoints as "encoder_state" under the names of
-`Encoder.features` ("24.weight", "layer4.0.conv1.weight", ...); `encoder.apply_encoder_state`
-puts them back.
+From conv5_1 (default), each step runs the last block or stage on the cached output of the layers before it
+(DATA/pool4.npy, in the feature cache's format, made once by the first `fit` that needs it): no image is decoded in
+the training loop. From conv4_1, DataLoader workers decode the images and the layers before it run without
+gradients. A batch holds all the captions of a few images, so the encoder runs once per image, not per caption.
 
-The decoder's standardisation of features (feature_mean/std, measured by `prepare` on the frozen
-encoder's output) is kept fixed: at step 0 the fine-tuned layers are the frozen ones, so the
-statistics describe their output; from then on the layers learn under that fixed affine map,
-which training, validation, `evaluate` and `Captioner` all apply, so all see the same features.
+The decoder's feature standardisation (measured by `prepare` on the frozen encoder) stays fixed: at step 0 the tuned
+layers are the frozen ones, and from then on they learn under that fixed affine map, which training, validation,
+`evaluate` and `Captioner` all apply.
 
 Shapes: n images, B captions, L locations, D feature size, S image side.
 """
@@ -80,17 +69,11 @@ class FineTuneConfig:
             raise OptionError(f"--tune-after is a number of epochs, got {self.after}")
 
 
-# helpers
-
-
 def image_batches(
     rows: np.ndarray, batch_size: int, *, seed: int, epoch: int, rank: int = 0, world: int = 1
 ) -> list[np.ndarray]:
-    """Caption indices in batches of whole images: each holds all captions of k images.
-
-    k is batch_size over the mean captions per image (at least 1); a global batch of k·world
-    images is split across ranks image by image. The same (seed, epoch) gives the same batches.
-    """
+    """Caption indices in batches of whole images, k = batch_size / mean captions per image (at least 1); a global
+    batch of k·world images is split across ranks image by image. The same (seed, epoch) gives the same batches."""
     images, inverse = np.unique(rows, return_inverse=True)  # distinct feature rows
     by_image = np.split(np.argsort(inverse, kind="stable"), np.cumsum(np.bincount(inverse))[:-1])
     k = max(1, round(batch_size * len(images) / len(rows)))
@@ -98,17 +81,9 @@ def image_batches(
     return [np.concatenate([by_image[j] for j in c]) for c in rank_share(global_batches(order, k, world), rank, world)]
 
 
-# classes
-
-
 class FineTuning:
-    """The fine-tuned encoder and where its inputs come from, for `fit`.
-
-    `cfg` is the run's `TrainConfig`: its fine_tune says which layers train, its batch size about how many
-    captions a batch holds (`image_batches`), its process's workers who decode images. With `targets`
-    (`data.boxes.BoxTargets`, `fit --boxes`) each batch carries its box masks; `progress` shows the pool4
-    cache's progress bar.
-    """
+    """The fine-tuned encoder and where its inputs come from. `cfg`: the run's `TrainConfig`; `targets`: the box
+    masks (`data.boxes.BoxTargets`) each batch carries under `fit --boxes`."""
 
     shapes = "packed"  # a batch's captions are as long as its longest (`objectives.passes`)
 
@@ -178,12 +153,8 @@ def input_cache(
     workers: int = 2,
     progress: bool = True,
 ) -> FeatureCache:
-    """The frozen layers' output (VGG's pool4) for every image, cached beside the features; made if missing.
-
-    Resumable like `prepare`: rows are marked done once on disk, and a later call finishes the
-    rest. Under torchrun each process makes its share. Images the feature cache could not read
-    are skipped here too.
-    """
+    """The frozen layers' output (VGG's pool4) for every image, cached beside the features; made if missing,
+    resumably as `prepare` makes features, each torchrun process its share. Unreadable images are skipped here too."""
     d, device = process.dist, process.device
     n, (L, D) = len(data.meta["image_ids"]), layer_input_shape(data.encoder, start)
     info = input_cache_info(data, start)
@@ -230,21 +201,9 @@ def input_cache(
 def add_tuned_familiarity(
     paths: list[str], data: CaptionData, checkpoints, device: torch.device, *, seed: int, workers: int = 2
 ) -> float:
-    """Put into each fine-tuned checkpoint the familiarity statistics of the encoder it holds.
-
-    `fit` saves fine-tuned checkpoints without them (the feature cache holds the frozen
-    encoder's output, not theirs) and calls this when training ends: the training and
-    validation images' features come from the checkpoint's layers (on the pool4 cache, or on
-    the images), and so do the calibration photographs'. Checkpoints holding the same step
-    share one computation. A failed save is reported as any save is.
-
-    Args:
-        paths: the run's checkpoints (missing ones are skipped).
-        checkpoints: the run's `train.checkpoints.Checkpoints`.
-
-    Returns:
-        The seconds it took.
-    """
+    """Put into each fine-tuned checkpoint of `paths` (missing ones skipped) the familiarity statistics of the
+    encoder it holds, since the feature cache holds the frozen encoder's output, not theirs; checkpoints of one step
+    share one computation. Returns the seconds it took."""
     t0, done = time.monotonic(), {}
     for path in paths:
         if not os.path.exists(path):

@@ -1,11 +1,7 @@
 """`prepare`: COCO captions (or a Karpathy dataset file) + images → vocabulary, encoded captions and the feature cache.
 
-Resumable: meta.json is written first and names the images and encoder; a second run with the
-same inputs reuses every finished feature row, and a run with different inputs is refused
-rather than mixing two caches. The directory counts as prepared only once meta.json says
-"complete", after everything else is on disk. A stop (SIGTERM, Ctrl-C) ends it after the current
-batch of features, with done marks only for rows on disk; `recheck` re-extracts damaged rows.
-The files written last, once the features are done, are `train.dataset_files`'s.
+Resumable: a rerun with the same inputs reuses every finished feature row, one with different inputs is refused
+rather than mixing two caches. The directory counts as prepared only once meta.json says "complete".
 """
 
 from __future__ import annotations
@@ -113,14 +109,9 @@ class PrepareConfig:
 def prepare(
     cfg: PrepareConfig, *, dist: Dist | None = None, progress: bool = True, stop: GracefulStop | None = None
 ) -> dict:
-    """Build a data directory; returns a summary (counts per split, vocabulary size, skipped).
-
-    Args:
-        cfg: the inputs, the encoder and the settings.
-        dist: under torchrun, this process's place: each rank extracts its share of the rows.
-        stop: once requested (SIGTERM, SIGINT), end after the current batch of features; the
-            summary then says {"stopped": signal name, ...} and a rerun goes on from there.
-    """
+    """Build a data directory; returns a summary (counts per split, vocabulary size, skipped). Under torchrun (`dist`)
+    each rank extracts its share; once `stop` is requested it ends after the current batch of features, the summary
+    says {"stopped": signal name, ...}, and a rerun goes on from there."""
     dist = dist or Dist()
     device = choose_device(cfg.device, dist.local_rank)
     records, skipped, sources = _read_records(cfg)

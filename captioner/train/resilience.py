@@ -1,11 +1,4 @@
-"""What a cluster job meets and survives: a full disk, preemption, damaged features.
-
-- `GracefulStop`: SIGTERM (a scheduler's preemption notice) and SIGINT (Ctrl-C) set a flag
-  instead of killing the process; `fit` and `prepare` look at it at safe points, save, and end.
-- a checkpoint save that fails (no space left, quota, read-only) is reported in one line naming
-  the last good checkpoint and its step (`train.checkpoints.Checkpoints`), instead of a traceback.
-- `FaultLog`: the one-line warnings about what training goes on through (a failed save, a
-  skipped step, captions of damaged feature rows left out), on stderr and in metrics.jsonl.
+"""What a cluster job meets and survives: preemption and Ctrl-C, a full disk, damaged features.
 
 Shapes: n rows of (L, D) features, L locations, D feature size.
 """
@@ -32,9 +25,6 @@ EXIT_STATUS = {signal.SIGTERM: 0, signal.SIGINT: 130}
 log = logging.getLogger(__name__)
 
 
-# helpers
-
-
 def first_nonfinite(state: dict) -> str | None:
     """The name of the first floating-point tensor in a state dict holding an inf or NaN, else None."""
     for name, value in state.items():
@@ -43,21 +33,13 @@ def first_nonfinite(state: dict) -> str | None:
     return None
 
 
-# classes
-
-
 class GracefulStop:
     """Context manager: SIGTERM and SIGINT ask for a stop at the next safe point instead of killing.
 
-    Inside the block the first signal only sets `requested`; the code under it finishes its
-    current unit of work (a training step, a batch of features), saves, and returns. Repeats of
-    the signal are ignored while it does (under torchrun a Ctrl-C reaches each worker twice: from
-    the terminal and from the agent); SIGKILL or Ctrl-\\ (SIGQUIT) still end it at once. Outside
-    the main thread signals cannot be caught, and the block does nothing.
-
-    Args:
-        announce: write one line to stderr when a signal arrives (rank 0 only under torchrun).
-    """
+    Inside the block the first signal only sets `requested`; repeats are ignored while the code saves and returns
+    (under torchrun a Ctrl-C reaches each worker twice: from the terminal and from the agent). SIGKILL and Ctrl-\\
+    (SIGQUIT) still end it at once. Outside the main thread signals cannot be caught, and the block does nothing.
+    `announce`: one line to stderr when a signal arrives."""
 
     def __init__(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT), *, announce: bool = True):
         self.signals, self.announce = tuple(signals), announce
@@ -121,24 +103,16 @@ class _Forward(logging.Handler):
 
 
 class FaultLog:
-    """One-line warnings about the faults training goes on through, on stderr and in metrics.jsonl.
-
-    Args:
-        write_log: appends a record to the run's metrics.jsonl.
-        show: print warnings about shared state (rank 0 only under torchrun).
-    """
+    """One-line warnings about the faults training goes on through, on stderr and in metrics.jsonl (`write_log`);
+    `show`: print warnings about shared state (rank 0 only under torchrun)."""
 
     def __init__(self, write_log: Callable[[dict], None], show: bool = True):
         self.write_log, self.show = write_log, show
         self.named: set[int] = set()  # feature rows already reported
 
     def warn(self, event: str, message: str, *, show: bool = True, local: bool = False, **fields) -> None:
-        """Print "warning: <message>" and log {"event": event, **fields, "message": message}.
-
-        Args:
-            show: print it (else only log it).
-            local: a fault this process alone met (its share of a batch), printed on every rank.
-        """
+        """Print "warning: <message>" (with `show`) and log {"event": event, **fields, "message": message};
+        `local`: a fault this process alone met (its share of a batch), printed on every rank."""
         if show and (self.show or local):
             log.warning(message)
         self.write_log({"event": event, **fields, "message": message})
@@ -163,14 +137,9 @@ class FaultLog:
             logger.setLevel(level)
 
     def skipped_steps(self, step: int, count: int, terms: dict, scaled: bool = False) -> None:
-        """Report steps that were not applied because a loss term or the gradient was not finite.
-
-        Args:
-            step: the step at which they were found (the steps since the last log line).
-            terms: the means of the terms over the applied steps since the last log line.
-            scaled: fp16 training with a gradient scaler, which finds its scale by overflowing now
-                and then: such steps are logged but not printed.
-        """
+        """Report steps not applied because a loss term or the gradient was not finite, found at `step`; `terms`: the
+        means over the applied steps since the last log line. Under fp16 (`scaled`) the scaler finds its scale by
+        overflowing now and then: such steps are logged but not printed."""
         shown = ", ".join(f"{k} {v:.4g}" for k, v in terms.items())
         self.warn(
             "skipped_step",
@@ -183,12 +152,7 @@ class FaultLog:
         )
 
     def damaged_rows(self, rows: Sequence[int], data, step: int) -> None:
-        """Report feature rows whose captions were left out of a batch; each image once per run.
-
-        Args:
-            rows: one entry per caption left out (an image's row repeats for each of its captions).
-            data: the CaptionData the rows belong to.
-        """
+        """Report the feature rows of `data` whose captions a batch left out (one per caption); each image once."""
         for row in sorted({int(r) for r in rows} - self.named):
             self.named.add(row)
             image_id, path = data.meta["image_ids"][row], data.path_of(row)

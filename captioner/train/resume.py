@@ -1,11 +1,4 @@
-"""Resuming and starting from a checkpoint: `--init` and `--resume` checked against the data, and a
-resumed run's state put back into its live objects (`train.checkpoints.Live`).
-
-A resumed run goes on as if it had never stopped: the optimizer's moments and rates in this run's
-optimizer (its flags and rate tensors kept), and each rank's own random streams. Streams that do not
-fit (another number of processes or GPUs, another kind of device) are reseeded from (seed, rank, step),
-and the log says so.
-"""
+"""Starting from a checkpoint: `--init` and `--resume` checked against the data, a resumed run's state put back."""
 
 from __future__ import annotations
 
@@ -157,11 +150,9 @@ def _seed(base: int, rank: int, step: int) -> int:
 
 
 def start_from(job, data: CaptionData, device) -> tuple[dict | None, dict | None, dict]:
-    """The checkpoints a run (`trainer.FitJob`) starts from, (--init's, the resumed last.pt), each checked against
-    the data (`train.settle` checks the options against them), and how the run began as its checkpoints record it:
-    {"init", "boxes", "command"} (a resumed run keeps its first --init and command line, and reads its boxes
-    again, as it reads its data).
-    """
+    """The checkpoints a run starts from (--init's, the resumed last.pt), each checked against the data, and how the
+    run began as its checkpoints record it: {"init", "boxes", "command"} (a resumed run keeps its first --init and
+    command line, and reads its boxes again)."""
     init, boxes, out_dir = job.init, job.boxes, job.out
     began = {"init": init, "boxes": boxes, "command": job.command}
     if not job.resume:

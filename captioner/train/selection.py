@@ -27,12 +27,8 @@ logger = logging.getLogger(__name__)
 def validate(
     live: Live, data: CaptionData, schedule: ScheduleConfig, process: distributed.Process
 ) -> tuple[dict, dict[int, Hypothesis]]:
-    """Generation-based validation of the weights' average (or the weights), split over processes and scored
-    on the gathered captions; the searches compiled where the process's steps replay as CUDA graphs.
-
-    Returns:
-        the metrics (every process's the same), and this process's share of the captions by image id.
-    """
+    """Generation-based validation of the weights' average (or the weights), split over processes and scored on the
+    gathered captions. Returns the metrics (every process's the same) and this process's captions by image id."""
     t0, d, device = time.monotonic(), process.dist, process.device
     texts, hyps = caption_split(
         live.average.model if live.average else live.decoder,

@@ -1,18 +1,10 @@
 """Every setting `fit` derives from others, settled in one place before anything is built.
 
-`settle` takes the configs as given (fields left None where their default depends on other
-settings), the run's situation (a fresh start, `--init` weights, or a resumed `last.pt`) and the
-device, and returns frozen configs with nothing left to decide. `DERIVED` says how each derived
-default is settled (and is what `fit --help` says of it); `--shapes auto` is packed on a CPU,
-fixed on a GPU or with --compile. Combinations of settings that cannot train, and options that
-contradict a resumed run, are refused here, before anything is built; what needs the data itself
-(a `--boxes` file naming none of the training captions' objects: `setup.box_targets`) is refused
-where the data is read, and the files a resumed run read (`resume.start_from`) where its checkpoint is.
-
-A resumed run keeps what the run is (its saved configs) and takes how this process runs it
-(`config.ProcessConfig`) from the command; the command's other settings are left out with a warning.
-Its derived defaults are then settled as a fresh run's are, so that a setting its checkpoint lacks is derived,
-not left None.
+`DERIVED` says how each derived default is settled (and is what `fit --help` says of it). Combinations that cannot
+train, and options that contradict a resumed run, are refused here, before anything is built; what needs the data
+itself is refused where the data is read. A resumed run keeps its saved configs but takes `config.ProcessConfig`
+from the command, warning of the command's other settings; its derived defaults are then settled as a fresh run's,
+so that a setting its checkpoint lacks is derived, not left None.
 """
 
 from __future__ import annotations
@@ -50,11 +42,9 @@ DERIVED = {  # each derived default's rule, as `fit --help` shows it
 
 @dataclass(frozen=True)
 class Start:
-    """What a run starts from: its data's vocabulary size, feature size D (its backbone row's channels: a fresh
-    decoder's `encoder_dim`; None keeps the config's), whether the data holds the features of the images' views
-    (without them, and without a fine-tuned encoder to make its own, the consistency is settled as 0), whether it
-    reads object boxes (`fit --boxes`, which set the word query's and the decoding sharpness's defaults), and the
-    checkpoint of `--init` or the resumed last.pt (migrated: `models.checkpoint.load_checkpoint`)."""
+    """What a run starts from: `encoder_dim` is the data's feature size D (None keeps the config's); without `views`
+    (the views' features) and without a fine-tuned encoder to make its own, the consistency is settled as 0; `boxes`
+    (`fit --boxes`) sets the word query's and the decoding sharpness's defaults; `init` and `saved` are migrated."""
 
     vocab_size: int
     encoder_dim: int | None = None
@@ -67,15 +57,11 @@ class Start:
 def settle(
     model: DecoderConfig | None, cfg: TrainConfig, start: Start, device: torch.device
 ) -> tuple[DecoderConfig, TrainConfig]:
-    """The settled (decoder, training) configs of a run on `device` (the shapes' default).
-
-    `model` is the decoder options given (None: the defaults); with --init its checkpoint sets the sizes, and on
-    resume the saved run sets them all (those given otherwise are warned of). `cfg`: the training options given
-    (on resume: their per-process settings, `_kept`).
+    """The settled (decoder, training) configs of a run on `device`. With --init its checkpoint sets the decoder's
+    sizes; on resume the saved run sets them all, and the options given otherwise are warned of.
 
     Raises:
-        CaptionerError: options that cannot train together (`_refuse`, `_terms`, `_optim`), or that
-            contradict the run being resumed (`_refuse_resumed`).
+        CaptionerError: options that cannot train together, or that contradict the run being resumed.
     """
     init, saved, views, boxes = start.init, start.saved, start.views, start.boxes
     if saved is not None:

@@ -1,9 +1,7 @@
 """The parts a training run is built of, from the settled configs (`train.settle`).
 
-A run has one `Stage` (the decoder alone on the cached features; SCST on the training images) or, with
-`--fine-tune-encoder`, two: from `fine_tune.after` on, the decoder trains with the encoder's layers on the
-encoder's inputs. Each stage's batches have the shapes its source makes them in, and its objective takes them
-from there.
+With `--fine-tune-encoder` a run has two stages: from `fine_tune.after` on, the decoder trains with the encoder's
+layers, on the encoder's inputs.
 """
 
 from __future__ import annotations
@@ -89,11 +87,8 @@ def box_targets(data: CaptionData, path: str, d: distributed.Dist) -> BoxTargets
 
 
 def familiarity(data: CaptionData, tuning, saved: dict | None, seed: int, main: bool) -> dict | None:
-    """The training features' statistics ("unlike the training images"), computed once per run.
-
-    A resumed run keeps the statistics it saved (same data and seed). A fine-tuned encoder's
-    features are not the cache's: its checkpoints get theirs when `fit` ends.
-    """
+    """The training features' statistics, once per run; a resumed run keeps its saved ones. A fine-tuned encoder's
+    checkpoints get theirs when `fit` ends (its features are not the cache's)."""
     if tuning is not None or not main:
         return None
     if saved is not None and saved.get("familiarity") is not None:

@@ -1,19 +1,11 @@
 """One optimisation step, the same on every device; its forward and backward compiled by PyTorch where asked.
 
-`TrainStep` takes a batch to an applied (or skipped) update: the objective's loss and terms, backward,
-clipping, Adam, the weights' moving average and the terms' own state, with nothing read back to the
-host. A step whose loss, a term or the gradient norm is not finite is skipped on the device (fused
-Adam's `found_inf`). The terms are summed on the device and read back at each log line (`read`).
-Under DDP the batch's word count and the skip flag are summed over processes on the device.
-
-Compiled (`compiled`; docs/training.md#coco-on-one-gpu), with fixed shapes and capturable terms: the
-objective's forward, and the backward AOTAutograd makes of it, under `torch.compile(mode=...)`, whole
-(`fullgraph`), one compile per length bucket ("reduce-overhead" on a GPU: CUDA graphs). The forward
-compiles in place, so that under DDP the DDP module calls it: PyTorch's documented way, DDP's own forward
-eager and the module it wraps compiled (in the default mode there, which splits the graph at DDP's
-buckets). The compiled forward draws from the device's default generator, not `generator`. The update
-runs eagerly: its optimizer step is PyTorch's fused Adam, one kernel per group, which the compiler does
-not trace. A compile that fails: `compiled.Compiled`.
+Nothing is read back to the host: a step whose loss, a term or the gradient norm is not finite is skipped on the
+device (fused Adam's `found_inf`), and the terms are summed there until a log line reads them (`read`). Compiled,
+the objective's forward compiles in place, whole, once per length bucket, so that under DDP the DDP module calls it
+(PyTorch's documented way; there in the default mode, which splits the graph at DDP's buckets). The compiled forward
+draws from the device's default generator, not `generator`. The update runs eagerly: fused Adam is one kernel per
+group, which the compiler does not trace.
 
 Shapes: B captions (images for SCST), T tokens.
 """
@@ -37,9 +29,8 @@ def make_optimizer(groups: list[dict], lr: float) -> torch.optim.Adam:
 
 
 class TrainStep:
-    """Steps an objective's loss (DDP-wrapped under torchrun) with the run's optimizer, updating its weights'
-    average and drawing from its generator in eager steps; `steps`: optimizer steps so far (a resumed run's),
-    for the average's ramp. Compiled where `process.compiling` says (module doc)."""
+    """Steps an objective's loss (DDP-wrapped under torchrun) with the run's optimizer, its weights' average and
+    its terms' state; `steps`: optimizer steps so far (a resumed run's), for the average's ramp."""
 
     def __init__(self, objective, live, cfg: OptimConfig, process: distributed.Process, steps: int = 0):
         self.objective, self.optimizer, self.cfg, self.average = objective, live.optimizer, cfg, live.average

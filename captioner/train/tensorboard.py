@@ -1,18 +1,10 @@
 """`fit --tensorboard DIR`: the run's log, also as TensorBoard event files in DIR, written by rank 0 alone.
 
-The board is handed every record of the run's metrics.jsonl (`checkpoints.RunLog`), whose values are
-already on the host, so it reads nothing from the device: at each training line each term's mean
-(`train/<term>`) and the learning rate (`train/lr`), what the machine did and the steps per second since
-the previous record (`machine/`); at each validation its scores (`val/`) and the attention health's
-figures (`attention_health/`). After each validation it also shows the first few of rank 0's validation
-images, the same ones each time: the generated caption as text (`captions/<image id>`, with the
-references) and the per-word attention figure (`attention_maps/<image id>`), drawn by
-`evaluation.heatmaps` as `captioner caption --figures` draws it; an image file that is no longer there
-gets its caption without a picture.
-
-A resumed run goes on in the same directory: the events after its last.pt's step, which the run that
-stopped wrote and the resumed run takes again, are purged (SummaryWriter's `purge_step`), so that each
-step is shown once; a fresh run purges whatever an earlier run left in DIR.
+The board gets every record of metrics.jsonl, whose values are already on the host, so it reads nothing from the
+device. After each validation it also shows the first few of rank 0's validation images, the same each time: the
+caption as text and the attention figure as `captioner caption --figures` draws it. A resumed run purges the events
+after its last.pt's step (`purge_step`), which the run that stopped wrote and it takes again, so that each step is
+shown once; a fresh run purges whatever an earlier run left in DIR.
 Symbols: n words, g grid side, L = g·g locations.
 """
 
@@ -57,11 +49,7 @@ def summary_writer():
 
 
 def open_board(log_dir: str | None, *, main: bool, saved: dict | None) -> TensorBoard | None:
-    """The run's board in `log_dir` (`fit --tensorboard`), rank 0's alone; None without one.
-
-    Args:
-        main: this process writes (rank 0).
-        saved: the last.pt a resumed run starts from (None: a fresh run).
+    """The run's board in `log_dir` (rank 0's: `main`), None without one; `saved`: a resumed run's last.pt.
 
     Raises:
         CaptionerError: tensorboard is not installed, on every rank alike, before the run starts.
@@ -75,12 +63,8 @@ def open_board(log_dir: str | None, *, main: bool, saved: dict | None) -> Tensor
 
 
 class TensorBoard:
-    """The run's records as TensorBoard scalars, and its validation examples as text and images (module doc).
-
-    Args:
-        log_dir: where the event files go (TensorBoard shows each folder under its --logdir as a run).
-        resumed_at: the step of the last.pt a resumed run starts from (None: a fresh run).
-    """
+    """The run's records as TensorBoard scalars and its validation examples as text and images; `resumed_at`: the
+    step of the last.pt a resumed run starts from."""
 
     def __init__(self, log_dir: str, *, resumed_at: int | None):
         purge = 0 if resumed_at is None else resumed_at + 1  # events at last.pt's step are the checkpoint's own

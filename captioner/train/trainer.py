@@ -1,11 +1,8 @@
 """`fit`: teacher-forced training on cached features, validated by generation each epoch.
 
-A run is one `Trainer`: `start` settles the settings and builds the run (fresh, from `--init`, or resumed from
-`last.pt`), then each epoch is `train_one_epoch` and `validate_and_save`, and `finish` saves what is left.
-Checkpoints (`last.pt` every epoch, every `checkpoint_minutes` and every `checkpoint_every` steps, `best.pt`
-when selected) hold everything needed to resume exactly. Batches of an epoch are a function of (seed, epoch), so
-a resumed run replays the rest of the epoch it was in. Under `torchrun` each process takes its share of every
-global batch through DistributedDataParallel; validation is split over processes; rank 0 logs and saves.
+Batches of an epoch are a function of (seed, epoch), so a resumed run replays the rest of the epoch it was in.
+Under `torchrun` each process takes its share of every global batch through DistributedDataParallel; validation
+is split over processes; rank 0 logs and saves.
 """
 
 from __future__ import annotations
@@ -44,11 +41,9 @@ logger = logging.getLogger(__name__)
 class FitJob:
     """What `fit` is asked to do: the data, the run directory, what it starts from, and its settings.
 
-    `model` gives the decoder's sizes (vocab_size is taken from the data; ignored on resume and with `init`);
-    `train` the training settings, of which a resumed run keeps its own but for how this process runs it
-    (`train.config.per_process`); `init` a checkpoint whose weights start the run with a fresh optimizer;
-    `boxes` object boxes of the training images (COCO instances) that teach attention; `resume` continues
-    from out/last.pt; `command` is the command line as typed, which checkpoints record.
+    `model` gives the decoder's sizes (vocab_size from the data; ignored on resume and with `init`, a checkpoint whose
+    weights start the run with a fresh optimizer); `boxes` object boxes of the training images (COCO instances) that
+    teach attention; `command` the command line as typed.
     """
 
     data: str
@@ -64,9 +59,8 @@ class FitJob:
 
 
 def fit(job: FitJob, stop: resilience.GracefulStop | None = None) -> Progress:
-    """Train a decoder on a prepared data directory into a run directory: last.pt, best.pt, metrics.jsonl.
-
-    Once `stop` is requested (SIGTERM, SIGINT), each process ends its step, rank 0 saves last.pt, fit returns.
+    """Train a decoder on a prepared data directory into a run directory: last.pt, best.pt, metrics.jsonl. Once
+    `stop` is requested, each process ends its step, rank 0 saves last.pt, and fit returns.
 
     Raises:
         CaptionerError: the final save of last.pt or best.pt failed (a full disk), naming the last good one.
@@ -75,8 +69,7 @@ def fit(job: FitJob, stop: resilience.GracefulStop | None = None) -> Progress:
 
 
 class Trainer:
-    """One training run: its data and settled configs, this process, the model's state, where it is, its log
-    and its checkpoints."""
+    """One training run: its data and settled configs, this process, the model's state, progress, log and saver."""
 
     def __init__(self, job: FitJob, stop: resilience.GracefulStop | None = None):
         self.job, self.stop = job, stop
@@ -254,8 +247,7 @@ class Trainer:
         return agree and distributed.any_true(d, due, self.process.device) if d.active else due
 
     def _log_terms(self) -> None:
-        """Read the terms back from the device: a log line of their means since the last one (and of what the
-        machine did), the bar's loss, and any skipped steps."""
+        """Read the terms back from the device: a log line of their means since the last one, and any skipped steps."""
         progress = self.progress
         terms, skipped = self.step.read()
         if skipped:
@@ -271,12 +263,8 @@ class Trainer:
         )
 
     def validate_and_save(self, ended: str | None) -> tuple[bool, bool]:
-        """The end of an epoch (or of the time budget, `ended`): validate, step the schedule, choose best.pt,
-        save best.pt and last.pt.
-
-        Returns:
-            (whether a stop was asked, whether this is the run's last epoch)
-        """
+        """The end of an epoch (or of the time budget, `ended`): validate, step the schedule, choose and save best.pt,
+        save last.pt. Returns whether a stop was asked and whether this is the run's last epoch."""
         schedule, progress, saver, d = self.cfg.schedule, self.progress, self.saver, self.process.dist
         try:
             metrics, hyps = validate(self.live, self.data, schedule, self.process)
