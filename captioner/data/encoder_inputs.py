@@ -1,8 +1,8 @@
-"""What a fine-tuned encoder reads: the pool4 cache beside the features, or the images themselves.
+"""What a fine-tuned encoder reads: the input cache beside the features, or the images themselves.
 
-Fine-tuning from conv5_1 runs the trained layers on the output of the layers before them (VGG's
-pool4, ResNet's conv4_x), cached once in the data directory (DATA/pool4.npy and pool4.done, the
-feature cache's format, its rows of `encoder.layer_input_shape`; made by
+Fine-tuning from conv5_1 (the backbone's last stage) runs the trained layers on the output of the
+layers before them (VGG's pool4, ResNet's conv4_x, ConvNeXt's second stage), cached once in the data
+directory (the feature cache's format, its rows of `encoder.layer_input_shape`; made by
 `train.finetune.input_cache`); from conv4_1 it runs on the images, decoded and preprocessed by
 DataLoader workers ahead of the step.
 Shapes: n images, L locations, D feature size, S image side.
@@ -27,11 +27,13 @@ from captioner.errors import CaptionerError, ImageError
 from captioner.models.encoder import layer_input_shape
 from captioner.models.preprocess import Preprocess
 
-INPUT_CACHE = "pool4"  # DATA/pool4.npy: the frozen layers' output for conv5_1 fine-tuning (its name from VGG)
+# The input cache's files (DATA/pool4.npy, .done, .json) for every backbone: named after VGG's pool4, which
+# data directories made before ResNet and ConvNeXt hold under that name.
+INPUT_CACHE = "pool4"
 
 
 def input_cache_info(data: CaptionData, start: int) -> dict:
-    """What a pool4 cache was made for: the encoder, the first trained layer and the images."""
+    """What an input cache was made for: the encoder, the first trained layer and the images."""
     return {"encoder": data.encoder.fingerprint, "layers": start, "rows": len(data.meta["image_ids"])}
 
 
@@ -61,7 +63,7 @@ def image_groups(paths, groups: list[np.ndarray], preprocess: Preprocess, worker
 
 
 def complete_input_cache(data: CaptionData, start: int) -> FeatureCache | None:
-    """The pool4 cache of a data directory if it is complete for these layers, else None."""
+    """The input cache of a data directory if it is complete for these layers, else None."""
     info_path = os.path.join(data.dir, f"{INPUT_CACHE}.json")
     if not os.path.exists(info_path):
         return None
@@ -83,11 +85,11 @@ def encoded_features(
     device: torch.device,
     workers: int = 2,
 ) -> torch.Tensor:
-    """Features (n, L, D) of rows by `encoder`, on the cached pool4 rows or on the images.
+    """Features (n, L, D) of rows by `encoder`, on the input cache's rows or on the images.
 
     Args:
         encoder: a `TunedEncoder` from the cache, or any encoder of images (`Encoder`, `TunedEncoder`).
-        cache: the pool4 cache when the encoder reads it; None to decode the images.
+        cache: the input cache when the encoder reads it; None to decode the images.
     """
     if cache is not None:
         return encoder(torch.from_numpy(cache[rows].astype(np.float32)).to(device)).float()  # (n, L, D)

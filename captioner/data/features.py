@@ -77,7 +77,7 @@ class FeatureCache:
     """(N, L, D) fp16 features on disk with a per-row done mark."""
 
     def __init__(self, data_dir: str, n: int, locations: int, dim: int, mode: str = "r", name: str = "features"):
-        # name: "features" (the encoder's output); finetune.py keeps a "pool4" cache beside it
+        # name: "features" (the encoder's output), or fine-tuning's input cache beside it (`encoder_inputs.INPUT_CACHE`)
         self.path = os.path.join(data_dir, f"{name}.npy")
         self.done_path = os.path.join(data_dir, f"{name}.done")
         self.shape = (n, locations, dim)

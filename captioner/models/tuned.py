@@ -41,7 +41,7 @@ class TunedEncoder(nn.Module):
     Args:
         trunk: `Encoder.features`, with the weights the cached features were made with.
         start: index of the first trained layer.
-        from_cache: inputs are cached (n, L', D') outputs of layer start-1 (VGG's pool4), else images.
+        from_cache: inputs are cached (n, L', D') outputs of layer start-1 (VGG's pool4, ResNet's conv4_x), else images.
         arch: the backbone's row, whose stride makes the grid of images.
     """
 
