@@ -29,7 +29,7 @@ from captioner.errors import OptionError
 
 NOT_GIVEN = None  # what argparse holds for an option left out; the dataclass default applies
 
-# Every command's --device: a field `device: Device = "auto"`, checked by `check_device`.
+# Every command's --device: a field `device: Device = "auto"`, checked by `check_device` as `from_args` reads it.
 Device = Annotated[str, "auto (a GPU if there is one), cpu, cuda or cuda:N"]
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -189,9 +189,11 @@ def from_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = (), pref
     """The dataclass `cls` from parsed options: given values, else the dataclass's defaults.
 
     Raises:
-        ValueError: an option of an optional nested dataclass was given without its switch.
+        ValueError: an option of an optional nested dataclass was given without its switch, or a --device
+            that names no device.
     """
     values = dict(fixed)
+    hints = typing.get_type_hints(cls, include_extras=True)
     for f, tp, flags, text in _fields(cls):
         tp, optional = _optional(tp)
         if f.name in skip or f.name in values or not (text or dataclasses.is_dataclass(tp)):
@@ -208,6 +210,8 @@ def from_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = (), pref
             continue
         value = getattr(args, prefix + f.name, NOT_GIVEN)
         if value is not NOT_GIVEN:
+            if hints[f.name] == Device:
+                check_device(value)
             values[f.name] = value
     return cls(**values)
 

@@ -121,6 +121,8 @@ def test_resnet_rows_cut_after_the_last_stage_and_name_layers_as_torchvision():
     assert layer_input_shape(EncoderSpec(), 24) == (196, 512)  # VGG16's pool4, as before
     with pytest.raises(CaptionerError, match="unknown encoder"):
         backbone("resnet18")
+    with pytest.raises(CaptionerError, match=r"--fine-tune-from must be one of \['conv4_1', 'conv5_1'\] for ResNet-50"):
+        start_index(meta_trunk("resnet50"), "conv3_1", "resnet50")
 
 
 def test_the_seeded_resnet_is_stable_and_in_fp16s_range(resnet50):

@@ -11,7 +11,8 @@ from conftest import run_cli
 
 from captioner.cli import main as cli
 from captioner.cli import train as train_cli
-from captioner.errors import CaptionerError
+from captioner.errors import CaptionerError, OptionError
+from captioner.options import from_args
 from captioner.serve.bulk import expand_inputs, image_ids
 
 
@@ -148,3 +149,14 @@ def test_default_model_unfamiliar_note_and_guarded_cuda(folder, tmp_path, capsys
     if not torch.cuda.is_available():
         p = run_cli("-m", "captioner", "caption", str(image), "--device", "cuda")
         assert p.returncode == 2 and "error: --device cuda" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_commands_device_is_refused_by_name_as_its_options_are_read(capsys):
+    """Every command's --device is checked in one place: where `options.from_args` reads it."""
+    given = ["evaluate", "--checkpoint", "c.pt", "--data", "d", "--out", "m.json", "--device"]
+    parser = train_cli.get_parser()
+    with pytest.raises(OptionError, match=r"^--device: expected auto, cpu, cuda or cuda:N, got 'gpu'$"):
+        from_args(train_cli.EvaluateOptions, parser.parse_args([*given, "gpu"]))
+    assert from_args(train_cli.EvaluateOptions, parser.parse_args([*given, "cuda:1"])).device == "cuda:1"
+    assert cli.main(["caption", "x.jpg", "--device", "cuda:x"]) == 2
+    assert "error: --device: expected auto, cpu, cuda or cuda:N, got 'cuda:x'" in capsys.readouterr().err

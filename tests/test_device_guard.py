@@ -124,7 +124,7 @@ def test_a_fine_tuned_encoders_step_stays_on_the_device(data_dir, start):
     data = CaptionData(str(data_dir))
     base, _ = build_encoder(EncoderSpec(weights="none"))
     from_cache = start == "conv5_1"
-    first = start_index(base.features, start)
+    first = start_index(base.features, start, "vgg16")
     encoder = TunedEncoder(base.features, first, from_cache=from_cache, arch="vgg16").to(META)
     dec = decoder_on_meta(data, "soft")
     terms = objective_terms(

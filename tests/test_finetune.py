@@ -70,7 +70,7 @@ def tuned_run(tuned_data, tmp_path_factory):
 def test_conv_names_of_both_vggs():
     with torch.device("meta"):
         vgg16, vgg19 = torchvision.models.vgg16().features[:30], torchvision.models.vgg19().features[:36]
-    assert (start_index(vgg16, "conv5_1"), start_index(vgg16, "conv4_1")) == (24, 17)
+    assert (start_index(vgg16, "conv5_1", "vgg16"), start_index(vgg16, "conv4_1", "vgg16")) == (24, 17)
     assert (start_index(vgg19, "conv5_1", "vgg19"), start_index(vgg19, "conv4_1", "vgg19")) == (28, 19)
 
 

@@ -20,7 +20,7 @@ from captioner.decoding.settings import Decoding
 from captioner.demo.options import DemoOptions
 from captioner.errors import CaptionerError, OptionError
 from captioner.io import write_json_atomic
-from captioner.options import Device, add_options, check_device, check_positive, from_args
+from captioner.options import Device, add_options, check_positive, from_args
 from captioner.serve import bulk
 from captioner.serve.onnx_runtime import OnnxCaptioner, is_onnx_folder
 from captioner.serve.sources import model_source
@@ -68,7 +68,6 @@ class CaptionOptions:
         check_positive(self, "batch_size")
         if self.workers < 0:
             raise OptionError(f"--workers must be 0 or more, got {self.workers}")
-        check_device(self.device)
         if self.resume and not self.log_path:
             raise OptionError("--resume needs the log to resume from: give --jsonl LOG (or --json OUT)")
 

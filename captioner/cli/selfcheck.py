@@ -20,7 +20,7 @@ from typing import Annotated
 
 from captioner.cli.run import TRAIN, TRAIN_MODULE
 from captioner.compiled import FELL_BACK
-from captioner.options import Device, check_device
+from captioner.options import Device
 
 CAPTIONER = [sys.executable, "-m", "captioner"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
@@ -41,9 +41,6 @@ class SelfCheckOptions:
     seconds: Annotated[float, "how long each mode trains"] = 12.0
     work: Annotated[str | None, "keep the scenes, data and runs in this directory (default: a temporary one)"] = None
     only: Annotated[list[str] | None, "run only these modes (names as printed)"] = None
-
-    def __post_init__(self):
-        check_device(self.device)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from captioner.decoding.settings import Decoding
 from captioner.evaluation.evaluate import evaluate, results_path
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import DecoderConfig
-from captioner.options import Device, add_options, check_device, choose_device, from_args
+from captioner.options import Device, add_options, choose_device, from_args
 from captioner.train import distributed
 from captioner.train.config import TrainConfig
 from captioner.train.prepare import PrepareConfig, prepare
@@ -49,9 +49,6 @@ class FitOptions:
     resume: Annotated[bool, "continue from RUN_DIR/last.pt"] = False
     device: Device = "auto"
 
-    def __post_init__(self):
-        check_device(self.device)
-
 
 @dataclass(frozen=True)
 class EvaluateOptions:
@@ -77,9 +74,6 @@ class EvaluateOptions:
         "on a GPU, compile the search and replay it as CUDA graphs where the split earns back the compile "
         "(off: never; see docs/training.md)",
     ] = "auto"
-
-    def __post_init__(self):
-        check_device(self.device)
 
 
 # Flags that were renamed: the old spelling still works, with a note.

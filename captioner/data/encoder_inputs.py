@@ -1,4 +1,4 @@
-"""What a fine-tuned encoder reads: the pool4 cache beside the features, or the images themselves.
+"""What a fine-tuned encoder reads: the input cache beside the features, or the images themselves.
 
 Fine-tuning from conv5_1 runs the trained layers on the output of the layers before them (VGG's
 pool4, ResNet's conv4_x), cached once in the data directory in the feature cache's format; from
@@ -25,11 +25,13 @@ from captioner.errors import CaptionerError, ImageError
 from captioner.models.encoder import layer_input_shape
 from captioner.models.preprocess import Preprocess
 
-INPUT_CACHE = "pool4"  # DATA/pool4.npy: the frozen layers' output for conv5_1 fine-tuning (its name from VGG)
+# The input cache's files (DATA/pool4.npy, .done, .json) for every backbone: named after VGG's pool4, which
+# data directories made before ResNet and ConvNeXt hold under that name.
+INPUT_CACHE = "pool4"
 
 
 def input_cache_info(data: CaptionData, start: int) -> dict:
-    """What a pool4 cache was made for: the encoder, the first trained layer and the images."""
+    """What an input cache was made for: the encoder, the first trained layer and the images."""
     return {"encoder": data.encoder.fingerprint, "layers": start, "rows": len(data.meta["image_ids"])}
 
 
@@ -59,7 +61,7 @@ def image_groups(paths, groups: list[np.ndarray], preprocess: Preprocess, worker
 
 
 def complete_input_cache(data: CaptionData, start: int) -> FeatureCache | None:
-    """The pool4 cache of a data directory if it is complete for these layers, else None."""
+    """The input cache of a data directory if it is complete for these layers, else None."""
     info_path = os.path.join(data.dir, f"{INPUT_CACHE}.json")
     if not os.path.exists(info_path):
         return None

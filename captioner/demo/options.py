@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from captioner.data.images import DEFAULT_MAX_PIXELS
-from captioner.options import Device, check_device
+from captioner.options import Device
 
 PAGE_BEAM = 3  # where the page's beam-size slider starts; the examples' card records are captioned at it
 PAGE_TOP_P = 0.9  # "Another caption" samples from the likeliest words holding 90%: the tail writes nonsense
@@ -35,6 +35,3 @@ class DemoOptions:
     graphs: Annotated[
         bool, "on a GPU, compile the search before serving and replay it as CUDA graphs (--no-graphs: never)"
     ] = True
-
-    def __post_init__(self):
-        check_device(self.device)

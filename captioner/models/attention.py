@@ -47,14 +47,13 @@ class Attention(nn.Module):
 
 
 def choose_locations(alpha: torch.Tensor, mode: str, generator: torch.Generator | None = None):
-    """The location each row attends (B,) for hard attention's modes; None for the expected context."""
+    """The location each row attends (B,) for hard attention's modes; None for the expected context.
+    `mode` is one of CONTEXT_MODES: the settings that carry it refuse any other as they are made."""
     if mode == EXPECTED:
         return None
     if mode == SAMPLE:
         return sample_from(alpha, generator)  # (B,)
-    if mode == ARGMAX:
-        return alpha.argmax(dim=1)  # (B,)
-    raise ValueError(f"context mode must be one of {CONTEXT_MODES}, got {mode!r}")
+    return alpha.argmax(dim=1)  # (B,), ARGMAX
 
 
 def sample_from(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

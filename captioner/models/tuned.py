@@ -22,10 +22,9 @@ STARTS = ("conv5_1", "conv4_1")
 CACHED = "conv5_1"  # the stage whose inputs are cached once (the others read the images)
 
 
-def start_index(features: nn.Sequential, start: str, arch: str = "vgg16") -> int:
-    """Index in `Encoder.features` of stage `start`'s first layer, as `arch`'s row names it."""
-    if start not in STARTS:
-        raise CaptionerError(f"--fine-tune-from must be one of {STARTS}, got {start!r}")
+def start_index(features: nn.Sequential, start: str, arch: str) -> int:
+    """Index in `Encoder.features` of stage `start`'s first layer, as `arch`'s row names it (`Backbone.stage`
+    refuses a stage the row lacks)."""
     return list(features._modules).index(backbone(arch).stage(start))
 
 
