@@ -239,7 +239,7 @@ def fit_step(
     model_cfg, cfg = settle(model_cfg, cfg, Start(V), device)
     decoder = AttentionDecoder(model_cfg).to(device)
     if compiled == "auto":
-        compiled = step_compiling(cfg.optim, device)
+        compiled = step_compiling(cfg.process, device)
     views = objective == "default"
     objective = teacher_forced_objective(decoder, cfg, views=views, state=TermState(device))
     optimizer = make_optimizer([{"params": list(decoder.parameters())}], cfg.optim.lr)
