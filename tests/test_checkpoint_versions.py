@@ -35,7 +35,7 @@ def _process_in_its_groups(train: dict) -> dict:
     train, process = {k: v for k, v in train.items() if k != "process"}, train["process"]
     for name, keys in PROCESS.items():
         if name == "checkpoints" or train.get(name) is not None:
-            train[name] = {**train.get(name, {}), **{k: process[k] for k in keys}}
+            train[name] = {**train.get(name, {}), **{k: process[k] for k in keys if k in process}}
     return train
 
 
