@@ -16,7 +16,7 @@ from captioner.decoding.beams import Hypothesis
 from captioner.models.decoder import DecoderConfig
 from captioner.options import from_args
 from captioner.train.config import TrainConfig
-from captioner.train.tensorboard import EXAMPLES, TensorBoard
+from captioner.train.tensorboard import EXAMPLES, TensorBoard, open_board
 from captioner.train.trainer import FitJob, fit
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -102,6 +102,20 @@ def test_a_fresh_run_hides_what_an_earlier_run_left_in_its_folder(tmp_path):
         tb.close()
     assert len(os.listdir(tmp_path)) == 2
     assert [(e.step, e.value) for e in board(tmp_path).Scalars("train/loss")] == [(5, 1.0)]
+
+
+def test_a_resumed_board_drops_what_its_stopped_run_wrote_after_last_pt(tmp_path):
+    """A run stopped at step 15 whose last.pt holds step 10 takes steps 11 on again: each is shown once, as the
+    resumed run wrote it, and the steps up to last.pt's stay."""
+    tb = open_board(str(tmp_path), main=True, saved=None)
+    for step in (5, 10, 15):
+        tb.write({"event": "train", "step": step, "loss": 9.0, "time": float(step)})
+    tb.close()
+    assert open_board(str(tmp_path), main=False, saved={"step": 10}) is None  # rank 0 alone writes
+    tb = open_board(str(tmp_path), main=True, saved={"step": 10})
+    tb.write({"event": "train", "step": 15, "loss": 1.0, "time": 15.0})
+    tb.close()
+    assert [(e.step, e.value) for e in board(tmp_path).Scalars("train/loss")] == [(5, 9.0), (10, 9.0), (15, 1.0)]
 
 
 def test_examples_show_captions_and_attention_and_skip_a_missing_picture(data_dir, tmp_path):
