@@ -29,8 +29,9 @@ import torch
 
 from captioner.compiled import no_autocast
 from captioner.data.dataset import CaptionData
+from captioner.decoding.beams import banned
 from captioner.decoding.decode import beam_search
-from captioner.decoding.search_state import CHECK_EVERY, banned
+from captioner.decoding.search_state import CHECK_EVERY
 from captioner.errors import OptionError
 from captioner.models.attention import EXPECTED, SAMPLE, sample_from
 from captioner.models.decoder import AttentionDecoder
@@ -108,7 +109,7 @@ def sample_captions(
     """Draw n captions per image from the decoder, step by step, keeping the graph for log p.
 
     Uses the decoder's own `step`, as beam search does; the same words are banned
-    (`decoding.search_state.banned`: <pad>, <start>, <unk>, and <end> as the first word, so no caption
+    (`decoding.beams.banned`: <pad>, <start>, <unk>, and <end> as the first word, so no caption
     is empty) and a caption reaching max_len words is ended there, as in decoding.
 
     Args:
@@ -154,7 +155,7 @@ def sample_captions(
 def greedy_tokens(
     decoder: AttentionDecoder, features: torch.Tensor, max_len: int, compiled: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The test-time greedy captions (beam size 1 of the one decoding routine), without dropout; its blocks
+    """The test-time greedy captions (the beam search at beam size 1), without dropout; its blocks
     of steps `compiled` as `decoding.decode.beam_search` says.
 
     Returns:
