@@ -17,7 +17,6 @@ Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -75,25 +74,15 @@ def topk(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.take_along_axis(x, order, axis=1), order
 
 
-class Step(Protocol):
-    """A runtime's decoder step over the N = B·K beams of a search (their features held inside)."""
-
-    beams: int  # K
-    images: int  # B
-    vocabulary: int  # V
-    locations: int  # L
-
-    def start(self) -> tuple[np.ndarray, np.ndarray]:
-        """h_0, c_0 of every beam (N, H)."""
-
-    def __call__(self, rows, words, h, c) -> tuple:
-        """The step of the beams in `rows` (n,) (None: all N) from their last words (n,) and states (n, H):
-        log-probabilities (n, V) in float32, h and c (n, H), α (n, L) in float32, and the locations (n,) or None."""
-
-
-def search(step: Step, max_len: int, ban_unk: bool = True, length_norm: bool = False) -> list[list[Hypothesis]]:
+def search(step, max_len: int, ban_unk: bool = True, length_norm: bool = False) -> list[list[Hypothesis]]:
     """The captions of a batch of images: for each, its K hypotheses, best first. `max_len` counts the words
-    before <end>; `length_norm` ranks them by score per token."""
+    before <end>; `length_norm` ranks them by score per token.
+
+    `step` is a runtime's decoder step over the N = B·K beams, their features held inside (`images` B, `beams`
+    K, `vocabulary` V, `locations` L): `step.start()` gives h_0, c_0 (N, H), and `step(rows, words, h, c)` the
+    step of the beams in `rows` (n,) (None: all N) from their last words (n,) and states (n, H): their
+    log-probabilities (n, V) and α (n, L) in float32, h and c (n, H), and the locations (n,) or None.
+    """
     B, K, V, L = step.images, step.beams, step.vocabulary, step.locations
     N, T = B * K, max_len + 1
     ban, ban_first, only_end, _ = masks(V, ban_unk)

@@ -64,7 +64,7 @@ def beam_search(
 
 
 class DecoderStep:
-    """The decoder's step over the K beams of each image of a batch on the CPU (`decoding.beams.Step`): the
+    """The decoder's step over the K beams of each image of a batch on the CPU, for `decoding.beams.search`: the
     search's NumPy arrays go in and come out as tensors that share their memory (no copies)."""
 
     def __init__(self, decoder: AttentionDecoder, features: torch.Tensor, K: int, *, mode, generator, sharpness):

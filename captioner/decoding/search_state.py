@@ -171,12 +171,8 @@ def fixed_search(
     decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator, sharpness, *, compiled: bool
 ) -> int:
     """Run the fixed-shape search on `s`, whose history has room for whole blocks (`fixed_length`); its
-    fields then hold the results. Returns the steps taken.
-
-    Args:
-        sharpness: k of the maps softmax(k e_t) (None: the model's `decode_sharpness`).
-        compiled: run the blocks compiled (module doc), unless they sample locations; `s` made `static`.
-    """
+    fields then hold the results. Returns the steps taken. With `compiled` the blocks run compiled (module
+    doc), unless they sample locations, on `s` made `static`."""
     T, device = s.word.size(0), s.words.device
     if T % CHECK_EVERY:
         raise ValueError(f"a fixed-shape search steps in blocks of {CHECK_EVERY}: room for {T} steps")

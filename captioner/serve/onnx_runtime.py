@@ -55,7 +55,7 @@ def on_onnx(path: str, runtime: str = "auto") -> bool:
 
 
 class OnnxStep:
-    """The exported step over the K beams of each image of a batch (`decoding.beams.Step`)."""
+    """The exported step over the K beams of each image of a batch (the step `decoding.beams.search` takes)."""
 
     def __init__(self, model: OnnxCaptioner, features: np.ndarray, K: int, sharpness: float):
         self.run = model.sessions["step.onnx"].run
