@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from captioner.decoding.beams import banned
 from captioner.decoding.decode import Hypothesis, beam_search
-from captioner.decoding.search_state import banned
 from captioner.models.attention import ARGMAX, EXPECTED
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.vocab import END_ID, PAD_ID, START_ID

@@ -135,7 +135,7 @@ def test_searches_compile_only_where_their_caller_asks():
     evaluation of a whole split, SCST's baseline), never by default because its features are on a GPU."""
     import inspect
 
-    from captioner.decoding.settings import decode
+    from captioner.decoding.decode import decode
     from captioner.evaluation.captioning import caption_split
     from captioner.objectives.scst import greedy_tokens
 

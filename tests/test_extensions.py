@@ -1,6 +1,7 @@
 """What each kind of extension takes, proved by adding one: a loss term is its class and one line in
-`objectives.objective.TERMS`; a decoding method is its routine and one line in `decoding.settings.METHODS`
-(here each "line" is the monkeypatch that adds it). A backbone is its row in `models.backbones.BACKBONES`
+`objectives.objective.TERMS`; a decoding method is its routine and two lines, one in `decoding.settings.METHODS`
+(what it reads, for the API, the command line and the page) and one in `decoding.decode.ROUTINES` (here each
+"line" is the monkeypatch that adds it). A backbone is its row in `models.backbones.BACKBONES`
 (with a `draw` where its family is new): ConvNeXt-T, tests/test_backbones.py. docs/design.md lists them.
 """
 
@@ -10,7 +11,7 @@ import json
 
 import torch
 
-from captioner.decoding import settings
+from captioner.decoding import decode, settings
 from captioner.decoding.beams import hypotheses
 from captioner.decoding.search_state import Search, step_logits
 from captioner.models.decoder import DecoderConfig
@@ -70,16 +71,18 @@ def penalised_greedy(decoder, features, s, max_len, generator, compiled):
         written[torch.arange(N), words] = 1.0
         state.finished |= words == END_ID
         t += 1
-    return hypotheses(state.word.T, state.alpha.transpose(0, 1), state.loc.T, state.scores, max_len)
+    history = (state.word.T, state.alpha.transpose(0, 1), state.loc.T, state.scores)
+    return hypotheses(*(x.numpy() for x in history), max_len)
 
 
-def test_a_new_decoding_method_is_its_routine_and_one_line(monkeypatch, capsys):
+def test_a_new_decoding_method_is_its_routine_and_two_lines(monkeypatch, capsys):
     """The method from the API, `captioner caption --decoding` and the demo's /caption, the same caption each."""
     from captioner import Captioner
     from captioner.cli.main import main
     from captioner.demo.handlers import Demo
 
-    monkeypatch.setitem(settings.METHODS, "penalised", settings.Method(penalised_greedy, ()))  # the one line
+    monkeypatch.setitem(settings.METHODS, "penalised", settings.Method(()))  # the two lines
+    monkeypatch.setitem(decode.ROUTINES, "penalised", penalised_greedy)
     image = example_images()[1]
     cap = Captioner.load(demo_model())
     api = cap.caption(image, method="penalised")
@@ -97,7 +100,7 @@ def test_the_page_draws_a_control_for_each_setting_its_method_reads(monkeypatch)
 
     from captioner.demo.app import _controls
 
-    monkeypatch.setitem(settings.METHODS, "penalised", settings.Method(penalised_greedy, ()))
+    monkeypatch.setitem(settings.METHODS, "penalised", settings.Method(()))
     with gr.Blocks():
         shown = {
             m: {k: c for k, c in _controls(settings.Decoding(method=m)).items() if c.visible} for m in settings.METHODS

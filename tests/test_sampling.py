@@ -10,10 +10,11 @@ import pytest
 import torch
 from test_beam_teacher import DECODERS, Forced, features, tiny
 
-from captioner.decoding.decode import beam_search
+from captioner.decoding.beams import banned
+from captioner.decoding.decode import beam_search, decode, seeded
 from captioner.decoding.sampling import Draw, sample_captions, sampling_step
-from captioner.decoding.search_state import Search, banned
-from captioner.decoding.settings import Decoding, decode, seeded
+from captioner.decoding.search_state import Search
+from captioner.decoding.settings import Decoding
 from captioner.errors import OptionError
 from captioner.models.attention import ARGMAX, EXPECTED, SAMPLE
 from captioner.models.vocab import END_ID

@@ -22,7 +22,7 @@ from captioner.errors import CaptionerError, OptionError
 from captioner.io import write_json_atomic
 from captioner.options import Device, add_options, check_positive, from_args
 from captioner.serve import bulk
-from captioner.serve.onnx_runtime import OnnxCaptioner, is_onnx_folder
+from captioner.serve.onnx_runtime import OnnxCaptioner, on_onnx
 from captioner.serve.sources import model_source
 
 
@@ -188,18 +188,16 @@ def _caption(args: argparse.Namespace) -> int:
 
 
 def _load(source: str, opts: CaptionOptions):
-    """The model on the runtime `--runtime` names: a `Captioner` (PyTorch) or an `OnnxCaptioner`."""
-    onnx = os.path.isdir(source) and is_onnx_folder(source)
-    if opts.runtime == "onnx" or (opts.runtime == "auto" and onnx):
-        if not onnx:
-            raise CaptionerError(f"{source}: --runtime onnx takes a folder that `captioner export --onnx` wrote")
+    """The model on the runtime `--runtime` names: a `Captioner` (PyTorch) or an `OnnxCaptioner`, which needs
+    no torch."""
+    remote = "://" in source  # a URL or hf://, which `Captioner.load` fetches, then checks
+    if not remote and on_onnx(source, opts.runtime):
         return OnnxCaptioner.load(source)
-    if onnx:
-        raise CaptionerError(f"{source}: holds ONNX graphs, which run on onnxruntime: --runtime onnx (or auto)")
     from captioner.options import choose_device
     from captioner.serve.api import Captioner
 
-    return Captioner.load(source, device=str(choose_device(opts.device)), graphs=opts.graphs)
+    device, runtime = str(choose_device(opts.device)), opts.runtime if remote else "torch"
+    return Captioner.load(source, device=device, graphs=opts.graphs, runtime=runtime)
 
 
 def _shown(cap, opts: CaptionOptions, bar):

@@ -1,5 +1,6 @@
-"""The beam search, written once over either runtime's arrays: PyTorch's tensors (`decoding.decode`, the
-decoder's step on any device) or NumPy's (`serve.onnx`, the exported step on onnxruntime, without torch).
+"""The beam search over NumPy arrays, for both runtimes: onnxruntime's step gives NumPy's arrays, and PyTorch's
+step on the CPU shares its tensors' memory with them (`decoding.decode.DecoderStep`). The fixed-shape search
+that a GPU compiles (`decoding.search_state`) extends its beams by the same rule (`extend`) and the same masks.
 
 Each image keeps K beams; a beam that emits <end> is frozen (it extends only with <pad> at no cost) so all
 beams advance in lock-step as arrays; at `max_len` words every unfinished beam is made to end, paying
@@ -8,9 +9,7 @@ ones; <end> is not allowed as the first word, so every caption has at least one 
 otherwise ranks the empty caption first, and the page, the API and the metrics get nothing to show). The
 step runs only on the beams still writing (not on finished beams, nor on the K−1 empty beams of the first
 step), and the search stops as soon as none writes. The history is kept as back-pointers in arrays made
-once, and the captions are traced back on the host at the end, so nothing grows or is copied per step.
-
-Only NumPy is imported here: a runtime brings its arrays (`Arrays`) and its step (`Step`).
+once and traced back at the end, so nothing grows or is copied per step.
 
 Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 """
@@ -18,7 +17,6 @@ Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import numpy as np
 
@@ -46,120 +44,83 @@ def banned(*, first: bool, ban_unk: bool = True) -> list[int]:
     return [PAD_ID, START_ID] + ([UNK_ID] if ban_unk else []) + ([END_ID] if first else [])
 
 
-class Arrays(Protocol):
-    """What the search needs of an array library beyond indexing and arithmetic, which NumPy's arrays and
-    PyTorch's tensors share."""
-
-    def full(self, shape: tuple, value, dtype: str) -> Any:  # dtype: "float", "long" or "bool"
-        ...
-
-    def arange(self, n: int) -> Any: ...
-
-    def topk(self, x, k: int) -> tuple[Any, Any]:  # the k largest of each row (B, n), largest first
-        ...
-
-    def flatnonzero(self, mask) -> Any: ...
-
-    def isfinite(self, x) -> Any: ...
+def masks(V: int, ban_unk: bool) -> np.ndarray:
+    """What a step adds to its log-probabilities (4, V): the banned words' -inf at every step, <end>'s at the
+    first, all but <end>'s at the last (`max_len`); and a frozen beam's row, only <pad>, free."""
+    out = np.zeros((4, V), dtype=np.float32)
+    out[0, banned(first=False, ban_unk=ban_unk)] = -np.inf
+    out[1, END_ID] = -np.inf
+    out[2, :END_ID] = out[2, END_ID + 1 :] = -np.inf
+    out[3] = -np.inf
+    out[3, PAD_ID] = 0.0
+    return out
 
 
-class Step(Protocol):
-    """A runtime's decoder step over the N = B·K beams of a search (their features held inside)."""
-
-    arrays: Arrays
-    beams: int  # K
-    images: int  # B
-    vocabulary: int  # V
-    locations: int  # L
-
-    def start(self) -> tuple[Any, Any]:
-        """h_0, c_0 of every beam (N, H)."""
-
-    def __call__(self, rows, words, h, c) -> tuple[Any, Any, Any, Any, Any]:
-        """The step of the beams in `rows` (n,) (None: all N) from their last words (n,) and states (n, H):
-        log-probabilities (n, V) in float32, h and c (n, H), α (n, L), and the locations (n,) or None."""
+def extend(scores, logp, finished, offsets, topk):
+    """Each image's K best extensions of its beams, on NumPy's arrays or PyTorch's tensors alike: scores
+    (B, K) and the beams' log-probabilities (N, V) → the new scores (B, K), the beam each extends (N,), its
+    word (N,) and the beams that have ended (N,). `offsets` (B, 1) are the images' first beams; `topk` is
+    the runtime's: the k largest of each row, largest first, with their columns."""
+    (B, K), V = scores.shape, logp.shape[1]
+    scores, flat = topk((scores.reshape(-1, 1) + logp).reshape(B, K * V), K)  # (B, K)
+    source = (offsets + flat // V).reshape(-1)  # (N,)
+    words = (flat % V).reshape(-1)  # (N,)
+    return scores, source, words, finished[source] | (words == END_ID)
 
 
-class NumpyArrays:
-    """`Arrays` of NumPy."""
-
-    DTYPES = {"float": np.float32, "long": np.int64, "bool": np.bool_}
-
-    def full(self, shape, value, dtype):
-        return np.full(shape, value, dtype=self.DTYPES[dtype])
-
-    def arange(self, n):
-        return np.arange(n)
-
-    def topk(self, x, k):
-        # Argsort over the rows' -x, stable: of equal values the first, as a sorted top-k takes them.
-        order = np.argsort(-x, axis=1, kind="stable")[:, :k]
-        return np.take_along_axis(x, order, axis=1), order
-
-    def flatnonzero(self, mask):
-        return np.flatnonzero(mask)
-
-    def isfinite(self, x):
-        return np.isfinite(x)
+def topk(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    # A stable sort of -x: of equal values the first, as PyTorch's sorted top-k takes them.
+    order = np.argsort(-x, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(x, order, axis=1), order
 
 
-def search(step: Step, max_len: int, ban_unk: bool = True, length_norm: bool = False) -> list[list[Hypothesis]]:
-    """The captions of a batch of images: for each, its K hypotheses, best first.
+def search(step, max_len: int, ban_unk: bool = True, length_norm: bool = False) -> list[list[Hypothesis]]:
+    """The captions of a batch of images: for each, its K hypotheses, best first. `max_len` counts the words
+    before <end>; `length_norm` ranks them by score per token.
 
-    Args:
-        step: the runtime's decoder step over the batch's beams.
-        max_len: most words per caption (before <end>).
-        ban_unk: never emit <unk>.
-        length_norm: rank finished captions by score per token instead of total score.
+    `step` is a runtime's decoder step over the N = B·K beams, their features held inside (`images` B, `beams`
+    K, `vocabulary` V, `locations` L): `step.start()` gives h_0, c_0 (N, H), and `step(rows, words, h, c)` the
+    step of the beams in `rows` (n,) (None: all N) from their last words (n,) and states (n, H): their
+    log-probabilities (n, V) and α (n, L) in float32, h and c (n, H), and the locations (n,) or None.
     """
-    xp, B, K, V, L = step.arrays, step.images, step.beams, step.vocabulary, step.locations
+    B, K, V, L = step.images, step.beams, step.vocabulary, step.locations
     N, T = B * K, max_len + 1
+    ban, ban_first, only_end, _ = masks(V, ban_unk)
     h, c = step.start()  # (N, H)
-    words = xp.full((N,), START_ID, "long")
-    scores = xp.full((B, K), float("-inf"), "float")
+    words = np.full(N, START_ID, dtype=np.int64)
+    scores = np.full((B, K), -np.inf, dtype=np.float32)
     scores[:, 0] = 0.0  # one live beam at first: no duplicates
-    finished = xp.full((N,), False, "bool")  # beams that emitted <end>
-    writing = xp.isfinite(scores.reshape(-1))  # beams that take the next step
-    word, parent, loc = xp.full((T, N), 0, "long"), xp.full((T, N), 0, "long"), xp.full((T, N), -1, "long")
-    alpha = xp.full((T, N, L), 0.0, "float")  # at step t beam r took word[t, r] after beam parent[t, r]
-    offsets = (xp.arange(B) * K).reshape(B, 1)  # each image's first beam
+    finished = np.zeros(N, dtype=bool)  # beams that emitted <end>
+    writing = np.isfinite(scores.reshape(-1))  # beams that take the next step
+    word, parent, loc = np.zeros((T, N), np.int64), np.zeros((T, N), np.int64), np.full((T, N), -1, np.int64)
+    alpha = np.zeros((T, N, L), dtype=np.float32)  # at step t beam r took word[t, r] after beam parent[t, r]
+    offsets = np.arange(B).reshape(B, 1) * K  # each image's first beam
     for t in range(T):
-        rows = xp.flatnonzero(writing)  # (n,) only the beams still writing take a step
+        rows = np.flatnonzero(writing)  # (n,) only the beams still writing take a step
         every = len(rows) == N
         step_logp, h_rows, c_rows, alpha_rows, loc_rows = step(
             None if every else rows, words[rows], h if every else h[rows], c if every else c[rows]
         )
+        alpha[t][rows] = alpha_rows
         if every:
             h, c = h_rows, c_rows
         else:
             h[rows], c[rows] = h_rows, c_rows
-        alpha[t][rows] = alpha_rows
         if loc_rows is not None:
             loc[t][rows] = loc_rows
-        step_logp[:, banned(first=t == 0, ban_unk=ban_unk)] = float("-inf")
-        if t == max_len:  # only <end> is left, at its own cost
-            step_logp[:, :END_ID] = float("-inf")
-            step_logp[:, END_ID + 1 :] = float("-inf")
+        step_logp += ban + (ban_first if t == 0 else 0.0) + (only_end if t == max_len else 0.0)
         # Frozen beams carry their score forward through <pad>; beams without a step get -inf.
-        logp = xp.full((N, V), float("-inf"), "float")  # (N, V)
+        logp = np.full((N, V), -np.inf, dtype=np.float32)  # (N, V)
         logp[rows] = step_logp
         logp[finished, PAD_ID] = 0.0
-        scores, flat = xp.topk((scores.reshape(-1, 1) + logp).reshape(B, K * V), K)  # (B, K)
-        source = (offsets + flat // V).reshape(-1)  # (N,) the beam each extends
-        words = (flat % V).reshape(-1)  # (N,)
+        scores, source, words, finished = extend(scores, logp, finished, offsets, topk)
         word[t], parent[t] = words, source
         h, c = h[source], c[source]
-        finished = finished[source] | (words == END_ID)
-        writing = ~finished & xp.isfinite(scores.reshape(-1))
-        if not bool(writing.any()):
+        writing = ~finished & np.isfinite(scores.reshape(-1))
+        if not writing.any():
             break
-    history = (host(x[: t + 1]) for x in (word, parent, alpha, loc))
-    return best_first(hypotheses(*trace(*history), host(scores), max_len), length_norm)
-
-
-def host(x) -> np.ndarray:
-    """A runtime's array as a NumPy array on the host (a tensor: copied from its device)."""
-    return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
+    history = trace(word[: t + 1], parent[: t + 1], alpha[: t + 1], loc[: t + 1])
+    return best_first(hypotheses(*history, scores, max_len), length_norm)
 
 
 def trace(word: np.ndarray, parent: np.ndarray, alpha: np.ndarray, loc: np.ndarray):
@@ -177,10 +138,9 @@ def trace(word: np.ndarray, parent: np.ndarray, alpha: np.ndarray, loc: np.ndarr
 
 def hypotheses(tokens, alphas, locs, scores, max_len: int) -> list[list[Hypothesis]]:
     """Each image's captions, in row order, from the rows' tokens (N, T), maps (N, T, L), locations (N, T)
-    and scores (B, K), arrays of either runtime; a row with no finite score (a beam that never had a live
-    parent) is left out."""
-    tokens, alphas, locs = host(tokens), host(alphas).astype(np.float32), host(locs)
-    scores = host(scores).astype(np.float32)
+    and scores (B, K), NumPy arrays; a row with no finite score (a beam that never had a live parent) is
+    left out."""
+    alphas, scores = alphas.astype(np.float32), scores.astype(np.float32)
     B, K = scores.shape
     out = []
     for b in range(B):

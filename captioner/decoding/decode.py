@@ -1,28 +1,27 @@
-"""The one decoding routine: batched beam search (greedy is beam size 1 of it), on PyTorch.
+"""Decoding on PyTorch: `decode` runs the method that a `Decoding` names, and `beam_search` runs the beam
+search in one of two shapes, which give the same captions and maps (tests):
+- packed (CPUs): the beam search over NumPy arrays (`decoding.beams.search`, which onnxruntime's step drives
+  too) over the decoder's step here (`DecoderStep`), whose tensors share memory with the search's arrays;
+- fixed (GPUs): every beam steps every time, a finished beam's step thrown away, and the host looks at
+  the device only every `CHECK_EVERY` steps (`decoding.search_state`). Where a caller asks (`compiled`),
+  each block of steps is compiled, and on a GPU replayed as a CUDA graph.
 
-Used by validation, evaluation, the Python API, the web demo and the notebooks. One search, two shapes
-(the same captions and maps: tests):
-- packed (CPUs): `decoding.beams.search`, written once for PyTorch's tensors and onnxruntime's arrays,
-  over the decoder's step here (`DecoderStep`): only the beams still writing take a step, and the
-  search stops as soon as none writes;
-- fixed (GPUs): every beam steps every time, a finished beam's step thrown away, and the host
-  looks at the device only every `CHECK_EVERY` steps to see whether all beams have ended
-  (`decoding.search_state`). Where a caller asks (`compiled`), each block of steps is compiled, and on
-  a GPU replayed as a CUDA graph.
-
-Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
+Symbols: B images, K beams, N = B·K, L locations, D feature size, V vocabulary, T steps.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from captioner.decoding.beams import Hypothesis, best_first, host, hypotheses, search, trace
+from captioner.decoding.beams import Hypothesis, best_first, hypotheses, search, trace
+from captioner.decoding.sampling import sample_captions
 from captioner.decoding.search_state import Search, fixed_length, fixed_search
+from captioner.decoding.settings import Decoding
 from captioner.models.attention import EXPECTED
 from captioner.models.decoder import AttentionDecoder
 
-__all__ = ["DecoderStep", "Hypothesis", "beam_search"]
+__all__ = ["ROUTINES", "DecoderStep", "Hypothesis", "beam_search", "decode", "generator_for"]
 
 
 @torch.inference_mode()
@@ -40,24 +39,17 @@ def beam_search(
     compiled: bool = False,
     sharpness: float | None = None,
 ) -> list[list[Hypothesis]]:
-    """Decode a batch of images.
+    """For each image of the features (B, L, D), its K = `beam_size` hypotheses, best first (1 is greedy).
 
     Args:
         decoder: the model (call .eval() first so dropout is off).
-        features: (B, L, D) annotation vectors.
-        beam_size: K; 1 is greedy decoding.
         max_len: most words per caption (before <end>).
         length_norm: rank finished captions by score per token instead of total score.
-        ban_unk: never emit <unk>.
-        mode: context from α: "expected" (soft), "argmax" or "sample" (hard models).
-        generator: random source for mode="sample".
+        mode: context from α: "expected" (soft), "argmax" or "sample" (hard models, from `generator`).
         shapes: "packed" or "fixed" (see the module doc); default: fixed on a GPU or `compiled`, else packed.
         compiled: run the fixed shapes' blocks of steps compiled (`decoding.search_state`), which earns back
             its compile only over thousands of searches (`compiled.earns_back`).
         sharpness: k of the maps softmax(k e_t) (None: the model's `decode_sharpness`).
-
-    Returns:
-        For each image, its K hypotheses, best first.
     """
     if beam_size < 1 or max_len < 1:
         raise ValueError(f"beam_size and max_len must be positive, got {beam_size} and {max_len}")
@@ -67,60 +59,104 @@ def beam_search(
     s = Search.start(decoder, features, beam_size, fixed_length(max_len), ban_unk, static=compiled)
     steps = fixed_search(decoder, s, max_len, mode, generator, sharpness, compiled=compiled)
     # The history goes to the host in one copy each, and is traced back there.
-    history = (host(x[:steps]) for x in (s.word, s.parent, s.alpha, s.loc))
-    return best_first(hypotheses(*trace(*history), s.scores, max_len), length_norm)
-
-
-class TorchArrays:
-    """`decoding.beams.Arrays` of PyTorch, on one device."""
-
-    DTYPES = {"float": torch.float32, "long": torch.long, "bool": torch.bool}
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def full(self, shape, value, dtype):
-        return torch.full(shape, value, dtype=self.DTYPES[dtype], device=self.device)
-
-    def arange(self, n):
-        return torch.arange(n, device=self.device)
-
-    def topk(self, x, k):
-        return x.topk(k, dim=1)
-
-    def flatnonzero(self, mask):
-        return mask.nonzero().squeeze(1)
-
-    def isfinite(self, x):
-        return x.isfinite()
+    history = (x[:steps].cpu().numpy() for x in (s.word, s.parent, s.alpha, s.loc))
+    return best_first(hypotheses(*trace(*history), s.scores.cpu().numpy(), max_len), length_norm)
 
 
 class DecoderStep:
-    """The decoder's step over the K beams of each image of a batch (`decoding.beams.Step`): the features
-    standardised and projected once, and the step's weights joined once (`AttentionDecoder.joined`).
-
-    Args:
-        features: (B, L, D) annotation vectors.
-        mode, generator, sharpness: as `beam_search` takes them.
-    """
+    """The decoder's step over the K beams of each image of a batch on the CPU, for `decoding.beams.search`: the
+    search's NumPy arrays go in and come out as tensors that share their memory (no copies)."""
 
     def __init__(self, decoder: AttentionDecoder, features: torch.Tensor, K: int, *, mode, generator, sharpness):
-        self.decoder, self.mode, self.generator, self.sharpness = decoder, mode, generator, sharpness
-        self.arrays = TorchArrays(features.device)
-        (self.images, self.locations, _), self.beams = features.shape, K
+        if features.device.type != "cpu":
+            raise ValueError(f"the packed search runs on the CPU, not on {features.device}: shapes='fixed'")
+        self.decoder, self.beams = decoder, K
+        self.images, self.locations, _ = features.shape
         self.vocabulary = decoder.config.vocab_size
-        features = decoder.normalize(features)  # (B, L, D)
-        self.state = decoder.init_state(features)  # h_0, c_0 (B, H)
+        features, projected, *self.state = decoder.start(features)
         self.feats = features.repeat_interleave(K, dim=0)  # (N, L, D)
-        self.projected = decoder.attention.project(features).repeat_interleave(K, dim=0)  # (N, L, A)
-        self.joined = decoder.joined()
+        self.projected = projected.repeat_interleave(K, dim=0)  # (N, L, A)
+        self.settings = (mode, generator, decoder.joined(), sharpness)  # the step's weights joined once a search
 
-    def start(self):
-        return tuple(x.repeat_interleave(self.beams, dim=0) for x in self.state)  # (N, H) each
+    def start(self) -> tuple[np.ndarray, np.ndarray]:
+        return tuple(x.repeat_interleave(self.beams, dim=0).numpy() for x in self.state)  # (N, H) each
 
     def __call__(self, rows, words, h, c):
-        feats, projected = (self.feats, self.projected) if rows is None else (self.feats[rows], self.projected[rows])
-        logits, h, c, alpha, loc = self.decoder.step(
-            feats, projected, words, h, c, self.mode, self.generator, self.joined, self.sharpness
-        )
-        return logits.float().log_softmax(dim=-1), h, c, alpha.float(), loc
+        feats, projected = self.feats, self.projected
+        if rows is not None:
+            rows = torch.from_numpy(rows)
+            feats, projected = feats[rows], projected[rows]
+        words, h, c = (torch.from_numpy(x) for x in (words, h, c))
+        logits, h, c, alpha, loc = self.decoder.step(feats, projected, words, h, c, *self.settings)
+        loc = None if loc is None else loc.numpy()
+        return logits.float().log_softmax(dim=-1).numpy(), h.numpy(), c.numpy(), alpha.float().numpy(), loc
+
+
+def _beam(decoder, features, s: Decoding, max_len, generator, compiled):
+    return beam_search(
+        decoder,
+        features,
+        beam_size=s.beam_size,
+        max_len=max_len,
+        length_norm=s.length_norm,
+        mode=s.context,
+        generator=generator,
+        compiled=compiled,
+        sharpness=s.sharpness,
+    )
+
+
+def _sampling(decoder, features, s: Decoding, max_len, generator, compiled):
+    return sample_captions(
+        decoder,
+        features,
+        n=s.n,
+        max_len=max_len,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        mode=s.context,
+        generator=generator,
+        sharpness=s.sharpness,
+    )
+
+
+# Each method's routine (`decoding.settings.METHODS` says what it reads):
+# (decoder, features (B, L, D), settings, max_len, generator, compiled) → each image's hypotheses.
+ROUTINES = {"beam": _beam, "sampling": _sampling}
+
+
+def decode(
+    decoder: AttentionDecoder,
+    features: torch.Tensor,
+    settings: Decoding,
+    *,
+    max_len: int,
+    generator: torch.Generator | None = None,
+    compiled: bool = False,
+) -> list[list[Hypothesis]]:
+    """Captions for a batch of images' features (B, L, D), as `settings` say: for each image its hypotheses,
+    the beams best first or the samples in the order drawn.
+
+    Args:
+        decoder: the model, in eval mode.
+        max_len: most words where `settings.max_len` is None (the model's training maximum).
+        generator: the random source of sampling and of mode "sample" (pass one to go on drawing across
+            batches); default: `generator_for(settings, ...)` on the features' device.
+        compiled: whether a method that compiles does (`beam_search`).
+    """
+    generator = generator or generator_for(settings, features.device)
+    return ROUTINES[settings.method](decoder, features, settings, settings.max_len or max_len, generator, compiled)
+
+
+def generator_for(settings: Decoding, device: torch.device) -> torch.Generator | None:
+    """The random source of one call, for all its batches: seeded with `settings.seed` where the captions
+    depend on it."""
+    return seeded(settings.seed, device) if settings.randomised else None
+
+
+def seeded(seed: int, device: torch.device) -> torch.Generator | None:
+    """A random source on `device`; None on the meta device, which has none (and draws nothing real)."""
+    if device.type == "meta":
+        return None
+    return torch.Generator(device=device).manual_seed(int(seed))

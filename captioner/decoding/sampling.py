@@ -40,20 +40,10 @@ def sample_captions(
     ban_unk: bool = True,
     sharpness: float | None = None,
 ) -> list[list[Hypothesis]]:
-    """Draw n captions for each image of a batch.
-
-    Args:
-        decoder: the model (in eval mode).
-        features: (B, L, D) annotation vectors.
-        n: captions per image.
-        max_len: most words per caption (before <end>).
-        temperature: T of softmax(logits / T); 0 takes the likeliest word.
-        top_k: draw among the k likeliest words only (0: all).
-        top_p: draw among the fewest likeliest words whose probability reaches p (1: all).
-        mode: the attention's context: "expected", or hard attention's "argmax" or "sample".
-        generator: the random source (words, and locations in mode "sample").
-        ban_unk: never write <unk>.
-        sharpness: k of decoding's maps softmax(k e_t) (None: the model's).
+    """Draw n captions for each image of the features (B, L, D), each word from softmax(logits / temperature)
+    (0: the likeliest word) among the `top_k` likeliest (0: all) that hold `top_p` of the probability; the
+    words, and mode "sample"'s locations, drawn from `generator`. `max_len`, `mode` and `sharpness` are as
+    `decoding.decode.beam_search` takes them.
 
     Returns:
         For each image its n samples, in the order drawn; a sample's score is the decoder's
@@ -73,8 +63,8 @@ def sample_captions(
         if (k + 1) % CHECK_EVERY == 0 and not bool(s.writing.any()):  # the host looks every few steps
             steps = k + 1
             break
-    tokens, alphas, locs = s.word[:steps].T, s.alpha[:steps].transpose(0, 1), s.loc[:steps].T  # rows never reorder
-    return hypotheses(tokens, alphas, locs, s.scores, max_len)
+    history = (s.word[:steps].T, s.alpha[:steps].transpose(0, 1), s.loc[:steps].T, s.scores)  # rows never reorder
+    return hypotheses(*(x.cpu().numpy() for x in history), max_len)
 
 
 class Draw:

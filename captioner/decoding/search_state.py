@@ -1,5 +1,6 @@
-"""The state of a batched beam search and its fixed-shape steps: what the one decoding routine
-(`decoding.decode`) and sampling (`decoding.sampling`) share.
+"""The state of a batched search and its fixed-shape steps, which the beam search on a GPU
+(`decoding.decode.beam_search`) and sampling (`decoding.sampling`) share; its beams extend by the packed
+search's rule (`decoding.beams.extend`).
 
 A fixed-shape search steps every beam every time, in blocks of `CHECK_EVERY` steps: after each the
 host looks whether any beam still writes. A block is a pure function of the search's state (it returns
@@ -25,10 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from captioner.compiled import Compiled, compile_mode, no_autocast
-from captioner.decoding.beams import banned
+from captioner.decoding.beams import extend, masks
 from captioner.models.attention import SAMPLE
 from captioner.models.decoder import AttentionDecoder, Joined
-from captioner.models.vocab import END_ID, PAD_ID, START_ID
+from captioner.models.vocab import START_ID
 
 CHECK_EVERY = 4  # fixed shapes: steps between looks at whether any beam still writes
 _held = threading.local()  # each thread's buffers for its compiled searches' inputs (`static`)
@@ -75,22 +76,14 @@ class Search:
         (B, L, _), device = features.shape, features.device
         N, V = B * K, decoder.config.vocab_size
         place = static_copy if static else lambda name, t: t
-        features = decoder.normalize(features)  # (B, L, D)
-        h, c = (x.repeat_interleave(K, dim=0) for x in decoder.init_state(features))  # (N, H)
+        features, projected, h, c = decoder.start(features)  # (B, L, D), (B, L, A), (B, H) twice
         scores = torch.full((B, K), float("-inf"), device=device)
         scores[:, 0] = 0.0  # one live beam at first: no duplicates
-        masks = torch.zeros(4, V)  # ban, ban_first, only_end, pad_only: made here, one copy to the device
-        masks[0, banned(first=False, ban_unk=ban_unk)] = float("-inf")
-        masks[1, END_ID] = float("-inf")
-        masks[2, :END_ID] = masks[2, END_ID + 1 :] = float("-inf")
-        masks[3] = float("-inf")
-        masks[3, PAD_ID] = 0.0
-        masks = place("masks", masks.to(device))
         return cls(
             place("features", _beams(features, K)),
-            place("projected", _beams(decoder.attention.project(features), K)),
-            h,
-            c,
+            place("projected", _beams(projected, K)),
+            _beams(h, K),
+            _beams(c, K),
             torch.full((N,), START_ID, dtype=torch.long, device=device),
             scores,
             torch.zeros(N, dtype=torch.bool, device=device),
@@ -100,7 +93,7 @@ class Search:
             features.new_zeros(T, N, L),
             torch.full((T, N), -1, dtype=torch.long, device=device),
             Joined(*(place(f"joined.{name}", w) for name, w in decoder.joined()._asdict().items())),
-            *masks,
+            *place("masks", torch.from_numpy(masks(V, ban_unk)).to(device)),  # one copy to the device
             (torch.arange(B, device=device) * K).unsqueeze(1),
         )
 
@@ -153,18 +146,13 @@ def fixed_block(
         The new (h, c, words, scores, finished, writing), and the steps' (word, parent, α, location),
         each (CHECK_EVERY, N, ...), the locations None for the expected context.
     """
-    B, K = s.scores.shape
-    V = decoder.config.vocab_size
     h, c, words, scores, finished = s.h, s.c, s.words, s.scores, s.finished
     history = []
     for i in range(CHECK_EVERY):
         logits, h, c, alpha, loc, ban = step_logits(decoder, s, words, h, c, t + i, last, mode, generator, sharpness)
         logp = logits.float().log_softmax(dim=-1) + ban  # (N, V)
         logp = torch.where(finished.unsqueeze(1), s.pad_only, logp)  # frozen beams go on through <pad>, free
-        scores, flat = (scores.view(-1, 1) + logp).view(B, K * V).topk(K, dim=1)  # (B, K)
-        source = (s.offsets + flat // V).view(-1)  # (N,) the beam each extends
-        words = (flat % V).view(-1)  # (N,)
-        finished = finished.index_select(0, source) | (words == END_ID)  # (N,)
+        scores, source, words, finished = extend(scores, logp, finished, s.offsets, torch.topk)
         h, c = h.index_select(0, source), c.index_select(0, source)  # (N, H)
         history.append((words, source, alpha.to(s.feats.dtype), loc))
     writing = ~finished & scores.view(-1).isfinite()  # (N,)
@@ -183,12 +171,8 @@ def fixed_search(
     decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator, sharpness, *, compiled: bool
 ) -> int:
     """Run the fixed-shape search on `s`, whose history has room for whole blocks (`fixed_length`); its
-    fields then hold the results. Returns the steps taken.
-
-    Args:
-        sharpness: k of the maps softmax(k e_t) (None: the model's `decode_sharpness`).
-        compiled: run the blocks compiled (module doc), unless they sample locations; `s` made `static`.
-    """
+    fields then hold the results. Returns the steps taken. With `compiled` the blocks run compiled (module
+    doc), unless they sample locations, on `s` made `static`."""
     T, device = s.word.size(0), s.words.device
     if T % CHECK_EVERY:
         raise ValueError(f"a fixed-shape search steps in blocks of {CHECK_EVERY}: room for {T} steps")

@@ -2,64 +2,37 @@
 
 `Decoding` is the one set of settings that the Python API, `captioner caption`, `evaluate`, the
 demo's request batcher and its page read; the command lines derive their flags and help from its
-fields. `decode` runs the method it names, one of `METHODS`:
-- "beam": the batched beam search (`decoding.decode`; greedy is one beam);
-- "sampling": captions drawn word by word, with temperature, top-k and top-p (`decoding.sampling`).
-
-A method says which settings it reads besides every method's, whether its search has the fixed shapes
-that compile (a caller pads its batches then), and whether it draws several captions an image; the
-API and the page ask it rather than its name. A new method is its module (a `Method`) and one line
-in `METHODS`. Symbols: B images, L locations, D feature size.
+fields. Its `method` is one of `METHODS`: "beam", the batched beam search (greedy is one beam), or
+"sampling", captions drawn word by word with temperature, top-k and top-p. A method says which settings
+it reads besides every method's, whether its search has the fixed shapes that compile (a caller pads its
+batches then), and whether it draws several captions an image; the API and the page ask it rather than
+its name. A new method is its routine and one line here and one in `decoding.decode.ROUTINES`, which runs
+them on PyTorch; this module needs no torch, since the ONNX runtime reads the settings too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
-from typing import TYPE_CHECKING, Annotated, Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
-from captioner.decoding.beams import Hypothesis
 from captioner.errors import OptionError
 from captioner.models.contexts import CONTEXT_MODES, EXPECTED, SAMPLE
-
-if TYPE_CHECKING:  # the settings themselves need no torch: the ONNX runtime reads them too
-    import torch
-
-    from captioner.models.decoder import AttentionDecoder
 
 MAX_BEAMS = 50  # most beams, and most samples, per image
 WHOLE = ("beam_size", "max_len", "top_k", "n", "seed")  # settings that count
 
 
 class Method(NamedTuple):
-    """A way to write captions from the decoder.
+    """A way to write captions from the decoder (its routine: `decoding.decode.ROUTINES`)."""
 
-    run(decoder, features (B, L, D), settings, max_len, generator, compiled) → each image's hypotheses.
-    """
-
-    run: Callable[..., list[list[Hypothesis]]]
     reads: tuple[str, ...]  # its own settings (`Decoding` fields): another method's, changed, is refused
     compiles: bool = False  # a fixed-shape search that compiles (`compiled`); its batches are padded to a few sizes
     draws: bool = False  # its hypotheses are samples, each an image's caption of its own (not ranked beams)
 
 
-def _beam(decoder, features, s, max_len, generator, compiled):
-    from captioner.decoding.decode import beam_search
-
-    return beam_search(decoder, features, beam_size=s.beam_size, max_len=max_len, length_norm=s.length_norm,
-                       mode=s.context, generator=generator, compiled=compiled, sharpness=s.sharpness)  # fmt: skip
-
-
-def _sampling(decoder, features, s, max_len, generator, compiled):
-    from captioner.decoding.sampling import sample_captions
-
-    return sample_captions(decoder, features, n=s.n, max_len=max_len, temperature=s.temperature, top_k=s.top_k,
-                           top_p=s.top_p, mode=s.context, generator=generator, sharpness=s.sharpness)  # fmt: skip
-
-
 METHODS: dict[str, Method] = {
-    "beam": Method(_beam, ("beam_size", "length_norm"), compiles=True),
-    "sampling": Method(_sampling, ("temperature", "top_k", "top_p", "n"), draws=True),
+    "beam": Method(("beam_size", "length_norm"), compiles=True),
+    "sampling": Method(("temperature", "top_k", "top_p", "n"), draws=True),
 }
 
 
@@ -138,10 +111,6 @@ class Decoding:
         """Whether the captions depend on `seed`."""
         return self.how.draws or self.context == SAMPLE
 
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        """The random source of one call, for all its batches: seeded with `seed` where the captions depend on it."""
-        return seeded(self.seed, device) if self.randomised else None
-
     def with_settings(self, **settings) -> Decoding:
         """These settings with some changed; None leaves a setting as it is.
 
@@ -162,39 +131,3 @@ _DEFAULTS = {f.name: f.default for f in fields(Decoding)}
 
 def _flag(name: str) -> str:
     return "--decoding" if name == "method" else f"--{name.replace('_', '-')}"
-
-
-def decode(
-    decoder: AttentionDecoder,
-    features: torch.Tensor,
-    settings: Decoding,
-    *,
-    max_len: int,
-    generator: torch.Generator | None = None,
-    compiled: bool = False,
-) -> list[list[Hypothesis]]:
-    """Captions for a batch of images, as `settings` say.
-
-    Args:
-        decoder: the model, in eval mode.
-        features: (B, L, D) annotation vectors.
-        settings: how to decode.
-        max_len: most words where `settings.max_len` is None (the model's training maximum).
-        generator: the random source of sampling and of mode "sample"; default one seeded with
-            `settings.seed` on the features' device (pass one to go on drawing across batches).
-        compiled: whether a method that compiles does (`decoding.decode.beam_search`).
-
-    Returns:
-        For each image its hypotheses: the beams, best first, or the samples in the order drawn.
-    """
-    generator = generator or settings.generator(features.device)
-    return settings.how.run(decoder, features, settings, settings.max_len or max_len, generator, compiled)
-
-
-def seeded(seed: int, device: torch.device) -> torch.Generator | None:
-    """A random source on `device`; None on the meta device, which has none (and draws nothing real)."""
-    import torch
-
-    if device.type == "meta":
-        return None
-    return torch.Generator(device=device).manual_seed(int(seed))

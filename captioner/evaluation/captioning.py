@@ -13,7 +13,8 @@ import torch
 from captioner.data.dataset import CaptionData
 from captioner.data.encoder_inputs import complete_input_cache, encoded_features
 from captioner.decoding.beams import Hypothesis
-from captioner.decoding.settings import Decoding, decode
+from captioner.decoding.decode import decode, generator_for
+from captioner.decoding.settings import Decoding
 from captioner.evaluation.metrics import score_captions
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import Encoder, apply_encoder_state
@@ -43,7 +44,7 @@ def caption_split(
     features (default: the data's cache, which lacks a fine-tuned encoder's).
     """
     device, decoding = torch.device(device), decoding or Decoding()
-    generator = decoding.generator(device)
+    generator = generator_for(decoding, device)
     ids, rows = data.split_images(split)
     if max_images:
         ids, rows = ids[:max_images], rows[:max_images]

@@ -131,6 +131,13 @@ class AttentionDecoder(nn.Module):
         mean = features.mean(dim=1)  # (B, D)
         return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))  # (B, H) each
 
+    def start(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where every caption of raw encoder features starts, in training, decoding and the ONNX export: the
+        annotation vectors a_i, their projection for attention (B, L, A), made once an image, and h_0, c_0."""
+        features = self.normalize(features)  # (B, L, D)
+        projected = self.attention.project(features)  # (B, L, A)
+        return features, projected, *self.init_state(features)  # h, c (B, H)
+
     def attend(self, projected: torch.Tensor, h: torch.Tensor, emb: torch.Tensor, sharpness: float = 1.0):
         """α_t (B, L), eqs. (4)-(5), from h_{t-1} (and E y_{t-1}, with `word_query`); softmax(k e_t)
         with `sharpness` k."""
@@ -213,9 +220,7 @@ class AttentionDecoder(nn.Module):
         whose context is a location drawn from α_t at every step; `locations` (B, T-1), fixed locations
         (-1: expected context), overrides it."""
         B, T = captions.shape
-        features = self.normalize(features)  # (B, L, D)
-        projected = self.attention.project(features)  # (B, L, A), once per image
-        h, c = self.init_state(features)  # (B, H)
+        features, projected, h, c = self.start(features)
         emb = self.embedding(captions[:, :-1])  # (B, T-1, E)
         hs, zs, alphas, locs = [], [], [], []
         for t in range(T - 1):

@@ -145,9 +145,7 @@ def fused_unroll(decoder: AttentionDecoder, features: torch.Tensor, captions: to
     running = steps[order] > torch.arange(T1, device=steps.device).unsqueeze(1)  # (T-1, B), a prefix per step
     active = running.sum(1).tolist()  # captions still running at each step
     emb = decoder.embedding(captions[:, :-1])  # (B, T-1, E), in the caller's order
-    features = decoder.normalize(features[order])  # (B, L, D), sorted from here on
-    projected = decoder.attention.project(features)  # (B, L, A), once per image
-    h, c = decoder.init_state(features)  # (B, H)
+    features, projected, h, c = decoder.start(features[order])  # sorted from here on
     # All steps at once, for the running captions only (time-major, step t's n rows after
     # step t-1's), then one (n, 4H) view per step: split's backward is a single cat, where
     # indexing at every step would zero-fill a (B, T-1, 4H) gradient each time.

@@ -22,8 +22,9 @@ import torch
 
 from captioner.compiled import no_autocast
 from captioner.data.dataset import CaptionData
+from captioner.decoding.beams import banned
 from captioner.decoding.decode import beam_search
-from captioner.decoding.search_state import CHECK_EVERY, banned
+from captioner.decoding.search_state import CHECK_EVERY
 from captioner.errors import OptionError
 from captioner.models.attention import EXPECTED, SAMPLE, sample_from
 from captioner.models.decoder import AttentionDecoder

@@ -13,7 +13,8 @@ from PIL import Image
 
 from captioner.compiled import earns_back, search_compiles
 from captioner.data.images import load_image
-from captioner.decoding.settings import Decoding, decode
+from captioner.decoding.decode import decode, generator_for
+from captioner.decoding.settings import Decoding
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import EncoderSpec, rebuild_encoder
 from captioner.models.familiarity import FamiliarityStats, familiarity
@@ -21,14 +22,14 @@ from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.hub import load_trained, resolve
 from captioner.models.preprocess import Preprocess
 from captioner.models.vocab import Vocabulary
-from captioner.serve.caption import Caption, attention_warning, captions
-from captioner.serve.onnx_runtime import OnnxCaptioner, is_onnx_folder
+from captioner.serve.caption import Caption, CaptionModel, captions
+from captioner.serve.onnx_runtime import OnnxCaptioner, on_onnx
 
-__all__ = ["Caption", "Captioner"]
+__all__ = ["Caption", "CaptionModel", "Captioner"]
 
 
-class Captioner:
-    """A trained captioning model with its encoder, ready for images.
+class Captioner(CaptionModel):
+    """A trained captioning model with its encoder on PyTorch, ready for images.
 
     Shapes: B images, S the encoder's input side, L locations, D feature size.
     """
@@ -75,29 +76,32 @@ class Captioner:
     def attention_type(self) -> str:
         return self.decoder.config.attention
 
-    @property
-    def attention_warning(self) -> str | None:
-        """A line to show beside this model's heatmaps when they are not meaningful."""
-        return attention_warning(self.info)
-
     @classmethod
     def load(
-        cls, source: str, *, device: str = "cpu", build_encoder: bool = True, fast: bool = True, graphs: bool = True
-    ) -> Captioner | OnnxCaptioner:
+        cls,
+        source: str,
+        *,
+        device: str = "cpu",
+        build_encoder: bool = True,
+        fast: bool = True,
+        graphs: bool = True,
+        runtime: str = "auto",
+    ) -> CaptionModel:
         """Load a model: a checkpoint written by `fit`, an exported folder, a pinned URL of either, or
-        hf://ORG/NAME[@REVISION]. Nothing is unpickled. A folder of ONNX graphs loads onto onnxruntime
-        (the same `caption` and `caption_batch`), and the other arguments do not apply.
+        hf://ORG/NAME[@REVISION]. Nothing is unpickled. A folder of ONNX graphs loads onto onnxruntime as an
+        `OnnxCaptioner`, the other `CaptionModel`, and the other arguments do not apply.
 
         Args:
             build_encoder: also rebuild the image encoder (not needed on cached features).
             fast: run the encoder through `optimize_encoder` (same features, faster).
             graphs: on a GPU, let the search compile where it earns back its compile (`compile_search`).
+            runtime: "auto", "onnx", or "torch": PyTorch, unchecked (a caller that has checked the source).
 
         Raises:
             CaptionerError: the model cannot be found, fetched or read.
         """
         path = resolve(source)
-        if os.path.isdir(path) and is_onnx_folder(path):
+        if runtime != "torch" and on_onnx(path, runtime):
             return OnnxCaptioner.load(path)
         trained = load_trained(path)
         carried = trained.encoder_weights
@@ -173,10 +177,6 @@ class Captioner:
             self.encoder = self._ready(built)
         return self.encoder(x.to(self.device, non_blocking=True))  # (B, L, D)
 
-    def caption(self, image, beam_size: int | None = None, **settings) -> Caption:
-        """Caption one image; see `caption_batch` for the settings."""
-        return self.caption_batch([image], beam_size=beam_size, **settings)[0]
-
     @torch.inference_mode()
     def caption_batch(
         self,
@@ -205,7 +205,7 @@ class Captioner:
         settings = (decoding or Decoding()).with_settings(beam_size=beam_size, **settings)
         if earns_back(-(-len(images) // batch_size)):
             self.compile_search()
-        generator = settings.generator(self.device)
+        generator = generator_for(settings, self.device)
         chunks = [images[i : i + batch_size] for i in range(0, len(images), batch_size)]
         if len(chunks) == 1:
             return self._captions(*self._inputs(chunks[0]), settings, generator)

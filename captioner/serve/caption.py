@@ -30,17 +30,31 @@ class Caption:
     familiarity: dict | None = None
 
 
-def attention_warning(info: dict) -> str | None:
-    """A line to show beside a model's heatmaps when `fit`'s attention health check found them not
-    meaningful; None when they passed or are unjudged."""
-    verdict = info.get("attention") or {}
-    if verdict.get("meaningful") is not False:
-        return None
-    return (
-        "This model's attention maps are not meaningful: the health check flagged them when it was "
-        f"trained ({'; '.join(verdict.get('problems') or [])}), so the heatmaps may not show what the words "
-        "name."
-    )
+class CaptionModel:
+    """A trained model that captions images, on either runtime: `serve.api.Captioner` (PyTorch) or
+    `serve.onnx_runtime.OnnxCaptioner` (onnxruntime); `Captioner.load` gives the one a source holds."""
+
+    info: dict  # the model's record: metrics, the attention health check's verdict, its card
+
+    def caption_batch(self, images: Sequence, beam_size: int | None = None, **settings) -> list[Caption]:
+        raise NotImplementedError
+
+    def caption(self, image, beam_size: int | None = None, **settings) -> Caption:
+        """Caption one image; see `caption_batch` for the settings."""
+        return self.caption_batch([image], beam_size=beam_size, **settings)[0]
+
+    @property
+    def attention_warning(self) -> str | None:
+        """A line to show beside this model's heatmaps when its attention health check (`info["attention"]`,
+        recorded by `fit`) found them not meaningful; None when they passed or are unjudged."""
+        verdict = self.info.get("attention") or {}
+        if verdict.get("meaningful") is not False:
+            return None
+        return (
+            "This model's attention maps are not meaningful: the health check flagged them when it was "
+            f"trained ({'; '.join(verdict.get('problems') or [])}), so the heatmaps may not show what the words "
+            "name."
+        )
 
 
 def captions(

@@ -36,16 +36,14 @@ OPSET = 18
 
 
 class Start(nn.Module):
-    """The search's start from an image's features: `beam_search`'s, for the ONNX step."""
+    """The search's start from an image's features (`AttentionDecoder.start`), as a module to export."""
 
     def __init__(self, decoder: AttentionDecoder):
         super().__init__()
         self.decoder = decoder
 
     def forward(self, features: torch.Tensor):
-        features = self.decoder.normalize(features)  # (B, L, D)
-        h, c = self.decoder.init_state(features)  # (B, H)
-        return features, self.decoder.attention.project(features), h, c
+        return self.decoder.start(features)
 
 
 class Step(nn.Module):

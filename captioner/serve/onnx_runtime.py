@@ -19,14 +19,14 @@ import numpy as np
 from PIL import Image
 
 from captioner.data.images import load_image
-from captioner.decoding.beams import NumpyArrays, search
+from captioner.decoding.beams import search
 from captioner.decoding.settings import Decoding
 from captioner.errors import CaptionerError, OptionError
 from captioner.io import read_folder_config, read_json
 from captioner.models.contexts import EXPECTED
 from captioner.models.preprocess import Preprocess
 from captioner.models.vocab import Vocabulary
-from captioner.serve.caption import Caption, attention_warning, captions
+from captioner.serve.caption import Caption, CaptionModel, captions
 
 FORMAT, VERSION = "captioner-onnx", 1
 GRAPHS = {  # each graph's inputs and outputs, by name
@@ -37,19 +37,25 @@ GRAPHS = {  # each graph's inputs and outputs, by name
 FILES = (*GRAPHS, "config.json", "vocab.json")
 
 
-def is_onnx_folder(path: str) -> bool:
-    """Whether `path` is a folder that `captioner export --onnx` wrote (judged by its config)."""
+def on_onnx(path: str, runtime: str = "auto") -> bool:
+    """Whether the model at `path` captions on onnxruntime, as `runtime` asks ("auto": where `captioner export
+    --onnx` wrote the folder, judged by its config): the one check, for the API and the command line alike.
+
+    Raises:
+        CaptionerError: onnxruntime asked of another model, or PyTorch of ONNX graphs.
+    """
     config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        return False
-    config = read_json(config, "model config")
-    return isinstance(config, dict) and config.get("format") == FORMAT
+    config = read_json(config, "model config") if os.path.isdir(path) and os.path.isfile(config) else None
+    onnx = isinstance(config, dict) and config.get("format") == FORMAT
+    if runtime == "onnx" and not onnx:
+        raise CaptionerError(f"{path}: --runtime onnx takes a folder that `captioner export --onnx` wrote")
+    if runtime == "torch" and onnx:
+        raise CaptionerError(f"{path}: holds ONNX graphs, which run on onnxruntime: --runtime onnx (or auto)")
+    return onnx
 
 
 class OnnxStep:
-    """The exported step over the K beams of each image of a batch (`decoding.beams.Step`), on NumPy arrays."""
-
-    arrays = NumpyArrays()
+    """The exported step over the K beams of each image of a batch (the step `decoding.beams.search` takes)."""
 
     def __init__(self, model: OnnxCaptioner, features: np.ndarray, K: int, sharpness: float):
         self.run = model.sessions["step.onnx"].run
@@ -68,8 +74,8 @@ class OnnxStep:
         return logp, h, c, alpha, None
 
 
-class OnnxCaptioner:
-    """A model exported as ONNX graphs, captioning on onnxruntime: `Captioner`'s `caption` and `caption_batch`."""
+class OnnxCaptioner(CaptionModel):
+    """A model exported as ONNX graphs, captioning on onnxruntime."""
 
     def __init__(self, folder: str, sessions: dict, config: dict, vocab: Vocabulary):
         self.folder, self.sessions, self.config, self.vocab = folder, sessions, config, vocab
@@ -112,15 +118,6 @@ class OnnxCaptioner:
             sessions[name] = session
         _check_fit(folder, sessions, config, vocab)
         return cls(folder, sessions, config, vocab)
-
-    @property
-    def attention_warning(self) -> str | None:
-        """A line to show beside this model's heatmaps when they are not meaningful (`serve.caption`)."""
-        return attention_warning(self.info)
-
-    def caption(self, image, beam_size: int | None = None, **settings) -> Caption:
-        """Caption one image; see `caption_batch` for the settings."""
-        return self.caption_batch([image], beam_size=beam_size, **settings)[0]
 
     def caption_batch(
         self, images: Sequence, beam_size: int | None = None, *, batch_size: int = 16, decoding=None, **settings
