@@ -126,16 +126,17 @@ def test_two_processes_resumed_go_on_each_with_its_own_random_streams(data_dir, 
     ranks = [torch.load(out / "last.rank1.rng.pt", weights_only=True)["rng"] for out in (whole, run)]
     assert torch.equal(ranks[0]["generator"], ranks[1]["generator"])
     assert not torch.equal(ranks[0]["generator"], a["rng"]["generator"])
+    assert not torch.equal(ranks[0]["torch"], a["rng"]["torch"])  # dropout's stream too
 
 
 CLOCKS = """
 import os
 if os.environ.get("RANK") is not None:
-    from captioner.train import checkpoints, loop
+    from captioner.train import checkpoints, trainer
 
     rank = int(os.environ["RANK"])
     if rank == 1:  # a clock that stands still: never a minute since the last save
-        loop.time = type("Clock", (), {"monotonic": staticmethod(lambda: 0.0)})
+        trainer.time = type("Clock", (), {"monotonic": staticmethod(lambda: 0.0)})
     save = checkpoints.Checkpoints.save
 
     def recorded(self, path, progress, metrics, *, final=False):

@@ -136,6 +136,34 @@ def test_modules_and_functions_are_small():
     assert not long, long
 
 
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    named = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+    return len(named) + bool(a.vararg) + bool(a.kwarg)
+
+
+def test_training_functions_take_few_parameters():
+    """A run is one object (`train.trainer.Trainer`): what a training function needs travels in it or in a
+    config, not in long argument lists."""
+    long = []
+    for path in sorted((PACKAGE / "train").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _parameters(node) > 6:
+                long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {_parameters(node)}")
+    assert not long, long
+
+
+def test_the_formatter_is_never_switched_off():
+    """No line is kept from the formatter to stay under a size limit."""
+    found = [
+        f"{path.relative_to(REPO)}:{k}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for k, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"#\s*fmt:\s*(skip|off)", line)
+    ]
+    assert not found, found
+
+
 def test_code_carries_no_measurements():
     """Timings and speed-ups belong to docs/ (with the command and machine that made them), not to the
     package's code, comments or help texts."""

@@ -224,10 +224,8 @@ class Captioner(CaptionModel):
         feats = self._features(x)  # (b, L, D)
         verdicts = familiarity(feats, self.familiarity)  # is each image like the training ones?
         compiled = self.compiling and settings.how.compiles
-        found = decode(
-            self.decoder, _padded(feats) if compiled else feats, settings, max_len=self.max_len, generator=generator,
-            compiled=compiled,
-        )  # fmt: skip
+        searched = _padded(feats) if compiled else feats
+        found = decode(self.decoder, searched, settings, max_len=self.max_len, generator=generator, compiled=compiled)
         return captions(found, self.vocab, self.encoder_spec.grid, settings, sizes, verdicts)
 
 
