@@ -10,10 +10,9 @@ field's name, its flag:
 
 `Literal` gives the choices; `bool` a switch (`--no-x` when the default is True); `list[str]`
 one or more values; a field without a default a required option; a field without help text
-no option at all (it is set by the program). A nested dataclass adds its
-own fields' options; an optional one is switched on by its own flag, and its options are refused
-without it. `add_options` puts a dataclass's options on a parser; `from_args` builds the
-dataclass back from the parsed namespace, with the dataclass's own defaults for what was not given.
+no option at all (it is set by the program). A nested dataclass adds its own fields' options
+under its docstring's first line; an optional one is switched on by its own flag, and its options
+are refused without it.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ def choose_device(name: str = "auto", local_rank: int = 0):
 
 
 def check_positive(obj, *names: str) -> None:
-    """Raises ValueError naming the option of each field of `obj` in `names` that is set (not None)
-    and not positive."""
+    """Raises ValueError naming the first field of `names` that is set (not None) and not positive."""
     for name in names:
         value = getattr(obj, name)
         if value is not None and not value > 0:
@@ -111,13 +109,8 @@ def add_options(
 ) -> None:
     """Add an option for every field of dataclass `cls` (nested dataclasses flattened).
 
-    Args:
-        skip: fields with no option (set by the program, e.g. the vocabulary size).
-        group: a title for a help section of these options.
-        required_by: the flag that switches an optional nested dataclass on (said in each help).
-        prefix: where in the namespace a nested dataclass's values go ("fine_tune.").
-        derived: for fields whose default the program derives (None in the dataclass), what the help
-            says the default is (`train.settle.DERIVED`).
+    `prefix`: where in the namespace a nested dataclass's values go ("fine_tune."); `derived`: for fields
+    whose default the program derives (None in the dataclass), the default the help states.
     """
     target = parser.add_argument_group(group) if group else parser
     for f, tp, flags, text in _fields(cls):

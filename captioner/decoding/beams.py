@@ -1,6 +1,5 @@
-"""The beam search over NumPy arrays, for both runtimes: onnxruntime's step gives NumPy's arrays, and PyTorch's
-step on the CPU shares its tensors' memory with them (`decoding.decode.DecoderStep`). The fixed-shape search
-that a GPU compiles (`decoding.search_state`) extends its beams by the same rule (`extend`) and the same masks.
+"""The beam search over NumPy arrays, for both runtimes (PyTorch's step on the CPU shares its tensors'
+memory with them); the fixed-shape search a GPU compiles extends its beams by the same rule and masks.
 
 Each image keeps K beams; a beam that emits <end> is frozen (it extends only with <pad> at no cost) so all
 beams advance in lock-step as arrays; at `max_len` words every unfinished beam is made to end, paying

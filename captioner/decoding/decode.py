@@ -1,10 +1,8 @@
-"""Decoding on PyTorch: `decode` runs the method that a `Decoding` names, and `beam_search` runs the beam
-search in one of two shapes, which give the same captions and maps (tests):
-- packed (CPUs): the beam search over NumPy arrays (`decoding.beams.search`, which onnxruntime's step drives
-  too) over the decoder's step here (`DecoderStep`), whose tensors share memory with the search's arrays;
+"""Decoding on PyTorch. The beam search runs in one of two shapes, which give the same captions and maps:
+- packed (CPUs): the NumPy beam search over the decoder's step, whose tensors share memory with its arrays;
 - fixed (GPUs): every beam steps every time, a finished beam's step thrown away, and the host looks at
-  the device only every `CHECK_EVERY` steps (`decoding.search_state`). Where a caller asks (`compiled`),
-  each block of steps is compiled, and on a GPU replayed as a CUDA graph.
+  the device only every `CHECK_EVERY` steps; where a caller asks (`compiled`), each block of steps is
+  compiled, and on a GPU replayed as a CUDA graph.
 
 Symbols: B images, K beams, N = B·K, L locations, D feature size, V vocabulary, T steps.
 """
@@ -42,13 +40,13 @@ def beam_search(
     """For each image of the features (B, L, D), its K = `beam_size` hypotheses, best first (1 is greedy).
 
     Args:
-        decoder: the model (call .eval() first so dropout is off).
+        decoder: the model, in eval mode (dropout off).
         max_len: most words per caption (before <end>).
         length_norm: rank finished captions by score per token instead of total score.
         mode: context from α: "expected" (soft), "argmax" or "sample" (hard models, from `generator`).
-        shapes: "packed" or "fixed" (see the module doc); default: fixed on a GPU or `compiled`, else packed.
-        compiled: run the fixed shapes' blocks of steps compiled (`decoding.search_state`), which earns back
-            its compile only over thousands of searches (`compiled.earns_back`).
+        shapes: "packed" or "fixed" (module doc); default: fixed on a GPU or `compiled`, else packed.
+        compiled: run the fixed shapes' blocks compiled, which earns back its compile only over thousands
+            of searches.
         sharpness: k of the maps softmax(k e_t) (None: the model's `decode_sharpness`).
     """
     if beam_size < 1 or max_len < 1:
@@ -138,12 +136,7 @@ def decode(
     """Captions for a batch of images' features (B, L, D), as `settings` say: for each image its hypotheses,
     the beams best first or the samples in the order drawn.
 
-    Args:
-        decoder: the model, in eval mode.
-        max_len: most words where `settings.max_len` is None (the model's training maximum).
-        generator: the random source of sampling and of mode "sample" (pass one to go on drawing across
-            batches); default: `generator_for(settings, ...)` on the features' device.
-        compiled: whether a method that compiles does (`beam_search`).
+    `max_len` applies where `settings.max_len` is None; pass `generator` to go on drawing across batches.
     """
     generator = generator or generator_for(settings, features.device)
     return ROUTINES[settings.method](decoder, features, settings, settings.max_len or max_len, generator, compiled)

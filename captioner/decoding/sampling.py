@@ -5,11 +5,8 @@ words. The words a beam search bans are banned here too, and at `max_len` words 
 word left, so a temperature of 0 (always the likeliest word), or top-k = 1, writes the greedy
 caption: beam search at one beam (a test holds them equal).
 
-The search's state and fixed-shape step are the beam search's (`decoding.search_state`): every row
-steps every time, a finished row writes <pad>, and the host looks at the device only every
-`CHECK_EVERY` steps. The steps run eagerly, on a GPU too: each draws from the caller's seeded
-generator, which compiled code cannot take; hard attention's sampled locations run eagerly for the
-same reason (`decoding.search_state`).
+The steps are the beam search's fixed-shape ones, run eagerly, on a GPU too: each draws from the
+caller's seeded generator, which compiled code cannot take.
 
 Symbols: B images, n samples, N = B·n, L locations, V vocabulary, T steps.
 """
@@ -100,11 +97,7 @@ def sampling_step(
     generator: torch.Generator | None,
     sharpness: float | None = None,
 ) -> None:
-    """One word for every row, the state updated in place: the same shapes at every step, no host read.
-
-    Args:
-        t, last: () long, the step and the step at which only <end> is left (`max_len`).
-    """
+    """One word for every row, the state updated in place: the same shapes at every step, no host read."""
     logits, h, c, alpha, loc, ban = step_logits(decoder, s, s.words, s.h, s.c, t, last, mode, generator, sharpness)
     s.alpha.index_copy_(0, t.view(1), alpha.to(s.alpha.dtype).unsqueeze(0))
     if loc is not None:

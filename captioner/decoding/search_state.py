@@ -1,6 +1,4 @@
-"""The state of a batched search and its fixed-shape steps, which the beam search on a GPU
-(`decoding.decode.beam_search`) and sampling (`decoding.sampling`) share; its beams extend by the packed
-search's rule (`decoding.beams.extend`).
+"""The state of a batched search and its fixed-shape steps.
 
 A fixed-shape search steps every beam every time, in blocks of `CHECK_EVERY` steps: after each the
 host looks whether any beam still writes. A block is a pure function of the search's state (it returns
@@ -122,15 +120,8 @@ def static_copy(name: str, t: torch.Tensor) -> torch.Tensor:
 def step_logits(
     decoder: AttentionDecoder, s: Search, words, h, c, t: torch.Tensor, last: torch.Tensor, mode, generator, sharpness
 ):
-    """The decoder's step for every row of `s` from the words (N,) and state h, c (N, H) at step t.
-
-    Args:
-        t, last: () long, the step and the step at which only <end> is left (`max_len`).
-
-    Returns:
-        logits (N, V), h (N, H), c (N, H), α (N, L), locations (N,) or None, and what the step adds to
-        the log-probabilities (V,): the banned words, <end> at the first step, all but <end> at the last.
-    """
+    """The decoder's step for every row of `s` at step t (`last`: the step at which only <end> is left;
+    both () long): logits (N, V), h, c, α, locations or None, and what the step adds to the log-probabilities (V,)."""
     logits, h, c, alpha, loc = decoder.step(s.feats, s.projected, words, h, c, mode, generator, s.joined, sharpness)
     ban = s.ban + torch.where(t == 0, s.ban_first, 0.0) + torch.where(t == last, s.only_end, 0.0)  # (V,)
     return logits, h, c, alpha, loc, ban
@@ -139,13 +130,9 @@ def step_logits(
 def fixed_block(
     decoder: AttentionDecoder, s: Search, t: torch.Tensor, last: torch.Tensor, mode: str, generator, sharpness
 ):
-    """`CHECK_EVERY` steps of every beam from `s`'s state, which is not changed: the same shapes at every
-    step, no host read.
-
-    Returns:
-        The new (h, c, words, scores, finished, writing), and the steps' (word, parent, α, location),
-        each (CHECK_EVERY, N, ...), the locations None for the expected context.
-    """
+    """`CHECK_EVERY` steps of every beam from `s`'s state, which is not changed, with no host read:
+    the new (h, c, words, scores, finished, writing) and the steps' (word, parent, α, location), each
+    (CHECK_EVERY, N, ...), the locations None for the expected context."""
     h, c, words, scores, finished = s.h, s.c, s.words, s.scores, s.finished
     history = []
     for i in range(CHECK_EVERY):

@@ -1,11 +1,7 @@
 """The backbones an encoder can be, one row each; everything else reads its row.
 
-A row (`Backbone`) names torchvision's builder and ImageNet weights, where its trunk is cut, the
-channels D of the annotation vectors, how the grid is made, the input side users know, the stages
-`fit --fine-tune-encoder` can train, and how its family's weights are drawn from a seed
-(`--encoder-weights none`: every parameter and buffer, the same on every machine and release). The trunk is a
-`nn.Sequential` of the model's own layers under torchvision's names ("24.weight" for VGG,
-"layer4.0.conv1.weight" for ResNet), so a torchvision state dict fits it as it is.
+The trunk is a `nn.Sequential` of the model's own layers under torchvision's names ("24.weight" for
+VGG, "layer4.0.conv1.weight" for ResNet), so a torchvision state dict fits it as it is.
 
 The grid: VGG's conv5 map is the grid (224 / 16 = 14), and so is ConvNeXt-T's third stage (384-d,
 the 16-pixel cells of VGG's conv5; its last stage is 32 times smaller and 768-d). ResNet's last
@@ -200,9 +196,8 @@ def layer_index(key: str) -> int:
 
 
 def seed_trunk(trunk: nn.Sequential, seed: int, arch: str, layers: int | None = None) -> None:
-    """Random weights for `arch`'s trunk drawn from NumPy's `RandomState(seed)` by its row's `draw`, the same
-    on every machine and release. With `layers`, only the first that many layers are drawn (the stream is
-    the same up to there), the rest left as they are.
+    """Random weights for `arch`'s trunk from NumPy's `RandomState(seed)`, the same on every machine and
+    release; with `layers`, only the first that many layers (the stream is the same up to there).
 
     Raises:
         CaptionerError: a parameter or buffer the row's `draw` left undrawn (a layer type it does not know).

@@ -1,6 +1,4 @@
-"""The checkpoint format, in one place: its schema, one atomic save, one safe load, and migrations.
-
-A checkpoint is a plain dict of tensors and Python values (never a pickled object), so
+"""The checkpoint format: a plain dict of tensors and Python values (never a pickled object), so
 `torch.load(..., weights_only=True)` reads it and refuses anything that would run code. Its keys
 are the fields of `Checkpoint` that are not None, plus "format": "captioner-checkpoint/<version>".
 A file of any earlier version is brought up to the current one on load, so every reader sees one layout.
@@ -190,8 +188,7 @@ def migrate(ck, path: str) -> dict:
     """A checkpoint of any version, as the current version describes it.
 
     Raises:
-        CaptionerError: not a captioner checkpoint, one of a newer version, or one without the
-            keys every checkpoint has.
+        CaptionerError: not a captioner checkpoint, a newer version's, or one lacking a required key.
     """
     name, _, version = str(ck.get("format", "")).partition("/") if isinstance(ck, dict) else ("", "", "")
     if name != FORMAT or not version.isdigit():
@@ -249,8 +246,7 @@ def read_trained(ck: dict, source: str) -> Trained:
     """The model a checkpoint dict holds, built and loaded.
 
     Raises:
-        CaptionerError: the weights do not fit the config, or the vocabulary or encoder spec
-            is malformed (the message names `source`).
+        CaptionerError: the weights do not fit the config, or the vocabulary or encoder spec is malformed.
     """
     try:
         decoder = AttentionDecoder(DecoderConfig(**current_decoder(ck["decoder"])))

@@ -1,13 +1,10 @@
-"""The encoder: image (B, 3, S, S) → annotation vectors (B, L, D) (paper §3.1.1), of any backbone
-in `models.backbones` (VGG16 at 224: L = 196 = 14×14, D = 512; ResNet at 256: L = 196, D = 2048).
+"""The encoder: image (B, 3, S, S) → annotation vectors (B, L, D) (paper §3.1.1); VGG16 at 224:
+L = 196 = 14×14, D = 512; ResNet at 256: L = 196, D = 2048.
 
-The encoder is described by an `EncoderSpec` that travels with the feature cache and every
-checkpoint, so inference rebuilds exactly the encoder that made the training features:
-- `imagenet`: torchvision's pretrained weights, through its weights API and download cache;
-- `none`: random weights drawn from NumPy's legacy `RandomState(seed)`, a stream NumPy keeps
-  fixed across releases (torch's own layer initialisation may change between versions);
-- a path: a state dict of the chosen backbone on disk, checked against its row.
-Whichever it is, a fingerprint of the weights is recorded and checked when rebuilding.
+Its `EncoderSpec` travels with the feature cache and every checkpoint, with a fingerprint of the
+weights, so inference rebuilds exactly the encoder that made the training features. Random weights
+(`none`) come from NumPy's legacy `RandomState(seed)`, a stream NumPy keeps fixed across releases
+(torch's layer initialisation may change between versions).
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ Arch = Literal[tuple(BACKBONES)]  # --encoder's choices: the table's rows
 class EncoderSpec:
     """The encoder; everything needed to rebuild it and its preprocessing.
 
-    Random weights only when asked (`weights="none"`): the default is ImageNet's, everywhere.
     `fingerprint` (sha256 prefix of the weights) is filled in by `build_encoder`.
     """
 
@@ -195,15 +191,10 @@ def fingerprint(module: nn.Module) -> str:
 
 
 def build_encoder(spec: EncoderSpec, carried: dict | None = None) -> tuple[Encoder, EncoderSpec]:
-    """Build the encoder a spec describes.
+    """The encoder in eval mode, and the spec with its fingerprint filled in.
 
-    Args:
-        spec: the encoder.
-        carried: for weights from a file, the trunk a checkpoint or exported model carries in its
-            place (`carried_weights`); the file itself is then not read.
-
-    Returns:
-        The encoder in eval mode, and the spec with its fingerprint filled in.
+    `carried`, for weights from a file: the trunk a checkpoint or exported model carries in its
+    place (`carried_weights`); the file itself is then not read.
 
     Raises:
         CaptionerError: unknown arch, weights unreachable or unreadable, or a fingerprint that
@@ -241,16 +232,10 @@ def build_encoder(spec: EncoderSpec, carried: dict | None = None) -> tuple[Encod
 
 
 def apply_encoder_state(encoder: Encoder, state: dict, source: str) -> Encoder:
-    """Put fine-tuned layers into a built encoder (before any inference optimisation).
+    """Put fine-tuned layers into a built encoder (before any inference optimisation), in place.
 
-    Args:
-        encoder: from `build_encoder`, with the weights the features were made with.
-        state: a checkpoint's "encoder_state": the trained layers under the names of
-            `Encoder.features`' state dict ("24.weight", "layer4.0.conv1.weight", ...), plain tensors.
-        source: the checkpoint, for messages.
-
-    Returns:
-        The same encoder, its trained layers replaced.
+    `state` is a checkpoint's "encoder_state": plain tensors under the names of `Encoder.features`'
+    state dict ("24.weight", "layer4.0.conv1.weight", ...).
 
     Raises:
         CaptionerError: the state names layers this encoder lacks or has tensors of other shapes.
@@ -277,8 +262,7 @@ def rebuild_encoder(
     """A checkpoint's image encoder: the spec's weights (or those it carries), then its fine-tuned layers if any.
 
     Raises:
-        CaptionerError: the spec's weights cannot be had here, or the layers do not fit (the
-            message names `source`).
+        CaptionerError: the spec's weights cannot be had here, or the layers do not fit.
     """
     try:
         encoder, spec = build_encoder(spec, carried)
@@ -302,9 +286,8 @@ def carried_weights(spec: EncoderSpec) -> dict[str, torch.Tensor]:
     its pretraining left random. REGENERATED then says how ([seed, 16 or 32]); the fingerprint
     checked at load makes the rebuilt encoder exactly the file's.
 
-    Returns:
-        `Encoder.features`' state dict ("0.weight", ...), each floating-point tensor in fp16 where that
-        loses nothing (the file was fp16), else fp32, so the rebuilt encoder has the same fingerprint.
+    Each floating-point tensor is in fp16 where that loses nothing (the file was fp16), else fp32, so
+    the rebuilt encoder has the same fingerprint.
 
     Raises:
         CaptionerError: the file is missing, unreadable or not the one the spec's fingerprint names.
@@ -372,9 +355,8 @@ def _write_cached(path: str, state: dict) -> None:
 
 
 def layer_input_shape(spec: EncoderSpec, start: int) -> tuple[int, int]:
-    """(L, D) of the map the trunk's layer `start` reads at the spec's input side: the rows of the
-    cache that fine-tuning from there reads (VGG16's pool4 at 224: (196, 512); ResNet's conv4_x at 256:
-    (256, 1024)). Computed on the meta device."""
+    """(L, D) of the map the trunk's layer `start` reads: the rows of the cache that fine-tuning from
+    there reads (VGG16's pool4 at 224: (196, 512); ResNet's conv4_x at 256: (256, 1024))."""
     x = torch.empty(1, 3, spec.image_size, spec.image_size, device="meta")  # (1, 3, S, S)
     f = meta_trunk(spec.arch)[:start](x)  # (1, D, h, w)
     return f.shape[2] * f.shape[3], f.shape[1]

@@ -1,24 +1,16 @@
-"""The encoder made fast for inference, after its weights are final.
+"""The encoder made fast for inference, after its weights are final: images (B, 3, S, S) →
+annotation vectors (B, L, D), the same features, faster.
 
-`optimize_encoder` is applied once the encoder is fully built (its weights loaded, fine-tuned
-layers included): it returns a module with the same input and output, (B, 3, S, S) images →
-(B, L, D) annotation vectors, that computes the same features faster.
+On CPU with oneDNN the VGG trunk becomes oneDNN convolutions with their ReLU fused in, weights
+reordered once into oneDNN's blocked layout, activations channels-last throughout; eager torchvision
+re-lays-out every layer's weights on every call. torch.compile with freezing makes the same oneDNN
+calls, but needs compiling.
 
-On CPU with oneDNN (the usual PyTorch build) the VGG trunk becomes a list of oneDNN
-convolutions with their ReLU fused in, weights reordered once into oneDNN's blocked layout, and
-activations kept channels-last, so nothing is re-laid-out between layers. Eager torchvision
-re-lays-out the weights of every layer on every call. torch.compile with freezing makes the
-same oneDNN calls as this module, which needs no compiling.
-
-fp32 by default, on every CPU: its features agree across the kernels PyTorch and oneDNN pick (AVX2,
-AVX-512, none) to rounding, so a model writes the same captions and maps everywhere. bf16 (`bf16=True`)
-runs about twice as fast on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX), but its features are
-about 3% off fp32's, which moves scores and maps visibly (docs/benchmarks.md).
-
-Other backbones (ResNet) run as PyTorch runs them on a CPU.
-
-On CUDA the encoder is made channels-last (cuDNN's fast layout) and kept fp32, so features
-match those the decoder was trained on.
+fp32 by default: its features agree to rounding across the kernels PyTorch and oneDNN pick (AVX2,
+AVX-512, none), so a model writes the same captions and maps everywhere. bf16 is about twice as fast
+on CPUs with native bf16 (AVX512-BF16 or AMX), but its features are about 3% off fp32's, which moves
+scores and maps visibly. On CUDA the encoder stays fp32, so features match those the decoder was
+trained on.
 """
 
 from __future__ import annotations
@@ -144,15 +136,10 @@ FUSABLE = (nn.Conv2d, nn.ReLU, nn.MaxPool2d)  # the layers of a VGG trunk, which
 
 
 class FusedVGG(nn.Module):
-    """A VGG trunk for inference only: convolutions with their ReLU fused, weights packed once,
-    activations channels-last from the first layer to the last.
+    """A VGG trunk for inference only: convolutions with their ReLU fused, weights packed once.
 
-    Args:
-        features: the trunk (Conv2d, ReLU and MaxPool2d layers), weights final.
-        image_size: side of the input it will mostly see (a layout hint; any size works).
-        dtype: torch.float32, or torch.bfloat16 on CPUs with native bf16.
-        winograd: 3×3 convolutions with ≥ 256 output channels by Winograd F(4×4, 3×3) (fp32
-            only), the others through oneDNN.
+    `image_size` is a layout hint (any size works); `winograd` runs the wide 3×3 convolutions by
+    Winograd F(4×4, 3×3) (fp32 only), the others through oneDNN.
     """
 
     def __init__(
@@ -216,19 +203,8 @@ def optimize_encoder(
     bf16: bool = False,
     winograd: bool = True,
 ) -> nn.Module:
-    """The encoder, on `device`, made fast for inference; call it after all weights are loaded.
-
-    Args:
-        encoder: an `Encoder` (anything else is returned as it is, moved to the device); on a CPU, a VGG
-            trunk becomes a `FusedVGG`, another backbone's runs as it is.
-        device: where it will run.
-        image_size: the input side it will mostly see.
-        bf16: compute in bf16 on a CPU that has native bf16 (elsewhere fp32); not the default (module doc).
-        winograd: on CPU in fp32, the wide 3×3 convolutions by Winograd F(4×4, 3×3).
-
-    Returns:
-        A module mapping images (B, 3, S, S) to features (B, L, D), in eval mode, no gradients.
-        Its weights are a snapshot: later changes to `encoder` do not reach it.
+    """The encoder, on `device`, made fast for inference, in eval mode; call it after all weights are
+    loaded: its weights are a snapshot. `bf16` takes effect only on a CPU with native bf16.
     """
     device = torch.device(device)
     encoder = encoder.to(device).eval().requires_grad_(False)

@@ -1,14 +1,6 @@
-"""The fast soft training pass, beside the plain one (`AttentionDecoder.unroll`) and tested equal to it.
-
-`fused_unroll` gives the plain teacher-forced pass's values and gradients with less work:
-- the attention score has a hand-written backward (`_Score`) that saves two passes over the
-  (B, L, A) tensor per step; its gradients for the annotation projection are added in place into
-  one buffer (`_GradientSum`), and the factor 2v that all steps share is applied once per pass;
-- the three maps of h_{t-1} (attention, LSTM, β gate) are one product per step, and the
-  recurrent weights' gradients are one product over every step's rows at the end of the
-  backward pass (`_SharedWeight`, `_StepProduct`);
-- it steps only the captions still being written.
-It reads the captions' lengths back to the host once per pass, so GPUs take the plain pass.
+"""The fast soft training pass: `AttentionDecoder.unroll`'s values and gradients, with less work, tested
+equal to it. It steps only the captions still being written, which reads their lengths back to the
+host once per pass, so GPUs take the plain pass.
 
 Symbols: B batch, L locations, D annotation size, E embedding size, H LSTM size, A attention
 size, T steps, n captions still running at a step.

@@ -1,5 +1,4 @@
-"""Where a model comes from: a checkpoint or an exported folder on disk, a checked URL of either,
-or the Hugging Face Hub; `load_trained` reads whichever it is.
+"""Where a model comes from:
 
     best.pt                          a training checkpoint (`models.checkpoint`)
     runs/demo-export/                an exported folder (`models.exported`)

@@ -1,6 +1,6 @@
 """`captioner export --onnx DIR`: a trained model as ONNX graphs, for onnxruntime without PyTorch.
 
-Writes (`serve.onnx_runtime` reads it, and runs the one beam search over it):
+Writes:
 
     DIR/encoder.onnx   images (B, 3, S, S), ImageNet-normalised → features (B, L, D)
     DIR/start.onnx     features (B, L, D) → standardised annotations (B, L, D), their projection 2 W_a a_i
@@ -63,10 +63,8 @@ class Step(nn.Module):
 
 
 def export_onnx(source: str, out_dir: str) -> str:
-    """Write the ONNX folder of a model: a checkpoint, an exported folder, a pinned URL or hf://ORG/NAME.
-
-    Returns:
-        The folder written.
+    """Write the ONNX folder of a model (a checkpoint, an exported folder, a pinned URL or hf://ORG/NAME);
+    returns the folder.
 
     Raises:
         CaptionerError: the model cannot be read, or onnxscript (the exporter's) is missing.

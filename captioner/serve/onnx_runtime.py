@@ -1,13 +1,10 @@
-"""Captioning on onnxruntime, without PyTorch: the folder `captioner export --onnx` writes
-(`serve.onnx_export`), captioned by the one beam search (`decoding.beams.search`) over the exported step.
+"""Captioning on onnxruntime, without PyTorch: the folder `captioner export --onnx` writes.
 
     cap = OnnxCaptioner.load("model-onnx/")     # or Captioner.load, or `captioner caption --runtime onnx`
     out = cap.caption("photo.jpg", beam_size=3)  # out.text, out.words, out.attention (n, grid, grid)
 
-Nothing here imports torch: the images are read and resized by Pillow and normalised by NumPy as
-`models.preprocess` defines it for both runtimes, and the search's arrays are NumPy's. The beam search
+Nothing here imports torch: Pillow reads and resizes the images, NumPy normalises them. The beam search
 with the expected context is what runs here; sampling and hard attention's chosen locations need PyTorch.
-A missing, damaged or mismatched file is refused by name when the folder loads.
 """
 
 from __future__ import annotations
@@ -122,8 +119,7 @@ class OnnxCaptioner(CaptionModel):
     def caption_batch(
         self, images: Sequence, beam_size: int | None = None, *, batch_size: int = 16, decoding=None, **settings
     ) -> list[Caption]:
-        """Caption several images (paths, bytes, PIL images or HxWxC uint8 arrays), a chunk at a time, with the
-        beam search's settings (`Decoding`: beam_size, max_len, length_norm, sharpness).
+        """Caption several images (paths, bytes, PIL images or HxWxC uint8 arrays), a chunk at a time.
 
         Raises:
             ImageError: an image cannot be read (the message says which and why).
