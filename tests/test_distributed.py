@@ -126,7 +126,6 @@ def test_two_processes_resumed_go_on_each_with_its_own_random_streams(data_dir, 
     ranks = [torch.load(out / "last.rank1.rng.pt", weights_only=True)["rng"] for out in (whole, run)]
     assert torch.equal(ranks[0]["generator"], ranks[1]["generator"])
     assert not torch.equal(ranks[0]["generator"], a["rng"]["generator"])
-    assert not torch.equal(ranks[0]["torch"], a["rng"]["torch"])  # dropout's stream too
 
 
 CLOCKS = """

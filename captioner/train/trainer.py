@@ -91,8 +91,6 @@ class Trainer:
         self.process = distributed.Process(d, device, setup.step_compiling(cfg.process, device))
         board = open_board(cfg.process.tensorboard, main=d.main, saved=saved)  # before any slow preparation
         live = self.live = self._live()
-        if d.rank:  # each rank its own dropout masks, eager or compiled; rank 0 draws as a lone process does
-            torch.manual_seed(hash((cfg.optim.seed, d.rank)) & (2**63 - 1))
         self.stages = [setup.stage(data, live.decoder, cfg, state=live.terms, targets=self.targets)]
         if live.tuning is not None:
             self.stages.append(
