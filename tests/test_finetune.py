@@ -91,7 +91,8 @@ def test_checkpoint_holds_the_trained_layers(tuned_run, tuned_data):
     ck = torch.load(tuned_run / "best.pt", weights_only=True)
     assert set(ck["encoder_state"]) == TUNED
     assert all(type(v) is torch.Tensor for v in ck["encoder_state"].values())
-    assert ck["train"]["fine_tune"] == {"start": "conv5_1", "lr": 1e-3, "workers": 0, "after": 0}
+    assert ck["train"]["fine_tune"] == {"start": "conv5_1", "lr": 1e-3, "after": 0}
+    assert ck["train"]["process"]["workers"] == 0
     assert "conv5_1 onward trained on the captions" in model_card(Captioner.load(str(tuned_run / "best.pt")))
     # The decoder's standardisation stays the frozen features' statistics, the same everywhere.
     mean, std = CaptionData(str(tuned_data)).feature_stats()
