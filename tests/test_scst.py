@@ -294,16 +294,11 @@ def scst_config(**kw) -> TrainConfig:
 @pytest.mark.slow
 def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkeypatch):
     init = small_run / "best.pt"
-    whole = fit(
-        FitJob(
-            str(data_dir),
-            str(tmp_path / "whole"),
-            train=scst_config(),
-            init=str(init),
-            device="cpu",
-            progress_bar=False,
-        )
-    )
+
+    def run(out: str, train: TrainConfig, **kw):
+        return fit(FitJob(str(data_dir), str(tmp_path / out), train=train, device="cpu", progress_bar=False, **kw))
+
+    whole = run("whole", scst_config(), init=str(init))
     from captioner.train import checkpoints
 
     real = checkpoints.save_checkpoint  # fit saves through train.checkpoints.Checkpoints
@@ -315,27 +310,9 @@ def test_scst_resumed_equals_uninterrupted(data_dir, small_run, tmp_path, monkey
 
     monkeypatch.setattr(checkpoints, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        fit(
-            FitJob(
-                str(data_dir),
-                str(tmp_path / "run"),
-                train=scst_config(),
-                init=str(init),
-                device="cpu",
-                progress_bar=False,
-            )
-        )
+        run("run", scst_config(), init=str(init))
     monkeypatch.setattr(checkpoints, "save_checkpoint", real)
-    resumed = fit(
-        FitJob(
-            str(data_dir),
-            str(tmp_path / "run"),
-            train=TrainConfig.of(epochs=2),
-            resume=True,
-            device="cpu",
-            progress_bar=False,
-        )
-    )
+    resumed = run("run", TrainConfig.of(epochs=2), resume=True)
     assert resumed.step == whole.step > 3
     a, b = (load_checkpoint(str(tmp_path / r / "last.pt")) for r in ("whole", "run"))
     for name, value in a["model"].items():
