@@ -90,6 +90,7 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         self.process = distributed.Process(d, device, setup.step_compiling(cfg.process, device))
         board = open_board(cfg.process.tensorboard, main=d.main, saved=saved)  # before any slow preparation
+        self.targets = setup.box_targets(data, began["boxes"], d) if began["boxes"] else None
         live = self.live = self._live()
         self.stages = [setup.stage(data, live.decoder, cfg, state=live.terms, targets=self.targets)]
         if live.tuning is not None:
@@ -134,11 +135,10 @@ class Trainer:
         return self.finish(stopped)
 
     def _live(self) -> Live:
-        """The objects a checkpoint holds the state of, fresh (the box targets too, which the stages read)."""
+        """The objects a checkpoint holds the state of, fresh."""
         data, cfg, d, device = self.data, self.cfg, self.process.dist, self.process.device
-        saved, boxes = self.saved, self.began["boxes"]
+        saved = self.saved
         decoder = setup.make_decoder(data, self.model_cfg, device, self.init)
-        self.targets = setup.box_targets(data, boxes, d) if boxes else None
         groups = [{"params": list(decoder.parameters())}]
         tuning = None
         if cfg.fine_tune is not None:
