@@ -54,13 +54,16 @@ from captioner.models.fast_encoder import optimize_encoder  # noqa: E402
 from captioner.models.views import max_shift, shifts  # noqa: E402
 from captioner.objectives.objective import Objective  # noqa: E402
 from captioner.objectives.terms import TermState  # noqa: E402
-from captioner.train.averaging import WeightAverage  # noqa: E402
 from captioner.train.checkpoints import Live  # noqa: E402
 from captioner.train.config import TrainConfig  # noqa: E402
 from captioner.train.distributed import Dist, Process  # noqa: E402
-from captioner.train.settle import Start, settle  # noqa: E402
+from captioner.train.resume import Start, settle  # noqa: E402
 from captioner.train.setup import step_compiling, teacher_forced_objective  # noqa: E402
-from captioner.train.step import TrainStep, make_optimizer  # noqa: E402
+from captioner.train.step import (  # noqa: E402
+    TrainStep,
+    WeightAverage,  # noqa: E402
+    make_optimizer,
+)
 
 B, L, D, V = 32, 196, 512, 10_000
 WARMUP = 3  # untimed steps before timing: the compiled steps compile and record their graphs in them

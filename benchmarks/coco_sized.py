@@ -27,8 +27,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from captioner.data.dataset import FORMAT, CaptionData  # noqa: E402
-from captioner.data.features import DONE, FeatureCache  # noqa: E402
+from captioner.data.dataset import DONE, FORMAT, CaptionData, FeatureCache  # noqa: E402  # noqa: E402
 from captioner.io import atomic_path, check_free_space, read_json, write_json_atomic  # noqa: E402
 from captioner.models.encoder import FEATURE_DIM, EncoderSpec, build_encoder  # noqa: E402
 from captioner.models.vocab import END_ID, PAD_ID, SPECIALS, START_ID, Vocabulary  # noqa: E402

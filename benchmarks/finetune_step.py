@@ -29,7 +29,7 @@ from captioner.train import distributed
 from captioner.train.checkpoints import Live
 from captioner.train.config import TrainConfig
 from captioner.train.finetune import FineTuneConfig, FineTuning
-from captioner.train.settle import Start, settle
+from captioner.train.resume import Start, settle
 from captioner.train.setup import teacher_forced_objective
 from captioner.train.step import TrainStep, make_optimizer
 

@@ -108,14 +108,6 @@ class Compiled:
         log.warning(f"{FELL_BACK}: {self.what} did not compile ({reason}); it runs eagerly from here")
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    import torch
-
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
-
-
 def no_autocast(device: torch.device):
     """Leave a caller's autocast region: the search runs in the model's own precision."""
     import torch

@@ -13,14 +13,14 @@ import torch.nn.functional as F
 
 from captioner.models.decoder import DecoderConfig, step_mask
 from captioner.models.encoder import EncoderSpec
-from captioner.objectives.cross_entropy import attention_penalty
+from captioner.objectives.objective import attention_penalty
 from captioner.objectives.terms import TermState
 from captioner.scenes.synthetic import generate
 from captioner.train.checkpoints import Live
 from captioner.train.config import TrainConfig
 from captioner.train.distributed import Dist, Process
 from captioner.train.prepare import PrepareConfig, prepare
-from captioner.train.settle import Start, settle
+from captioner.train.resume import Start, settle
 from captioner.train.setup import teacher_forced_objective
 from captioner.train.step import TrainStep, make_optimizer
 from captioner.train.trainer import FitJob, fit
@@ -113,7 +113,7 @@ def caption_loss(
     words: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. (14) from `AttentionDecoder.forward`'s logits (B, T-1, V) and maps (B, T-1, L), written out
-    plainly: the reference the objective's terms (`objectives.cross_entropy`) are held to.
+    plainly: the reference the objective's terms (`objectives.objective`) are held to.
 
     Returns:
         (negative log-likelihood per word, penalty per word); the loss is their sum.

@@ -13,8 +13,8 @@ from captioner.decoding.settings import Decoding
 from captioner.evaluation.captioning import caption_split, score_validation
 from captioner.models.checkpoint import current_train, load_checkpoint, read_trained
 from captioner.models.decoder import DecoderConfig
-from captioner.train.averaging import WeightAverage
 from captioner.train.config import TrainConfig
+from captioner.train.step import WeightAverage
 from captioner.train.trainer import FitJob, fit
 
 SMALL = DecoderConfig(0, embed_dim=16, hidden_dim=16, attention_dim=8)

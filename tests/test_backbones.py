@@ -35,7 +35,7 @@ from captioner.serve.export import export
 from captioner.train.config import TrainConfig
 from captioner.train.finetune import FineTuneConfig
 from captioner.train.prepare import PrepareConfig
-from captioner.train.settle import Start, settle
+from captioner.train.resume import Start, settle
 from captioner.train.trainer import FitJob, fit
 
 # The seeded random ResNet-50 must be the same network on every machine and release (NumPy's

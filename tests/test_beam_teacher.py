@@ -17,8 +17,7 @@ import torch
 
 from captioner.decoding.beams import banned
 from captioner.decoding.decode import Hypothesis, beam_search
-from captioner.models.attention import ARGMAX, EXPECTED
-from captioner.models.decoder import AttentionDecoder
+from captioner.models.decoder import ARGMAX, EXPECTED, AttentionDecoder
 from captioner.models.vocab import END_ID, PAD_ID, START_ID
 
 L, D = 16, 8  # a small grid and feature size: the search does not care how large

@@ -26,7 +26,7 @@ from captioner.compiled import FELL_BACK, GRAPHS, Compiled
 from captioner.decoding.decode import beam_search
 from captioner.decoding.search_state import compiled_block
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
-from captioner.objectives.cross_entropy import CrossEntropy
+from captioner.objectives.objective import CrossEntropy
 from captioner.train.config import ProcessConfig, TrainConfig
 from captioner.train.setup import step_compiling
 from captioner.train.trainer import FitJob, fit

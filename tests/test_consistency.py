@@ -18,7 +18,7 @@ from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.models.views import back_from_view, max_shift, random_shifts, shifts, view
 from captioner.objectives.consistency import consistency, disagreement, real_steps
-from captioner.objectives.passes import teacher_forced
+from captioner.objectives.objective import teacher_forced
 from captioner.train.config import TrainConfig
 from captioner.train.trainer import FitJob, fit
 

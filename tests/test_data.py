@@ -12,8 +12,7 @@ from PIL import Image
 
 from captioner.data.batches import bucket_batches
 from captioner.data.coco import default_splits, load_dataset
-from captioner.data.dataset import CaptionData
-from captioner.data.features import DONE, TODO
+from captioner.data.dataset import DONE, TODO, CaptionData
 from captioner.errors import CaptionerError
 from captioner.models.encoder import EncoderSpec
 from captioner.models.vocab import END_ID, START_ID, UNK_ID, Vocabulary, tokenize

@@ -7,12 +7,11 @@ import torch
 from conftest import caption_loss
 
 from captioner.decoding.decode import beam_search
-from captioner.models.attention import ARGMAX, EXPECTED, SAMPLE
 from captioner.models.checkpoint import current_decoder
-from captioner.models.decoder import AttentionDecoder, DecoderConfig
+from captioner.models.decoder import ARGMAX, EXPECTED, SAMPLE, AttentionDecoder, DecoderConfig
 from captioner.models.fused import fused_unroll
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
-from captioner.objectives.passes import teacher_forced
+from captioner.objectives.objective import teacher_forced
 from captioner.train.step import make_optimizer
 
 V, L, D = 30, 196, 64
@@ -256,7 +255,7 @@ def test_hard_modes_report_locations():
 def test_attention_equals_the_paper_formula_with_gradients(embed_dim):
     """The fast score (2v·σ(2z)) gives the α and the gradients of softmax(v·tanh(z)), with z the
     paper's W_a a_i + W_h h_{t-1}, plus W_y E y_{t-1} when the query holds the word."""
-    from captioner.models.attention import Attention
+    from captioner.models.decoder import Attention
 
     torch.manual_seed(0)
     att = Attention(6, 5, 4, embed_dim).double()

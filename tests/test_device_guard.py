@@ -27,11 +27,10 @@ from captioner.models.tuned import TunedEncoder, start_index
 from captioner.objectives.objective import Objective, objective_terms
 from captioner.objectives.reinforce import HardAttentionConfig
 from captioner.objectives.terms import TermsConfig, TermState
-from captioner.train.averaging import WeightAverage
 from captioner.train.checkpoints import Live
 from captioner.train.config import OptimConfig
 from captioner.train.distributed import Dist, Process
-from captioner.train.step import TrainStep
+from captioner.train.step import TrainStep, WeightAverage
 
 META = torch.device("meta")
 

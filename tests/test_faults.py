@@ -19,7 +19,7 @@ import torch
 from conftest import SMALL_FIT, prepare_scenes, train_step
 from test_reliability import start, wait_for
 
-import captioner.data.features as features
+import captioner.data.dataset as features
 import captioner.models.checkpoint as checkpoint
 from captioner.data.batches import CaptionBatches
 from captioner.data.dataset import CaptionData
@@ -27,7 +27,7 @@ from captioner.errors import CaptionerError
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec
-from captioner.train import resilience as faults
+from captioner.train import log as faults
 from captioner.train.config import TrainConfig
 from captioner.train.prepare import PrepareConfig, prepare
 from captioner.train.trainer import FitJob, fit

@@ -15,9 +15,8 @@ from conftest import prepare_scenes, run_cli, train_step
 
 from captioner import Captioner
 from captioner.data.batches import CaptionBatches
-from captioner.data.dataset import CaptionData
+from captioner.data.dataset import CaptionData, FeatureCache
 from captioner.data.encoder_inputs import encoded_features
-from captioner.data.features import FeatureCache
 from captioner.data.images import load_image
 from captioner.demo.card import model_card
 from captioner.evaluation.captioning import checkpoint_features
@@ -30,7 +29,7 @@ from captioner.train import distributed
 from captioner.train.config import TrainConfig
 from captioner.train.familiarity import calibration_photos
 from captioner.train.finetune import DECODER_FIRST, FineTuneConfig, FineTuning, image_batches
-from captioner.train.settle import Start, settle
+from captioner.train.resume import Start, settle
 from captioner.train.trainer import FitJob, fit
 
 cpu_process = distributed.Process(distributed.Dist(), torch.device("cpu"))

@@ -13,7 +13,7 @@ from captioner.objectives.objective import Objective, objective_terms
 from captioner.objectives.terms import TermState
 from captioner.options import from_args
 from captioner.train.config import TrainConfig
-from captioner.train.settle import Start, settle
+from captioner.train.resume import Start, settle
 
 
 def test_the_paper_switch_gives_eq_14_exactly(data_dir):

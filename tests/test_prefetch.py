@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from captioner.data.prefetch import prefetched
+from captioner.data.batches import prefetched
 
 
 def test_the_items_come_in_their_order():

@@ -21,7 +21,7 @@ from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import DecoderConfig
 from captioner.models.vocab import SPECIALS, Vocabulary, tokenize
 from captioner.train.config import TrainConfig
-from captioner.train.resilience import GracefulStop
+from captioner.train.log import GracefulStop
 from captioner.train.trainer import FitJob, fit
 
 FIT = [

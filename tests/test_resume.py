@@ -11,7 +11,7 @@ import torch.distributed
 
 from captioner.models.checkpoint import load_checkpoint
 from captioner.objectives.terms import TermState
-from captioner.train import resilience
+from captioner.train import log
 from captioner.train.checkpoints import Checkpoints, Live
 from captioner.train.config import Progress
 from captioner.train.resume import restore
@@ -56,7 +56,7 @@ def resumed(tmp_path, monkeypatch, rank: int, world: int, ck: dict) -> tuple[Liv
     as_rank(monkeypatch, rank, world)
     torch.manual_seed(12345)  # a fresh process's own stream, which the resume must replace
     live, notes = run(seed=999), []
-    restore(live, ck, str(tmp_path), resilience.FaultLog(notes.append, show=False))
+    restore(live, ck, str(tmp_path), log.FaultLog(notes.append, show=False))
     return live, notes
 
 
@@ -77,7 +77,7 @@ def test_each_rank_resumes_its_own_random_streams(tmp_path, monkeypatch):
         torch.manual_seed(100 + rank)
         torch.rand(3, generator=live.generator)
         streams[rank] = (torch.get_rng_state(), live.generator.get_state())
-        notes = resilience.FaultLog(lambda record: None, show=False)
+        notes = log.FaultLog(lambda record: None, show=False)
         checkpoints = Checkpoints(str(tmp_path), main=rank == 0, live=live, record=RECORD, notes=notes)
         checkpoints.save(checkpoints.last_path, Progress(step=7), {})
     assert not torch.equal(streams[0][1], streams[1][1])
@@ -127,7 +127,7 @@ def test_a_resumed_optimizer_keeps_this_runs_flags_and_learning_rate_tensors():
     ck = saved(before, step=1)
     rate = torch.tensor(3e-3)
     after = run(seed=1, optimizer=lambda params: torch.optim.Adam(params, lr=rate, capturable=True, foreach=False))
-    restore(after, ck, "unused", resilience.FaultLog(lambda record: None, show=False))
+    restore(after, ck, "unused", log.FaultLog(lambda record: None, show=False))
     group = after.optimizer.param_groups[0]
     assert group["lr"] is rate and float(rate) == pytest.approx(1.5e-3)
     assert (group["capturable"], group["fused"], group["foreach"]) == (True, None, False)
@@ -141,7 +141,7 @@ def test_a_cooldown_rate_is_put_back_into_this_runs_rate_tensor():
     ck["progress"]["cooldown_from"] = [2e-3]
     rate = torch.tensor(1e-3)
     after = run(seed=1, optimizer=lambda params: torch.optim.Adam(params, lr=rate, capturable=True, foreach=False))
-    progress = restore(after, ck, "unused", resilience.FaultLog(lambda record: None, show=False))
+    progress = restore(after, ck, "unused", log.FaultLog(lambda record: None, show=False))
     assert after.optimizer.param_groups[0]["lr"] is rate and float(rate) == pytest.approx(2e-3)
     assert progress.cooldown_from is None
 
@@ -167,7 +167,7 @@ def test_cuda_streams_are_set_without_entering_any_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "manual_seed", entered)  # seeds the current device: names none
     one = torch.Generator().manual_seed(7).get_state()
     notes = []
-    restore(run(seed=1), saved(run(seed=1), step=4, cuda=[one]), "unused", resilience.FaultLog(notes.append))
+    restore(run(seed=1), saved(run(seed=1), step=4, cuda=[one]), "unused", log.FaultLog(notes.append))
     assert torch.equal(gpus[0].get_state(), one)
     assert all(not torch.equal(gpus[i].get_state(), fresh[i]) for i in (1, 2))
     assert "CUDA" in reseeded(notes)[0]

@@ -16,7 +16,7 @@ from captioner.decoding.sampling import Draw, sample_captions, sampling_step
 from captioner.decoding.search_state import Search
 from captioner.decoding.settings import Decoding
 from captioner.errors import OptionError
-from captioner.models.attention import ARGMAX, EXPECTED, SAMPLE
+from captioner.models.decoder import ARGMAX, EXPECTED, SAMPLE
 from captioner.models.vocab import END_ID
 
 

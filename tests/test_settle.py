@@ -1,4 +1,4 @@
-"""Settings settled once: every default that depends on other settings is decided by `train.settle`."""
+"""Settings settled once: every default that depends on other settings is decided by `train.resume.settle`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from captioner.models.decoder import DecoderConfig
 from captioner.options import command_line, from_args
 from captioner.train.config import GROUPS, ProcessConfig, TrainConfig
 from captioner.train.finetune import DECODER_FIRST, FineTuneConfig
-from captioner.train.settle import Start, settle
+from captioner.train.resume import Start, settle
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 # Every field whose default is decided from other settings, and the fields that are optional on purpose.
@@ -312,7 +312,7 @@ def test_every_setting_is_an_option_written_once():
 def test_fit_help_says_each_derived_default_as_settle_settles_it():
     """A derived default is written once, in `settle.DERIVED`: every field settle derives has its rule
     there, and `fit --help` shows that rule, not a copy of it."""
-    from captioner.train.settle import DERIVED
+    from captioner.train.resume import DERIVED
 
     assert set(DERIVED) == DERIVED_FIELDS
     text = " ".join(get_parser()._subparsers._group_actions[0].choices["fit"].format_help().split())

@@ -20,8 +20,8 @@ from captioner.data.batches import CaptionBatches, FixedShapes
 from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
 from captioner.decoding.decode import beam_search
-from captioner.models import attention as f_att
 from captioner.models import decoder
+from captioner.models import decoder as f_att
 from captioner.models.decoder import AttentionDecoder
 from captioner.objectives import consistency
 from captioner.objectives.objective import Objective, objective_terms

@@ -16,7 +16,7 @@ from captioner.decoding.beams import Hypothesis
 from captioner.models.decoder import DecoderConfig
 from captioner.options import from_args
 from captioner.train.config import TrainConfig
-from captioner.train.tensorboard import EXAMPLES, TensorBoard, open_board
+from captioner.train.log import EXAMPLES, TensorBoard, open_board
 from captioner.train.trainer import FitJob, fit
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")

@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from captioner.data.boxes import grid_cells
+from captioner.data.dataset import TODO, FeatureCache
 from captioner.data.extraction import extract_features
-from captioner.data.features import TODO, FeatureCache
 from captioner.io import atomic_path, read_json, write_json_atomic
 from captioner.models.backbones import backbone, meta_trunk
 from captioner.models.encoder import Encoder, EncoderSpec, build_encoder, layer_input_shape

@@ -23,9 +23,9 @@ from captioner.models.decoder import DecoderConfig
 from captioner.options import Device, add_options, choose_device, from_args
 from captioner.train import distributed
 from captioner.train.config import TrainConfig
+from captioner.train.log import GracefulStop
 from captioner.train.prepare import PrepareConfig, prepare
-from captioner.train.resilience import GracefulStop
-from captioner.train.settle import DERIVED
+from captioner.train.resume import DERIVED
 from captioner.train.trainer import FitJob, fit
 
 

@@ -7,21 +7,23 @@ Packed batches are as long as their longest caption and hold only real captions 
 padding). Fixed batches (`FixedShapes`) always hold `size` captions, rows of length 0 filling the
 last batch and standing in for captions whose features are damaged, padded to one of a few
 lengths, so that every step of a length bucket has the same shapes (GPUs: one compile per bucket).
+Batches are made ahead on a thread of their own (`prefetched`), so that the step does not wait for them.
 Symbols: B captions, k of them with views, T tokens, L locations, D feature size.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import queue
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from captioner.data.dataset import CaptionData
-from captioner.data.features import nonfinite_rows
+from captioner.data.dataset import CaptionData, nonfinite_rows
 from captioner.errors import CaptionerError
 from captioner.models.views import shifts
 
@@ -277,3 +279,47 @@ class TrainingImages:
         for rows in self._shares(seed, epoch, rank, world)[start:]:
             batch = ImageBatch(self.data.features(rows), torch.from_numpy(rows.astype(np.int64)))
             yield batch.pin_memory() if pin else batch
+
+
+_DONE = object()
+
+
+def prefetched(items: Iterable, depth: int = 2) -> Iterator:
+    """`items` in their order, made up to `depth` ahead on a background thread; an exception raised while
+    making one is raised here, where that item would have come. Closing the iterator early (a stop, the
+    time budget) stops the thread after the item it is making."""
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(entry) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def make() -> None:
+        try:
+            for item in items:
+                if not put((item, None)):
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            put((_DONE, e))
+            return
+        put((_DONE, None))
+
+    thread = threading.Thread(target=make, name="captioner-batches", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            if item is _DONE:
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join()

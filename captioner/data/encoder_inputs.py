@@ -18,8 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from captioner.data.dataset import CaptionData
-from captioner.data.features import TODO, FeatureCache
+from captioner.data.dataset import TODO, CaptionData, FeatureCache
 from captioner.data.images import load_image
 from captioner.errors import CaptionerError, ImageError
 from captioner.models.encoder import layer_input_shape

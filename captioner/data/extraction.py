@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from captioner.data.features import FeatureCache
+from captioner.data.dataset import FeatureCache
 from captioner.data.images import load_image
 from captioner.errors import CaptionerError, ImageError
 from captioner.models.preprocess import Preprocess

@@ -16,8 +16,7 @@ from captioner.decoding.beams import Hypothesis, best_first, hypotheses, search,
 from captioner.decoding.sampling import sample_captions
 from captioner.decoding.search_state import Search, fixed_length, fixed_search
 from captioner.decoding.settings import Decoding
-from captioner.models.attention import EXPECTED
-from captioner.models.decoder import AttentionDecoder
+from captioner.models.decoder import EXPECTED, AttentionDecoder
 
 __all__ = ["ROUTINES", "DecoderStep", "Hypothesis", "beam_search", "decode", "generator_for"]
 

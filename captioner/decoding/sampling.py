@@ -17,8 +17,7 @@ import torch
 
 from captioner.decoding.beams import Hypothesis, hypotheses
 from captioner.decoding.search_state import CHECK_EVERY, Search, step_logits
-from captioner.models.attention import EXPECTED, sample_from
-from captioner.models.decoder import AttentionDecoder
+from captioner.models.decoder import EXPECTED, AttentionDecoder, sample_from
 from captioner.models.vocab import END_ID, PAD_ID
 
 

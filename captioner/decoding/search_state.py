@@ -25,8 +25,7 @@ import torch
 
 from captioner.compiled import Compiled, compile_mode, no_autocast
 from captioner.decoding.beams import extend, masks
-from captioner.models.attention import SAMPLE
-from captioner.models.decoder import AttentionDecoder, Joined
+from captioner.models.decoder import SAMPLE, AttentionDecoder, Joined
 from captioner.models.vocab import START_ID
 
 CHECK_EVERY = 4  # fixed shapes: steps between looks at whether any beam still writes

@@ -1,7 +1,7 @@
 """LSTM decoder with MLP attention, "Show, Attend and Tell" §3.1.2 and §4 (Xu et al., 2015).
 
 Soft attention (§4.2) feeds the expected context ẑ_t = β_t Σ_i α_ti a_i; hard attention (§4.1)
-feeds one sampled annotation a_{s_t}, s_t ~ Multinoulli(α_t).
+feeds one sampled annotation a_{s_t}, s_t ~ Multinoulli(α_t). f_att is the MLP of eqs. (4)-(5).
 
 Shapes: B batch, L locations (196 = 14×14), D annotation size (512), E embedding size, H LSTM size,
 A attention size, T caption steps, V vocabulary size.
@@ -17,14 +17,66 @@ import torch.nn.functional as F
 from torch import nn
 
 from captioner.errors import OptionError
-from captioner.models.attention import EXPECTED, Attention, choose_locations, sample_from
+from captioner.models.contexts import ARGMAX, CONTEXT_MODES, EXPECTED, SAMPLE
 from captioner.options import check_positive
+
+
+class Attention(nn.Module):
+    """f_att, the MLP of eq. (4): e_ti = v·tanh(W_a a_i + W_h h_{t-1}); α_t = softmax(e_t), eq. (5).
+
+    With `embed_dim`, the query also holds the word just written (+ W_y E y_{t-1}): h_{t-1} has not seen
+    y_{t-1}, so without it the map for "triangle" in "a yellow triangle" cannot know which object was chosen.
+
+    Computed as e_ti = 2v·σ(2 W_a a_i + 2 W_h h_{t-1}): tanh(x) = 2σ(2x) − 1, so the two differ by −Σv at
+    every location, which softmax ignores; σ is the cheaper of the two on CPUs.
+    """
+
+    def __init__(self, encoder_dim: int, hidden_dim: int, attention_dim: int, embed_dim: int | None = None):
+        super().__init__()
+        self.W_a = nn.Linear(encoder_dim, attention_dim)  # annotation → attention space
+        self.W_h = nn.Linear(hidden_dim, attention_dim, bias=False)  # previous state → attention space
+        self.v = nn.Linear(attention_dim, 1, bias=False)  # score per location
+        # previous word → attention space
+        self.W_y = None if embed_dim is None else nn.Linear(embed_dim, attention_dim, bias=False)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """2 W_a a_i for all locations: once per image, not once per step."""
+        return F.linear(features, 2 * self.W_a.weight, 2 * self.W_a.bias)  # (B, L, A)
+
+    def query(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """W_h h_{t-1} (+ W_y E y_{t-1}) (B, A)."""
+        q = self.W_h(h)
+        return q if self.W_y is None else q + self.W_y(emb)
+
+    def forward(self, projected: torch.Tensor, h: torch.Tensor, emb: torch.Tensor, sharpness: float = 1.0):
+        """α_t (B, L) = softmax(k e_t), with `sharpness` k (decoding; 1 is the paper's map)."""
+        s = torch.sigmoid(projected + 2 * self.query(h, emb).unsqueeze(1))  # (B, L, A)
+        e = s @ (2 * sharpness * self.v.weight.view(-1))  # (B, L), k e_t
+        return e.softmax(dim=1)  # (B, L), sums to 1
+
+
+def choose_locations(alpha: torch.Tensor, mode: str, generator: torch.Generator | None = None):
+    """The location each row attends (B,) for hard attention's modes; None for the expected context.
+    `mode` is one of CONTEXT_MODES: the settings that carry it refuse any other as they are made."""
+    if mode == EXPECTED:
+        return None
+    if mode == SAMPLE:
+        return sample_from(alpha, generator)  # (B,)
+    return alpha.argmax(dim=1)  # (B,), ARGMAX
+
+
+def sample_from(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index (B,) drawn from each row of probabilities p (B, N): argmax p / q with q ~ Exp(1), the
+    draw `torch.multinomial(p, 1)` makes (the same indices from the same generator state), without the
+    validity check that reads the probabilities back to the host."""
+    q = torch.empty_like(p, dtype=torch.float32).exponential_(generator=generator)  # (B, N)
+    return (p.float() / q).argmax(dim=1)
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
     """The decoder's sizes and settings; travels in the checkpoint and rebuilds the model. A field that
-    is None is settled by `fit` (`train.settle`) from the other options before a model is built."""
+    is None is settled by `fit` (`train.resume.settle`) from the other options before a model is built."""
 
     vocab_size: int  # V, set from the data
     encoder_dim: int = 512  # D, set by the encoder
@@ -92,7 +144,7 @@ class AttentionDecoder(nn.Module):
         unsettled = [k for k, v in asdict(config).items() if v is None]
         if unsettled:
             raise ValueError(
-                f"DecoderConfig.{', '.join(unsettled)} not settled: `train.settle` settles a run's, "
+                f"DecoderConfig.{', '.join(unsettled)} not settled: `train.resume.settle` settles a run's, "
                 "DecoderConfig.paper(...) gives the paper's"
             )
         self.config = config
@@ -254,3 +306,6 @@ def lstm_cell(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch
 def step_mask(lengths: torch.Tensor, steps: int) -> torch.Tensor:
     """(B, T-1) True where position t predicts a real word or <end>, False on padding."""
     return torch.arange(steps, device=lengths.device).unsqueeze(0) < (lengths - 1).unsqueeze(1)
+
+
+__all__ = ["ARGMAX", "CONTEXT_MODES", "EXPECTED", "SAMPLE", "Attention", "choose_locations", "sample_from"]

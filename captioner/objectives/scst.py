@@ -26,8 +26,7 @@ from captioner.decoding.beams import banned
 from captioner.decoding.decode import beam_search
 from captioner.decoding.search_state import CHECK_EVERY
 from captioner.errors import OptionError
-from captioner.models.attention import EXPECTED, SAMPLE, sample_from
-from captioner.models.decoder import AttentionDecoder
+from captioner.models.decoder import EXPECTED, SAMPLE, AttentionDecoder, sample_from
 from captioner.models.vocab import END_ID, PAD_ID, START_ID
 from captioner.objectives.cider import NgramScorer, References, cached_document_frequency
 from captioner.objectives.reinforce import LOG_EPS

@@ -20,8 +20,9 @@ from captioner.evaluation.health import verdict
 from captioner.io import atomic_path, describe_os_error
 from captioner.models.checkpoint import Checkpoint, save_checkpoint
 from captioner.objectives.terms import TermState
-from captioner.train import distributed, resilience
+from captioner.train import distributed
 from captioner.train.config import Progress
+from captioner.train.log import FaultLog, first_nonfinite
 
 
 def streams(generator: torch.Generator) -> dict:
@@ -42,7 +43,7 @@ class Live(NamedTuple):
     """The live objects of a run whose state a checkpoint holds."""
 
     decoder: torch.nn.Module  # the weights the optimizer steps
-    average: object | None  # `train.averaging.WeightAverage`: what validation and inference use
+    average: object | None  # `train.step.WeightAverage`: what validation and inference use
     tuning: object | None  # `train.finetune.FineTuning`: the encoder's trained layers
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -62,7 +63,7 @@ class Checkpoints:
         main: bool,
         live: Live | None,
         record: dict,
-        notes: resilience.FaultLog | None = None,
+        notes: FaultLog | None = None,
         resumed: Progress | None = None,
     ):
         self.main, self.live, self.record, self.notes = main, live, record, notes
@@ -89,7 +90,7 @@ class Checkpoints:
         Raises:
             CaptionerError: the model's weights are not finite; such a checkpoint is never written over a good one.
         """
-        bad = resilience.first_nonfinite(ck["model"])
+        bad = first_nonfinite(ck["model"])
         if bad is not None:
             raise CaptionerError(
                 f"the model's weights are not finite at step {ck['step']} ({bad}); not "

@@ -1,7 +1,7 @@
 """What `fit` is asked to do, grouped by concern, and where a run is.
 
 Each field is also `fit`'s option, each group a section of `fit --help`. A field whose default depends on other
-settings is None until `train.settle` settles it; the settled configs travel in every checkpoint.
+settings is None until `train.resume.settle` settles it; the settled configs travel in every checkpoint.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from collections import Counter
 import numpy as np
 
 from captioner.data.coco import SPLITS
-from captioner.data.features import BAD, FeatureCache, nonfinite_rows
+from captioner.data.dataset import BAD, FeatureCache, nonfinite_rows
 from captioner.errors import CaptionerError
 from captioner.io import atomic_path, write_json_atomic
 from captioner.models.vocab import Vocabulary, tokenize

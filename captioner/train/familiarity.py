@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from captioner.data.features import nonfinite_rows
+from captioner.data.dataset import nonfinite_rows
 from captioner.data.images import load_image
 from captioner.errors import CaptionerError
 from captioner.models.encoder import EncoderSpec, build_encoder

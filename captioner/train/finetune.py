@@ -25,10 +25,9 @@ import numpy as np
 import torch
 
 from captioner.data.batches import Batch, Boxes, global_batches, rank_share
-from captioner.data.dataset import CaptionData
+from captioner.data.dataset import BAD, TODO, CaptionData, FeatureCache
 from captioner.data.encoder_inputs import INPUT_CACHE, encoded_features, image_groups, input_cache_info
 from captioner.data.extraction import extract_features
-from captioner.data.features import BAD, TODO, FeatureCache
 from captioner.errors import CaptionerError, OptionError
 from captioner.evaluation.captioning import checkpoint_features
 from captioner.io import write_json_atomic

@@ -15,9 +15,8 @@ import numpy as np
 import torch
 
 from captioner.data.coco import load_dataset
-from captioner.data.dataset import FORMAT, VIEWS
+from captioner.data.dataset import DONE, FORMAT, TODO, VIEWS, FeatureCache
 from captioner.data.extraction import extract_features
-from captioner.data.features import DONE, TODO, FeatureCache
 from captioner.data.karpathy import load_karpathy
 from captioner.errors import CaptionerError
 from captioner.io import check_free_space, describe_os_error, read_json, write_json_atomic
@@ -27,7 +26,7 @@ from captioner.models.views import max_shift, shifts, view
 from captioner.options import Device, check_device, check_positive, choose_device
 from captioner.train.dataset_files import write_dataset
 from captioner.train.distributed import Dist, barrier
-from captioner.train.resilience import GracefulStop, stop_requested
+from captioner.train.log import GracefulStop, stop_requested
 
 
 def _check_resumable(out_dir: str, meta: dict) -> None:

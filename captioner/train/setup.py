@@ -1,4 +1,4 @@
-"""The parts a training run is built of, from the settled configs (`train.settle`).
+"""The parts a training run is built of, from the settled configs (`train.resume.settle`).
 
 With `--fine-tune-encoder` a run has two stages: from `fine_tune.after` on, the decoder trains with the encoder's
 layers, on the encoder's inputs.

@@ -1,4 +1,5 @@
-"""One optimisation step, the same on every device; its forward and backward compiled by PyTorch where asked.
+"""One optimisation step, the same on every device; its forward and backward compiled by PyTorch where asked; the
+weights' average (`--ema`) and the learning rate's cooldown at the end of the time budget (`--max-minutes`).
 
 Nothing is read back to the host: a step whose loss, a term or the gradient norm is not finite is skipped on the
 device (fused Adam's `found_inf`), and the terms are summed there until a log line reads them (`read`). Compiled,
@@ -12,12 +13,18 @@ Shapes: B captions (images for SCST), T tokens.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import math
+import time
+
 import torch
 import torch.distributed as torch_dist
+from torch import nn
 
-from captioner.compiled import Compiled, autocast
+from captioner.compiled import Compiled
 from captioner.train import distributed
-from captioner.train.config import OptimConfig
+from captioner.train.config import OptimConfig, Progress, TrainConfig
 
 AMP_DTYPES = {"none": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 RECOMPILES = 16  # most compiles of a step's forward: a few length buckets, in two stages
@@ -77,7 +84,8 @@ class TrainStep:
         """Forward and backward (gradients start from None, so the backward writes them): the loss and the
         terms' values. A compiled forward draws from the default generator (module doc)."""
         generator = None if self.passes is not None and self.passes.failed is None else self.generator
-        with autocast(self.device, AMP_DTYPES[self.cfg.amp]):
+        dtype = AMP_DTYPES[self.cfg.amp]
+        with torch.autocast(self.device.type, dtype=dtype) if dtype else contextlib.nullcontext():
             loss, values = self.objective(batch, count, generator)
         self.scaler.scale(loss).backward()
         return {"loss": loss.detach(), **values}
@@ -122,3 +130,76 @@ class TrainStep:
             applied, skipped = applied / self.d.world, skipped / self.d.world
         means = {k: (v / self.d.world) / applied if applied else float("nan") for k, v in zip(names, values)}
         return means, int(round(skipped))
+
+
+class WeightAverage:
+    """A copy of `model` whose parameters follow their exponential moving average (Polyak and Juditsky, 1992):
+    `fit --ema DECAY`, the most of itself the average keeps at a step; buffers are copied once (they do not train).
+
+    At a constant learning rate the weights jitter around where the loss is low, and which validation happens to
+    catch them low or high decides `best.pt`; the average sits nearer the middle. So validation captions with it and
+    every checkpoint holds it as its model, while the optimizer steps the raw weights (saved beside it, for
+    `--resume`). After step t it keeps min(DECAY, (1 + t) / (10 + t)) of itself: early on it spans about the last
+    tenth of the steps, so the first random weights do not linger. Fine-tuned encoder layers are not averaged."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay = decay
+        self.model = copy.deepcopy(model).requires_grad_(False)
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, step: torch.Tensor | int, applied: torch.Tensor | bool = True) -> None:
+        """Move the average towards `model`'s weights after optimizer step `step` (counted from 1); not
+        at all where `applied` is False (a skipped step). On the device, with no read back to the host."""
+        step = torch.as_tensor(step, dtype=torch.float32, device=self.device)
+        keep = ((1 + step) / (10 + step)).clamp(max=self.decay)
+        weight = (1.0 - keep) * torch.as_tensor(applied, device=self.device)  # (), 0 when not applied
+        for average, w in zip(self.model.parameters(), model.parameters()):
+            average.lerp_(w.detach(), weight.to(average.dtype))
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state)
+
+
+class Budget:
+    """The run's time (`--max-minutes`, counted from the start of its log) and the cooldown at its end."""
+
+    def __init__(self, cfg: TrainConfig, *, started: float):
+        minutes = cfg.process.max_minutes
+        self.seconds = minutes * 60 if minutes else math.inf
+        self.cooldown, self.started = cfg.schedule.cooldown, started
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def out(self) -> bool:
+        return self.elapsed() > self.seconds
+
+    @property
+    def cools(self) -> bool:
+        """The learning rate cools down at the end: there is a budget and a cooldown share of it."""
+        return self.cooldown > 0 and math.isfinite(self.seconds)
+
+    def rate_left(self, elapsed: float) -> float:
+        """The share of its rate the learning rate keeps at `elapsed` seconds: 1 until the last `cooldown`
+        share of the budget, then falling linearly to 0."""
+        return min(1.0, max(0.0, (self.seconds - elapsed) / (self.cooldown * self.seconds)))
+
+    def cool(self, optimizer: torch.optim.Optimizer, progress: Progress, d: distributed.Dist, device) -> None:
+        """Over the last `cooldown` share of the time budget, the learning rate falls linearly to 0 from
+        where it was (a warmup-stable-decay schedule without the warmup: Hägele et al., 2024, found a
+        cooldown of about a fifth of training as good as cosine decay, without fixing the length of
+        training in advance), so that a run still improving when its time runs out ends on weights
+        that have settled. Under DDP the processes' clocks are averaged, every step."""
+        if not self.cools:
+            return
+        left = self.rate_left(distributed.all_sum(d, [self.elapsed()], device)[0] / d.world)
+        if left == 1.0:
+            return
+        if progress.cooldown_from is None:
+            progress.cooldown_from = [float(g["lr"]) for g in optimizer.param_groups]
+        for group, lr in zip(optimizer.param_groups, progress.cooldown_from):
+            group["lr"] = lr * left  # a float: the step puts it where its compiled code reads it

@@ -16,23 +16,19 @@ import torch
 from tqdm import tqdm
 
 from captioner import compiled
+from captioner.data.batches import prefetched
 from captioner.data.dataset import CaptionData
-from captioner.data.prefetch import prefetched
 from captioner.errors import CaptionerError
 from captioner.models.decoder import DecoderConfig
 from captioner.objectives.terms import TermState
-from captioner.train import distributed, resilience, setup
-from captioner.train.averaging import WeightAverage
-from captioner.train.budget import Budget
+from captioner.train import distributed, setup
 from captioner.train.checkpoints import Checkpoints, Live
 from captioner.train.config import Progress, TrainConfig
 from captioner.train.finetune import FineTuning, add_tuned_familiarity
-from captioner.train.log import RunLog, Waits, machine
-from captioner.train.resume import restore, start_from
+from captioner.train.log import FaultLog, GracefulStop, RunLog, Waits, machine, open_board, stop_requested
+from captioner.train.resume import Start, restore, settle, start_from
 from captioner.train.selection import chosen, select, validate
-from captioner.train.settle import Start, settle
-from captioner.train.step import TrainStep, make_optimizer
-from captioner.train.tensorboard import open_board
+from captioner.train.step import Budget, TrainStep, WeightAverage, make_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +54,7 @@ class FitJob:
     command: str | None = None
 
 
-def fit(job: FitJob, stop: resilience.GracefulStop | None = None) -> Progress:
+def fit(job: FitJob, stop: GracefulStop | None = None) -> Progress:
     """Train a decoder on a prepared data directory into a run directory: last.pt, best.pt, metrics.jsonl. Once
     `stop` is requested, each process ends its step, rank 0 saves last.pt, and fit returns.
 
@@ -71,7 +67,7 @@ def fit(job: FitJob, stop: resilience.GracefulStop | None = None) -> Progress:
 class Trainer:
     """One training run: its data and settled configs, this process, the model's state, progress, log and saver."""
 
-    def __init__(self, job: FitJob, stop: resilience.GracefulStop | None = None):
+    def __init__(self, job: FitJob, stop: GracefulStop | None = None):
         self.job, self.stop = job, stop
         self.metrics: dict = {}  # the last validation's, which a checkpoint saved meanwhile records
 
@@ -99,7 +95,7 @@ class Trainer:
             )
         # Started after the one-off pool4 cache of a fine-tuned encoder, which is preparation, like prepare's.
         self.log = RunLog(job.out, main=d.main, started=time.monotonic(), board=board)
-        self.notes = resilience.FaultLog(self.log.write, show=d.main)
+        self.notes = FaultLog(self.log.write, show=d.main)
         self.progress = restore(live, saved, job.out, self.notes) if saved is not None else Progress()
         stats = setup.familiarity(data, live.tuning, saved, cfg.optim.seed, d.main)
         record = setup.record(data, model_cfg, cfg, began, stats)
@@ -228,7 +224,7 @@ class Trainer:
                 if self._save_due(agree) or (saves.checkpoint_every and progress.step % saves.checkpoint_every == 0):
                     saver.save(saver.last_path, progress, self.metrics)  # rank 0 alone writes
                 for why, asked in (
-                    ("stopped", resilience.stop_requested(self.stop)),
+                    ("stopped", stop_requested(self.stop)),
                     ("out of time", self.budget.out()),
                 ):
                     if (agree or not d.active) and distributed.any_true(d, asked, device):
@@ -280,7 +276,7 @@ class Trainer:
         improved = select(progress, metrics, schedule.metric, log=self.log, lr=lr, boxed=self.job.boxes is not None)
         self.log.examples(progress.step, self.data, hyps)
         # A signal during validation: last.pt is saved next, so stop there.
-        stopped = distributed.any_true(d, resilience.stop_requested(self.stop), self.process.device)
+        stopped = distributed.any_true(d, stop_requested(self.stop), self.process.device)
         stale = progress.stale >= schedule.patience
         final = stopped or ended is not None or progress.epoch >= self.cfg.process.epochs or stale
         if improved:
