@@ -15,7 +15,8 @@ from captioner.data.dataset import CaptionData
 from captioner.demo.views import caption_data
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.familiarity import METHOD, FamiliarityStats, familiarity, mahalanobis
-from captioner.train.familiarity import calibration_photos, gaussian, threshold
+from captioner.train import familiarity as train_familiarity
+from captioner.train.familiarity import calibration_photos, fit_stats, gaussian, threshold
 
 # A real photograph the threshold was not set with (calibration uses matplotlib's).
 PHOTO = os.path.join(os.path.dirname(gradio.__file__), "media_assets", "images", "lion.jpg")
@@ -38,6 +39,21 @@ def test_fit_stores_plain_statistics_in_the_checkpoint(small_run):
         name.split(":")[0] in {os.path.basename(p) for p in calibration_photos()} for name in stats["photo_scores"]
     )
     assert stats["threshold"] == pytest.approx(threshold(bound, stats["photo_scores"])) and stats["threshold"] >= bound
+
+
+def test_fit_reads_the_photographs_as_prepare_encoded_them_with_no_encoder_of_its_own(data_dir, monkeypatch):
+    data = CaptionData(str(data_dir))
+
+    def no_encoder(*args, **kwargs):
+        raise AssertionError("fit built an encoder")
+
+    monkeypatch.setattr(train_familiarity, "build_encoder", no_encoder)
+    stored = fit_stats(data).photo_scores
+    assert len(stored) == 6 * len(calibration_photos())
+    monkeypatch.undo()
+    # A directory prepared before prepare stored them: fit encodes them itself, as prepare did.
+    monkeypatch.setattr(train_familiarity, "PHOTOS", "absent.npz")
+    assert fit_stats(data).photo_scores == pytest.approx(stored, rel=1e-5)
 
 
 def test_the_threshold_lies_between_scenes_and_photographs_unless_they_overlap():

@@ -5,6 +5,7 @@ Files written by `prepare` (N images, L locations, D feature size, C captions):
     features.npy     (N, L, D) fp16, a plain .npy (`np.load(path, mmap_mode="r")` maps it)
     features.done    (N,) uint8: 0 to do, 1 written, 2 unreadable image (skipped)
     features_views.npy  the same for the images' views (`models.views`), for the consistency
+    photo_features.npz  the calibration photograph's views, for the familiarity threshold (`train.familiarity`)
     vocab.json       the vocabulary
     captions.npz     training captions: tokens (C, max_len+2) int32, lengths (C,), rows (C,)
     splits.json      split → [[image_id, row], ...] and split → {image_id: [raw references]}

@@ -6,7 +6,9 @@ separates scenes from photographs far better than the diagonal: photographs diff
 how channels go together. The threshold is at least MARGIN times the QUANTILE of the held-out validation images'
 scores; when real photographs (`calibration_photos`, whole and cropped) all score above that, it is the geometric
 mean of the two, else it stays there: a scene flagged as unlike its own training scenes is worse than a photograph
-missed. Symbols: L locations, D annotation size, N images sampled from a split.
+missed. `prepare` stores the photographs' views as its encoder reads them (`PHOTOS`), so that `fit` needs no
+encoder and stores the same threshold wherever it runs. Symbols: L locations, D annotation size, N images sampled
+from a split.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from PIL import Image
 from captioner.data.dataset import nonfinite_rows
 from captioner.data.images import load_image
 from captioner.errors import CaptionerError
+from captioner.io import atomic_path
 from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.models.familiarity import EPS, MARGIN, QUANTILE, FamiliarityStats, mahalanobis, pool
 from captioner.models.fast_encoder import optimize_encoder
 
 MAX_TRAIN_IMAGES = 4000  # enough for the covariance with shrinkage; bounds the reads on COCO
 MAX_VAL_IMAGES = 1000
+PHOTOS = "photo_features.npz"  # in a data directory: the calibration photographs' views, by its encoder
 
 
 def gaussian(vectors: torch.Tensor, shrinkage: float | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -103,22 +107,33 @@ def _encode_views(encoder: torch.nn.Module, spec: EncoderSpec, photos: Sequence[
     return tuple(names), encoder(x).float().cpu()  # (N, L, D)
 
 
+def save_photo_features(data_dir: str, encoder: torch.nn.Module, spec: EncoderSpec) -> None:
+    """Store the calibration photographs' views as `encoder` (the data's, run as the captioner runs it) reads them."""
+    names, feats = _encode_views(encoder, spec, tuple(calibration_photos()))
+    with atomic_path(os.path.join(data_dir, PHOTOS)) as tmp:
+        np.savez(tmp, names=np.asarray(names), features=feats.numpy())
+
+
 @functools.lru_cache(maxsize=4)
 def _photo_features(spec: EncoderSpec, photos: tuple[str, ...]) -> tuple[tuple[str, ...], torch.Tensor]:
-    """The views' vectors by the spec's own encoder, run as the captioner runs it; cached per process."""
+    """The views' vectors by the spec's own encoder, for a data directory prepared before `PHOTOS`; cached per
+    process."""
     return _encode_views(optimize_encoder(build_encoder(spec)[0], image_size=spec.image_size), spec, photos)
 
 
-def photo_scores(
-    spec: EncoderSpec, score: Callable[[torch.Tensor], torch.Tensor], encoder: torch.nn.Module | None = None
-) -> dict[str, float]:
-    """Scores of the calibration photographs' views by `encoder` (a fine-tuned one) or the spec's; empty when the
-    spec's encoder cannot be built here (weights not cached): the threshold then rests on the scenes alone."""
-    photos = tuple(calibration_photos())
-    if not photos:
-        return {}
+def photo_scores(data, score: Callable[[torch.Tensor], torch.Tensor], encoder: torch.nn.Module | None = None):
+    """Scores of the calibration photographs' views (name → score) by `encoder` (a fine-tuned one) or as `prepare`
+    stored them; empty when neither they nor the data's encoder are here (weights not cached): the threshold then
+    rests on the scenes alone."""
+    stored = os.path.join(data.dir, PHOTOS)
     try:
-        names, feats = _photo_features(spec, photos) if encoder is None else _encode_views(encoder, spec, photos)
+        if encoder is not None:
+            names, feats = _encode_views(encoder, data.encoder, tuple(calibration_photos()))
+        elif os.path.exists(stored):
+            with np.load(stored) as f:
+                names, feats = f["names"].tolist(), torch.from_numpy(f["features"])
+        else:
+            names, feats = _photo_features(data.encoder, tuple(calibration_photos()))
     except CaptionerError:
         return {}
     return dict(zip(names, score(feats).tolist()))
@@ -151,7 +166,7 @@ def fit_stats(
     mu, precision, shrinkage = gaussian(train)
     val = mahalanobis(_pooled(read, _sample(np.asarray(val_rows), MAX_VAL_IMAGES, seed), mean, std), mu, precision)
     quantile = float(torch.quantile(val, QUANTILE))
-    photo = photo_scores(data.encoder, lambda feats: mahalanobis(pool(feats, mean, std), mu, precision), encoder)
+    photo = photo_scores(data, lambda feats: mahalanobis(pool(feats, mean, std), mu, precision), encoder)
     return FamiliarityStats(
         mean,
         std,

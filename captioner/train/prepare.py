@@ -26,6 +26,7 @@ from captioner.models.views import max_shift, shifts, view
 from captioner.options import Device, check_device, check_positive, choose_device
 from captioner.train.dataset_files import write_dataset
 from captioner.train.distributed import Dist, barrier
+from captioner.train.familiarity import PHOTOS, save_photo_features
 from captioner.train.log import GracefulStop, stop_requested
 
 
@@ -145,6 +146,8 @@ def prepare(
     if not dist.main:
         return {"rank": dist.rank}
     try:
+        if not os.path.exists(os.path.join(cfg.out, PHOTOS)):
+            save_photo_features(cfg.out, fast, spec)
         return write_dataset(cfg, meta, records, caches[0], skipped)
     except OSError as e:
         raise CaptionerError(

@@ -77,9 +77,7 @@ class Trainer:
         d, device = distributed.setup(job.device)
         data = self.data = CaptionData(job.data)
         init, saved, began = self.init, self.saved, self.began = start_from(job, data, device)
-        start = Start(
-            len(data.vocab), data.encoder.channels, data.views is not None, job.boxes is not None, init, saved
-        )
+        start = Start(len(data.vocab), data.cache.shape[-1], data.views is not None, job.boxes is not None, init, saved)
         model_cfg, cfg = self.model_cfg, self.cfg = settle(job.model, job.train, start, device)
         torch.manual_seed(cfg.optim.seed)  # the process's own settings, for this run:
         if cfg.optim.amp == "tf32":
