@@ -74,8 +74,8 @@ PARKED = {**HEALTHY, "top5": 0.9}
 
 
 def test_best_is_the_best_scoring_validation_whose_health_is_ok():
+    from captioner.train.checkpoints import select
     from captioner.train.config import Progress
-    from captioner.train.selection import select
 
     logged, progress = [], Progress()
     log = type("Log", (), {"write": lambda _, record: logged.append(record), "main": True})()

@@ -1,4 +1,8 @@
-"""A run's checkpoints on disk: last.pt and best.pt (`models.checkpoint`'s schema).
+"""A run's checkpoints on disk, last.pt and best.pt (`models.checkpoint`'s schema), and the validation that chooses.
+
+best.pt is the best-scoring checkpoint among those whose attention the health check finds meaningful
+(`evaluation.health`), when any is; otherwise the best-scoring one, recorded as not meaningful, and `fit` says so
+when it ends (`chosen`).
 
 Rank 0 alone writes them; each other rank keeps its own random streams beside last.pt, since a resumed rank goes on
 with its own draws. A failed save (full disk, quota, read-only directory) leaves the previous file whole and is
@@ -8,6 +12,7 @@ if its final save fails. A model whose weights are not finite is never written o
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import asdict
@@ -15,14 +20,19 @@ from typing import NamedTuple
 
 import torch
 
+from captioner.data.dataset import CaptionData
+from captioner.decoding.beams import Hypothesis
+from captioner.decoding.settings import Decoding
 from captioner.errors import CaptionerError
-from captioner.evaluation.health import verdict
+from captioner.evaluation.captioning import caption_split, score_validation
+from captioner.evaluation.health import advice, attention_health, problems, verdict
+from captioner.evaluation.health import summary as health_summary
 from captioner.io import atomic_path, describe_os_error
 from captioner.models.checkpoint import Checkpoint, save_checkpoint
 from captioner.objectives.terms import TermState
 from captioner.train import distributed
-from captioner.train.config import Progress
-from captioner.train.log import FaultLog, first_nonfinite
+from captioner.train.config import Progress, ScheduleConfig
+from captioner.train.log import FaultLog, RunLog, first_nonfinite
 
 
 def streams(generator: torch.Generator) -> dict:
@@ -155,3 +165,83 @@ class Checkpoints:
     def saved(self, path: str) -> int | None:
         """The step of `path`'s last good save by this run (or the resumed one), None if none."""
         return self.good.get(path)
+
+
+logger = logging.getLogger(__name__)
+
+
+def validate(
+    live: Live, data: CaptionData, schedule: ScheduleConfig, process: distributed.Process
+) -> tuple[dict, dict[int, Hypothesis]]:
+    """Generation-based validation of the weights' average (or the weights), split over processes and scored on the
+    gathered captions. Returns the metrics (every process's the same) and this process's captions by image id."""
+    t0, d, device = time.monotonic(), process.dist, process.device
+    texts, hyps = caption_split(
+        live.average.model if live.average else live.decoder,
+        data,
+        data.vocab,
+        "val",
+        decoding=Decoding(beam_size=schedule.val_beam_size),
+        max_len=data.max_len,
+        device=device,
+        max_images=schedule.val_images,
+        shard=(d.rank, d.world),
+        features=live.tuning.features if live.tuning else None,
+        compiled=process.searches_compile,
+    )
+    texts = distributed.gather_dicts(d, texts)
+    maps = distributed.gather_dicts(d, {i: h.attention.astype("float16") for i, h in hyps.items()})
+    metrics = None
+    if d.main:
+        metrics = score_validation(texts, data.references["val"])
+        metrics["attention_health"] = attention_health(maps.values())
+    return {**distributed.broadcast(d, metrics), "seconds": round(time.monotonic() - t0, 2)}, hyps
+
+
+def select(progress: Progress, metrics: dict, metric: str, *, log: RunLog, lr: float, boxed: bool) -> bool:
+    """Is this validation the new best.pt by `metric`? The best score among checkpoints whose attention
+    is healthy, when any is; a healthy one replaces a flagged best.pt whatever its score. Logged with the
+    learning rate `lr` (`boxed`: the run trains with --boxes, which the advice on flagged maps names)."""
+    score, found = metrics[metric], problems(metrics["attention_health"])
+    healthy = not found
+    improved = (healthy and not progress.best_healthy) or (healthy == progress.best_healthy and score > progress.best)
+    if improved:
+        progress.best, progress.best_step, progress.best_healthy, progress.stale = score, progress.step, healthy, 0
+    else:
+        progress.stale += 1
+    log.write(
+        {
+            "event": "val",
+            "step": progress.step,
+            "epoch": progress.epoch,
+            **metrics,
+            "lr": lr,
+            "best": progress.best,
+            "best_step": progress.best_step,
+            "healthy": healthy,
+        }
+    )
+    if log.main:
+        other = metric if metric != "BLEU-4" else "CIDEr"
+        logger.info(
+            f"epoch {progress.epoch}: step {progress.step}, BLEU-4 {metrics['BLEU-4']:.3f}, {other} "
+            f"{metrics[other]:.3f}{' (best.pt)' if improved else ''}; e.g. {metrics['example']!r}; "
+            f"{health_summary(metrics['attention_health'])}"
+        )
+        if found:
+            logger.warning(f"step {progress.step}: {'; '.join(found)}: {advice(boxes=boxed)}")
+    return improved
+
+
+def chosen(p: Progress, metric: str, *, boxes: bool) -> str:
+    """Which best.pt `fit` chose by `metric`, and why, in one line (`boxes`: the run trained with --boxes)."""
+    if p.best_healthy:
+        return (
+            f"best.pt: step {p.best_step}, {metric} {p.best:.3f}: the best score among the validations "
+            "whose attention health is ok"
+        )
+    return (
+        f"best.pt: step {p.best_step}, {metric} {p.best:.3f}: the attention health check flagged every "
+        "validation, so its heatmaps are NOT MEANINGFUL (the checkpoint records it, and the demo, "
+        f"`captioner caption --figures` and the notebooks say so): {advice(boxes=boxes)}"
+    )

@@ -22,12 +22,11 @@ from captioner.errors import CaptionerError
 from captioner.models.decoder import DecoderConfig
 from captioner.objectives.terms import TermState
 from captioner.train import distributed, setup
-from captioner.train.checkpoints import Checkpoints, Live
+from captioner.train.checkpoints import Checkpoints, Live, chosen, select, validate
 from captioner.train.config import Progress, TrainConfig
 from captioner.train.finetune import FineTuning, add_tuned_familiarity
 from captioner.train.log import FaultLog, GracefulStop, RunLog, Waits, machine, open_board, stop_requested
 from captioner.train.resume import Start, restore, settle, start_from
-from captioner.train.selection import chosen, select, validate
 from captioner.train.step import Budget, TrainStep, WeightAverage, make_optimizer
 
 logger = logging.getLogger(__name__)
