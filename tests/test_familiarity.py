@@ -127,3 +127,10 @@ def test_calibration_uses_only_what_the_dependencies_guarantee(tmp_path, monkeyp
         monkeypatch.delitem(sys.modules, name)
     assert calibration_photos() == before
     assert [os.path.basename(p) for p in before] == ["grace_hopper.jpg"]
+
+
+def test_training_images_all_alike_still_give_statistics():
+    same = torch.ones(50, 8)  # every image the same picture: no covariance to estimate
+    mu, precision, shrinkage = gaussian(same)
+    assert shrinkage == 1.0 and torch.isfinite(precision).all()
+    assert mahalanobis(same[:1], mu, precision).item() == pytest.approx(0.0)

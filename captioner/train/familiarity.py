@@ -47,7 +47,7 @@ def gaussian(vectors: torch.Tensor, shrinkage: float | None = None) -> tuple[tor
         # b² estimates how far S is from Σ (its sampling error), d² how far S is from m·I.
         d2 = (cov - m * eye).pow(2).sum()
         b2 = ((x.pow(2).sum(1).pow(2).sum() / n - cov.pow(2).sum()) / n).clamp_min(0)
-        shrinkage = float(min(1.0, b2 / d2)) if d2 > 0 else 1.0
+        shrinkage = float(min(1.0, b2 / d2)) if d2 > 0 and b2 > 0 else 1.0  # b² = 0: every vector alike
     cov = (1 - shrinkage) * cov + shrinkage * m * eye
     return mu, torch.linalg.inv(cov).float(), float(shrinkage)
 
