@@ -130,7 +130,8 @@ def test_calibration_uses_only_what_the_dependencies_guarantee(tmp_path, monkeyp
 
 
 def test_training_images_all_alike_still_give_statistics():
-    same = torch.ones(50, 8)  # every image the same picture: no covariance to estimate
+    picture = torch.rand(1, 512, generator=torch.Generator().manual_seed(0))
+    same = picture.expand(38, 512).contiguous()  # every image the same picture: no covariance to estimate
     mu, precision, shrinkage = gaussian(same)
     assert shrinkage == 1.0 and torch.isfinite(precision).all()
-    assert mahalanobis(same[:1], mu, precision).item() == pytest.approx(0.0)
+    assert mahalanobis(same[:1], mu, precision).item() < 1e-3

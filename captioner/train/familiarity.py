@@ -41,13 +41,14 @@ def gaussian(vectors: torch.Tensor, shrinkage: float | None = None) -> tuple[tor
     x = (vectors - mu).double()  # (N, D)
     n, D = x.shape
     cov = x.T @ x / max(1, n)  # (D, D) S
-    m = cov.diagonal().mean().clamp_min(EPS**2)
+    spread = cov.diagonal().mean()
+    m = spread.clamp_min(EPS**2)
     eye = torch.eye(D, dtype=cov.dtype)
     if shrinkage is None:
         # b² estimates how far S is from Σ (its sampling error), d² how far S is from m·I.
         d2 = (cov - m * eye).pow(2).sum()
         b2 = ((x.pow(2).sum(1).pow(2).sum() / n - cov.pow(2).sum()) / n).clamp_min(0)
-        shrinkage = float(min(1.0, b2 / d2)) if d2 > 0 and b2 > 0 else 1.0  # b² = 0: every vector alike
+        shrinkage = float(min(1.0, b2 / d2)) if d2 > 0 and spread > EPS**2 else 1.0  # else every vector alike
     cov = (1 - shrinkage) * cov + shrinkage * m * eye
     return mu, torch.linalg.inv(cov).float(), float(shrinkage)
 
