@@ -191,3 +191,59 @@ def test_distributed_prepare_fills_one_cache(scenes, data_dir, tmp_path):
     np.testing.assert_allclose(ours, ref, rtol=2e-3, atol=1e-3)
     for name in ("vocab.json", "splits.json"):
         assert json.loads((out / name).read_text()) == json.loads((data_dir / name).read_text())
+
+
+FIRST_STEP = """
+import json, os
+if os.environ.get("RANK") is not None:
+    import torch._inductor.config
+    from captioner.train import step
+
+    torch._inductor.config.fallback_random = True  # compiled code draws as eager code does, from the same stream
+    call, seen = step.TrainStep.__call__, []
+
+    def first(self, batch):
+        call(self, batch)
+        if not seen:  # this rank's own sums, before any is reduced across ranks
+            seen.append({k: float(v) for k, v in self.sums.items()})
+            with open(os.path.join(os.environ["SEEN_DIR"], os.environ["RANK"]), "w") as f:
+                json.dump(seen[0], f)
+
+    step.TrainStep.__call__ = first
+"""
+
+
+@pytest.fixture(scope="module")
+def one_scene(scenes, tmp_path_factory) -> Path:
+    """Every image the same picture, every caption the same words: each rank's first batch is the same."""
+    out = tmp_path_factory.mktemp("one_scene")
+    coco = json.loads((scenes / "captions.json").read_text())
+    first = sorted((scenes / "images").iterdir())[0]
+    (out / "images").mkdir()
+    for image in coco["images"]:
+        (out / "images" / image["file_name"]).symlink_to(first)
+    for a in coco["annotations"]:
+        a["caption"] = "a red circle on a gray background"
+    (out / "captions.json").write_text(json.dumps(coco))
+    (out / "splits.json").symlink_to(scenes / "splits.json")
+    prepare_scenes(out, out / "data", encoder=EncoderSpec(weights="none", image_size=112), views=False)
+    return out / "data"
+
+
+def test_each_rank_draws_its_own_dropout_masks_compiled_or_not(one_scene, tmp_path):
+    """Two ranks on the same batch with dropout: their first step's losses differ (their masks differ), and a
+    compiled rank's equals its eager run's (it draws the same masks from the same stream)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(FIRST_STEP)
+    sums = {}
+    for how in ("eager", "compiled"):
+        seen = tmp_path / how
+        seen.mkdir()
+        tiny = [*TINY, "--dropout", "0.5", "--consistency", "0", "--shapes", "fixed", "--batch-size", "4"]
+        fit = ["train.py", "fit", "--data", str(one_scene), "--out", str(seen / "run"), *tiny]
+        compiling = ["--compile"] if how == "compiled" else []
+        p = torchrun(*fit, *compiling, env={"PYTHONPATH": str(tmp_path / "site"), "SEEN_DIR": str(seen)})
+        assert p.returncode == 0, p.stderr
+        sums[how] = [json.loads((seen / rank).read_text())["nll"] for rank in ("0", "1")]
+    assert sums["eager"][0] != pytest.approx(sums["eager"][1], rel=1e-3)
+    assert sums["compiled"] == pytest.approx(sums["eager"], rel=1e-4)

@@ -103,7 +103,7 @@ def _restore_streams(generator: torch.Generator, rng: dict, out_dir: str, step: 
     here = distributed.current()
     rank, world = here.rank, here.world
     own, missing = _saved_streams(rng, out_dir, rank, world, step)
-    seed = _seed(torch.initial_seed(), rank, step)  # the run's seed, read before a saved state replaces it
+    seed = rank_seed(torch.initial_seed(), rank, step)  # the run's seed, read before a saved state replaces it
     if own is None:
         torch.default_generator.manual_seed(seed)
     else:
@@ -113,7 +113,7 @@ def _restore_streams(generator: torch.Generator, rng: dict, out_dir: str, step: 
     if state is not None and state.numel() == generator.get_state().numel():
         generator.set_state(state)
     else:
-        generator.manual_seed(_seed(generator.initial_seed(), rank, step))
+        generator.manual_seed(rank_seed(generator.initial_seed(), rank, step))
         if state is not None:
             reseeded.append(f"the terms' generator (saved on another kind of device, now {generator.device.type})")
     saved_cuda = own["cuda"] if own is not None else []
@@ -162,7 +162,7 @@ def _restore_cuda(saved: list, seed: int) -> int:
     return here
 
 
-def _seed(base: int, rank: int, step: int) -> int:
+def rank_seed(base: int, rank: int, step: int) -> int:
     """A seed for each rank at each step of a run seeded `base`: reseeded streams differ across ranks."""
     return hash((base, rank, step)) & (2**63 - 1)
 

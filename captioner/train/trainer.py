@@ -26,7 +26,7 @@ from captioner.train.checkpoints import Checkpoints, Live, chosen, select, valid
 from captioner.train.config import Progress, TrainConfig
 from captioner.train.finetune import FineTuning, add_tuned_familiarity
 from captioner.train.log import FaultLog, GracefulStop, RunLog, Waits, machine, open_board, stop_requested
-from captioner.train.resume import Start, restore, settle, start_from
+from captioner.train.resume import Start, rank_seed, restore, settle, start_from
 from captioner.train.step import Budget, TrainStep, WeightAverage, make_optimizer
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,8 @@ class Trainer:
             self.stages.append(
                 setup.stage(data, live.decoder, cfg, state=live.terms, targets=self.targets, tuning=live.tuning)
             )
+        if d.rank:  # each rank draws its own dropout masks and samples, compiled (default generator) or not
+            torch.manual_seed(rank_seed(cfg.optim.seed, d.rank, 0))
         # Started after the one-off pool4 cache of a fine-tuned encoder, which is preparation, like prepare's.
         self.log = RunLog(job.out, main=d.main, started=time.monotonic(), board=board)
         self.notes = FaultLog(self.log.write, show=d.main)
