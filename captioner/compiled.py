@@ -5,7 +5,8 @@ graphs; elsewhere the default mode fuses their kernels.
 `Compiled` runs a function through the compiler, whole, with the guards every caller would otherwise repeat:
 - an error of the compiler's own (a compile that fails, a graph break, more recompiles than its limit):
   one warning naming the function and the reason, and the function runs eagerly from then on. The
-  compiler raises these before the compiled code runs, so the function runs once either way. Any other
+  compiler raises these before the compiled code runs (a backward compiles with its forward), so the
+  function runs once either way. Any other
   error (out of memory, a bad input) is the caller's, raised as it is, and the function stays compiled;
 - on a GPU, a function that compiled but runs without CUDA graphs is said in the same way;
 - each call that compiled is logged with its time, and the threads that compiled are kept: CUDA graph
@@ -35,8 +36,11 @@ EARNS_BACK = 3000
 
 
 def first_line(error: BaseException) -> str:
-    """An exception as one line: the compiler's errors go on for many with advice on debugging."""
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    """An exception as one line: the compiler's errors go on for many with advice on debugging. A line that
+    ends in a colon ("backend='inductor' raised:") is followed by the one that says what."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+    said = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return f"{type(error).__name__}: {said}"
 
 
 def earns_back(searches: int) -> bool:
@@ -84,11 +88,18 @@ class Compiled:
         # The compiler's, imported where it runs: importing it takes over a second.
         from torch._dynamo import config, exc
         from torch._dynamo.utils import counters
+        from torch._functorch import config as aot_config
 
         graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
         began = time.monotonic()
         try:
-            with config.patch(recompile_limit=self.limit, fail_on_recompile_limit_hit=True):
+            # The backward compiles with its forward, not at the first `.backward()`: a failure then comes
+            # before the forward ran, not after it ran (drawing, writing its terms' state, under DDP firing
+            # gradient hooks) with an eager step taken on top.
+            with (
+                config.patch(recompile_limit=self.limit, fail_on_recompile_limit_hit=True),
+                aot_config.patch(force_non_lazy_backward_lowering=True),
+            ):
                 out = self.compiled(*args)
         except (exc.TorchDynamoException, exc.FailOnRecompileLimitHit) as e:
             self.fall_back(first_line(e))

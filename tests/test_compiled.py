@@ -189,11 +189,11 @@ def test_an_error_of_the_compiled_code_is_the_callers_and_nothing_runs_twice():
     assert pick.failed is None and not eager_calls
 
 
-def test_a_compiler_error_is_said_in_one_line():
+def test_a_compiler_error_is_said_in_one_line_that_says_what():
     from captioner.compiled import first_line
 
     error = RuntimeError("backend='inductor' raised:\nCalledProcessError: ...\n\nSet TORCHDYNAMO_VERBOSE=1\n")
-    assert first_line(error) == "RuntimeError: backend='inductor' raised:"
+    assert first_line(error) == "RuntimeError: backend='inductor' raised: CalledProcessError: ..."
 
 
 def test_selfcheck_fails_a_mode_in_which_a_compiled_function_fell_back(tmp_path):
@@ -258,6 +258,42 @@ def test_the_compiled_step_trains_as_the_eager_one_whole(data_dir):
     assert step.passes.failed is None and step.passes.seconds > 0
     assert graphs_compiled() - graphs == 1 and sum(counters["graph_break"].values()) == breaks
     assert losses["default"] == pytest.approx(losses[None], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_backward_the_compiler_refuses_falls_back_before_the_step_runs(data_dir, monkeypatch):
+    """A failure in compiling the backward (AOTAutograd compiles it lazily, at the first `.backward()`, by
+    default) comes before anything ran: the forward runs once, eagerly, so the step leaves the random state
+    and the weights where the eager step leaves them."""
+    import torch._inductor.compile_fx as compile_fx
+    from conftest import train_step
+
+    from captioner.data.batches import CaptionBatches, FixedShapes
+    from captioner.data.dataset import CaptionData
+
+    data = CaptionData(str(data_dir))
+    fixed = FixedShapes.for_data(8, int(data.lengths.max()))
+    batch = next(iter(CaptionBatches(data, 8, fixed=fixed).batches(seed=0, epoch=0)))
+    after = {}
+    for compiled in (None, "default"):
+        torch.manual_seed(0)
+        dec = AttentionDecoder(vocab_size=len(data.vocab), embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.3)
+        dec.set_feature_stats(*data.feature_stats())
+        step = train_step(dec, TrainConfig.of(shapes="fixed", consistency=0), compiled=compiled)
+        if compiled:
+            torch._dynamo.reset()
+
+            def refused(*args, **kwargs):
+                raise RuntimeError("planted: the backward does not compile")
+
+            monkeypatch.setattr(compile_fx, "compile_fx_backward", refused)
+        step(batch)
+        after[compiled] = torch.get_rng_state(), [p.detach().clone() for p in dec.parameters()], step.read()[0]
+    assert "planted" in step.passes.failed
+    assert torch.equal(after["default"][0], after[None][0])  # the forward drew its dropout masks once
+    assert after["default"][2]["loss"] == pytest.approx(after[None][2]["loss"], rel=1e-6)
+    for ours, eager in zip(after["default"][1], after[None][1]):
+        torch.testing.assert_close(ours, eager, rtol=1e-6, atol=1e-7)
 
 
 # the search
