@@ -326,7 +326,7 @@ def test_searches_read_their_large_inputs_from_one_place(fresh_search):
     places = []
     for seed in (0, 1):
         feats = torch.randn(2, 196, 512, generator=torch.Generator().manual_seed(seed))
-        s = Search.start(decoder, feats, 3, fixed_length(20), True, static=True)
+        s = Search.start(decoder, feats, 3, fixed_length(20), static=True)
         places.append([t.data_ptr() for t in (s.feats, s.projected, s.ban, s.pad_only, *s.joined)])
         torch.testing.assert_close(s.feats[3:6], decoder.normalize(feats)[1:2].expand(3, -1, -1))
     assert places[0] == places[1]

@@ -56,7 +56,7 @@ PENALTY = 1e4  # what a word already written loses of its log-probability: no wo
 
 def penalised_greedy(decoder, features, s, max_len, generator, compiled):
     """Greedy decoding that holds back words already written: each step's likeliest word after a penalty."""
-    state = Search.start(decoder, features, 1, max_len + 1, True)
+    state = Search.start(decoder, features, 1, max_len + 1)
     state.scores.zero_()
     N, V = state.words.size(0), decoder.config.vocab_size
     t, last = torch.zeros((), dtype=torch.long), torch.full((), max_len)

@@ -110,7 +110,7 @@ def test_the_sampling_step_reads_nothing_back_on_the_meta_device():
     device, which refuses every read of a value, as a GPU's step must not make one."""
     meta = torch.device("meta")
     decoder = tiny(attention="hard", word_query=True).to(meta)
-    s = Search.start(decoder, features(2, seed=0).to(meta), 3, 6, True)
+    s = Search.start(decoder, features(2, seed=0).to(meta), 3, 6)
     t, last = torch.zeros((), dtype=torch.long, device=meta), torch.full((), 5, dtype=torch.long, device=meta)
     for draw in (Draw(0.7, 3, 0.9), Draw(0.0), Draw(1.0, 0, 0.5)):
         sampling_step(decoder, s, t, last, draw, SAMPLE, seeded(0, meta))

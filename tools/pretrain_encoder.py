@@ -29,7 +29,7 @@ from torch import nn
 
 from captioner.data.boxes import grid_cells
 from captioner.data.dataset import TODO, FeatureCache
-from captioner.data.extraction import extract_features
+from captioner.data.extraction import ImageFiles, extract_features
 from captioner.io import atomic_path, read_json, write_json_atomic
 from captioner.models.backbones import backbone, meta_trunk
 from captioner.models.encoder import Encoder, EncoderSpec, build_encoder, layer_input_shape
@@ -122,7 +122,8 @@ def pool4(trunk: nn.Sequential, paths: list[str], cache_dir: str, name: str, spe
     cache = FeatureCache(cache_dir, len(paths), *layer_input_shape(spec, start), mode="r+", name=name)
     if (cache.done == TODO).any():
         frozen = optimize_encoder(Encoder(trunk[:start]), torch.device(device), image_size=spec.image_size)
-        extract_features(cache, paths, frozen, spec.preprocess, batch_size=8, workers=2, device=device, progress=True)
+        images = ImageFiles(paths, cache.todo(), spec.preprocess)
+        extract_features(cache, images, frozen, batch_size=8, workers=2, device=device, progress=True)
     return cache[np.arange(len(paths))]
 
 

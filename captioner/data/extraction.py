@@ -26,8 +26,8 @@ def _leave_signals_to_the_main_process(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-class _ImageFiles(Dataset):
-    """Decodes and preprocesses images in DataLoader workers; a bad image yields its message."""
+class ImageFiles(Dataset):
+    """The images of cache `rows` (`paths[row]`), preprocessed in DataLoader workers; a bad one yields its message."""
 
     def __init__(self, paths: Sequence[str], rows: np.ndarray, preprocess: Preprocess):
         self.paths, self.rows, self.preprocess = paths, rows, preprocess
@@ -44,7 +44,7 @@ class _ImageFiles(Dataset):
             return row, torch.zeros(3, size, size), str(e)
 
 
-def _image_loader(images: _ImageFiles, batch_size: int, workers: int, cuda: bool) -> DataLoader:
+def _image_loader(images: ImageFiles, batch_size: int, workers: int, cuda: bool) -> DataLoader:
     """Batches of decoded images from worker processes, in page-locked memory on CUDA."""
     return DataLoader(
         images,
@@ -66,21 +66,18 @@ def _encode(encoder, images: torch.Tensor, batch_rows: torch.Tensor, ok: list[in
 
 def extract_features(
     cache: FeatureCache,
-    paths: Sequence[str],
+    files: ImageFiles,
     encoder: torch.nn.Module,
-    preprocess: Preprocess,
     *,
     transform=None,
     batch_size: int = 32,
     workers: int = 2,
     device: str = "cpu",
     skip_bad: bool = False,
-    rank: int = 0,
-    world: int = 1,
     progress: bool = True,
     stop=None,
 ) -> list[str]:
-    """Fill the cache's unfinished rows (this rank's share) with encoder features; return the messages
+    """Fill the cache's rows of `files` (a rank's share of `cache.todo`) with encoder features; return the messages
     of the images that could not be read or whose features came out NaN.
 
     On a GPU a batch's features are written while the GPU encodes the next one. `transform` maps
@@ -89,14 +86,13 @@ def extract_features(
     Raises:
         CaptionerError: the first unreadable image, without `skip_bad` (the batch's good rows are saved).
     """
-    rows = cache.todo(rank, world)
-    if len(rows) == 0:
+    if len(files) == 0:
         return []
     encoder = encoder.to(device)
     cuda = device.startswith("cuda")
-    loader = _image_loader(_ImageFiles(paths, rows, preprocess), batch_size, workers, cuda)
+    loader = _image_loader(files, batch_size, workers, cuda)
     bad: list[str] = []
-    bar = tqdm(total=len(rows), desc="features", unit="img", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(files), desc="features", unit="img", disable=not progress, dynamic_ncols=True)
     pending = None  # the previous batch, its features on their way to the host
     with torch.inference_mode():
         for batch_rows, images, errors in loader:
@@ -104,13 +100,13 @@ def extract_features(
             ok = [i for i, e in enumerate(errors) if not e]
             feats = _encode(encoder, images, batch_rows, ok, len(errors), device, transform) if ok else None
             if pending is not None:
-                bad += _store(cache, paths, *pending, skip_bad)
+                bad += _store(cache, files.paths, *pending, skip_bad)
                 bar.update(len(pending[0]))
             pending = (batch_rows, errors, ok, feats)
             if stop is not None and stop.requested:
                 break
         if pending is not None:
-            bad += _store(cache, paths, *pending, skip_bad)
+            bad += _store(cache, files.paths, *pending, skip_bad)
             bar.update(len(pending[0]))
     bar.close()
     return bad

@@ -43,11 +43,11 @@ def banned(*, first: bool, ban_unk: bool = True) -> list[int]:
     return [PAD_ID, START_ID] + ([UNK_ID] if ban_unk else []) + ([END_ID] if first else [])
 
 
-def masks(V: int, ban_unk: bool) -> np.ndarray:
+def masks(V: int) -> np.ndarray:
     """What a step adds to its log-probabilities (4, V): the banned words' -inf at every step, <end>'s at the
     first, all but <end>'s at the last (`max_len`); and a frozen beam's row, only <pad>, free."""
     out = np.zeros((4, V), dtype=np.float32)
-    out[0, banned(first=False, ban_unk=ban_unk)] = -np.inf
+    out[0, banned(first=False)] = -np.inf
     out[1, END_ID] = -np.inf
     out[2, :END_ID] = out[2, END_ID + 1 :] = -np.inf
     out[3] = -np.inf
@@ -73,7 +73,7 @@ def topk(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.take_along_axis(x, order, axis=1), order
 
 
-def search(step, max_len: int, ban_unk: bool = True, length_norm: bool = False) -> list[list[Hypothesis]]:
+def search(step, max_len: int, length_norm: bool = False) -> list[list[Hypothesis]]:
     """The captions of a batch of images: for each, its K hypotheses, best first. `max_len` counts the words
     before <end>; `length_norm` ranks them by score per token.
 
@@ -84,7 +84,7 @@ def search(step, max_len: int, ban_unk: bool = True, length_norm: bool = False) 
     """
     B, K, V, L = step.images, step.beams, step.vocabulary, step.locations
     N, T = B * K, max_len + 1
-    ban, ban_first, only_end, _ = masks(V, ban_unk)
+    ban, ban_first, only_end, _ = masks(V)
     h, c = step.start()  # (N, H)
     words = np.full(N, START_ID, dtype=np.int64)
     scores = np.full((B, K), -np.inf, dtype=np.float32)

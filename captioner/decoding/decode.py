@@ -29,7 +29,6 @@ def beam_search(
     beam_size: int = 3,
     max_len: int = 20,
     length_norm: bool = False,
-    ban_unk: bool = True,
     mode: str = EXPECTED,
     generator: torch.Generator | None = None,
     shapes: str | None = None,
@@ -52,8 +51,8 @@ def beam_search(
         raise ValueError(f"beam_size and max_len must be positive, got {beam_size} and {max_len}")
     if (shapes or ("fixed" if features.is_cuda or compiled else "packed")) == "packed":
         step = DecoderStep(decoder, features, beam_size, mode=mode, generator=generator, sharpness=sharpness)
-        return search(step, max_len, ban_unk, length_norm)
-    s = Search.start(decoder, features, beam_size, fixed_length(max_len), ban_unk, static=compiled)
+        return search(step, max_len, length_norm)
+    s = Search.start(decoder, features, beam_size, fixed_length(max_len), static=compiled)
     steps = fixed_search(decoder, s, max_len, mode, generator, sharpness, compiled=compiled)
     # The history goes to the host in one copy each, and is traced back there.
     history = (x[:steps].cpu().numpy() for x in (s.word, s.parent, s.alpha, s.loc))

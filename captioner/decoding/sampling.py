@@ -33,7 +33,6 @@ def sample_captions(
     top_p: float = 1.0,
     mode: str = EXPECTED,
     generator: torch.Generator | None = None,
-    ban_unk: bool = True,
     sharpness: float | None = None,
 ) -> list[list[Hypothesis]]:
     """Draw n captions for each image of the features (B, L, D), each word from softmax(logits / temperature)
@@ -47,7 +46,7 @@ def sample_captions(
     """
     if n < 1 or max_len < 1:
         raise ValueError(f"n and max_len must be positive, got {n} and {max_len}")
-    s = Search.start(decoder, features, n, max_len + 1, ban_unk)
+    s = Search.start(decoder, features, n, max_len + 1)
     s.scores.zero_()  # every row is a caption of its own from the start
     s.writing.fill_(True)
     t = torch.zeros((), dtype=torch.long, device=features.device)

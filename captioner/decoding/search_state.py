@@ -67,7 +67,7 @@ class Search:
 
     @classmethod
     def start(
-        cls, decoder: AttentionDecoder, features: torch.Tensor, K: int, T: int, ban_unk: bool, *, static: bool = False
+        cls, decoder: AttentionDecoder, features: torch.Tensor, K: int, T: int, *, static: bool = False
     ) -> Search:
         """A search of K beams an image, with room for T steps; its inputs in `static` buffers where asked."""
         (B, L, _), device = features.shape, features.device
@@ -90,7 +90,7 @@ class Search:
             features.new_zeros(T, N, L),
             torch.full((T, N), -1, dtype=torch.long, device=device),
             Joined(*(place(f"joined.{name}", w) for name, w in decoder.joined()._asdict().items())),
-            *place("masks", torch.from_numpy(masks(V, ban_unk)).to(device)),  # one copy to the device
+            *place("masks", torch.from_numpy(masks(V)).to(device)),  # one copy to the device
             (torch.arange(B, device=device) * K).unsqueeze(1),
         )
 

@@ -21,6 +21,8 @@ from captioner.models.encoder import Encoder, apply_encoder_state
 from captioner.models.tuned import TunedEncoder, layers_of
 from captioner.models.vocab import Vocabulary
 
+SEARCH_BATCH = 50  # images per search
+
 
 def caption_split(
     decoder: AttentionDecoder,
@@ -30,20 +32,18 @@ def caption_split(
     *,
     decoding: Decoding | None = None,
     max_len: int = 20,
-    batch_size: int = 50,
-    device: torch.device | str = "cpu",
     max_images: int | None = None,
     shard: tuple[int, int] = (0, 1),
     features: Callable[[np.ndarray], torch.Tensor] | None = None,
     compiled: bool = False,
 ) -> tuple[dict[int, str], dict[int, Hypothesis]]:
     """Captions for a split's images, one each (a beam search's best, or the first sample): image id →
-    text, and image id → its hypothesis (with its attention).
+    text, and image id → its hypothesis (with its attention), searched on the decoder's device.
 
     `shard` (rank, world) captions every world-th image from rank on; `features` maps rows to (n, L, D)
     features (default: the data's cache, which lacks a fine-tuned encoder's).
     """
-    device, decoding = torch.device(device), decoding or Decoding()
+    device, decoding = next(decoder.parameters()).device, decoding or Decoding()
     generator = generator_for(decoding, device)
     ids, rows = data.split_images(split)
     if max_images:
@@ -53,10 +53,10 @@ def caption_split(
     was_training = decoder.training
     decoder.eval()
     texts, hyps = {}, {}
-    for i in range(0, len(ids), batch_size):
-        feats = (features or data.features)(rows[i : i + batch_size]).to(device)  # (b, L, D)
+    for i in range(0, len(ids), SEARCH_BATCH):
+        feats = (features or data.features)(rows[i : i + SEARCH_BATCH]).to(device)  # (b, L, D)
         found = decode(decoder, feats, decoding, max_len=max_len, generator=generator, compiled=compiled)
-        for image_id, written in zip(ids[i : i + batch_size], found):
+        for image_id, written in zip(ids[i : i + SEARCH_BATCH], found):
             best = written[0]
             hyps[int(image_id)] = best
             texts[int(image_id)] = " ".join(vocab.decode(best.tokens))

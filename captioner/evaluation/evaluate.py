@@ -13,7 +13,7 @@ from captioner.data.boxes import GroundingBoxes
 from captioner.data.dataset import CaptionData
 from captioner.decoding.settings import Decoding
 from captioner.errors import CaptionerError
-from captioner.evaluation.captioning import caption_split, checkpoint_features
+from captioner.evaluation.captioning import SEARCH_BATCH, caption_split, checkpoint_features
 from captioner.evaluation.grounding import pointing_accuracy
 from captioner.evaluation.health import attention_health
 from captioner.evaluation.metrics import ALL_METRICS, score_captions
@@ -22,7 +22,6 @@ from captioner.models.encoder import build_encoder
 from captioner.models.hub import load_trained
 
 log = logging.getLogger(__name__)
-SEARCH_BATCH = 50  # images per search
 
 
 def results_path(metrics_path: str) -> str:
@@ -117,16 +116,7 @@ def _captions(model, data: CaptionData, checkpoint: str, split: str, device, sea
     features = None
     if model.encoder_state is not None:  # the cache holds the frozen encoder's features, not this one's
         features = checkpoint_features(build_encoder(data.encoder)[0], model.encoder_state, data, device, checkpoint)
-    return caption_split(
-        model.decoder.to(device),
-        data,
-        model.vocab,
-        split,
-        device=device,
-        features=features,
-        batch_size=SEARCH_BATCH,
-        **search,
-    )
+    return caption_split(model.decoder.to(device), data, model.vocab, split, features=features, **search)
 
 
 def _coverage(data: CaptionData, split: str, texts: dict) -> dict:

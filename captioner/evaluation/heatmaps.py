@@ -74,8 +74,6 @@ def attention_figure(
     *,
     preprocess: Preprocess | None = None,
     opacity: float = OPACITY,
-    cmap: str = CMAP,
-    columns: int = 5,
     locations: Sequence[tuple[int, int]] | None = None,
     title: str | None = None,
     panel_side: int = 320,
@@ -89,9 +87,9 @@ def attention_figure(
     base = image.convert("RGB")
     if max(base.size) > panel_side:
         base = fit_side(base, panel_side)
-    overlays = word_overlays(base, attention, preprocess=preprocess, opacity=opacity, cmap=cmap, max_side=None)
+    overlays = word_overlays(base, attention, preprocess=preprocess, opacity=opacity, max_side=None)
     panels = [(base, "(image)")] + list(zip(overlays, words))
-    cols = min(columns, len(panels))
+    cols = min(5, len(panels))  # panels a row
     rows = -(-len(panels) // cols)
     # A Figure of its own, not pyplot's global state: safe to draw from several threads (the app).
     fig = Figure(figsize=(2.4 * cols, 2.6 * rows))

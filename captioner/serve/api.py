@@ -15,13 +15,12 @@ from captioner.compiled import earns_back, search_compiles
 from captioner.data.images import load_image
 from captioner.decoding.decode import decode, generator_for
 from captioner.decoding.settings import Decoding
-from captioner.models.decoder import AttentionDecoder
-from captioner.models.encoder import EncoderSpec, rebuild_encoder
+from captioner.models.checkpoint import Trained
+from captioner.models.encoder import rebuild_encoder
 from captioner.models.familiarity import FamiliarityStats, familiarity
 from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.hub import load_trained, resolve
 from captioner.models.preprocess import Preprocess
-from captioner.models.vocab import Vocabulary
 from captioner.serve.caption import Caption, CaptionModel, captions
 from captioner.serve.onnx_runtime import OnnxCaptioner, on_onnx
 
@@ -36,31 +35,25 @@ class Captioner(CaptionModel):
 
     def __init__(
         self,
-        decoder: AttentionDecoder,
-        vocab: Vocabulary,
-        spec: EncoderSpec,
+        trained: Trained,
         *,
         encoder: torch.nn.Module | None = None,
-        max_len: int = 20,
-        step: int = 0,
         info: dict | None = None,
         device: str | torch.device = "cpu",
         fast: bool = True,
         graphs: bool = True,
-        encoder_state: dict | None = None,
-        familiarity: FamiliarityStats | None = None,
-        encoder_weights: dict | None = None,
     ):
         self.device = torch.device(device)
-        self.encoder_state = encoder_state  # fine-tuned encoder layers (checkpoint "encoder_state"), if any
-        self.encoder_weights = encoder_weights  # the trunk of its --encoder-weights file, where the model carries it
-        self.decoder = decoder.to(self.device).eval()
-        self.vocab, self.encoder_spec, self.max_len, self.step = vocab, spec, max_len, step
+        self.encoder_state = trained.encoder_state  # fine-tuned encoder layers (checkpoint "encoder_state"), if any
+        self.encoder_weights = trained.encoder_weights  # the trunk of its --encoder-weights file, where carried
+        self.decoder = trained.decoder.to(self.device).eval()
+        self.vocab, self.encoder_spec = trained.vocab, trained.encoder
+        self.max_len, self.step = trained.max_len, trained.step
         self.fast, self.graphs = fast, graphs
         self.compiling = False  # searches run compiled (`compile_search`)
         self.encoder = self._ready(encoder) if encoder is not None else None
-        self.info = info or {}
-        self.familiarity = familiarity
+        self.info = info or trained.info
+        self.familiarity = FamiliarityStats.from_dict(trained.familiarity)
 
     def _ready(self, encoder: torch.nn.Module) -> torch.nn.Module:
         # The encoder's weights are final here: make it fast for inference (same features).
@@ -112,21 +105,7 @@ class Captioner(CaptionModel):
             "step": trained.step,
             "fine_tune": trained.info["train"].get("fine_tune"),
         }
-        return cls(
-            trained.decoder,
-            trained.vocab,
-            trained.encoder,
-            encoder=encoder,
-            max_len=trained.max_len,
-            step=trained.step,
-            info=info,
-            device=device,
-            fast=fast,
-            graphs=graphs,
-            encoder_state=trained.encoder_state,
-            familiarity=FamiliarityStats.from_dict(trained.familiarity),
-            encoder_weights=trained.encoder_weights,
-        )
+        return cls(trained, encoder=encoder, info=info, device=device, fast=fast, graphs=graphs)
 
     def compile_search(self, batch_sizes: Sequence[int] = (), decodings: Sequence[Decoding] = (Decoding(),)) -> float:
         """From here on, on a GPU (with `graphs`), search compiled and replayed as CUDA graphs; compile now for

@@ -175,7 +175,7 @@ def validate(
 ) -> tuple[dict, dict[int, Hypothesis]]:
     """Generation-based validation of the weights' average (or the weights), split over processes and scored on the
     gathered captions. Returns the metrics (every process's the same) and this process's captions by image id."""
-    t0, d, device = time.monotonic(), process.dist, process.device
+    t0, d = time.monotonic(), process.dist
     texts, hyps = caption_split(
         live.average.model if live.average else live.decoder,
         data,
@@ -183,7 +183,6 @@ def validate(
         "val",
         decoding=Decoding(beam_size=schedule.val_beam_size),
         max_len=data.max_len,
-        device=device,
         max_images=schedule.val_images,
         shard=(d.rank, d.world),
         features=live.tuning.features if live.tuning else None,

@@ -27,7 +27,7 @@ import torch
 from captioner.data.batches import Batch, Boxes, global_batches, rank_share
 from captioner.data.dataset import BAD, TODO, CaptionData, FeatureCache
 from captioner.data.encoder_inputs import INPUT_CACHE, encoded_features, image_groups, input_cache_info
-from captioner.data.extraction import extract_features
+from captioner.data.extraction import ImageFiles, extract_features
 from captioner.errors import CaptionerError, OptionError
 from captioner.evaluation.captioning import checkpoint_features
 from captioner.io import write_json_atomic
@@ -183,14 +183,11 @@ def input_cache(
         frozen = optimize_encoder(Encoder(base.features[:start]), device)  # same outputs, faster (prepare's)
         extract_features(
             cache,
-            data.meta["paths"],
+            ImageFiles(data.meta["paths"], cache.todo(d.rank, d.world), data.encoder.preprocess),
             frozen,
-            data.encoder.preprocess,
             batch_size=64 if device.type == "cuda" else 8,
             workers=workers,
             device=str(device),
-            rank=d.rank,
-            world=d.world,
             progress=progress,
         )
     distributed.barrier(d)

@@ -16,7 +16,7 @@ import torch
 
 from captioner.data.coco import load_dataset
 from captioner.data.dataset import DONE, FORMAT, TODO, VIEWS, FeatureCache
-from captioner.data.extraction import extract_features
+from captioner.data.extraction import ImageFiles, extract_features
 from captioner.data.karpathy import load_karpathy
 from captioner.errors import CaptionerError
 from captioner.io import check_free_space, describe_os_error, read_json, write_json_atomic
@@ -127,16 +127,13 @@ def prepare(
     for target, transform in zip(caches, views):
         extract_features(
             target,
-            meta["paths"],
+            ImageFiles(meta["paths"], target.todo(dist.rank, dist.world), spec.preprocess),
             fast,
-            spec.preprocess,
             transform=transform,
             batch_size=batch_size,
             workers=workers,
             device=str(device),
             skip_bad=cfg.skip_bad,
-            rank=dist.rank,
-            world=dist.world,
             progress=progress,
             stop=stop,
         )

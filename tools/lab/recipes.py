@@ -209,7 +209,6 @@ def caption_split_images(
         split,
         decoding=Decoding(beam_size=beam_size, mode=mode),
         max_len=cap.max_len,
-        device=cap.device,
         max_images=max_images,
     )
     g = cap.encoder_spec.grid
