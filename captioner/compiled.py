@@ -6,8 +6,9 @@ graphs; elsewhere the default mode fuses their kernels.
 - an error of the compiler's own (a compile that fails, a graph break, more recompiles than its limit):
   one warning naming the function and the reason, and the function runs eagerly from then on. The
   compiler raises these before the compiled code runs (a backward compiles with its forward), so the
-  function runs once either way. Any other
-  error (out of memory, a bad input) is the caller's, raised as it is, and the function stays compiled;
+  function runs once either way. Any other error (out of memory, a bad input) is the caller's, raised as
+  it is, and the function stays compiled, also where the compiler meets it first: an input whose shapes
+  do not fit fails while traced, and Inductor runs kernels on real tensors to choose among them;
 - on a GPU, a function that compiled but runs without CUDA graphs is said in the same way;
 - each call that compiled is logged with its time, and the threads that compiled are kept: CUDA graph
   trees are per thread, so a server compiles on the thread that serves.
@@ -102,8 +103,11 @@ class Compiled:
             ):
                 out = self.compiled(*args)
         except (exc.TorchDynamoException, exc.FailOnRecompileLimitHit) as e:
+            if oom := _out_of_memory(e):
+                raise oom from None  # Inductor runs kernels on real tensors while it compiles
+            out = self.fn(*args)  # an input that fails while traced raises here, as it does eagerly
             self.fall_back(first_line(e))
-            return self.fn(*args)
+            return out
         if counters["stats"]["unique_graphs"] > graphs:
             seconds = time.monotonic() - began
             self.seconds += seconds
@@ -117,6 +121,15 @@ class Compiled:
     def fall_back(self, reason: str) -> None:
         self.failed = reason
         log.warning(f"{FELL_BACK}: {self.what} did not compile ({reason}); it runs eagerly from here")
+
+
+def _out_of_memory(error: BaseException) -> BaseException | None:
+    """The out-of-memory error a compiler error was raised from, if it was."""
+    import torch
+
+    while error is not None and not isinstance(error, torch.OutOfMemoryError):
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    return error
 
 
 def no_autocast(device: torch.device):

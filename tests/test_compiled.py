@@ -189,6 +189,33 @@ def test_an_error_of_the_compiled_code_is_the_callers_and_nothing_runs_twice():
     assert pick.failed is None and not eager_calls
 
 
+def test_a_bad_input_at_a_new_shape_is_the_callers_error_and_it_stays_compiled():
+    """Shapes that do not fit fail while the compiler traces them (a fake-tensor error): the caller's error, as
+    the eager function raises it, and the next good input still runs compiled."""
+    matmul = Compiled(lambda a, b: a @ b, "a product", mode="default", compiled=torch.compile(lambda a, b: a @ b))
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        matmul(torch.ones(2, 3), torch.ones(4, 5))
+    assert matmul.failed is None
+
+
+def test_running_out_of_memory_while_compiling_is_the_callers_error_and_it_stays_compiled(monkeypatch):
+    """Inductor runs kernels on real tensors while it compiles (to choose among them): an out-of-memory error
+    there is raised as one, not taken for a compiler failure that turns compiling off for good."""
+    from torch._inductor.graph import GraphLowering
+
+    torch._dynamo.reset()
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("planted: out of memory while benchmarking")
+
+    monkeypatch.setattr(GraphLowering, "compile_to_module", out_of_memory)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # compiled, not read from the cache
+    double = Compiled(lambda x: x * 2, "a doubling", mode="default")
+    with pytest.raises(torch.OutOfMemoryError, match="planted"):
+        double(torch.ones(2))
+    assert double.failed is None
+
+
 def test_a_compiler_error_is_said_in_one_line_that_says_what():
     from captioner.compiled import first_line
 

@@ -56,11 +56,16 @@ class TrainStep:
         if process.compiling is not None and self.module.capturable:
             # The objective's forward compiles in place, so that DDP, where it wraps the objective, calls it.
             mode, eager = "default" if d.active else process.compiling, type(self.module).forward.__get__(self.module)
-            self.module.forward = torch.compile(eager, mode=mode, fullgraph=True, dynamic=False)
+            compiled = self.module.forward = torch.compile(eager, mode=mode, fullgraph=True, dynamic=False)
 
             def eager_pass(*args):
                 self.module.forward = eager
-                return self._pass(*args)
+                try:
+                    return self._pass(*args)
+                except BaseException:  # a bad input, the caller's error: the forward stays compiled
+                    if self.passes.failed is None:
+                        self.module.forward = compiled
+                    raise
 
             what = "the training step's forward and backward"
             self.passes = Compiled(eager_pass, what, mode=mode, compiled=self._pass, limit=RECOMPILES)
