@@ -30,6 +30,7 @@ from PIL import Image
 
 from captioner import Captioner, CaptionerError
 from captioner.decoding.settings import Decoding
+from captioner.demo.app import page_settings
 from captioner.demo.card import examples_note, model_card, model_notice
 from captioner.demo.handlers import Batcher, Demo, Session
 from captioner.demo.options import PAGE_TOP_P, DemoOptions
@@ -480,6 +481,18 @@ def test_pinned_url_is_downloaded_once_and_a_mismatch_refused(checkpoint, tmp_pa
 # the server, through gradio_client
 
 
+def test_a_demo_refuses_a_wider_beam_than_it_readied_its_search_for(checkpoint, images):
+    """A server readies its search for the page's beam sizes (compiled on a GPU); a wider beam asked of
+    `/caption` would grow the search's buffers past what its graphs were recorded on."""
+    demo = Demo(Captioner.load(str(checkpoint)), warm=page_settings("beam"))
+    try:
+        with pytest.raises(gr.Error, match="beam size at most 10 here"):
+            demo.caption(str(images["rgb.jpg"]), beam_size=11)
+        assert demo.caption(str(images["rgb.jpg"]), beam_size=10)[0]
+    finally:
+        demo.batcher.close()
+
+
 @pytest.mark.slow
 def test_api_takes_image_and_beam_size(server):
     api = Client(server, verbose=False).view_api(return_format="dict", print_info=False)
@@ -516,6 +529,8 @@ def test_api_bad_files_get_their_message_and_the_server_goes_on(server, images):
         assert name in str(err.value) and words in str(err.value), name
     with pytest.raises(Exception, match=r"beam size \(--beam-size\) must be a whole number between 1 and 50"):
         client.predict(handle_file(str(images["rgb.jpg"])), 0, api_name="/caption")
+    with pytest.raises(Exception, match="beam size at most 10 here"):
+        client.predict(handle_file(str(images["rgb.jpg"])), 11, api_name="/caption")
     assert client.predict(handle_file(str(images["rgb.jpg"])), 1, api_name="/caption")[0]
 
 

@@ -430,6 +430,30 @@ def test_a_server_whose_compile_is_refused_answers_every_request_eagerly(fresh_s
 
 
 @pytest.mark.slow
+def test_a_warmed_up_server_searches_in_buffers_that_stay_put(fresh_search, monkeypatch):
+    """The warm-up's first search allocates each static buffer at the largest shape it will serve, so that no
+    later search moves one (on a GPU a graph whose static input moved is recorded again, on the serving path)."""
+    from captioner.decoding import search_state
+    from captioner.decoding.settings import Decoding
+    from captioner.serve.sources import demo_model, example_images
+
+    cap = compiling_on_this_cpu(monkeypatch, demo_model())
+    places, copy = {}, search_state.static_copy
+
+    def recorded(name, t):
+        view = copy(name, t)
+        places.setdefault(name, set()).add(view.data_ptr())
+        return view
+
+    monkeypatch.setattr(search_state, "static_copy", recorded)
+    cap.compile_search([1, 2, 4], [Decoding(beam_size=k) for k in (1, 2, 3)])
+    for images, k in ((1, 3), (3, 2), (4, 3), (2, 1)):
+        cap.caption_batch(example_images()[:images], beam_size=k)
+    assert compiled_block("default").failed is None
+    assert places and all(len(at) == 1 for at in places.values()), places
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
 def test_a_server_compiles_on_the_thread_that_serves_and_serves_other_settings_compiled(
     fresh_search, monkeypatch, device

@@ -86,6 +86,7 @@ class Demo:
     ):
         self.captioner, self.method = captioner, method
         self.batcher = Batcher(captioner, max_batch_size=max_batch_size, warm=warm)
+        self.beams = max((settings.beam_size for settings in warm), default=None)  # the widest search readied
         self.figures_dir = figures_dir or tempfile.mkdtemp(prefix="captioner-demo-")
         if figures_dir is None:  # ours: removed when the server exits normally
             weakref.finalize(self, shutil.rmtree, self.figures_dir, ignore_errors=True)
@@ -238,6 +239,8 @@ class Demo:
                 decoding = Decoding(method=self.method, max_len=length, **given)
             else:
                 decoding = Decoding(method="sampling", top_p=PAGE_TOP_P, max_len=length, seed=seed)
+            if self.beams and decoding.beam_size > self.beams:
+                raise OptionError(f"beam size at most {self.beams} here: the sizes this server readied its search for")
             return self.batcher.caption(picture, decoding)
         except CaptionerError as e:  # e.g. a beam size out of range: the caller can fix it
             raise gr.Error(str(e), print_exception=False) from None

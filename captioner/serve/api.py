@@ -116,10 +116,11 @@ class Captioner(CaptionModel):
             return 0.0
         began = time.monotonic()
         D, grid = self.decoder.config.encoder_dim, self.encoder_spec.grid
-        with torch.inference_mode():
-            for b in sorted({_padded_size(b) for b in batch_sizes}):
+        widest = sorted(decodings, key=lambda settings: -settings.beam_size)
+        with torch.inference_mode():  # the largest search first: it sizes the static buffers, which then stay put
+            for b in sorted({_padded_size(b) for b in batch_sizes}, reverse=True):
                 feats = torch.zeros(b, grid * grid, D, device=self.device)  # (b, L, D)
-                for settings in decodings:
+                for settings in widest:
                     if settings.how.compiles:
                         decode(self.decoder, feats, settings, max_len=self.max_len, compiled=True)
         return time.monotonic() - began
