@@ -429,6 +429,16 @@ def test_a_server_whose_compile_is_refused_answers_every_request_eagerly(fresh_s
     assert "graph_break" in compiled_block("default").failed
 
 
+def test_a_static_search_holds_every_large_input_in_a_marked_buffer():
+    """What a compiled search reads as static inputs (not copied into a CUDA graph at each replay) is marked
+    so: the features, their projection, the joined weights and each of the four word masks."""
+    from captioner.decoding.search_state import Search
+
+    s = Search.start(tiny_decoder(), torch.randn(2, 196, 512), 3, 4, static=True)
+    held = [s.feats, s.projected, *s.joined, s.ban, s.ban_first, s.only_end, s.pad_only]
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in held)
+
+
 @pytest.mark.slow
 def test_a_warmed_up_server_searches_in_buffers_that_stay_put(fresh_search, monkeypatch):
     """The warm-up's first search allocates each static buffer at the largest shape it will serve, so that no

@@ -90,7 +90,7 @@ class Search:
             features.new_zeros(T, N, L),
             torch.full((T, N), -1, dtype=torch.long, device=device),
             Joined(*(place(f"joined.{name}", w) for name, w in decoder.joined()._asdict().items())),
-            *place("masks", torch.from_numpy(masks(V)).to(device)),  # one copy to the device
+            *(place(f"mask.{i}", m) for i, m in enumerate(torch.from_numpy(masks(V)).to(device))),
             (torch.arange(B, device=device) * K).unsqueeze(1),
         )
 
