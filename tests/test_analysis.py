@@ -15,7 +15,7 @@ from pycocotools.coco import COCO
 from captioner.data.dataset import CaptionData
 from captioner.decoding.settings import Decoding
 from captioner.errors import CaptionerError
-from captioner.evaluation.captioning import caption_split
+from captioner.evaluation.metrics import caption_split
 from captioner.models.decoder import DecoderConfig
 from captioner.models.vocab import Vocabulary
 from captioner.serve.api import Caption, Captioner

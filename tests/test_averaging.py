@@ -10,7 +10,7 @@ from torch import nn
 
 from captioner.data.dataset import CaptionData
 from captioner.decoding.settings import Decoding
-from captioner.evaluation.captioning import caption_split, score_validation
+from captioner.evaluation.metrics import caption_split, score_validation
 from captioner.models.checkpoint import current_train, load_checkpoint, read_trained
 from captioner.models.decoder import DecoderConfig
 from captioner.train.config import TrainConfig

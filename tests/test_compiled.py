@@ -136,7 +136,7 @@ def test_searches_compile_only_where_their_caller_asks():
     import inspect
 
     from captioner.decoding.decode import decode
-    from captioner.evaluation.captioning import caption_split
+    from captioner.evaluation.metrics import caption_split
     from captioner.objectives.scst import greedy_tokens
 
     for fn in (beam_search, decode, caption_split, greedy_tokens):

@@ -19,7 +19,7 @@ from captioner.data.dataset import CaptionData, FeatureCache
 from captioner.data.encoder_inputs import encoded_features
 from captioner.data.images import load_image
 from captioner.demo.card import model_card
-from captioner.evaluation.captioning import checkpoint_features
+from captioner.evaluation.metrics import checkpoint_features
 from captioner.models.checkpoint import current_train, load_checkpoint
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec, build_encoder

@@ -165,8 +165,8 @@ def _same_validation(run: str, data: str, device: str, log) -> None:
     """best.pt's validation as `fit` scored it (compiled on a GPU) equals `evaluate` of the same weights, eager."""
     # The training extras (pycocotools), which `captioner caption` does without.
     from captioner.data.dataset import CaptionData
-    from captioner.evaluation.captioning import score_validation
     from captioner.evaluation.evaluate import results_path
+    from captioner.evaluation.metrics import score_validation
 
     lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"), encoding="utf-8")]
     val = [x for x in lines if x.get("event") == "val"]

@@ -24,9 +24,9 @@ from captioner.data.dataset import CaptionData
 from captioner.decoding.beams import Hypothesis
 from captioner.decoding.settings import Decoding
 from captioner.errors import CaptionerError
-from captioner.evaluation.captioning import caption_split, score_validation
 from captioner.evaluation.health import advice, attention_health, problems, verdict
 from captioner.evaluation.health import summary as health_summary
+from captioner.evaluation.metrics import caption_split, score_validation
 from captioner.io import atomic_path, describe_os_error
 from captioner.models.checkpoint import Checkpoint, save_checkpoint
 from captioner.objectives.terms import TermState

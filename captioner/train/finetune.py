@@ -29,7 +29,7 @@ from captioner.data.dataset import BAD, TODO, CaptionData, FeatureCache
 from captioner.data.encoder_inputs import INPUT_CACHE, encoded_features, image_groups, input_cache_info
 from captioner.data.extraction import ImageFiles, extract_features
 from captioner.errors import CaptionerError, OptionError
-from captioner.evaluation.captioning import checkpoint_features
+from captioner.evaluation.metrics import checkpoint_features
 from captioner.io import write_json_atomic
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.encoder import Encoder, apply_encoder_state, build_encoder, layer_input_shape

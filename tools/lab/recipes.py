@@ -19,7 +19,7 @@ from PIL import Image
 from captioner.data.dataset import CaptionData
 from captioner.decoding.settings import Decoding
 from captioner.errors import CaptionerError
-from captioner.evaluation.captioning import caption_split
+from captioner.evaluation.metrics import caption_split
 from captioner.io import read_json
 from captioner.models.decoder import DecoderConfig
 from captioner.models.encoder import EncoderSpec
