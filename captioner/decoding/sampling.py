@@ -38,11 +38,8 @@ def sample_captions(
     """Draw n captions for each image of the features (B, L, D), each word from softmax(logits / temperature)
     (0: the likeliest word) among the `top_k` likeliest (0: all) that hold `top_p` of the probability; the
     words, and mode "sample"'s locations, drawn from `generator`. `max_len`, `mode` and `sharpness` are as
-    `decoding.decode.beam_search` takes them.
-
-    Returns:
-        For each image its n samples, in the order drawn; a sample's score is the decoder's
-        log-probability of its words and <end> (not the tempered or truncated one).
+    `decoding.decode.beam_search` takes them. A sample's score is the decoder's log-probability of its words
+    and <end> (not the tempered or truncated one).
     """
     if n < 1 or max_len < 1:
         raise ValueError(f"n and max_len must be positive, got {n} and {max_len}")

@@ -1,13 +1,8 @@
 """How captions are written from a trained model: every decoding choice a user makes, declared once.
 
-`Decoding` is the one set of settings that the Python API, `captioner caption`, `evaluate`, the
-demo's request batcher and its page read; the command lines derive their flags and help from its
-fields. Its `method` is one of `METHODS`: "beam", the batched beam search (greedy is one beam), or
-"sampling", captions drawn word by word with temperature, top-k and top-p. A method says which settings
-it reads besides every method's, whether its search has the fixed shapes that compile (a caller pads its
-batches then), and whether it draws several captions an image; the API and the page ask it rather than
-its name. A new method is its routine and one line here and one in `decoding.decode.ROUTINES`, which runs
-them on PyTorch; this module needs no torch, since the ONNX runtime reads the settings too.
+Every caller reads `Decoding`, and the command lines derive their flags and help from its fields. Callers
+ask a `Method` what it does rather than its name; a new method is its routine, one line here and one in
+`decoding.decode.ROUTINES`. No torch here: the ONNX runtime reads the settings too.
 """
 
 from __future__ import annotations
@@ -112,11 +107,7 @@ class Decoding:
         return self.how.draws or self.context == SAMPLE
 
     def with_settings(self, **settings) -> Decoding:
-        """These settings with some changed; None leaves a setting as it is.
-
-        Raises:
-            OptionError: a name that is not a setting, or a value out of range.
-        """
+        """These settings with some changed; None leaves a setting as it is. Raises `OptionError`."""
         unknown = sorted(set(settings) - set(_DEFAULTS))
         if unknown:
             raise OptionError(f"unknown decoding setting {unknown[0]!r}; the settings are {', '.join(_DEFAULTS)}")
