@@ -1,9 +1,8 @@
 """Sampled captions: each word drawn from the decoder's distribution, with temperature, top-k and top-p.
 
-Every image gets n captions, drawn independently, each with the map the decoder drew for each of its
-words. The words a beam search bans are banned here too, and at `max_len` words <end> is the only
-word left, so a temperature of 0 (always the likeliest word), or top-k = 1, writes the greedy
-caption: beam search at one beam (a test holds them equal).
+Every image gets n captions, drawn independently, each with the map the decoder drew for each of its words. The words a
+beam search bans are banned here too, and at `max_len` words <end> is the only word left, so a temperature of 0 (always
+the likeliest word), or top-k = 1, writes the greedy caption: beam search at one beam (a test holds them equal).
 
 The steps are the beam search's fixed-shape ones, run eagerly, on a GPU too: each draws from the
 caller's seeded generator, which compiled code cannot take.

@@ -1,12 +1,11 @@
 """The state of a batched search and its fixed-shape steps.
 
-A fixed-shape search steps every beam every time, in blocks of `CHECK_EVERY` steps, after each of which
-the host looks whether any beam still writes. A block is a pure function of the search's state, so that
-`torch.compile(mode="reduce-overhead")` can replay it as a CUDA graph, whose outputs a later replay
-overwrites. The step, the last step and the sharpness are tensors, not constants of the compiled code, so
-searches of any length and sharpness share it; its large inputs sit in `static` buffers, which a CUDA graph
-does not copy at every replay. Searches that sample locations draw from a caller's generator, which
-compiled code cannot take, and run eagerly.
+A fixed-shape search steps every beam every time, in blocks of `CHECK_EVERY` steps, after each of which the host looks
+whether any beam still writes. A block is a pure function of the search's state, so that
+`torch.compile(mode="reduce-overhead")` can replay it as a CUDA graph, whose outputs a later replay overwrites. The
+step, the last step and the sharpness are tensors, not constants of the compiled code, so searches of any length and
+sharpness share it; its large inputs sit in `static` buffers, which a CUDA graph does not copy at every replay. Searches
+that sample locations draw from a caller's generator, which compiled code cannot take, and run eagerly.
 
 Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 """

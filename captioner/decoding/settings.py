@@ -15,6 +15,7 @@ from captioner.models.contexts import CONTEXT_MODES, EXPECTED, SAMPLE
 
 MAX_BEAMS = 50  # most beams, and most samples, per image
 WHOLE = ("beam_size", "max_len", "top_k", "n", "seed")  # settings that count
+RANGES = (("beam_size", 1, MAX_BEAMS), ("n", 1, MAX_BEAMS), ("max_len", 1, None), ("top_k", 0, None))  # least, most
 
 
 class Method(NamedTuple):
@@ -66,12 +67,7 @@ class Decoding:
             raise OptionError(f"--decoding must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.mode not in (None, *CONTEXT_MODES):
             raise OptionError(f"--mode must be one of {CONTEXT_MODES}, got {self.mode!r}")
-        for name, low, high in (
-            ("beam_size", 1, MAX_BEAMS),
-            ("n", 1, MAX_BEAMS),
-            ("max_len", 1, None),
-            ("top_k", 0, None),
-        ):
+        for name, low, high in RANGES:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < low or (high and value > high)):
                 limits = f"between {low} and {high}" if high else f"{low} or more"
