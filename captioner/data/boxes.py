@@ -21,9 +21,8 @@ SYNONYMS = {
     **dict.fromkeys(["man", "men", "woman", "women", "person", "people", "persons"], "person"),
     **dict.fromkeys(["boy", "boys", "girl", "girls", "child", "children", "kid", "kids"], "person"),
     **dict.fromkeys(["guy", "guys", "lady", "ladies", "player", "players", "skier", "skiers"], "person"),
-    **dict.fromkeys(
-        ["surfer", "surfers", "skateboarder", "rider", "baby", "adult", "adults", "gentleman", "toddler"], "person"
-    ),
+    **dict.fromkeys(["surfer", "surfers", "skateboarder", "rider", "baby"], "person"),
+    **dict.fromkeys(["adult", "adults", "gentleman", "toddler"], "person"),
     **dict.fromkeys(["bike", "bikes", "bicycles", "cyclist"], "bicycle"),
     **dict.fromkeys(["motorbike", "motorbikes", "motorcycles", "scooter"], "motorcycle"),
     **dict.fromkeys(["plane", "planes", "jet", "jets", "airplanes", "aircraft", "airliner"], "airplane"),

@@ -36,10 +36,10 @@ def beam_search(
     sharpness: float | None = None,
 ) -> list[list[Hypothesis]]:
     """For each image, its K = `beam_size` hypotheses, best first (1 is greedy), from a decoder in eval mode;
-    `max_len` and `length_norm` as `beams.search` takes them. `mode` is the context from α: "expected"
-    (soft), "argmax" or "sample" (hard models, from `generator`).
-    `shapes` defaults to fixed on a GPU or when `compiled`, which earns back its compile only over thousands
-    of searches. `sharpness` is k of the maps softmax(k e_t) (None: the model's `decode_sharpness`).
+    `max_len` and `length_norm` as `beams.search` takes them. `mode` is the context from α: "expected" (soft),
+    "argmax" or "sample" (hard models, from `generator`). `shapes` ("packed" or "fixed", module doc) defaults to
+    fixed on a GPU or when `compiled`, which earns back its compile only over thousands of searches.
+    `sharpness` is k of the maps softmax(k e_t) (None: the model's `decode_sharpness`).
     """
     if beam_size < 1 or max_len < 1:
         raise ValueError(f"beam_size and max_len must be positive, got {beam_size} and {max_len}")
