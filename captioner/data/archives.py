@@ -60,12 +60,9 @@ def _unsafe(info: zipfile.ZipInfo) -> bool:
 
 
 def unpack(archive: str, root: str, folder: str, *, name: str, progress: bool = True) -> str:
-    """Unpack a checked zip to ROOT/folder, whole or not at all, and return that folder.
-
-    Raises:
-        CaptionerError: the zip is unreadable or damaged, a member would land outside the
-            folder, or the disk has too little room for its contents.
-    """
+    """Unpack a checked zip to ROOT/folder, whole or not at all, and return that folder. Raises
+    `CaptionerError` when the zip is unreadable or damaged, a member would land outside the folder, or the
+    disk has too little room for its contents."""
     target, tmp = os.path.join(root, folder), os.path.join(root, f".{folder}.unpacking")
     shutil.rmtree(tmp, ignore_errors=True)  # what a killed unpack left
     try:

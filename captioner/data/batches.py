@@ -176,11 +176,8 @@ class CaptionBatches:
     def batches(
         self, *, seed: int, epoch: int, start: int = 0, rank: int = 0, world: int = 1, pin: bool = False
     ) -> Iterator[Batch]:
-        """The batches of one epoch from the `start`-th on.
-
-        Raises:
-            CaptionerError: every caption of a batch has damaged features.
-        """
+        """The batches of one epoch from the `start`-th on; `CaptionerError` if every caption of a batch has
+        damaged features."""
         batches = bucket_batches(self.data.lengths, self.batch_size, seed=seed, epoch=epoch, rank=rank, world=world)
         for k, idx in enumerate(batches[start:], start):
             batch = self._batch(idx, np.random.RandomState([seed, epoch, k, rank]), pin)
@@ -259,8 +256,7 @@ class CaptionBatches:
 
 
 class TrainingImages:
-    """The training images of a data directory, batched like `CaptionBatches`: the same (seed, epoch)
-    gives the same batches, `start` skips finished ones, ranks share each batch."""
+    """The training images of a data directory, batched (and shared among ranks) like `CaptionBatches`."""
 
     def __init__(self, data: CaptionData, batch_size: int):
         self.data, self.batch_size = data, batch_size

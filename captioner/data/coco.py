@@ -1,8 +1,7 @@
 """Reading COCO caption annotations (through pycocotools) and Karpathy split files, checked.
 
-Every problem in a user's files becomes a `CaptionerError` naming the file and the field or
-image; `skip_missing` goes on without images whose file is absent, `skip_bad` without
-malformed annotations (both counted and reported).
+Every problem in a user's files becomes a `CaptionerError` naming the file and the field or image; `skip_missing` goes
+on without images whose file is absent, `skip_bad` without malformed annotations (both counted and reported).
 """
 
 from __future__ import annotations
@@ -55,12 +54,8 @@ def _require(cond: bool, path: str, where: str, problem: str) -> None:
 
 def _check_captions_json(data, path: str, skip_bad: bool, skipped: Skipped) -> dict:
     """Validate the COCO captions layout; returns the data with bad annotations dropped."""
-    _require(
-        isinstance(data, dict),
-        path,
-        "top level",
-        "expected a JSON object with 'images' and 'annotations' (COCO captions format)",
-    )
+    layout = "expected a JSON object with 'images' and 'annotations' (COCO captions format)"
+    _require(isinstance(data, dict), path, "top level", layout)
     for key in ("images", "annotations"):
         _require(key in data, path, "top level", f"missing the '{key}' field")
         _require(isinstance(data[key], list), path, f"'{key}'", "must be a list")
@@ -119,12 +114,8 @@ def _load_coco(path: str, skip_bad: bool, skipped: Skipped) -> COCO:
 def _karpathy_splits(path: str) -> dict[int, str]:
     """image id → split from a Karpathy `dataset_coco.json`; restval counts as train."""
     data = read_json(path, "Karpathy split")
-    _require(
-        isinstance(data, dict) and isinstance(data.get("images"), list),
-        path,
-        "top level",
-        "expected {'images': [...]} (Karpathy dataset_coco.json layout)",
-    )
+    layout = "expected {'images': [...]} (Karpathy dataset_coco.json layout)"
+    _require(isinstance(data, dict) and isinstance(data.get("images"), list), path, "top level", layout)
     splits = {}
     for i, img in enumerate(data["images"]):
         where = f"images[{i}]"
@@ -202,10 +193,8 @@ def load_dataset(
     """Read one or more COCO caption files and pair each image with its file (found in the first of
     `image_dirs` that holds it) and split: the records sorted by image id, and what was skipped.
 
-    A Karpathy split file (`splits_path`) leaves out the images it does not list.
-
-    Raises:
-        CaptionerError: a file is malformed, an image is missing (without `skip_missing`) or none is usable.
+    A Karpathy split file (`splits_path`) leaves out the images it does not list. Raises `CaptionerError`
+    when a file is malformed, an image is missing (without `skip_missing`) or none is usable.
     """
     for d in image_dirs:
         if not os.path.isdir(d):

@@ -78,10 +78,8 @@ class CaptionData:
 
     def feature_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel mean and std of the training features (D,), for the decoder's standardisation."""
-        return (
-            torch.tensor(self.meta["feature_mean"], dtype=torch.float32),
-            torch.tensor(self.meta["feature_std"], dtype=torch.float32),
-        )
+        mean, std = (torch.tensor(self.meta[k], dtype=torch.float32) for k in ("feature_mean", "feature_std"))
+        return mean, std
 
     def path_of(self, row: int) -> str:
         return self.meta["paths"][row]
@@ -103,15 +101,9 @@ class CaptionData:
             raw[bad] = 0
             for row in sorted(set(rows[bad].tolist()) - self.damaged):
                 self.damaged.add(row)
-                log.warning(
-                    damaged_row_message(
-                        self.meta["image_ids"][row],
-                        self.path_of(row),
-                        row,
-                        self.cache.path,
-                        "it is captioned from zeros",
-                    )
-                )
+                image_id = self.meta["image_ids"][row]
+                consequence = "it is captioned from zeros"
+                log.warning(damaged_row_message(image_id, self.path_of(row), row, self.cache.path, consequence))
         return torch.from_numpy(raw.astype(np.float32))
 
 
@@ -193,10 +185,7 @@ class FeatureCache:
 
     def _create_missing(self) -> None:
         if not os.path.exists(self.path):
-
-            def make(tmp):
-                np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=self.shape).flush()
-
+            make = lambda tmp: np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=self.shape).flush()
             _create_atomically(self.path, make)
         if not os.path.exists(self.done_path):
             _create_atomically(self.done_path, lambda tmp: np.zeros(self.shape[0], np.uint8).tofile(tmp))
@@ -207,11 +196,8 @@ class FeatureCache:
         return rows[rows % world == rank]
 
     def write(self, rows: np.ndarray, feats: np.ndarray) -> None:
-        """Store features for rows, fsync them, then mark the rows done.
-
-        Raises:
-            CaptionerError: a write failed (e.g. no space left); none of these rows is marked done.
-        """
+        """Store features for rows, fsync them, then mark the rows done. A failed write (e.g. no space left)
+        raises `CaptionerError`, and none of these rows is marked done."""
         data = np.ascontiguousarray(np.clip(feats, -FP16_MAX, FP16_MAX).astype(np.float16))  # (n, L, D)
         try:
             for row, f in zip(rows, data):

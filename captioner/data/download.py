@@ -78,12 +78,9 @@ def retry(action: Callable, moved: Callable[[], bool] = lambda: False, hint: Cal
 
 
 def download(url: str, dest: str, *, name: str, size: int | None = None, progress: bool = True) -> None:
-    """Fetch `url` to `dest`, going on from `dest`.part; `dest` appears only once complete.
-
-    Raises:
-        CaptionerError: the server refuses (4xx), keeps failing, or offers a file of another size than
-            `size`; or the disk fails.
-    """
+    """Fetch `url` to `dest`, going on from `dest`.part; `dest` appears only once complete. Raises
+    `CaptionerError` when the server refuses (4xx), keeps failing, or offers a file of another size than
+    `size`, or when the disk fails."""
     part, before = dest + ".part", [0]
 
     def attempt() -> None:

@@ -44,18 +44,6 @@ class ImageFiles(Dataset):
             return row, torch.zeros(3, size, size), str(e)
 
 
-def _image_loader(images: ImageFiles, batch_size: int, workers: int, cuda: bool) -> DataLoader:
-    """Batches of decoded images from worker processes, in page-locked memory on CUDA."""
-    return DataLoader(
-        images,
-        batch_size=batch_size,
-        num_workers=workers,
-        pin_memory=cuda,
-        persistent_workers=False,
-        worker_init_fn=_leave_signals_to_the_main_process,
-    )
-
-
 def _encode(encoder, images: torch.Tensor, batch_rows: torch.Tensor, ok: list[int], n: int, device: str, transform):
     """The features of a batch's readable images, on their way to the host (see `_to_host`)."""
     x = images if len(ok) == n else images[ok]  # indexing would copy the pinned batch
@@ -81,16 +69,21 @@ def extract_features(
     of the images that could not be read or whose features came out NaN.
 
     On a GPU a batch's features are written while the GPU encodes the next one. `transform` maps
-    (images (b, 3, S, S), cache rows (b,)) to the images to encode instead (the views).
-
-    Raises:
-        CaptionerError: the first unreadable image, without `skip_bad` (the batch's good rows are saved).
+    (images (b, 3, S, S), cache rows (b,)) to the images to encode instead (the views). Without `skip_bad`
+    the first unreadable image raises `CaptionerError` (the batch's good rows are saved).
     """
     if len(files) == 0:
         return []
     encoder = encoder.to(device)
     cuda = device.startswith("cuda")
-    loader = _image_loader(files, batch_size, workers, cuda)
+    loader = DataLoader(
+        files,
+        batch_size=batch_size,
+        num_workers=workers,
+        pin_memory=cuda,
+        persistent_workers=False,
+        worker_init_fn=_leave_signals_to_the_main_process,
+    )
     bad: list[str] = []
     bar = tqdm(total=len(files), desc="features", unit="img", disable=not progress, dynamic_ncols=True)
     pending = None  # the previous batch, its features on their way to the host

@@ -110,11 +110,8 @@ def remote_size(r: Remote) -> int | None:
 
 
 def verify(path: str, r: Remote, *, progress: bool = True) -> None:
-    """Check a downloaded archive's size and checksum; a file that fails is removed.
-
-    Raises:
-        CaptionerError: the size or checksum differs.
-    """
+    """Check a downloaded archive's size and checksum: a file that fails is removed, and `CaptionerError`
+    raised."""
     actual, problem = os.path.getsize(path), None
     algorithm, expected = ("sha256", r.sha256) if r.sha256 else ("md5", r.md5)
     if r.size is not None and actual != r.size:

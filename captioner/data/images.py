@@ -25,9 +25,7 @@ set_max_pixels(None)
 
 
 def _describe(src) -> str:
-    if isinstance(src, (str, os.PathLike)):
-        return str(src)
-    return "the image"
+    return str(src) if isinstance(src, (str, os.PathLike)) else "the image"
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -50,11 +48,8 @@ def _to_rgb(img: Image.Image) -> Image.Image:
 
 def load_image(src, *, max_pixels: int | None = None) -> Image.Image:
     """Open an image from a path, bytes or a PIL image; return it upright (EXIF orientation) in RGB, the
-    first frame of an animation.
-
-    Raises:
-        ImageError: the file is missing, empty, truncated, not an image, or over the pixel limit.
-    """
+    first frame of an animation. Raises `ImageError` for a file that is missing, empty, truncated, not an
+    image, or over the pixel limit."""
     name = _describe(src)
     limit = max_pixels or Image.MAX_IMAGE_PIXELS
     try:

@@ -6,10 +6,9 @@ These files carry images, their captions and the split together:
       "split": "train", "sentences": [{"raw": "A child in a pink dress ...", "tokens": [...]}, ...]},
      ...]}
 
-COCO's file adds `filepath` ("train2014" / "val2014") and `cocoid` (COCO's image id). The image
-is DIR/filepath/filename (or DIR/filename: then the train2014 and val2014 directories can be
-given as two --images directories); the id is `cocoid` when present, `imgid` otherwise;
-`restval` counts as train.
+COCO's file adds `filepath` ("train2014" / "val2014") and `cocoid` (COCO's image id). The image is DIR/filepath/filename
+(or DIR/filename: then the train2014 and val2014 directories can be given as two --images directories); the id is
+`cocoid` when present, `imgid` otherwise; `restval` counts as train.
 """
 
 from __future__ import annotations
@@ -105,11 +104,8 @@ def load_karpathy(
     path: str, image_dirs: Sequence[str], *, skip_missing: bool = False, skip_bad: bool = False
 ) -> tuple[list[ImageRecord], Skipped]:
     """Read a Karpathy dataset file and pair each image with its file, split and captions: the records
-    sorted by image id, and what was skipped.
-
-    Raises:
-        CaptionerError: the file is unreadable or malformed (the message names the image and
-            the field), an image id repeats, or an image file is missing.
+    sorted by image id, and what was skipped. Raises `CaptionerError` when the file is unreadable or
+    malformed (the message names the image and the field), an image id repeats, or an image file is missing.
     """
     for d in image_dirs:
         if not os.path.isdir(d):

@@ -1,6 +1,6 @@
-"""Decoding a trained decoder's captions with their maps: the settings (`settings`, no torch), the beam
-search over NumPy arrays that both runtimes drive (`beams`, no torch), and on PyTorch `decode` and
-`beam_search` (`decode`), sampling (`sampling`) and the fixed-shape search a GPU compiles (`search_state`).
+"""Decoding a trained decoder's captions with their maps.
+
+`settings` and `beams` need no torch; on PyTorch:
 
     from captioner.decoding.decode import decode
     from captioner.decoding.settings import Decoding

@@ -1,14 +1,13 @@
 """The beam search over NumPy arrays, for both runtimes (PyTorch's step on the CPU shares its tensors'
 memory with them); the fixed-shape search a GPU compiles extends its beams by the same rule and masks.
 
-Each image keeps K beams; a beam that emits <end> is frozen (it extends only with <pad> at no cost) so all
-beams advance in lock-step as arrays; at `max_len` words every unfinished beam is made to end, paying
-<end>'s own log-probability, so the search always terminates and a cut caption does not outrank finished
-ones; <end> is not allowed as the first word, so every caption has at least one (a barely trained model
-otherwise ranks the empty caption first, and the page, the API and the metrics get nothing to show). The
-step runs only on the beams still writing (not on finished beams, nor on the K−1 empty beams of the first
-step), and the search stops as soon as none writes. The history is kept as back-pointers in arrays made
-once and traced back at the end, so nothing grows or is copied per step.
+Each image keeps K beams; a beam that emits <end> is frozen (it extends only with <pad> at no cost) so all beams advance
+in lock-step as arrays; at `max_len` words every unfinished beam is made to end, paying <end>'s own log-probability, so
+the search always terminates and a cut caption does not outrank finished ones; <end> is not allowed as the first word,
+so every caption has at least one (a barely trained model otherwise ranks the empty caption first, and the page, the API
+and the metrics get nothing to show). The step runs only on the beams still writing (not on finished beams, nor on the
+K−1 empty beams of the first step), and the search stops as soon as none writes. The history is kept as back-pointers in
+arrays made once and traced back at the end, so nothing grows or is copied per step.
 
 Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 """
@@ -137,8 +136,7 @@ def trace(word: np.ndarray, parent: np.ndarray, alpha: np.ndarray, loc: np.ndarr
 
 def hypotheses(tokens, alphas, locs, scores, max_len: int) -> list[list[Hypothesis]]:
     """Each image's captions, in row order, from the rows' tokens (N, T), maps (N, T, L), locations (N, T)
-    and scores (B, K), NumPy arrays; a row with no finite score (a beam that never had a live parent) is
-    left out."""
+    and scores (B, K), NumPy arrays; a row with no finite score is left out."""
     alphas, scores = alphas.astype(np.float32), scores.astype(np.float32)
     B, K = scores.shape
     out = []

@@ -35,17 +35,11 @@ def beam_search(
     compiled: bool = False,
     sharpness: float | None = None,
 ) -> list[list[Hypothesis]]:
-    """For each image of the features (B, L, D), its K = `beam_size` hypotheses, best first (1 is greedy).
-
-    Args:
-        decoder: the model, in eval mode (dropout off).
-        max_len: most words per caption (before <end>).
-        length_norm: rank finished captions by score per token instead of total score.
-        mode: context from α: "expected" (soft), "argmax" or "sample" (hard models, from `generator`).
-        shapes: "packed" or "fixed" (module doc); default: fixed on a GPU or `compiled`, else packed.
-        compiled: run the fixed shapes' blocks compiled, which earns back its compile only over thousands
-            of searches.
-        sharpness: k of the maps softmax(k e_t) (None: the model's `decode_sharpness`).
+    """For each image, its K = `beam_size` hypotheses, best first (1 is greedy), from a decoder in eval mode;
+    `max_len` and `length_norm` as `beams.search` takes them. `mode` is the context from α: "expected" (soft),
+    "argmax" or "sample" (hard models, from `generator`). `shapes` ("packed" or "fixed", module doc) defaults to
+    fixed on a GPU or when `compiled`, which earns back its compile only over thousands of searches.
+    `sharpness` is k of the maps softmax(k e_t) (None: the model's `decode_sharpness`).
     """
     if beam_size < 1 or max_len < 1:
         raise ValueError(f"beam_size and max_len must be positive, got {beam_size} and {max_len}")
@@ -131,18 +125,15 @@ def decode(
     generator: torch.Generator | None = None,
     compiled: bool = False,
 ) -> list[list[Hypothesis]]:
-    """Captions for a batch of images' features (B, L, D), as `settings` say: for each image its hypotheses,
-    the beams best first or the samples in the order drawn.
-
-    `max_len` applies where `settings.max_len` is None; pass `generator` to go on drawing across batches.
+    """For each image its hypotheses, as `settings` say: the beams best first or the samples in the order
+    drawn. `max_len` applies where `settings.max_len` is None; pass `generator` to go on drawing across batches.
     """
     generator = generator or generator_for(settings, features.device)
     return ROUTINES[settings.method](decoder, features, settings, settings.max_len or max_len, generator, compiled)
 
 
 def generator_for(settings: Decoding, device: torch.device) -> torch.Generator | None:
-    """The random source of one call, for all its batches: seeded with `settings.seed` where the captions
-    depend on it."""
+    """The random source of one call, for all its batches, where the captions depend on `settings.seed`."""
     return seeded(settings.seed, device) if settings.randomised else None
 
 

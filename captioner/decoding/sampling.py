@@ -1,9 +1,8 @@
 """Sampled captions: each word drawn from the decoder's distribution, with temperature, top-k and top-p.
 
-Every image gets n captions, drawn independently, each with the map the decoder drew for each of its
-words. The words a beam search bans are banned here too, and at `max_len` words <end> is the only
-word left, so a temperature of 0 (always the likeliest word), or top-k = 1, writes the greedy
-caption: beam search at one beam (a test holds them equal).
+Every image gets n captions, drawn independently, each with the map the decoder drew for each of its words. The words a
+beam search bans are banned here too, and at `max_len` words <end> is the only word left, so a temperature of 0 (always
+the likeliest word), or top-k = 1, writes the greedy caption: beam search at one beam (a test holds them equal).
 
 The steps are the beam search's fixed-shape ones, run eagerly, on a GPU too: each draws from the
 caller's seeded generator, which compiled code cannot take.
@@ -38,11 +37,8 @@ def sample_captions(
     """Draw n captions for each image of the features (B, L, D), each word from softmax(logits / temperature)
     (0: the likeliest word) among the `top_k` likeliest (0: all) that hold `top_p` of the probability; the
     words, and mode "sample"'s locations, drawn from `generator`. `max_len`, `mode` and `sharpness` are as
-    `decoding.decode.beam_search` takes them.
-
-    Returns:
-        For each image its n samples, in the order drawn; a sample's score is the decoder's
-        log-probability of its words and <end> (not the tempered or truncated one).
+    `decoding.decode.beam_search` takes them. A sample's score is the decoder's log-probability of its words
+    and <end> (not the tempered or truncated one).
     """
     if n < 1 or max_len < 1:
         raise ValueError(f"n and max_len must be positive, got {n} and {max_len}")

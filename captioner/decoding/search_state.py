@@ -1,16 +1,11 @@
 """The state of a batched search and its fixed-shape steps.
 
-A fixed-shape search steps every beam every time, in blocks of `CHECK_EVERY` steps: after each the
-host looks whether any beam still writes. A block is a pure function of the search's state (it returns
-the new state and its steps' history, which `fixed_search` copies into the search), so that
-`torch.compile(mode="reduce-overhead")` can compile it whole and replay it as a CUDA graph, whose outputs
-a later replay overwrites. The step, the last step (`max_len`) and the maps' sharpness are tensors, not
-constants of the compiled code: searches of any length and sharpness share it. A compiled search reads
-its large inputs (the features, their projection, the joined weights and the word masks) from buffers
-that the thread's compiled searches share (`static`), copied in once per search, so that a CUDA graph
-replays without copying them into its own at every block. Searches that sample locations (hard
-attention's mode "sample") draw from a caller's generator, which compiled code cannot take, and run
-eagerly.
+A fixed-shape search steps every beam every time, in blocks of `CHECK_EVERY` steps, after each of which the host looks
+whether any beam still writes. A block is a pure function of the search's state, so that
+`torch.compile(mode="reduce-overhead")` can replay it as a CUDA graph, whose outputs a later replay overwrites. The
+step, the last step and the sharpness are tensors, not constants of the compiled code, so searches of any length and
+sharpness share it; its large inputs sit in `static` buffers, which a CUDA graph does not copy at every replay. Searches
+that sample locations draw from a caller's generator, which compiled code cannot take, and run eagerly.
 
 Symbols: B images, K beams, N = B·K, L locations, V vocabulary, T steps.
 """
@@ -156,9 +151,8 @@ def compiled_block(mode: str) -> Compiled:
 def fixed_search(
     decoder: AttentionDecoder, s: Search, max_len: int, mode: str, generator, sharpness, *, compiled: bool
 ) -> int:
-    """Run the fixed-shape search on `s`, whose history has room for whole blocks (`fixed_length`); its
-    fields then hold the results. Returns the steps taken. With `compiled` the blocks run compiled (module
-    doc), unless they sample locations, on `s` made `static`."""
+    """Run the fixed-shape search on `s` (made `static` where `compiled`), whose fields then hold the results;
+    its history has room for whole blocks (`fixed_length`). Returns the steps taken."""
     T, device = s.word.size(0), s.words.device
     if T % CHECK_EVERY:
         raise ValueError(f"a fixed-shape search steps in blocks of {CHECK_EVERY}: room for {T} steps")

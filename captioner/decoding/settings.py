@@ -1,13 +1,8 @@
 """How captions are written from a trained model: every decoding choice a user makes, declared once.
 
-`Decoding` is the one set of settings that the Python API, `captioner caption`, `evaluate`, the
-demo's request batcher and its page read; the command lines derive their flags and help from its
-fields. Its `method` is one of `METHODS`: "beam", the batched beam search (greedy is one beam), or
-"sampling", captions drawn word by word with temperature, top-k and top-p. A method says which settings
-it reads besides every method's, whether its search has the fixed shapes that compile (a caller pads its
-batches then), and whether it draws several captions an image; the API and the page ask it rather than
-its name. A new method is its routine and one line here and one in `decoding.decode.ROUTINES`, which runs
-them on PyTorch; this module needs no torch, since the ONNX runtime reads the settings too.
+Every caller reads `Decoding`, and the command lines derive their flags and help from its fields. Callers
+ask a `Method` what it does rather than its name; a new method is its routine, one line here and one in
+`decoding.decode.ROUTINES`. No torch here: the ONNX runtime reads the settings too.
 """
 
 from __future__ import annotations
@@ -20,6 +15,7 @@ from captioner.models.contexts import CONTEXT_MODES, EXPECTED, SAMPLE
 
 MAX_BEAMS = 50  # most beams, and most samples, per image
 WHOLE = ("beam_size", "max_len", "top_k", "n", "seed")  # settings that count
+RANGES = (("beam_size", 1, MAX_BEAMS), ("n", 1, MAX_BEAMS), ("max_len", 1, None), ("top_k", 0, None))  # least, most
 
 
 class Method(NamedTuple):
@@ -71,12 +67,7 @@ class Decoding:
             raise OptionError(f"--decoding must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.mode not in (None, *CONTEXT_MODES):
             raise OptionError(f"--mode must be one of {CONTEXT_MODES}, got {self.mode!r}")
-        for name, low, high in (
-            ("beam_size", 1, MAX_BEAMS),
-            ("n", 1, MAX_BEAMS),
-            ("max_len", 1, None),
-            ("top_k", 0, None),
-        ):
+        for name, low, high in RANGES:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < low or (high and value > high)):
                 limits = f"between {low} and {high}" if high else f"{low} or more"
@@ -112,11 +103,7 @@ class Decoding:
         return self.how.draws or self.context == SAMPLE
 
     def with_settings(self, **settings) -> Decoding:
-        """These settings with some changed; None leaves a setting as it is.
-
-        Raises:
-            OptionError: a name that is not a setting, or a value out of range.
-        """
+        """These settings with some changed; None leaves a setting as it is. Raises `OptionError`."""
         unknown = sorted(set(settings) - set(_DEFAULTS))
         if unknown:
             raise OptionError(f"unknown decoding setting {unknown[0]!r}; the settings are {', '.join(_DEFAULTS)}")

@@ -46,9 +46,8 @@ def evaluate(
 
     `checkpoint` is a checkpoint, an exported folder, a pinned URL or hf://ORG/NAME; `grounding` a COCO
     instances file of object boxes, which adds pointing accuracy. `use_java`: None uses Java when present.
-
-    Raises:
-        CaptionerError: `decoding.n` is not 1, the data's encoder is not the checkpoint's, or `split` is unknown.
+    Raises `CaptionerError` when `decoding.n` is not 1, the data's encoder is not the checkpoint's, or `split`
+    is unknown.
     """
     decoding = _one_each(decoding or Decoding())
     model = load_trained(checkpoint)

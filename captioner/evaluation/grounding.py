@@ -118,18 +118,17 @@ def _peaks_in_pixels(attention: np.ndarray, grid_box) -> list[tuple[float, float
 
 
 def _summary(tally: _Tally) -> dict:
-    hits, chances, unmatched, on_another = tally.hits, tally.chances, tally.unmatched, tally.on_another
-    by_word, by_kind, ahead, both = tally.by_word, tally.by_kind, tally.ahead, tally.both
+    hits, on_another, ahead, both = tally.hits, tally.on_another, tally.ahead, tally.both
     missed = len(hits) - sum(hits)
     return {
         "pointing": float(np.mean(hits)) if hits else None,
-        "chance": float(np.mean(chances)) if chances else None,
+        "chance": float(np.mean(tally.chances)) if tally.chances else None,
         "words": len(hits),
-        "unmatched": unmatched,
+        "unmatched": tally.unmatched,
         "missed_on_another_object": on_another / len(hits) if hits else None,
         "missed_on_no_object": (missed - on_another) / len(hits) if hits else None,
-        "by_word": dict(by_word),
-        "by_kind": {k: h / n for k, (h, n) in by_kind.items()},
+        "by_word": dict(tally.by_word),
+        "by_kind": {k: h / n for k, (h, n) in tally.by_kind.items()},
         "lookahead": float(np.mean(ahead)) if ahead else None,
         "lookahead_words": len(ahead),
         "two_objects": float(np.mean(both)) if both else None,

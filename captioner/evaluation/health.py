@@ -22,12 +22,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
-# Where the figures say the maps are not meaningful, set from models scored against object boxes
-# (docs/attention.md has the runs): pointing fell as the border ratio rose, as more peaks crowded
-# onto a few cells, and with maps spread almost evenly. "stay" is reported but never warned on:
-# models that point well stay on one object in one-object scenes. A sharp map is not a failure:
-# the view consistency trains maps onto a cell or two of the object, and parking on one place is
-# what top5 and border catch.
+# Where the figures say the maps are not meaningful, set from models scored against object boxes (docs/attention.md has
+# the runs): pointing fell as the border ratio rose, as more peaks crowded onto a few cells, and with maps spread almost
+# evenly. "stay" is reported but never warned on: models that point well stay on one object in one-object scenes. A
+# sharp map is not a failure: the view consistency trains maps onto a cell or two of the object, and parking on one
+# place is what top5 and border catch.
 LIMITS = {"top5": 0.25, "border": 1.2, "entropy_high": 0.88}
 
 

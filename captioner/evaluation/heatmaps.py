@@ -1,6 +1,5 @@
-"""Attention heatmaps, drawn once here for the CLI, the web demo, the notebooks and `fit --tensorboard`.
+"""Attention heatmaps, drawn once here for everything that shows them (below training and serving alike).
 
-It lies below training and serving alike, so that both draw with this code.
 Symbols: n words, g grid side, H×W the drawn image.
 """
 
@@ -79,11 +78,9 @@ def attention_figure(
     panel_side: int = 320,
     warning: str | None = None,
 ) -> Figure:
-    """The paper-style figure: the image, then each word's overlay with the word beneath.
-
-    `locations` are hard attention's (row, col) cells, marked with a dot; `panel_side` is each panel
-    image's longest side in pixels; `warning` is shown in red under the title.
-    """
+    """The paper-style figure: the image, then each word's overlay with the word beneath. `locations` are
+    hard attention's (row, col) cells, marked with a dot; `panel_side` is each panel image's longest side in
+    pixels; `warning` is shown in red under the title."""
     base = image.convert("RGB")
     if max(base.size) > panel_side:
         base = fit_side(base, panel_side)

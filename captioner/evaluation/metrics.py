@@ -1,11 +1,10 @@
 """Captioning a split of a prepared data directory (validation during `fit`, and `evaluate`) and scoring the
 captions through the official coco-caption code (pycocoevalcap).
 
-With Java (the PTB tokenizer and METEOR run on it) the numbers are those of the official
-pipeline, and `"official"` is true: BLEU-1..4, METEOR, ROUGE-L, CIDEr. Without Java they are
-BLEU (nltk's corpus BLEU), ROUGE-L and CIDEr on Python tokenisation, METEOR is None, and
-`"official"` is false. SPICE is left out: it downloads models and needs Java 8. Scores are
-computed on the caption text, i.e. on words already cut at <end>, never on padded ids.
+With Java (the PTB tokenizer and METEOR run on it) the numbers are those of the official pipeline, and `"official"` is
+true: BLEU-1..4, METEOR, ROUGE-L, CIDEr. Without Java they are BLEU (nltk's corpus BLEU), ROUGE-L and CIDEr on Python
+tokenisation, METEOR is None, and `"official"` is false. SPICE is left out: it downloads models and needs Java 8. Scores
+are computed on the caption text, i.e. on words already cut at <end>, never on padded ids.
 Shapes: n images, L locations, D feature size.
 """
 
@@ -63,9 +62,7 @@ def score_captions(
 ) -> dict:
     """Score generated captions against raw reference texts, as coco-caption does: metric name → score
     (fractions; CIDEr as is), plus "official" and "tokenizer". `use_java`: None uses Java when present.
-
-    Raises:
-        ValueError: a result's image has no references.
+    Raises `ValueError` when a result's image has no references.
     """
     from pycocoevalcap.bleu.bleu import Bleu
     from pycocoevalcap.cider.cider import Cider
@@ -122,10 +119,8 @@ def reference_agreement(
     use_java: bool | None = None,
 ) -> dict[str, float]:
     """How well the references agree with each other: the score a model could expect from writing like one
-    more annotator (each image's k-th reference against its others, averaged over k).
-
-    Raises:
-        ValueError: an image has fewer than two references.
+    more annotator (each image's k-th reference against its others, averaged over k). Raises `ValueError`
+    when an image has fewer than two references.
     """
     counts = [len(r) for r in references.values()]
     if not counts or min(counts) < 2:

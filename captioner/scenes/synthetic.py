@@ -101,10 +101,8 @@ def _write_files(out: Path, seed: int, images: list, caps_anns: list, box_anns: 
     _write_json(out / "captions.json", {"info": info, "licenses": [], "images": images, "annotations": caps_anns})
     _write_json(out / "splits.json", {"dataset": "coco", "images": karpathy})
     cats = [{"id": i + 1, "name": s, "supercategory": "shape"} for i, s in enumerate(SHAPES)]
-    _write_json(
-        out / "boxes.json",
-        {"info": info, "licenses": [], "images": images, "categories": cats, "annotations": box_anns},
-    )
+    boxes = {"info": info, "licenses": [], "images": images, "categories": cats, "annotations": box_anns}
+    _write_json(out / "boxes.json", boxes)
 
 
 def generate(out_dir: str | os.PathLike[str], n: int, seed: int = 0) -> dict[str, Any]:

@@ -29,9 +29,8 @@ _TEMPLATES: dict[int, tuple[str, ...]] = {
         "{a} and {b} on a {bg} background",
     ),
 }
-# Three-object scenes are described whole: every template names all three objects, so a model
-# is never taught to leave one out. Nine of them, as many as the pool they replace (six pair and
-# three triple templates up to version 1.0), so the random stream, and every image, is unchanged.
+# Three-object scenes are described whole: every template names all three objects, so a model is never
+# taught to leave one out. Nine of them: the pool's size is part of the random stream, which keeps every image.
 _TRIPLE_TEMPLATES = (
     "{a}, {b} and {c}",
     "{a}, {b} and {c} on a {bg} background",
