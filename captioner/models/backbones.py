@@ -79,9 +79,6 @@ class Backbone:
         return nn.Sequential(layers)
 
 
-# helpers: how each family's weights are drawn from a seed
-
-
 def draw_conv_bn(trunk: nn.Module, rs: np.random.RandomState, blocks: int) -> None:
     """VGG's and ResNet's: convolutions He-normal (fan-in: activations keep their scale through the ReLUs),
     their biases zero; BatchNorm the identity with running statistics (mean 0, variance 1), except the
@@ -176,13 +173,11 @@ def meta_trunk(arch: str) -> nn.Sequential:
 
 @functools.cache
 def trunk_shapes(arch: str) -> dict[str, tuple[int, ...]]:
-    """The trunk's state dict as names and shapes, in order."""
     return {k: tuple(v.shape) for k, v in meta_trunk(arch).state_dict().items()}
 
 
 @functools.cache
 def layer_names(arch: str) -> tuple[str, ...]:
-    """The trunk's layers' names, in order."""
     return tuple(name for name, _ in meta_trunk(arch).named_children())
 
 
@@ -197,11 +192,8 @@ def layer_index(key: str) -> int:
 
 def seed_trunk(trunk: nn.Sequential, seed: int, arch: str, layers: int | None = None) -> None:
     """Random weights for `arch`'s trunk from NumPy's `RandomState(seed)`, the same on every machine and
-    release; with `layers`, only the first that many layers (the stream is the same up to there).
-
-    Raises:
-        CaptionerError: a parameter or buffer the row's `draw` left undrawn (a layer type it does not know).
-    """
+    release; with `layers`, only the first that many layers (the stream is the same up to there). Raises
+    CaptionerError for a parameter or buffer the row's `draw` left undrawn (a layer type it does not know)."""
     part = trunk[:layers]
     with torch.no_grad():
         for t in part.state_dict().values():  # what `draw` leaves undrawn shows

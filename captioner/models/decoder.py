@@ -28,8 +28,7 @@ class Attention(nn.Module):
     y_{t-1}, so without it the map for "triangle" in "a yellow triangle" cannot know which object was chosen.
 
     Computed as e_ti = 2v·σ(2 W_a a_i + 2 W_h h_{t-1}): tanh(x) = 2σ(2x) − 1, so the two differ by −Σv at
-    every location, which softmax ignores; σ is the cheaper of the two on CPUs.
-    """
+    every location, which softmax ignores; σ is the cheaper of the two on CPUs."""
 
     def __init__(self, encoder_dim: int, hidden_dim: int, attention_dim: int, embed_dim: int | None = None):
         super().__init__()

@@ -18,8 +18,7 @@ class _Score(torch.autograd.Function):
     """e_ti = v·tanh(p_ti + q_t) up to a per-row constant, computed as 2v·σ(2p + 2q) (see `Attention`).
 
     This is the decoder's hot loop: the hand-written backward saves two passes over the (B, L, A)
-    tensor, and taking 2p and 2q (p doubled once per image) saves a third.
-    """
+    tensor, and taking 2p and 2q (p doubled once per image) saves a third."""
 
     @staticmethod
     def forward(ctx, projected, q, v, total=None):  # projected = 2p (B, L, A), q = 2q (n, A), v (A,)
@@ -128,8 +127,7 @@ def fused_unroll(decoder: AttentionDecoder, features: torch.Tensor, captions: to
     """The soft teacher-forced pass, fast: `AttentionDecoder.unroll`'s values and gradients.
 
     Captions are sorted by length so that those still running at step t are a prefix of the batch.
-    Steps past a caption's end hold zeros (α: uniform), as they do not enter the loss.
-    """
+    Steps past a caption's end hold zeros (α: uniform), as they do not enter the loss."""
     B, T1 = captions.size(0), captions.size(1) - 1
     L = features.size(1)
     steps = (captions != 0).sum(dim=1) - 1  # (B,) positions predicting a word or <end>

@@ -29,8 +29,7 @@ class Preprocess:
     """Image → normalised encoder input (3, S, S).
 
     `crop` False resizes the whole image to size×size, so the attention grid covers all of it; True
-    is the paper's resize-shorter-side-to-256 then centre-crop-224.
-    """
+    is the paper's resize-shorter-side-to-256 then centre-crop-224."""
 
     size: int = 224
     crop: bool = False

@@ -46,8 +46,7 @@ def view(x: torch.Tensor, moves: torch.Tensor | np.ndarray, grid: int) -> torch.
     """Images or maps (N, C, S, S) → their views, moved by `moves` (N, 2) cells of S / grid pixels each.
 
     Pixel (y, x) of a view is pixel (y − dy·c, x − dx·c) of the turned image, clamped to its edge:
-    two gathers on x's device, with no copy to the host.
-    """
+    two gathers on x's device, with no copy to the host."""
     x = x.flip(-2, -1)
     N, C, S, _ = x.shape
     moves = torch.as_tensor(moves, dtype=torch.int64, device=x.device).view(-1, 2) * (S // grid)  # (N, 2) pixels

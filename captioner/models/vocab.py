@@ -33,9 +33,8 @@ def _treebank():
 
 def tokenize(text: str) -> list[str]:
     """'A man, riding a Horse.' → ['a', 'man', 'riding', 'a', 'horse']"""
-    text = " ".join(
-        text.lower().split()
-    )  # any whitespace (\r, \t, ...) as one space: the tokenizer's rules expect spaces
+    # Any whitespace (\r, \t, ...) as one space: the tokenizer's rules expect spaces.
+    text = " ".join(text.lower().split())
     # Treebank splits some punctuation off only at the end of the text ("0." but "0.("): strip
     # it from every token's ends (a leading apostrophe stays: 's, 're), so tokenising is the same
     # wherever a word stands.
