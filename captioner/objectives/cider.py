@@ -179,11 +179,7 @@ class NgramScorer:
         self, tokens: torch.Tensor, lengths: torch.Tensor, images: torch.Tensor, bleu: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """CIDEr-D (N,) float64, and coco-caption's per-sentence BLEU-4 (N,) when `bleu` else None, of each
-        candidate against the references of its image (N,).
-
-        Raises:
-            ValueError: a candidate's image has no reference captions.
-        """
+        candidate against the references of its image (N,); ValueError where an image has no reference captions."""
         tokens, lengths, images = tokens.cpu(), lengths.cpu().long(), images.cpu().long()
         N = len(lengths)
         known_image = (images >= 0) & (images < len(self.n_refs))

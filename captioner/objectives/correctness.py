@@ -42,8 +42,7 @@ class AttentionCorrectness(Term):
 
 class ChosenWordCorrectness(Term):
     """`attention_correctness` at the word the model would write at each step, where it names an object of
-    the image (`--boxes-choice-weight`). The words are looked up on the host, so the step does not compile it.
-    """
+    the image (`--boxes-choice-weight`). The words are looked up on the host, so the step does not compile it."""
 
     name = "boxes_choice"
     capturable = False

@@ -100,8 +100,7 @@ class Objective(nn.Module):
 
     `semi_sampling` is hard attention's share of images on the expected context (None: soft); `encoder`
     the fine-tuned encoder layers (None: cached features), which encode the view of a `view_share` of
-    the captions' images for the consistency.
-    """
+    the captions' images for the consistency."""
 
     def __init__(
         self,
@@ -191,8 +190,7 @@ def teacher_forced(
 
     `captions` (B, T) are <start> w1 ... <end> then <pad>, and `lengths` (B,) count <start> and <end>.
     `semi_sampling` (hard attention) is the probability that an image takes the expected context
-    instead of sampled locations; None for soft attention.
-    """
+    instead of sampled locations; None for soft attention."""
     sampled = None
     if semi_sampling is not None:
         sampled = torch.rand(captions.size(0), generator=generator, device=features.device) >= semi_sampling  # (B,)

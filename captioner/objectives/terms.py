@@ -82,8 +82,7 @@ class Term:
     """A loss term: `weight` × `self(ctx)` is its share of the loss (a negative weight: a bonus).
 
     `capturable`: a compiled step can hold it (no host synchronisation, fixed shapes); `predicts`: it reads
-    the pass's most likely word at each step; `teacher_forced`: it reads the teacher-forced pass.
-    """
+    the pass's most likely word at each step; `teacher_forced`: it reads the teacher-forced pass."""
 
     name = ""
     capturable = True
@@ -121,8 +120,7 @@ class TermState:
     """The terms' own state across steps: for each term by name, named tensors on the training device.
 
     The same tensors serve every objective of a run; `saved` is a checkpoint's `state_dict()`, or None for
-    a fresh run.
-    """
+    a fresh run."""
 
     def __init__(self, device: torch.device | str, saved: dict | None = None):
         self.device = torch.device(device)
