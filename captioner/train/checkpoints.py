@@ -95,11 +95,8 @@ class Checkpoints:
         return f"{path} has not been saved by this run yet"
 
     def write(self, ck: dict, path: str) -> bool:
-        """Write `ck` (with a "step" and a "model" state dict) to `path`; False if the write failed.
-
-        Raises:
-            CaptionerError: the model's weights are not finite; such a checkpoint is never written over a good one.
-        """
+        """Write `ck` (with a "step" and a "model" state dict) to `path`; False if the write failed. Raises
+        CaptionerError where the model's weights are not finite: such a checkpoint is never written over a good one."""
         bad = first_nonfinite(ck["model"])
         if bad is not None:
             raise CaptionerError(

@@ -225,11 +225,8 @@ def settle(
     model: DecoderConfig | None, cfg: TrainConfig, start: Start, device: torch.device
 ) -> tuple[DecoderConfig, TrainConfig]:
     """The settled (decoder, training) configs of a run on `device`. With --init its checkpoint sets the decoder's
-    sizes; on resume the saved run sets them all, and the options given otherwise are warned of.
-
-    Raises:
-        CaptionerError: options that cannot train together, or that contradict the run being resumed.
-    """
+    sizes; on resume the saved run sets them all, and the options given otherwise are warned of. Raises
+    CaptionerError for options that cannot train together, or that contradict the run being resumed."""
     init, saved, views, boxes = start.init, start.saved, start.views, start.boxes
     if saved is not None:
         settled = _derived(*_resumed(saved, cfg), device=device, init=None, views=views, boxes=boxes)

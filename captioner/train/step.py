@@ -185,7 +185,6 @@ class Budget:
 
     @property
     def cools(self) -> bool:
-        """The learning rate cools down at the end: there is a budget and a cooldown share of it."""
         return self.cooldown > 0 and math.isfinite(self.seconds)
 
     def rate_left(self, elapsed: float) -> float:
