@@ -11,8 +11,7 @@ and masks, the same shapes at every step of a length bucket and no host synchron
 it. Both give the same values and gradients on the real positions. Hard attention always takes the plain pass, with
 sampled locations for the images whose coin says so (§4.1's "semi-sampling").
 
-It is an `nn.Module` so that DistributedDataParallel wraps one forward. With a fine-tuned encoder
-the batch holds the encoder's inputs, one per image, which the objective encodes first.
+It is an `nn.Module` so that DistributedDataParallel wraps one forward.
 
 Symbols: B captions, n images, T steps, L locations, D feature size, V vocabulary size, N real positions.
 """

@@ -73,7 +73,7 @@ class Context(NamedTuple):
     decoder: Any  # models.decoder.AttentionDecoder
     batch: Any  # data.batches.Batch (or ImageBatch for self-critical training)
     features: torch.Tensor  # (B, L, D) the raw features the decoder saw, one row per caption
-    passed: Any  # objectives.passes.TeacherForced, or None when the objective makes no pass
+    passed: Any  # objectives.objective.TeacherForced, or None when the objective makes no pass
     words: torch.Tensor | float  # what a batch total is divided by (its real steps; under DDP the global mean)
     generator: torch.Generator | None  # the terms' random draws
 

@@ -7,7 +7,7 @@ when it ends (`chosen`).
 Rank 0 alone writes them; each other rank keeps its own random streams beside last.pt, since a resumed rank goes on
 with its own draws. A failed save (full disk, quota, read-only directory) leaves the previous file whole and is
 reported in one line naming the last good checkpoint; training goes on, retries at the next save, and `fit` raises
-if its final save fails. A model whose weights are not finite is never written over a good checkpoint.
+if its final save fails.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class FineTuning:
     """The fine-tuned encoder and where its inputs come from. `cfg`: the run's `TrainConfig`; `targets`: the box
     masks (`data.boxes.BoxTargets`) each batch carries under `fit --boxes`."""
 
-    shapes = "packed"  # a batch's captions are as long as its longest (`objectives.passes`)
+    shapes = "packed"  # a batch's captions are as long as its longest (`objectives.objective`)
 
     def __init__(
         self,

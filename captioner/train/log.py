@@ -1,11 +1,9 @@
 """A run's log and what it survives.
 
 metrics.jsonl holds one JSON line per record; each training line, besides the losses, says what the machine did
-since the last one (the host's wait for batches, the device's peak memory). `fit --tensorboard DIR` shows every
-record in TensorBoard too (rank 0 alone, from values already on the host), and after each validation the first few
-of rank 0's validation images, the same each time, as `captioner caption --figures` draws them. A resumed run purges
-the events after its last.pt's step (`purge_step`), which it takes again, so that each step is shown once; a fresh
-run purges whatever an earlier run left in DIR.
+since the last one (the host's wait for batches, the device's peak memory). `fit --tensorboard DIR` shows the records
+there too (rank 0 alone, from values already on the host). A resumed run purges the events after its last.pt's step
+(`purge_step`), which it takes again, so that each step is shown once; a fresh run purges what an earlier one left.
 
 What a cluster job meets and survives: preemption and Ctrl-C (a graceful stop), a full disk (reported saves, lost
 log lines), damaged features (non-finite checks), a library's warnings (into the log as fault notes).

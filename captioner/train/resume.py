@@ -1,11 +1,8 @@
 """What a run starts from: every setting `fit` derives from others, and with `--init` or `--resume` a checkpoint.
 
-The settings are settled in one place before anything is built. `DERIVED` says how each derived default is settled
-(and is what `fit --help` says of it). Combinations that cannot train, and options that contradict a resumed run, are
-refused here; what needs the data itself is refused where the data is read. A resumed run keeps its saved configs but
-takes `config.ProcessConfig` from the command, warning of the command's other settings; its derived defaults are then
-settled as a fresh run's, so that a setting its checkpoint lacks is derived, not left None. A checkpoint is checked
-against the data, and a resumed run's state (random streams mapped or reseeded) put back.
+The settings are settled in one place before anything is built; `DERIVED` says how each derived default is settled
+(and is what `fit --help` says of it). What needs the data itself is refused where the data is read. A resumed run's
+derived defaults are settled as a fresh run's, so that a setting its checkpoint lacks is derived, not left None.
 """
 
 from __future__ import annotations
