@@ -3,12 +3,11 @@
 The trunk is a `nn.Sequential` of the model's own layers under torchvision's names ("24.weight" for
 VGG, "layer4.0.conv1.weight" for ResNet), so a torchvision state dict fits it as it is.
 
-The grid: VGG's conv5 map is the grid (224 / 16 = 14), and so is ConvNeXt-T's third stage (384-d,
-the 16-pixel cells of VGG's conv5; its last stage is 32 times smaller and 768-d). ResNet's last
-stage is 32 times smaller than its input, so its map is average-pooled to 14×14 (torch's adaptive
-pool), at the 256×256 input of sgrvinod's tutorial; ruotianluo's code pools full-size COCO images to
-14×14 the same way. A larger input (448) makes the map 14×14 itself, the pool then an identity:
-`--image-size 448` (docs/training.md weighs the two).
+The grid: VGG's conv5 map is the grid (224 / 16 = 14), and so is ConvNeXt-T's third stage (384-d, the 16-pixel cells of
+VGG's conv5; its last stage is 32 times smaller and 768-d). ResNet's last stage is 32 times smaller than its input, so
+its map is average-pooled to 14×14 (torch's adaptive pool), at the 256×256 input of sgrvinod's tutorial; ruotianluo's
+code pools full-size COCO images to 14×14 the same way. A larger input (448) makes the map 14×14 itself, the pool then
+an identity: `--image-size 448` (docs/training.md weighs the two).
 
 Stages keep the ResNet paper's names, which VGG's layers share: conv5_1 begins VGG's conv5 block
 and ResNet's conv5_x stage (torchvision's layer4), conv4_1 the block or stage before it.
@@ -80,10 +79,9 @@ class Backbone:
 
 
 def draw_conv_bn(trunk: nn.Module, rs: np.random.RandomState, blocks: int) -> None:
-    """VGG's and ResNet's: convolutions He-normal (fan-in: activations keep their scale through the ReLUs),
-    their biases zero; BatchNorm the identity with running statistics (mean 0, variance 1), except the
-    last of each residual branch, scaled by 1/√(branches) so that a random ResNet's sum of branches stays
-    within fp16's range."""
+    """VGG's and ResNet's: convolutions He-normal (fan-in: activations keep their scale through the ReLUs), their biases
+    zero; BatchNorm the identity with running statistics (mean 0, variance 1), except the last of each residual branch,
+    scaled by 1/√(branches) so that a random ResNet's sum of branches stays within fp16's range."""
     residual = [m for m in trunk.modules() if hasattr(m, "downsample")]  # torchvision's residual blocks
     last_norms = {id([c for c in b.children() if isinstance(c, nn.BatchNorm2d)][-1]) for b in residual}
     for m in trunk.modules():

@@ -78,9 +78,8 @@ PROCESS = {
 
 
 def current_decoder(d: dict) -> dict:
-    """A decoder config of any version, with every setting: configs from before the word query
-    attended from h_{t-1} alone, and those from before `decode_sharpness` decoded with the maps
-    as trained."""
+    """A decoder config of any version, with every setting: configs from before the word query attended from h_{t-1}
+    alone, and those from before `decode_sharpness` decoded with the maps as trained."""
     return {"word_query": False, "decode_sharpness": 1.0, **d}
 
 

@@ -184,10 +184,9 @@ def fingerprint(module: nn.Module) -> str:
 def build_encoder(spec: EncoderSpec, carried: dict | None = None) -> tuple[Encoder, EncoderSpec]:
     """The encoder in eval mode, and the spec with its fingerprint filled in.
 
-    `carried`, for weights from a file: the trunk a checkpoint or exported model carries in its
-    place (`carried_weights`); the file itself is then not read. Raises CaptionerError for an unknown
-    arch, weights unreachable or unreadable, or a fingerprint other than the spec's (the features were
-    made by another encoder)."""
+    `carried`, for weights from a file: the trunk a checkpoint or exported model carries in its place
+    (`carried_weights`); the file itself is then not read. Raises CaptionerError for an unknown arch, weights
+    unreachable or unreadable, or a fingerprint other than the spec's (the features were made by another encoder)."""
     trunk = meta_trunk(spec.arch).to_empty(device="cpu")
     if spec.weights == "none":
         seed_trunk(trunk, spec.seed, spec.arch)

@@ -22,11 +22,10 @@ class _Score(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, projected, q, v, total=None):  # projected = 2p (B, L, A), q = 2q (n, A), v (A,)
-        # projected may hold more rows than q (captions that have ended): only the first len(q)
-        # are used, and their gradient is written straight into a full-sized tensor, so no
-        # slicing of `projected` goes through autograd (each slice would cost a zero-filled
-        # (B, L, A) gradient per step). With `total` (from `_GradientSum`, in a training pass)
-        # the gradient, less its factor 2v, is added into it instead: no (B, L, A) tensor per step.
+        # projected may hold more rows than q (captions that have ended): only the first len(q) are used, and their
+        # gradient is written straight into a full-sized tensor, so no slicing of `projected` goes through autograd
+        # (each slice would cost a zero-filled (B, L, A) gradient per step). With `total` (from `_GradientSum`, in a
+        # training pass) the gradient, less its factor 2v, is added into it instead: no (B, L, A) tensor per step.
         n = q.size(0)
         ctx.dtypes = projected.dtype, q.dtype, v.dtype  # under autocast they may differ
         ctx.rows, ctx.total = projected.size(0), total

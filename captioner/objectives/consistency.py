@@ -24,9 +24,8 @@ AGREEMENT_FLOOR = 1e-6  # under the agreement before the log: maps that share no
 
 
 def disagreement(maps: torch.Tensor, maps_in_view: torch.Tensor, moves: torch.Tensor, grid: int) -> torch.Tensor:
-    """−log Σ_i α_i (V⁻¹α')_i per pair (N,): −log of the chance that a cell drawn from each map is the same
-    cell of the image. Mass on cells only one of the two shows agrees with nothing: it pays like mass on
-    the wrong cell."""
+    """−log Σ_i α_i (V⁻¹α')_i per pair (N,): −log of the chance that a cell drawn from each map is the same cell of the
+    image. Mass on cells only one of the two shows agrees with nothing: it pays like mass on the wrong cell."""
     back = back_from_view(wide(maps_in_view), moves, grid)
     return -((wide(maps) * back).sum(-1) + AGREEMENT_FLOOR).log()
 
