@@ -55,7 +55,6 @@ class Backbone:
         return self.cut.rpartition(".")[0] + "." if "." in self.cut else ""
 
     def grid(self, image_size: int) -> int:
-        """The side of the grid of annotation vectors at an input side."""
         return self.pooled or image_size // self.stride
 
     def stage(self, start: str) -> str:
@@ -156,7 +155,6 @@ ARCH_HELP = "; ".join(
 
 
 def backbone(arch: str) -> Backbone:
-    """The row of `--encoder arch`."""
     if arch not in BACKBONES:
         raise CaptionerError(f"unknown encoder {arch!r}; choose one of {sorted(BACKBONES)}")
     return BACKBONES[arch]

@@ -3,12 +3,10 @@
 are the fields of `Checkpoint` that are not None, plus "format": "captioner-checkpoint/<version>".
 A file of any earlier version is brought up to the current one on load, so every reader sees one layout.
 
-Versions: 1 and 2 trained attention with the half-turn equivariance term (2), later replaced by
-the view consistency; 3 added the consistency and kept `train` flat; 4 groups `train` by concern
-(optim, schedule, checkpoints, terms, hard, fine_tune, scst) and records every decoder setting;
-5 keeps the loss terms' own state under "terms" (4 kept hard attention's baseline in `progress`); 6
-keeps the files a run read beside its data, under "data" ("init", "boxes"), out of its settings; 7 keeps
-how a process ran the run (`PROCESS`) in a group of its own, "process", which "checkpoints" becomes.
+Versions: 1 and 2 trained attention with the half-turn equivariance term, which the view consistency replaced; 3 added
+the consistency and kept `train` flat; 4 groups `train` by concern and records every decoder setting; 5 keeps the loss
+terms' state under "terms" (4 kept hard attention's baseline in `progress`); 6 keeps the files a run read under "data"
+("init", "boxes"); 7 keeps how a process ran the run (`PROCESS`) under "process", which "checkpoints" becomes.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ RECORD = ("metrics", "attention", "card", "train", "data")  # what config.json k
 
 
 def write_exported(ck: dict, out_dir: str) -> None:
-    """Write a checkpoint's model as an exported folder's weights, config and vocabulary."""
     ck = carry_encoder_weights(ck)  # checked before anything is written
     os.makedirs(out_dir, exist_ok=True)
     tensors = {f"decoder.{k}": v for k, v in ck["model"].items()}

@@ -114,7 +114,6 @@ class Checkpoints:
         return True
 
     def checkpoint(self, progress: Progress, metrics: dict) -> Checkpoint:
-        """This moment of the run in the checkpoint schema."""
         p, r = self.live, self.record
         average, tuning = p.average, p.tuning
         return Checkpoint(

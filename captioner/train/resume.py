@@ -354,7 +354,6 @@ def _options(cfg) -> list[str]:
 
 
 def _refuse_resumed(kept: TrainConfig, cfg: TrainConfig) -> None:
-    """Options that contradict the run being resumed."""
     if cfg.objective == "scst" and kept.objective != "scst":
         raise CaptionerError(
             "--resume --objective scst: --out holds a cross-entropy run; start self-critical training from it "
