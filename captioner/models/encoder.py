@@ -41,11 +41,7 @@ Arch = Literal[tuple(BACKBONES)]  # --encoder's choices: the table's rows
 class EncoderSpec:
     """The encoder; everything needed to rebuild it and its preprocessing."""
 
-    arch: Annotated[
-        Arch,
-        "--encoder",
-        "the backbone: " + ARCH_HELP,
-    ] = "vgg16"
+    arch: Annotated[Arch, "--encoder", "the backbone: " + ARCH_HELP] = "vgg16"
     weights: Annotated[
         str,
         "--encoder-weights",

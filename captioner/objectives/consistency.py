@@ -78,12 +78,4 @@ class ViewConsistency(Term):
         b, p = ctx.batch, ctx.passed
         if b.views is None:
             return ctx.features.new_zeros(())
-        return consistency(
-            ctx.decoder,
-            ctx.features,
-            *b.views,
-            p.unrolled,
-            p.mask,
-            ctx.words,
-            ctx.generator,
-        )
+        return consistency(ctx.decoder, ctx.features, *b.views, p.unrolled, p.mask, ctx.words, ctx.generator)

@@ -80,13 +80,7 @@ TERMS: list[type[Term]] = [
 
 
 def objective_terms(
-    cfg: TermsConfig,
-    *,
-    attention: str,
-    hard: HardAttentionConfig,
-    views: bool,
-    state: TermState,
-    targets=None,
+    cfg: TermsConfig, *, attention: str, hard: HardAttentionConfig, views: bool, state: TermState, targets=None
 ) -> list[Term]:
     """The cross-entropy objective's terms: those of `TERMS` that the settled `cfg` turns on (`Setup` says
     what the other arguments are)."""

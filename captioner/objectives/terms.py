@@ -21,10 +21,7 @@ from captioner.options import check_positive
 class TermsConfig:
     """Attention terms: the doubly stochastic regularisation, the view consistency and attention correctness."""
 
-    alpha_c: Annotated[
-        float | None,
-        "λ of the doubly stochastic regularisation, eq. (14)",
-    ] = None
+    alpha_c: Annotated[float | None, "λ of the doubly stochastic regularisation, eq. (14)"] = None
     consistency: Annotated[
         float | None,
         "weight of the attention maps' consistency between each image and its view, turned 180° and moved "

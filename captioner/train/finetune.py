@@ -51,11 +51,7 @@ class FineTuneConfig:
         "first trained layer: conv5_1 (VGG's conv5 block; ResNet's last stage, conv5_x, torchvision's layer4) "
         "runs on the cached output of the layers before it, conv4_1 (a block or stage earlier) on the images",
     ] = "conv5_1"
-    lr: Annotated[
-        float,
-        "--encoder-lr",
-        "Adam learning rate of the encoder's layers",
-    ] = 1e-5
+    lr: Annotated[float, "--encoder-lr", "Adam learning rate of the encoder's layers"] = 1e-5
     after: Annotated[
         int | None,
         "--tune-after",
@@ -86,15 +82,7 @@ class FineTuning:
 
     shapes = "packed"  # a batch's captions are as long as its longest (`objectives.objective`)
 
-    def __init__(
-        self,
-        data: CaptionData,
-        cfg,
-        process: distributed.Process,
-        *,
-        targets=None,
-        progress: bool = True,
-    ):
+    def __init__(self, data: CaptionData, cfg, process: distributed.Process, *, targets=None, progress: bool = True):
         self.data, self.cfg, self.device = data, cfg.fine_tune, process.device
         self.batch_size, self.workers, self.targets = cfg.optim.batch_size, cfg.process.workers, targets
         base, _ = build_encoder(data.encoder)

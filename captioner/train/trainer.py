@@ -217,10 +217,7 @@ class Trainer:
                     self._log_terms()
                 if self._save_due(agree) or (saves.checkpoint_every and progress.step % saves.checkpoint_every == 0):
                     saver.save(saver.last_path, progress, self.metrics)  # rank 0 alone writes
-                for why, asked in (
-                    ("stopped", stop_requested(self.stop)),
-                    ("out of time", self.budget.out()),
-                ):
+                for why, asked in (("stopped", stop_requested(self.stop)), ("out of time", self.budget.out())):
                     if (agree or not d.active) and distributed.any_true(d, asked, device):
                         self._log_terms()
                         return why
