@@ -123,9 +123,7 @@ def _attention_weights(decoder: AttentionDecoder, projected: torch.Tensor, q: to
 
 
 def fused_unroll(decoder: AttentionDecoder, features: torch.Tensor, captions: torch.Tensor) -> Unrolled:
-    """The soft teacher-forced pass, fast: `AttentionDecoder.unroll`'s values and gradients.
-
-    Captions are sorted by length so that those still running at step t are a prefix of the batch.
+    """Captions are sorted by length so that those still running at step t are a prefix of the batch.
     Steps past a caption's end hold zeros (α: uniform), as they do not enter the loss."""
     B, T1 = captions.size(0), captions.size(1) - 1
     L = features.size(1)

@@ -1,13 +1,10 @@
 """Where a model comes from:
 
-    best.pt                          a training checkpoint (`models.checkpoint`)
-    runs/demo-export/                an exported folder (`models.exported`)
-    https://host/best.pt#sha256=HEX  a pinned URL of a checkpoint, or of a .zip of an exported folder
-    hf://ORG/NAME[@REVISION]         an exported folder on the Hub, through huggingface_hub's cache
-                                     (HF_HUB_OFFLINE=1 reads the cache only)
-
-A URL must pin its content, `URL#sha256=<64 hex digits>`: it is downloaded once into torch's hub
-cache, as torchvision's weights are, and a file whose digest differs is refused and deleted.
+best.pt                          a training checkpoint (`models.checkpoint`)
+runs/demo-export/                an exported folder (`models.exported`)
+https://host/best.pt#sha256=HEX  a pinned URL of a checkpoint, or of a .zip of an exported folder
+hf://ORG/NAME[@REVISION]         an exported folder on the Hub, through huggingface_hub's cache
+                                 (HF_HUB_OFFLINE=1 reads the cache only)
 """
 
 from __future__ import annotations
@@ -58,7 +55,7 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> str:
 def download_checkpoint(url: str, *, cache_dir: str | None = None, progress: bool = True) -> str:
     """Download a pinned checkpoint (`URL#sha256=HEX`) once and return its path in the cache (default:
     torch hub's `checkpoints/` directory). Raises CaptionerError where there is no pin, the download
-    fails, or the file's sha256 differs (refused)."""
+    fails, or the file's sha256 differs (refused and deleted)."""
     bare, digest = split_pinned_url(url)
     cache_dir = cache_dir or os.path.join(torch.hub.get_dir(), "checkpoints")
     stem, ext = os.path.splitext(os.path.basename(urlsplit(bare).path) or "checkpoint.pt")

@@ -1,8 +1,7 @@
 """Loss terms as parts: what a term is, what it reads, and the attention terms' settings.
 
-A term that keeps state across steps (REINFORCE's baseline) claims it from the run's `TermState`,
-which checkpoints save, and updates it in place (`after_step`). A new term is a new module with its
-class, and one line in `objective.TERMS`.
+A term that keeps state across steps (REINFORCE's baseline) claims it from the run's `TermState`, which checkpoints
+save, and updates it in place (`after_step`).
 
 Symbols: B captions, L locations, D feature size.
 """
