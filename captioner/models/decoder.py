@@ -190,8 +190,7 @@ class AttentionDecoder(nn.Module):
         return features, projected, *self.init_state(features)  # h, c (B, H)
 
     def attend(self, projected: torch.Tensor, h: torch.Tensor, emb: torch.Tensor, sharpness: float = 1.0):
-        """α_t (B, L), eqs. (4)-(5), from h_{t-1} (and E y_{t-1}, with `word_query`); softmax(k e_t)
-        with `sharpness` k."""
+        """α_t (B, L), eqs. (4)-(5), from h_{t-1} (and E y_{t-1}, with `word_query`); softmax(k e_t), k `sharpness`."""
         return self.attention(projected, h, emb, sharpness)
 
     def advance(

@@ -108,9 +108,6 @@ class Term:
         """Other figures of the last call, logged beside the value (detached)."""
         return {}
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(weight={self.weight:g})"
-
 
 class TermState:
     """The terms' own state across steps: for each term by name, named tensors on the training device.
