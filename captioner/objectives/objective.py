@@ -89,11 +89,9 @@ def objective_terms(
 
 
 class Objective(nn.Module):
-    """Σ weight × value over `terms`, on one pass over a batch.
-
-    `semi_sampling` is hard attention's share of images on the expected context (None: soft); `encoder`
-    the fine-tuned encoder layers (None: cached features), which encode the view of a `view_share` of
-    the captions' images for the consistency."""
+    """Σ weight × value over `terms`, on one pass over a batch (`teacher_forced` says what `semi_sampling` is).
+    `encoder`: the fine-tuned encoder layers (None: cached features), which encode the view of a `view_share` of the
+    captions' images for the consistency."""
 
     def __init__(
         self,

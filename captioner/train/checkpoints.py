@@ -194,9 +194,8 @@ def validate(
 
 
 def select(progress: Progress, metrics: dict, metric: str, *, log: RunLog, lr: float, boxed: bool) -> bool:
-    """Is this validation the new best.pt by `metric`? The best score among checkpoints whose attention
-    is healthy, when any is; a healthy one replaces a flagged best.pt whatever its score. Logged with the
-    learning rate `lr` (`boxed`: the run trains with --boxes, which the advice on flagged maps names)."""
+    """Is this validation the new best.pt by `metric` (module doc)? A healthy one replaces a flagged best.pt whatever
+    its score. Logged with the learning rate `lr` (`boxed`: the run trains with --boxes, which the advice names)."""
     score, found = metrics[metric], problems(metrics["attention_health"])
     healthy = not found
     improved = (healthy and not progress.best_healthy) or (healthy == progress.best_healthy and score > progress.best)
