@@ -11,7 +11,6 @@ an identity: `--image-size 448` (docs/training.md weighs the two).
 
 Stages keep the ResNet paper's names, which VGG's layers share: conv5_1 begins VGG's conv5 block
 and ResNet's conv5_x stage (torchvision's layer4), conv4_1 the block or stage before it.
-
 Shapes: B images, S input side, g grid side, L = g·g locations, D channels.
 """
 

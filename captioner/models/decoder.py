@@ -2,7 +2,6 @@
 
 Soft attention (§4.2) feeds the expected context ẑ_t = β_t Σ_i α_ti a_i; hard attention (§4.1)
 feeds one sampled annotation a_{s_t}, s_t ~ Multinoulli(α_t). f_att is the MLP of eqs. (4)-(5).
-
 Shapes: B batch, L locations (196 = 14×14), D annotation size (512), E embedding size, H LSTM size,
 A attention size, T caption steps, V vocabulary size.
 """

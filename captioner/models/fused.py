@@ -1,7 +1,6 @@
 """The fast soft training pass: `AttentionDecoder.unroll`'s values and gradients, with less work, tested
 equal to it. It steps only the captions still being written, which reads their lengths back to the
 host once per pass, so GPUs take the plain pass.
-
 Symbols: B batch, L locations, D annotation size, E embedding size, H LSTM size, A attention
 size, T steps, n captions still running at a step.
 """

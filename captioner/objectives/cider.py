@@ -10,7 +10,6 @@ that way: words − 1), and CIDEr-D(c) = 10 · mean_n mean_r sim_n(c, r).
 
 N-grams are integer codes, never strings: (w1, ..., wn) of ids in [1, base) is the int64 Σ w_i base^(n−i), exact while
 base^4 < 2^63, and it lies in [base^(n−1), base^n), so the code also tells the order.
-
 Symbols: N candidates, T tokens (ids ≥ 1; whatever follows a sequence's length is ignored), C reference captions, G
 distinct reference n-grams, E (caption, n-gram) entries, P (candidate, reference) pairs, Q (entry, reference) pairs.
 """

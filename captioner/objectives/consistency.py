@@ -5,7 +5,6 @@ one or two whole cells) and to be sharp: C_t = −log Σ_i α_ti (V⁻¹α'_t)_i
 image, α'_t the map the same state h_{t−1} gives on the view, and V⁻¹ brings a map on the view back
 onto the image's cells. Only sharp maps that follow the content make it small; h_{t−1} is detached,
 so the term trains where to look, not the LSTM's state. Why: docs/attention.md#view-consistency.
-
 Symbols: B captions, T steps, L locations, D feature size, H LSTM size, E embedding size, N picked
 (caption, step) pairs.
 """

@@ -12,7 +12,6 @@ it. Both give the same values and gradients on the real positions. Hard attentio
 sampled locations for the images whose coin says so (§4.1's "semi-sampling").
 
 It is an `nn.Module` so that DistributedDataParallel wraps one forward.
-
 Symbols: B captions, n images, T steps, L locations, D feature size, V vocabulary size, N real positions.
 """
 

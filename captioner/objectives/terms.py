@@ -2,7 +2,6 @@
 
 A term that keeps state across steps (REINFORCE's baseline) claims it from the run's `TermState`, which checkpoints
 save, and updates it in place (`after_step`).
-
 Symbols: B captions, L locations, D feature size.
 """
 

@@ -8,7 +8,6 @@ gradients. A batch holds all the captions of a few images, so the encoder runs o
 The decoder's feature standardisation (measured by `prepare` on the frozen encoder) stays fixed: at step 0 the tuned
 layers are the frozen ones, and from then on they learn under that fixed affine map, which training, validation,
 `evaluate` and `Captioner` all apply.
-
 Shapes: n images, B captions, L locations, D feature size, S image side.
 """
 

@@ -7,7 +7,6 @@ the objective's forward compiles in place, whole, once per length bucket, so tha
 (PyTorch's documented way; there in the default mode, which splits the graph at DDP's buckets). The compiled forward
 draws from the device's default generator, not `generator`. The update runs eagerly: fused Adam is one kernel per
 group, which the compiler does not trace.
-
 Shapes: B captions (images for SCST), T tokens.
 """
 
