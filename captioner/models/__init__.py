@@ -1,10 +1,4 @@
-"""The networks and how they are kept (checkpoints, exported models).
-
-from captioner.models import AttentionDecoder
-dec = AttentionDecoder(vocab_size=V, encoder_dim=512, embed_dim=512, hidden_dim=512,
-                       attention_dim=512, dropout=0.5)
-logits, alphas = dec(features, captions, lengths)   # (B, T-1, V), (B, T-1, L)
-"""
+"""The networks and how they are kept (checkpoints, exported models)."""
 
 __all__ = ["AttentionDecoder", "DecoderConfig", "EncoderSpec", "build_encoder"]
 

@@ -3,16 +3,14 @@
 The trunk is a `nn.Sequential` of the model's own layers under torchvision's names ("24.weight" for
 VGG, "layer4.0.conv1.weight" for ResNet), so a torchvision state dict fits it as it is.
 
-The grid: VGG's conv5 map is the grid (224 / 16 = 14), and so is ConvNeXt-T's third stage (384-d,
-the 16-pixel cells of VGG's conv5; its last stage is 32 times smaller and 768-d). ResNet's last
-stage is 32 times smaller than its input, so its map is average-pooled to 14×14 (torch's adaptive
-pool), at the 256×256 input of sgrvinod's tutorial; ruotianluo's code pools full-size COCO images to
-14×14 the same way. A larger input (448) makes the map 14×14 itself, the pool then an identity:
-`--image-size 448` (docs/training.md weighs the two).
+The grid: VGG's conv5 map is the grid (224 / 16 = 14), and so is ConvNeXt-T's third stage (384-d, the 16-pixel cells of
+VGG's conv5; its last stage is 32 times smaller and 768-d). ResNet's last stage is 32 times smaller than its input, so
+its map is average-pooled to 14×14 (torch's adaptive pool), at the 256×256 input of sgrvinod's tutorial; ruotianluo's
+code pools full-size COCO images to 14×14 the same way. A larger input (448) makes the map 14×14 itself, the pool then
+an identity: `--image-size 448` (docs/training.md weighs the two).
 
 Stages keep the ResNet paper's names, which VGG's layers share: conv5_1 begins VGG's conv5 block
 and ResNet's conv5_x stage (torchvision's layer4), conv4_1 the block or stage before it.
-
 Shapes: B images, S input side, g grid side, L = g·g locations, D channels.
 """
 
@@ -56,7 +54,6 @@ class Backbone:
         return self.cut.rpartition(".")[0] + "." if "." in self.cut else ""
 
     def grid(self, image_size: int) -> int:
-        """The side of the grid of annotation vectors at an input side."""
         return self.pooled or image_size // self.stride
 
     def stage(self, start: str) -> str:
@@ -79,14 +76,10 @@ class Backbone:
         return nn.Sequential(layers)
 
 
-# helpers: how each family's weights are drawn from a seed
-
-
 def draw_conv_bn(trunk: nn.Module, rs: np.random.RandomState, blocks: int) -> None:
-    """VGG's and ResNet's: convolutions He-normal (fan-in: activations keep their scale through the ReLUs),
-    their biases zero; BatchNorm the identity with running statistics (mean 0, variance 1), except the
-    last of each residual branch, scaled by 1/√(branches) so that a random ResNet's sum of branches stays
-    within fp16's range."""
+    """VGG's and ResNet's: convolutions He-normal (fan-in: activations keep their scale through the ReLUs), their biases
+    zero; BatchNorm the identity with running statistics (mean 0, variance 1), except the last of each residual branch,
+    scaled by 1/√(branches) so that a random ResNet's sum of branches stays within fp16's range."""
     residual = [m for m in trunk.modules() if hasattr(m, "downsample")]  # torchvision's residual blocks
     last_norms = {id([c for c in b.children() if isinstance(c, nn.BatchNorm2d)][-1]) for b in residual}
     for m in trunk.modules():
@@ -161,7 +154,6 @@ ARCH_HELP = "; ".join(
 
 
 def backbone(arch: str) -> Backbone:
-    """The row of `--encoder arch`."""
     if arch not in BACKBONES:
         raise CaptionerError(f"unknown encoder {arch!r}; choose one of {sorted(BACKBONES)}")
     return BACKBONES[arch]
@@ -176,13 +168,11 @@ def meta_trunk(arch: str) -> nn.Sequential:
 
 @functools.cache
 def trunk_shapes(arch: str) -> dict[str, tuple[int, ...]]:
-    """The trunk's state dict as names and shapes, in order."""
     return {k: tuple(v.shape) for k, v in meta_trunk(arch).state_dict().items()}
 
 
 @functools.cache
 def layer_names(arch: str) -> tuple[str, ...]:
-    """The trunk's layers' names, in order."""
     return tuple(name for name, _ in meta_trunk(arch).named_children())
 
 
@@ -197,11 +187,8 @@ def layer_index(key: str) -> int:
 
 def seed_trunk(trunk: nn.Sequential, seed: int, arch: str, layers: int | None = None) -> None:
     """Random weights for `arch`'s trunk from NumPy's `RandomState(seed)`, the same on every machine and
-    release; with `layers`, only the first that many layers (the stream is the same up to there).
-
-    Raises:
-        CaptionerError: a parameter or buffer the row's `draw` left undrawn (a layer type it does not know).
-    """
+    release; with `layers`, only the first that many layers (the stream is the same up to there). Raises
+    CaptionerError for a parameter or buffer the row's `draw` left undrawn (a layer type it does not know)."""
     part = trunk[:layers]
     with torch.no_grad():
         for t in part.state_dict().values():  # what `draw` leaves undrawn shows

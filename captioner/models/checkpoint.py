@@ -3,12 +3,10 @@
 are the fields of `Checkpoint` that are not None, plus "format": "captioner-checkpoint/<version>".
 A file of any earlier version is brought up to the current one on load, so every reader sees one layout.
 
-Versions: 1 and 2 trained attention with the half-turn equivariance term (2), later replaced by
-the view consistency; 3 added the consistency and kept `train` flat; 4 groups `train` by concern
-(optim, schedule, checkpoints, terms, hard, fine_tune, scst) and records every decoder setting;
-5 keeps the loss terms' own state under "terms" (4 kept hard attention's baseline in `progress`); 6
-keeps the files a run read beside its data, under "data" ("init", "boxes"), out of its settings; 7 keeps
-how a process ran the run (`PROCESS`) in a group of its own, "process", which "checkpoints" becomes.
+Versions: 1 and 2 trained attention with the half-turn equivariance term, which the view consistency replaced; 3 added
+the consistency and kept `train` flat; 4 groups `train` by concern and records every decoder setting; 5 keeps the loss
+terms' state under "terms" (4 kept hard attention's baseline in `progress`); 6 keeps the files a run read under "data"
+("init", "boxes"); 7 keeps how a process ran the run (`PROCESS`) under "process", which "checkpoints" becomes.
 """
 
 from __future__ import annotations
@@ -78,9 +76,8 @@ PROCESS = {
 
 
 def current_decoder(d: dict) -> dict:
-    """A decoder config of any version, with every setting: configs from before the word query
-    attended from h_{t-1} alone, and those from before `decode_sharpness` decoded with the maps
-    as trained."""
+    """A decoder config of any version, with every setting: configs from before the word query attended from h_{t-1}
+    alone, and those from before `decode_sharpness` decoded with the maps as trained."""
     return {"word_query": False, "decode_sharpness": 1.0, **d}
 
 
@@ -150,12 +147,8 @@ class _Writer:
 
 
 def save_checkpoint(ck: Checkpoint | dict, path: str) -> None:
-    """Write a checkpoint atomically: never a half-written file.
-
-    Raises:
-        ValueError: a required key is missing.
-        OSError: the write failed (e.g. ENOSPC, a full disk); `path` is untouched.
-    """
+    """Write a checkpoint atomically: never a half-written file. Raises ValueError where a required key is
+    missing, OSError where the write failed (a full disk); `path` is then untouched."""
     ck = ck.to_dict() if isinstance(ck, Checkpoint) else ck
     missing = [k for k in REQUIRED if k not in ck]
     if missing:
@@ -171,12 +164,9 @@ def save_checkpoint(ck: Checkpoint | dict, path: str) -> None:
 
 
 def load_checkpoint(path: str, map_location="cpu") -> dict:
-    """Read a checkpoint safely and bring it up to the current version.
-
-    Raises:
-        CaptionerError: missing file, not a checkpoint, truncated, of a newer version, or one
-            that carries pickled objects (refused by weights_only; its code never runs).
-    """
+    """Read a checkpoint safely and bring it up to the current version. Raises CaptionerError for a missing
+    file, not a checkpoint, truncated, of a newer version, or one that carries pickled objects (refused by
+    weights_only; its code never runs)."""
     if not os.path.isfile(path):
         raise CaptionerError(f"{path}: no such checkpoint file")
     if os.path.getsize(path) == 0:
@@ -185,11 +175,8 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
 
 
 def migrate(ck, path: str) -> dict:
-    """A checkpoint of any version, as the current version describes it.
-
-    Raises:
-        CaptionerError: not a captioner checkpoint, a newer version's, or one lacking a required key.
-    """
+    """A checkpoint of any version, as the current version describes it. Raises CaptionerError for one not
+    captioner's, a newer version's, or one lacking a required key."""
     name, _, version = str(ck.get("format", "")).partition("/") if isinstance(ck, dict) else ("", "", "")
     if name != FORMAT or not version.isdigit():
         raise CaptionerError(f"{path}: not a captioner checkpoint (expected format {FORMAT!r}/<version>)")
@@ -216,10 +203,7 @@ def carry_encoder_weights(ck: dict) -> dict:
     """A checkpoint that carries its encoder's weights file, so that it loads where the file is not.
 
     The spec keeps only the file's base name, so nothing names a path of the machine that made it.
-
-    Raises:
-        CaptionerError: the file is missing, unreadable, or not the one the spec's fingerprint names.
-    """
+    Raises CaptionerError where the file is missing, unreadable, or not the one the spec's fingerprint names."""
     spec = EncoderSpec.from_dict(ck["encoder"])
     if not from_file(spec.weights) or ck.get("encoder_weights"):
         return ck
@@ -243,11 +227,8 @@ class Trained:
 
 
 def read_trained(ck: dict, source: str) -> Trained:
-    """The model a checkpoint dict holds, built and loaded.
-
-    Raises:
-        CaptionerError: the weights do not fit the config, or the vocabulary or encoder spec is malformed.
-    """
+    """The model a checkpoint dict holds, built and loaded. Raises CaptionerError where the weights do not
+    fit the config, or the vocabulary or encoder spec is malformed."""
     try:
         decoder = AttentionDecoder(DecoderConfig(**current_decoder(ck["decoder"])))
         decoder.load_state_dict(ck["model"])

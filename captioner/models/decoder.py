@@ -2,7 +2,6 @@
 
 Soft attention (§4.2) feeds the expected context ẑ_t = β_t Σ_i α_ti a_i; hard attention (§4.1)
 feeds one sampled annotation a_{s_t}, s_t ~ Multinoulli(α_t). f_att is the MLP of eqs. (4)-(5).
-
 Shapes: B batch, L locations (196 = 14×14), D annotation size (512), E embedding size, H LSTM size,
 A attention size, T caption steps, V vocabulary size.
 """
@@ -28,8 +27,7 @@ class Attention(nn.Module):
     y_{t-1}, so without it the map for "triangle" in "a yellow triangle" cannot know which object was chosen.
 
     Computed as e_ti = 2v·σ(2 W_a a_i + 2 W_h h_{t-1}): tanh(x) = 2σ(2x) − 1, so the two differ by −Σv at
-    every location, which softmax ignores; σ is the cheaper of the two on CPUs.
-    """
+    every location, which softmax ignores; σ is the cheaper of the two on CPUs."""
 
     def __init__(self, encoder_dim: int, hidden_dim: int, attention_dim: int, embed_dim: int | None = None):
         super().__init__()
@@ -191,8 +189,7 @@ class AttentionDecoder(nn.Module):
         return features, projected, *self.init_state(features)  # h, c (B, H)
 
     def attend(self, projected: torch.Tensor, h: torch.Tensor, emb: torch.Tensor, sharpness: float = 1.0):
-        """α_t (B, L), eqs. (4)-(5), from h_{t-1} (and E y_{t-1}, with `word_query`); softmax(k e_t)
-        with `sharpness` k."""
+        """α_t (B, L), eqs. (4)-(5), from h_{t-1} (and E y_{t-1}, with `word_query`); softmax(k e_t), k `sharpness`."""
         return self.attention(projected, h, emb, sharpness)
 
     def advance(

@@ -39,16 +39,9 @@ Arch = Literal[tuple(BACKBONES)]  # --encoder's choices: the table's rows
 
 @dataclass(frozen=True)
 class EncoderSpec:
-    """The encoder; everything needed to rebuild it and its preprocessing.
+    """The encoder; everything needed to rebuild it and its preprocessing."""
 
-    `fingerprint` (sha256 prefix of the weights) is filled in by `build_encoder`.
-    """
-
-    arch: Annotated[
-        Arch,
-        "--encoder",
-        "the backbone: " + ARCH_HELP,
-    ] = "vgg16"
+    arch: Annotated[Arch, "--encoder", "the backbone: " + ARCH_HELP] = "vgg16"
     weights: Annotated[
         str,
         "--encoder-weights",
@@ -64,7 +57,7 @@ class EncoderSpec:
     crop: Annotated[
         bool, "resize-256/centre-crop-224 as in the paper instead of resizing the whole image to 224x224"
     ] = False
-    fingerprint: str = ""
+    fingerprint: str = ""  # sha256 prefix of the weights, filled in by `build_encoder`
 
     def __post_init__(self):
         if self.image_size is None:  # settled here, once: the spec travels with its size
@@ -102,9 +95,6 @@ class Encoder(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         f = self.features(images)  # (B, D, g, g): VGG's conv5 map, ResNet's pooled to the grid
         return f.flatten(2).transpose(1, 2)  # (B, L, D): location i = row * g + col
-
-
-# helpers
 
 
 def _imagenet_state(arch: str) -> dict:
@@ -187,19 +177,12 @@ def fingerprint(module: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-# classes
-
-
 def build_encoder(spec: EncoderSpec, carried: dict | None = None) -> tuple[Encoder, EncoderSpec]:
     """The encoder in eval mode, and the spec with its fingerprint filled in.
 
-    `carried`, for weights from a file: the trunk a checkpoint or exported model carries in its
-    place (`carried_weights`); the file itself is then not read.
-
-    Raises:
-        CaptionerError: unknown arch, weights unreachable or unreadable, or a fingerprint that
-            differs from the one in the spec (the features were made by another encoder).
-    """
+    `carried`, for weights from a file: the trunk a checkpoint or exported model carries in its place
+    (`carried_weights`); the file itself is then not read. Raises CaptionerError for an unknown arch, weights
+    unreachable or unreadable, or a fingerprint other than the spec's (the features were made by another encoder)."""
     trunk = meta_trunk(spec.arch).to_empty(device="cpu")
     if spec.weights == "none":
         seed_trunk(trunk, spec.seed, spec.arch)
@@ -235,11 +218,8 @@ def apply_encoder_state(encoder: Encoder, state: dict, source: str) -> Encoder:
     """Put fine-tuned layers into a built encoder (before any inference optimisation), in place.
 
     `state` is a checkpoint's "encoder_state": plain tensors under the names of `Encoder.features`'
-    state dict ("24.weight", "layer4.0.conv1.weight", ...).
-
-    Raises:
-        CaptionerError: the state names layers this encoder lacks or has tensors of other shapes.
-    """
+    state dict ("24.weight", "layer4.0.conv1.weight", ...). Raises CaptionerError where the state names
+    layers this encoder lacks or has tensors of other shapes."""
     own = encoder.features.state_dict()
     if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CaptionerError(f"{source}: 'encoder_state' must be a non-empty dict of tensors")
@@ -260,10 +240,7 @@ def rebuild_encoder(
     spec: EncoderSpec, encoder_state: dict | None, source: str, carried: dict | None = None
 ) -> tuple[Encoder, EncoderSpec]:
     """A checkpoint's image encoder: the spec's weights (or those it carries), then its fine-tuned layers if any.
-
-    Raises:
-        CaptionerError: the spec's weights cannot be had here, or the layers do not fit.
-    """
+    Raises CaptionerError where the spec's weights cannot be had here, or the layers do not fit."""
     try:
         encoder, spec = build_encoder(spec, carried)
     except CaptionerError as e:
@@ -274,7 +251,6 @@ def rebuild_encoder(
 
 
 def from_file(weights: str) -> bool:
-    """Whether `--encoder-weights` names a file (not 'imagenet' or 'none')."""
     return weights not in ("imagenet", "none")
 
 
@@ -287,11 +263,8 @@ def carried_weights(spec: EncoderSpec) -> dict[str, torch.Tensor]:
     checked at load makes the rebuilt encoder exactly the file's.
 
     Each floating-point tensor is in fp16 where that loses nothing (the file was fp16), else fp32, so
-    the rebuilt encoder has the same fingerprint.
-
-    Raises:
-        CaptionerError: the file is missing, unreadable or not the one the spec's fingerprint names.
-    """
+    the rebuilt encoder has the same fingerprint. Raises CaptionerError where the file is missing,
+    unreadable or not the one the spec's fingerprint names."""
     encoder, _ = build_encoder(spec)
     out = {}
     for k, v in encoder.features.state_dict().items():

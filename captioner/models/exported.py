@@ -28,7 +28,6 @@ RECORD = ("metrics", "attention", "card", "train", "data")  # what config.json k
 
 
 def write_exported(ck: dict, out_dir: str) -> None:
-    """Write a checkpoint's model as an exported folder's weights, config and vocabulary."""
     ck = carry_encoder_weights(ck)  # checked before anything is written
     os.makedirs(out_dir, exist_ok=True)
     tensors = {f"decoder.{k}": v for k, v in ck["model"].items()}
@@ -61,13 +60,9 @@ def write_exported(ck: dict, out_dir: str) -> None:
 
 
 def read_exported(folder: str) -> Trained:
-    """The model of an exported folder, built and loaded.
-
-    Raises:
-        CaptionerError: a missing file, a config of another format or a newer version, a
-            truncated or corrupt safetensors file, or weights that do not fit the config or the
-            vocabulary.
-    """
+    """The model of an exported folder, built and loaded. Raises CaptionerError for a missing file, a config
+    of another format or a newer version, a truncated or corrupt safetensors file, or weights that do not
+    fit the config or the vocabulary."""
     config = read_folder_config(folder, FILES, kind="exported model", fmt=FORMAT, version=VERSION)
     words = read_json(os.path.join(folder, "vocab.json"), "vocabulary").get("words")
     tensors = _tensors(os.path.join(folder, "model.safetensors"))

@@ -4,10 +4,9 @@ A captioning model describes anything in the words it knows: shown a photograph,
 trained on coloured shapes still writes "a red circle". These statistics say when an image is
 unlike the training images, so that a caption can say so.
 
-The score: an image's annotation vectors, standardised per channel, are averaged over locations into
-one D-vector x; the training images' vectors are modelled as one Gaussian (μ, Σ shrunk towards a
-multiple of the identity), and the score is sqrt((x − μ)ᵀ Σ⁻¹ (x − μ) / D).
-Symbols: B images, L locations, D annotation size.
+The score: an image's annotation vectors, standardised per channel, are averaged over locations into one D-vector x; the
+training images' vectors are modelled as one Gaussian (μ, Σ shrunk towards a multiple of the identity), and the score is
+sqrt((x − μ)ᵀ Σ⁻¹ (x − μ) / D). Symbols: B images, L locations, D annotation size.
 """
 
 from __future__ import annotations

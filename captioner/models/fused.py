@@ -1,7 +1,6 @@
 """The fast soft training pass: `AttentionDecoder.unroll`'s values and gradients, with less work, tested
 equal to it. It steps only the captions still being written, which reads their lengths back to the
 host once per pass, so GPUs take the plain pass.
-
 Symbols: B batch, L locations, D annotation size, E embedding size, H LSTM size, A attention
 size, T steps, n captions still running at a step.
 """
@@ -18,16 +17,14 @@ class _Score(torch.autograd.Function):
     """e_ti = v·tanh(p_ti + q_t) up to a per-row constant, computed as 2v·σ(2p + 2q) (see `Attention`).
 
     This is the decoder's hot loop: the hand-written backward saves two passes over the (B, L, A)
-    tensor, and taking 2p and 2q (p doubled once per image) saves a third.
-    """
+    tensor, and taking 2p and 2q (p doubled once per image) saves a third."""
 
     @staticmethod
     def forward(ctx, projected, q, v, total=None):  # projected = 2p (B, L, A), q = 2q (n, A), v (A,)
-        # projected may hold more rows than q (captions that have ended): only the first len(q)
-        # are used, and their gradient is written straight into a full-sized tensor, so no
-        # slicing of `projected` goes through autograd (each slice would cost a zero-filled
-        # (B, L, A) gradient per step). With `total` (from `_GradientSum`, in a training pass)
-        # the gradient, less its factor 2v, is added into it instead: no (B, L, A) tensor per step.
+        # projected may hold more rows than q (captions that have ended): only the first len(q) are used, and their
+        # gradient is written straight into a full-sized tensor, so no slicing of `projected` goes through autograd
+        # (each slice would cost a zero-filled (B, L, A) gradient per step). With `total` (from `_GradientSum`, in a
+        # training pass) the gradient, less its factor 2v, is added into it instead: no (B, L, A) tensor per step.
         n = q.size(0)
         ctx.dtypes = projected.dtype, q.dtype, v.dtype  # under autocast they may differ
         ctx.rows, ctx.total = projected.size(0), total
@@ -125,11 +122,8 @@ def _attention_weights(decoder: AttentionDecoder, projected: torch.Tensor, q: to
 
 
 def fused_unroll(decoder: AttentionDecoder, features: torch.Tensor, captions: torch.Tensor) -> Unrolled:
-    """The soft teacher-forced pass, fast: `AttentionDecoder.unroll`'s values and gradients.
-
-    Captions are sorted by length so that those still running at step t are a prefix of the batch.
-    Steps past a caption's end hold zeros (α: uniform), as they do not enter the loss.
-    """
+    """Captions are sorted by length so that those still running at step t are a prefix of the batch.
+    Steps past a caption's end hold zeros (α: uniform), as they do not enter the loss."""
     B, T1 = captions.size(0), captions.size(1) - 1
     L = features.size(1)
     steps = (captions != 0).sum(dim=1) - 1  # (B,) positions predicting a word or <end>

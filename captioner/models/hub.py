@@ -1,13 +1,10 @@
 """Where a model comes from:
 
-    best.pt                          a training checkpoint (`models.checkpoint`)
-    runs/demo-export/                an exported folder (`models.exported`)
-    https://host/best.pt#sha256=HEX  a pinned URL of a checkpoint, or of a .zip of an exported folder
-    hf://ORG/NAME[@REVISION]         an exported folder on the Hub, through huggingface_hub's cache
-                                     (HF_HUB_OFFLINE=1 reads the cache only)
-
-A URL must pin its content, `URL#sha256=<64 hex digits>`: it is downloaded once into torch's hub
-cache, as torchvision's weights are, and a file whose digest differs is refused and deleted.
+best.pt                          a training checkpoint (`models.checkpoint`)
+runs/demo-export/                an exported folder (`models.exported`)
+https://host/best.pt#sha256=HEX  a pinned URL of a checkpoint, or of a .zip of an exported folder
+hf://ORG/NAME[@REVISION]         an exported folder on the Hub, through huggingface_hub's cache
+                                 (HF_HUB_OFFLINE=1 reads the cache only)
 """
 
 from __future__ import annotations
@@ -35,11 +32,8 @@ def is_url(source: str) -> bool:
 
 
 def split_pinned_url(url: str) -> tuple[str, str]:
-    """`URL#sha256=HEX` → (URL without the fragment, lower-case hex digest).
-
-    Raises:
-        CaptionerError: the fragment is missing or is not a 64-digit sha256.
-    """
+    """`URL#sha256=HEX` → (URL without the fragment, lower-case hex digest); CaptionerError where the
+    fragment is missing or is not a 64-digit sha256."""
     parts = urlsplit(url)
     match = _SHA256.fullmatch(parts.fragment)
     if match is None:
@@ -60,11 +54,8 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> str:
 
 def download_checkpoint(url: str, *, cache_dir: str | None = None, progress: bool = True) -> str:
     """Download a pinned checkpoint (`URL#sha256=HEX`) once and return its path in the cache (default:
-    torch hub's `checkpoints/` directory).
-
-    Raises:
-        CaptionerError: no pin, the download fails, or the file's sha256 differs (refused).
-    """
+    torch hub's `checkpoints/` directory). Raises CaptionerError where there is no pin, the download
+    fails, or the file's sha256 differs (refused and deleted)."""
     bare, digest = split_pinned_url(url)
     cache_dir = cache_dir or os.path.join(torch.hub.get_dir(), "checkpoints")
     stem, ext = os.path.splitext(os.path.basename(urlsplit(bare).path) or "checkpoint.pt")
@@ -110,11 +101,8 @@ def load_trained(source: str) -> Trained:
 
 def from_hub(source: str) -> str:
     """`hf://ORG/NAME[@REVISION]` → the exported folder in huggingface_hub's cache (downloaded if needed).
-
-    Raises:
-        CaptionerError: a malformed id, or the model is not in the cache and cannot be had
-            (offline, HF_HUB_OFFLINE=1, or not on the Hub).
-    """
+    Raises CaptionerError for a malformed id, or a model not in the cache that cannot be had (offline,
+    HF_HUB_OFFLINE=1, or not on the Hub)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 

@@ -1,9 +1,8 @@
 """The encoder's input, defined once for feature extraction, the API, the app and notebooks.
 
-`array` needs no torch (the ONNX runtime's). `pixels` does the same resize on a uint8 tensor where
-it lies (on a GPU): PyTorch's antialiased bilinear is Pillow's filter computed in floats, without
-Pillow's rounding to uint8 between its two passes, so the inputs differ by one grey level at most.
-Shapes: B images, S the input side.
+`array` needs no torch (the ONNX runtime's). `pixels` does the same resize on a uint8 tensor where it lies (on a GPU):
+PyTorch's antialiased bilinear is Pillow's filter computed in floats, without Pillow's rounding to uint8 between its two
+passes, so the inputs differ by one grey level at most. Shapes: B images, S the input side.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ class Preprocess:
     """Image → normalised encoder input (3, S, S).
 
     `crop` False resizes the whole image to size×size, so the attention grid covers all of it; True
-    is the paper's resize-shorter-side-to-256 then centre-crop-224.
-    """
+    is the paper's resize-shorter-side-to-256 then centre-crop-224."""
 
     size: int = 224
     crop: bool = False

@@ -1,10 +1,9 @@
 """The encoder's trained layers (`fit --fine-tune-encoder`): which layers, and a module holding them.
 
-Training starts at conv5_1 (VGG's conv5 block, ResNet's conv5_x stage) on the cached output of
-the layers before it, or at conv4_1 on the images. The trained layers go into checkpoints under
-the names of `Encoder.features` ("24.weight", "layer4.0.conv1.weight", ...). BatchNorm keeps its
-running statistics while its scale and shift train: a batch of a few images would give poor ones.
-Shapes: n images, B captions, L locations, D feature size, S image side.
+Training starts at conv5_1 (VGG's conv5 block, ResNet's conv5_x stage) on the cached output of the layers before it, or
+at conv4_1 on the images. The trained layers go into checkpoints under the names of `Encoder.features` ("24.weight",
+"layer4.0.conv1.weight", ...). BatchNorm keeps its running statistics while its scale and shift train: a batch of a few
+images would give poor ones. Shapes: n images, B captions, L locations, D feature size, S image side.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The second view of an image that the attention's consistency compares maps across.
 
-The view is the image turned 180° and then moved by a few whole grid cells (dy down, dx right).
-The rows and columns it uncovers repeat the image's edge next to them: a blank fill would draw an
-edge that looks like the encoder's zero padding, which a map could follow. A map that rests on what
-a word names follows the content into the view; a map parked on the grid, mirrored through its
-centre, or at a fixed offset from the object does not.
+The view is the image turned 180° and then moved by a few whole grid cells (dy down, dx right). The rows and columns it
+uncovers repeat the image's edge next to them: a blank fill would draw an edge that looks like the encoder's zero
+padding, which a map could follow. A map that rests on what a word names follows the content into the view; a map parked
+on the grid, mirrored through its centre, or at a fixed offset from the object does not.
 
 Each image's move comes from its row in the feature cache, so `prepare` and `fit` agree on it
 without storing it. Shapes: N maps or images, L = G×G locations, S image side.
@@ -46,8 +45,7 @@ def view(x: torch.Tensor, moves: torch.Tensor | np.ndarray, grid: int) -> torch.
     """Images or maps (N, C, S, S) → their views, moved by `moves` (N, 2) cells of S / grid pixels each.
 
     Pixel (y, x) of a view is pixel (y − dy·c, x − dx·c) of the turned image, clamped to its edge:
-    two gathers on x's device, with no copy to the host.
-    """
+    two gathers on x's device, with no copy to the host."""
     x = x.flip(-2, -1)
     N, C, S, _ = x.shape
     moves = torch.as_tensor(moves, dtype=torch.int64, device=x.device).view(-1, 2) * (S // grid)  # (N, 2) pixels

@@ -1,9 +1,8 @@
 """Tokenisation and the vocabulary.
 
-Captions are lower-cased and split with nltk's Treebank tokenizer (pure regular expressions,
-no downloaded data); tokens with no letter or digit (punctuation) are dropped, as the
-coco-caption PTB tokenizer does. Ids: <pad>=0, <start>=1, <end>=2, <unk>=3, then words by
-decreasing count.
+Captions are lower-cased and split with nltk's Treebank tokenizer (pure regular expressions, no downloaded data); tokens
+with no letter or digit (punctuation) are dropped, as the coco-caption PTB tokenizer does. Ids: <pad>=0, <start>=1,
+<end>=2, <unk>=3, then words by decreasing count.
 """
 
 from __future__ import annotations
@@ -33,12 +32,10 @@ def _treebank():
 
 def tokenize(text: str) -> list[str]:
     """'A man, riding a Horse.' → ['a', 'man', 'riding', 'a', 'horse']"""
-    text = " ".join(
-        text.lower().split()
-    )  # any whitespace (\r, \t, ...) as one space: the tokenizer's rules expect spaces
-    # Treebank splits some punctuation off only at the end of the text ("0." but "0.("): strip
-    # it from every token's ends (a leading apostrophe stays: 's, 're), so tokenising is the same
-    # wherever a word stands.
+    # Any whitespace (\r, \t, ...) as one space: the tokenizer's rules expect spaces.
+    text = " ".join(text.lower().split())
+    # Treebank splits some punctuation off only at the end of the text ("0." but "0.("): strip it from every token's
+    # ends (a leading apostrophe stays: 's, 're), so tokenising is the same wherever a word stands.
     tokens = (t.lstrip(_EDGE_PUNCTUATION).rstrip(string.punctuation) for t in _treebank().tokenize(text))
     return [t for t in tokens if any(ch.isalnum() for ch in t)]
 

@@ -17,12 +17,9 @@ from captioner.io import read_torch
 
 
 def read_weights_file(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of a state-dict file by name (a {"state_dict": ...} wrapper is unwrapped).
-
-    Raises:
-        CaptionerError: the file is missing, empty, truncated or corrupt, holds pickled objects
-            (refused unrun), or is not a dict of tensors.
-    """
+    """The tensors of a state-dict file by name (a {"state_dict": ...} wrapper is unwrapped). Raises
+    CaptionerError where the file is missing, empty, truncated or corrupt, holds pickled objects (refused
+    unrun), or is not a dict of tensors."""
     if not os.path.isfile(path):
         raise CaptionerError(
             f"--encoder-weights {path}: no such file (expected 'imagenet', 'none' or a path to a state dict of "

@@ -8,13 +8,10 @@ image's reference n-grams). A candidate c scores against each reference r of its
 where δ is the difference of the two captions' bigram counts (coco-caption measures length
 that way: words − 1), and CIDEr-D(c) = 10 · mean_n mean_r sim_n(c, r).
 
-N-grams are integer codes, never strings: (w1, ..., wn) of ids in [1, base) is the int64
-Σ w_i base^(n−i), exact while base^4 < 2^63, and it lies in [base^(n−1), base^n), so the code
-also tells the order.
-
-Symbols: N candidates, T tokens (ids ≥ 1; whatever follows a sequence's length is ignored), C
-reference captions, G distinct reference n-grams, E (caption, n-gram) entries, P (candidate,
-reference) pairs, Q (entry, reference) pairs.
+N-grams are integer codes, never strings: (w1, ..., wn) of ids in [1, base) is the int64 Σ w_i base^(n−i), exact while
+base^4 < 2^63, and it lies in [base^(n−1), base^n), so the code also tells the order.
+Symbols: N candidates, T tokens (ids ≥ 1; whatever follows a sequence's length is ignored), C reference captions, G
+distinct reference n-grams, E (caption, n-gram) entries, P (candidate, reference) pairs, Q (entry, reference) pairs.
 """
 
 from __future__ import annotations
@@ -179,11 +176,7 @@ class NgramScorer:
         self, tokens: torch.Tensor, lengths: torch.Tensor, images: torch.Tensor, bleu: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """CIDEr-D (N,) float64, and coco-caption's per-sentence BLEU-4 (N,) when `bleu` else None, of each
-        candidate against the references of its image (N,).
-
-        Raises:
-            ValueError: a candidate's image has no reference captions.
-        """
+        candidate against the references of its image (N,); ValueError where an image has no reference captions."""
         tokens, lengths, images = tokens.cpu(), lengths.cpu().long(), images.cpu().long()
         N = len(lengths)
         known_image = (images >= 0) & (images < len(self.n_refs))

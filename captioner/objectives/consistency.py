@@ -5,7 +5,6 @@ one or two whole cells) and to be sharp: C_t = −log Σ_i α_ti (V⁻¹α'_t)_i
 image, α'_t the map the same state h_{t−1} gives on the view, and V⁻¹ brings a map on the view back
 onto the image's cells. Only sharp maps that follow the content make it small; h_{t−1} is detached,
 so the term trains where to look, not the LSTM's state. Why: docs/attention.md#view-consistency.
-
 Symbols: B captions, T steps, L locations, D feature size, H LSTM size, E embedding size, N picked
 (caption, step) pairs.
 """
@@ -24,9 +23,8 @@ AGREEMENT_FLOOR = 1e-6  # under the agreement before the log: maps that share no
 
 
 def disagreement(maps: torch.Tensor, maps_in_view: torch.Tensor, moves: torch.Tensor, grid: int) -> torch.Tensor:
-    """−log Σ_i α_i (V⁻¹α')_i per pair (N,): −log of the chance that a cell drawn from each map is the same
-    cell of the image. Mass on cells only one of the two shows agrees with nothing: it pays like mass on
-    the wrong cell."""
+    """−log Σ_i α_i (V⁻¹α')_i per pair (N,): −log of the chance that a cell drawn from each map is the same cell of the
+    image. Mass on cells only one of the two shows agrees with nothing: it pays like mass on the wrong cell."""
     back = back_from_view(wide(maps_in_view), moves, grid)
     return -((wide(maps) * back).sum(-1) + AGREEMENT_FLOOR).log()
 
@@ -79,12 +77,4 @@ class ViewConsistency(Term):
         b, p = ctx.batch, ctx.passed
         if b.views is None:
             return ctx.features.new_zeros(())
-        return consistency(
-            ctx.decoder,
-            ctx.features,
-            *b.views,
-            p.unrolled,
-            p.mask,
-            ctx.words,
-            ctx.generator,
-        )
+        return consistency(ctx.decoder, ctx.features, *b.views, p.unrolled, p.mask, ctx.words, ctx.generator)

@@ -1,14 +1,12 @@
 """Attention correctness (Liu et al., "Attention Correctness in Neural Image Captioning", AAAI 2017):
 where a dataset has object boxes, a word that names a boxed object should look at it.
 
-For each such word, −log Σ_{i in the object's cells} α_ti: the attention on the object, as a
-likelihood. A batch carries the cells as a (B, T-1, L) mask, empty where a step's word names no
-boxed object.
+For each such word, −log Σ_{i in the object's cells} α_ti: the attention on the object, as a likelihood. A batch carries
+the cells as a (B, T-1, L) mask, empty where a step's word names no boxed object.
 
-Why the model's own words too: captions name a scene's objects in either order, so under teacher
-forcing the map drawn before "yellow" in "a yellow triangle and a purple square" pays least split
-between the two objects. At the word the model itself would write, the map must lie on the object
-of its own choice. Symbols: B captions, T steps, L locations.
+Why the model's own words too: captions name a scene's objects in either order, so under teacher forcing the map drawn
+before "yellow" in "a yellow triangle and a purple square" pays least split between the two objects. At the word the
+model itself would write, the map must lie on the object of its own choice. Symbols: B captions, T steps, L locations.
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ class AttentionCorrectness(Term):
 
 class ChosenWordCorrectness(Term):
     """`attention_correctness` at the word the model would write at each step, where it names an object of
-    the image (`--boxes-choice-weight`). The words are looked up on the host, so the step does not compile it.
-    """
+    the image (`--boxes-choice-weight`). The words are looked up on the host, so the step does not compile it."""
 
     name = "boxes_choice"
     capturable = False

@@ -11,9 +11,7 @@ and masks, the same shapes at every step of a length bucket and no host synchron
 it. Both give the same values and gradients on the real positions. Hard attention always takes the plain pass, with
 sampled locations for the images whose coin says so (§4.1's "semi-sampling").
 
-It is an `nn.Module` so that DistributedDataParallel wraps one forward. With a fine-tuned encoder
-the batch holds the encoder's inputs, one per image, which the objective encodes first.
-
+It is an `nn.Module` so that DistributedDataParallel wraps one forward.
 Symbols: B captions, n images, T steps, L locations, D feature size, V vocabulary size, N real positions.
 """
 
@@ -81,13 +79,7 @@ TERMS: list[type[Term]] = [
 
 
 def objective_terms(
-    cfg: TermsConfig,
-    *,
-    attention: str,
-    hard: HardAttentionConfig,
-    views: bool,
-    state: TermState,
-    targets=None,
+    cfg: TermsConfig, *, attention: str, hard: HardAttentionConfig, views: bool, state: TermState, targets=None
 ) -> list[Term]:
     """The cross-entropy objective's terms: those of `TERMS` that the settled `cfg` turns on (`Setup` says
     what the other arguments are)."""
@@ -96,12 +88,9 @@ def objective_terms(
 
 
 class Objective(nn.Module):
-    """Σ weight × value over `terms`, on one pass over a batch.
-
-    `semi_sampling` is hard attention's share of images on the expected context (None: soft); `encoder`
-    the fine-tuned encoder layers (None: cached features), which encode the view of a `view_share` of
-    the captions' images for the consistency.
-    """
+    """Σ weight × value over `terms`, on one pass over a batch (`teacher_forced` says what `semi_sampling` is).
+    `encoder`: the fine-tuned encoder layers (None: cached features), which encode the view of a `view_share` of the
+    captions' images for the consistency."""
 
     def __init__(
         self,
@@ -191,8 +180,7 @@ def teacher_forced(
 
     `captions` (B, T) are <start> w1 ... <end> then <pad>, and `lengths` (B,) count <start> and <end>.
     `semi_sampling` (hard attention) is the probability that an image takes the expected context
-    instead of sampled locations; None for soft attention.
-    """
+    instead of sampled locations; None for soft attention."""
     sampled = None
     if semi_sampling is not None:
         sampled = torch.rand(captions.size(0), generator=generator, device=features.device) >= semi_sampling  # (B,)

@@ -39,9 +39,8 @@ class HardAttentionConfig:
 
 
 class Reinforce(Term):
-    """The REINFORCE part of eq. (12) as a loss: −Σ (log p(y|s̃,a) − b) log p(s̃|a) per word, weighted by λ_r
-    (no gradient through the reward). b moves after each applied step, over the captions that sampled
-    locations only."""
+    """The REINFORCE part of eq. (12) as a loss: −Σ (log p(y|s̃,a) − b) log p(s̃|a) per word, weighted by λ_r (no
+    gradient through the reward). b moves after each applied step, over the captions that sampled locations only."""
 
     name = "reinforce"
 

@@ -6,9 +6,7 @@ For each image, n captions w^1..w^n are sampled from the model p(w|a); each earn
 The baseline is the reward of the greedy caption (Rennie's "self-critical") or, the default, the
 mean reward of the image's other n − 1 samples (Luo 2020), which needs no extra decoding and is
 still independent of the sample it judges. An epoch is one pass over the training images.
-
-Symbols: B images, n samples per image, N = B·n captions, L locations, D feature size, T steps,
-V vocabulary.
+Symbols: B images, n samples per image, N = B·n captions, L locations, D feature size, T steps, V vocabulary.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Loss terms as parts: what a term is, what it reads, and the attention terms' settings.
 
-A term that keeps state across steps (REINFORCE's baseline) claims it from the run's `TermState`,
-which checkpoints save, and updates it in place (`after_step`). A new term is a new module with its
-class, and one line in `objective.TERMS`.
-
+A term that keeps state across steps (REINFORCE's baseline) claims it from the run's `TermState`, which checkpoints
+save, and updates it in place (`after_step`).
 Symbols: B captions, L locations, D feature size.
 """
 
@@ -21,10 +19,7 @@ from captioner.options import check_positive
 class TermsConfig:
     """Attention terms: the doubly stochastic regularisation, the view consistency and attention correctness."""
 
-    alpha_c: Annotated[
-        float | None,
-        "λ of the doubly stochastic regularisation, eq. (14)",
-    ] = None
+    alpha_c: Annotated[float | None, "λ of the doubly stochastic regularisation, eq. (14)"] = None
     consistency: Annotated[
         float | None,
         "weight of the attention maps' consistency between each image and its view, turned 180° and moved "
@@ -73,7 +68,7 @@ class Context(NamedTuple):
     decoder: Any  # models.decoder.AttentionDecoder
     batch: Any  # data.batches.Batch (or ImageBatch for self-critical training)
     features: torch.Tensor  # (B, L, D) the raw features the decoder saw, one row per caption
-    passed: Any  # objectives.passes.TeacherForced, or None when the objective makes no pass
+    passed: Any  # objectives.objective.TeacherForced, or None when the objective makes no pass
     words: torch.Tensor | float  # what a batch total is divided by (its real steps; under DDP the global mean)
     generator: torch.Generator | None  # the terms' random draws
 
@@ -82,8 +77,7 @@ class Term:
     """A loss term: `weight` × `self(ctx)` is its share of the loss (a negative weight: a bonus).
 
     `capturable`: a compiled step can hold it (no host synchronisation, fixed shapes); `predicts`: it reads
-    the pass's most likely word at each step; `teacher_forced`: it reads the teacher-forced pass.
-    """
+    the pass's most likely word at each step; `teacher_forced`: it reads the teacher-forced pass."""
 
     name = ""
     capturable = True
@@ -113,16 +107,12 @@ class Term:
         """Other figures of the last call, logged beside the value (detached)."""
         return {}
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(weight={self.weight:g})"
-
 
 class TermState:
     """The terms' own state across steps: for each term by name, named tensors on the training device.
 
     The same tensors serve every objective of a run; `saved` is a checkpoint's `state_dict()`, or None for
-    a fresh run.
-    """
+    a fresh run."""
 
     def __init__(self, device: torch.device | str, saved: dict | None = None):
         self.device = torch.device(device)

@@ -7,7 +7,7 @@ when it ends (`chosen`).
 Rank 0 alone writes them; each other rank keeps its own random streams beside last.pt, since a resumed rank goes on
 with its own draws. A failed save (full disk, quota, read-only directory) leaves the previous file whole and is
 reported in one line naming the last good checkpoint; training goes on, retries at the next save, and `fit` raises
-if its final save fails. A model whose weights are not finite is never written over a good checkpoint.
+if its final save fails.
 """
 
 from __future__ import annotations
@@ -95,11 +95,8 @@ class Checkpoints:
         return f"{path} has not been saved by this run yet"
 
     def write(self, ck: dict, path: str) -> bool:
-        """Write `ck` (with a "step" and a "model" state dict) to `path`; False if the write failed.
-
-        Raises:
-            CaptionerError: the model's weights are not finite; such a checkpoint is never written over a good one.
-        """
+        """Write `ck` (with a "step" and a "model" state dict) to `path`; False if the write failed. Raises
+        CaptionerError where the model's weights are not finite: such a checkpoint is never written over a good one."""
         bad = first_nonfinite(ck["model"])
         if bad is not None:
             raise CaptionerError(
@@ -117,7 +114,6 @@ class Checkpoints:
         return True
 
     def checkpoint(self, progress: Progress, metrics: dict) -> Checkpoint:
-        """This moment of the run in the checkpoint schema."""
         p, r = self.live, self.record
         average, tuning = p.average, p.tuning
         return Checkpoint(
@@ -198,9 +194,8 @@ def validate(
 
 
 def select(progress: Progress, metrics: dict, metric: str, *, log: RunLog, lr: float, boxed: bool) -> bool:
-    """Is this validation the new best.pt by `metric`? The best score among checkpoints whose attention
-    is healthy, when any is; a healthy one replaces a flagged best.pt whatever its score. Logged with the
-    learning rate `lr` (`boxed`: the run trains with --boxes, which the advice on flagged maps names)."""
+    """Is this validation the new best.pt by `metric` (module doc)? A healthy one replaces a flagged best.pt whatever
+    its score. Logged with the learning rate `lr` (`boxed`: the run trains with --boxes, which the advice names)."""
     score, found = metrics[metric], problems(metrics["attention_health"])
     healthy = not found
     improved = (healthy and not progress.best_healthy) or (healthy == progress.best_healthy and score > progress.best)

@@ -68,7 +68,6 @@ class ScheduleConfig:
 @dataclass(frozen=True)
 class ProcessConfig:
     """How this process runs the training: how far, shapes, compile, workers, logging and saving.
-
     A resumed run takes these from its own command line."""
 
     epochs: Annotated[int, "passes over the training captions"] = 30
@@ -90,7 +89,6 @@ class ProcessConfig:
         'torch.compile(mode="reduce-overhead"), which replays them as CUDA graphs, going on eagerly with a '
         "warning where a compile fails; off: neither (--compile still compiles, without graphs)",
     ] = "auto"
-
     workers: Annotated[
         int, "DataLoader workers decoding images (--fine-tune-encoder: the pool4 cache, conv4_1 batches)"
     ] = 2

@@ -2,13 +2,12 @@
 
 The training images' pooled vectors are modelled as one Gaussian, its covariance shrunk towards a multiple of the
 identity (Ledoit-Wolf), since a few thousand images cannot estimate D² = 262,144 covariances. The full covariance
-separates scenes from photographs far better than the diagonal: photographs differ less in any one channel than in
-how channels go together. The threshold is at least MARGIN times the QUANTILE of the held-out validation images'
-scores; when real photographs (`calibration_photos`, whole and cropped) all score above that, it is the geometric
-mean of the two, else it stays there: a scene flagged as unlike its own training scenes is worse than a photograph
-missed. `prepare` stores the photographs' views as its encoder reads them (`PHOTOS`), so that `fit` needs no
-encoder and stores the same threshold wherever it runs. Symbols: L locations, D annotation size, N images sampled
-from a split.
+separates scenes from photographs far better than the diagonal: photographs differ less in any one channel than in how
+channels go together. The threshold is at least MARGIN times the QUANTILE of the held-out validation images' scores;
+when real photographs (`calibration_photos`, whole and cropped) all score above that, it is the geometric mean of the
+two, else it stays there: a scene flagged as unlike its own training scenes is worse than a photograph missed. `prepare`
+stores the photographs' views as its encoder reads them (`PHOTOS`), so that `fit` needs no encoder and stores the same
+threshold wherever it runs. Symbols: L locations, D annotation size, N images sampled from a split.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ gradients. A batch holds all the captions of a few images, so the encoder runs o
 The decoder's feature standardisation (measured by `prepare` on the frozen encoder) stays fixed: at step 0 the tuned
 layers are the frozen ones, and from then on they learn under that fixed affine map, which training, validation,
 `evaluate` and `Captioner` all apply.
-
 Shapes: n images, B captions, L locations, D feature size, S image side.
 """
 
@@ -51,11 +50,7 @@ class FineTuneConfig:
         "first trained layer: conv5_1 (VGG's conv5 block; ResNet's last stage, conv5_x, torchvision's layer4) "
         "runs on the cached output of the layers before it, conv4_1 (a block or stage earlier) on the images",
     ] = "conv5_1"
-    lr: Annotated[
-        float,
-        "--encoder-lr",
-        "Adam learning rate of the encoder's layers",
-    ] = 1e-5
+    lr: Annotated[float, "--encoder-lr", "Adam learning rate of the encoder's layers"] = 1e-5
     after: Annotated[
         int | None,
         "--tune-after",
@@ -84,17 +79,9 @@ class FineTuning:
     """The fine-tuned encoder and where its inputs come from. `cfg`: the run's `TrainConfig`; `targets`: the box
     masks (`data.boxes.BoxTargets`) each batch carries under `fit --boxes`."""
 
-    shapes = "packed"  # a batch's captions are as long as its longest (`objectives.passes`)
+    shapes = "packed"  # a batch's captions are as long as its longest (`objectives.objective`)
 
-    def __init__(
-        self,
-        data: CaptionData,
-        cfg,
-        process: distributed.Process,
-        *,
-        targets=None,
-        progress: bool = True,
-    ):
+    def __init__(self, data: CaptionData, cfg, process: distributed.Process, *, targets=None, progress: bool = True):
         self.data, self.cfg, self.device = data, cfg.fine_tune, process.device
         self.batch_size, self.workers, self.targets = cfg.optim.batch_size, cfg.process.workers, targets
         base, _ = build_encoder(data.encoder)

@@ -1,11 +1,9 @@
 """A run's log and what it survives.
 
 metrics.jsonl holds one JSON line per record; each training line, besides the losses, says what the machine did
-since the last one (the host's wait for batches, the device's peak memory). `fit --tensorboard DIR` shows every
-record in TensorBoard too (rank 0 alone, from values already on the host), and after each validation the first few
-of rank 0's validation images, the same each time, as `captioner caption --figures` draws them. A resumed run purges
-the events after its last.pt's step (`purge_step`), which it takes again, so that each step is shown once; a fresh
-run purges whatever an earlier run left in DIR.
+since the last one (the host's wait for batches, the device's peak memory). `fit --tensorboard DIR` shows the records
+there too (rank 0 alone, from values already on the host). A resumed run purges the events after its last.pt's step
+(`purge_step`), which it takes again, so that each step is shown once; a fresh run purges what an earlier one left.
 
 What a cluster job meets and survives: preemption and Ctrl-C (a graceful stop), a full disk (reported saves, lost
 log lines), damaged features (non-finite checks), a library's warnings (into the log as fault notes).
@@ -82,7 +80,6 @@ class Waits:
         self.seconds = 0.0
 
     def timed(self, batches: Iterable) -> Iterator:
-        """The batches, each one's making timed."""
         it = iter(batches)
         while True:
             t0 = time.perf_counter()
@@ -117,11 +114,8 @@ NOT_SCORES = (*PLACE, "lr", "best_step")
 
 
 def summary_writer():
-    """`torch.utils.tensorboard.SummaryWriter`.
-
-    Raises:
-        CaptionerError: tensorboard is not installed; the message names the extra that brings it.
-    """
+    """`torch.utils.tensorboard.SummaryWriter`; CaptionerError, naming the extra that brings it, where
+    tensorboard is not installed."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -133,10 +127,7 @@ def summary_writer():
 
 def open_board(log_dir: str | None, *, main: bool, saved: dict | None) -> TensorBoard | None:
     """The run's board in `log_dir` (rank 0's: `main`), None without one; `saved`: a resumed run's last.pt.
-
-    Raises:
-        CaptionerError: tensorboard is not installed, on every rank alike, before the run starts.
-    """
+    Without tensorboard installed, every rank alike raises CaptionerError before the run starts."""
     if not log_dir:
         return None
     summary_writer()  # every rank: all refuse alike
@@ -223,16 +214,14 @@ def _image(path: str) -> tuple[Image.Image | None, str]:
         return None, str(e)
 
 
-# Exit status after a graceful stop: 0 for SIGTERM (the job did what a preemption notice asks:
-# saved and stopped, so it is not reported as a failure), 130 for Ctrl-C (the shell's convention,
-# so that `fit && evaluate` does not go on).
+# Exit status after a graceful stop: 0 for SIGTERM (the job did what a preemption notice asks: saved and
+# stopped, not a failure), 130 for Ctrl-C (the shell's convention, so that `fit && evaluate` does not go on).
 EXIT_STATUS = {signal.SIGTERM: 0, signal.SIGINT: 130}
 
 logger = logging.getLogger(__name__)
 
 
 def first_nonfinite(state: dict) -> str | None:
-    """The name of the first floating-point tensor in a state dict holding an inf or NaN, else None."""
     for name, value in state.items():
         if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
             return name
@@ -292,7 +281,6 @@ class GracefulStop:
 
     @property
     def exit_status(self) -> int:
-        """0 after SIGTERM (a clean preemption), 130 after SIGINT."""
         return EXIT_STATUS.get(self.signum, 0)
 
 

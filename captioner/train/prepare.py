@@ -222,8 +222,7 @@ def _open_caches(cfg: PrepareConfig, meta: dict, dist: Dist, progress: bool) -> 
         cache = [FeatureCache(cfg.out, n, *shape, mode="r+", name=name) for name in names][0]
         if cfg.recheck:
             _recheck(cache, meta, progress)
-        # Say up front when the features will not fit; a full disk then stops prepare with a
-        # message, keeping every finished row.
+        # Say up front when the features will not fit; a full disk then stops prepare, keeping every finished row.
         short = check_free_space(cache.path, cache.unallocated_bytes(), "the feature cache")
         if short:
             log.warning(f"{short}; prepare stops when the disk is full, keeping finished rows")

@@ -1,11 +1,8 @@
 """What a run starts from: every setting `fit` derives from others, and with `--init` or `--resume` a checkpoint.
 
-The settings are settled in one place before anything is built. `DERIVED` says how each derived default is settled
-(and is what `fit --help` says of it). Combinations that cannot train, and options that contradict a resumed run, are
-refused here; what needs the data itself is refused where the data is read. A resumed run keeps its saved configs but
-takes `config.ProcessConfig` from the command, warning of the command's other settings; its derived defaults are then
-settled as a fresh run's, so that a setting its checkpoint lacks is derived, not left None. A checkpoint is checked
-against the data, and a resumed run's state (random streams mapped or reseeded) put back.
+The settings are settled in one place before anything is built; `DERIVED` says how each derived default is settled
+(and is what `fit --help` says of it). What needs the data itself is refused where the data is read. A resumed run's
+derived defaults are settled as a fresh run's, so that a setting its checkpoint lacks is derived, not left None.
 """
 
 from __future__ import annotations
@@ -225,11 +222,8 @@ def settle(
     model: DecoderConfig | None, cfg: TrainConfig, start: Start, device: torch.device
 ) -> tuple[DecoderConfig, TrainConfig]:
     """The settled (decoder, training) configs of a run on `device`. With --init its checkpoint sets the decoder's
-    sizes; on resume the saved run sets them all, and the options given otherwise are warned of.
-
-    Raises:
-        CaptionerError: options that cannot train together, or that contradict the run being resumed.
-    """
+    sizes; on resume the saved run sets them all, and the options given otherwise are warned of. Raises
+    CaptionerError for options that cannot train together, or that contradict the run being resumed."""
     init, saved, views, boxes = start.init, start.saved, start.views, start.boxes
     if saved is not None:
         settled = _derived(*_resumed(saved, cfg), device=device, init=None, views=views, boxes=boxes)
@@ -360,7 +354,6 @@ def _options(cfg) -> list[str]:
 
 
 def _refuse_resumed(kept: TrainConfig, cfg: TrainConfig) -> None:
-    """Options that contradict the run being resumed."""
     if cfg.objective == "scst" and kept.objective != "scst":
         raise CaptionerError(
             "--resume --objective scst: --out holds a cross-entropy run; start self-critical training from it "

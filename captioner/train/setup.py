@@ -98,7 +98,6 @@ def familiarity(data: CaptionData, tuning, saved: dict | None, seed: int, main: 
 
 
 def record(data: CaptionData, model_cfg: DecoderConfig, cfg: TrainConfig, began: dict, familiarity) -> dict:
-    """What every checkpoint of the run says of it."""
     return {
         "decoder": model_cfg.to_dict(),
         "train": cfg.to_dict(),

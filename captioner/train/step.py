@@ -7,7 +7,6 @@ the objective's forward compiles in place, whole, once per length bucket, so tha
 (PyTorch's documented way; there in the default mode, which splits the graph at DDP's buckets). The compiled forward
 draws from the device's default generator, not `generator`. The update runs eagerly: fused Adam is one kernel per
 group, which the compiler does not trace.
-
 Shapes: B captions (images for SCST), T tokens.
 """
 
@@ -54,7 +53,6 @@ class TrainStep:
         self.skipped = torch.zeros((), device=device)
         self.passes = None
         if process.compiling is not None and self.module.capturable:
-            # The objective's forward compiles in place, so that DDP, where it wraps the objective, calls it.
             mode, eager = "default" if d.active else process.compiling, type(self.module).forward.__get__(self.module)
             compiled = self.module.forward = torch.compile(eager, mode=mode, fullgraph=True, dynamic=False)
 
@@ -86,8 +84,7 @@ class TrainStep:
         self._update(values)
 
     def _pass(self, batch, count: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Forward and backward (gradients start from None, so the backward writes them): the loss and the
-        terms' values. A compiled forward draws from the default generator (module doc)."""
+        """Forward and backward (gradients start from None, so the backward writes them): loss and terms' values."""
         generator = None if self.passes is not None and self.passes.failed is None else self.generator
         dtype = AMP_DTYPES[self.cfg.amp]
         with torch.autocast(self.device.type, dtype=dtype) if dtype else contextlib.nullcontext():
@@ -185,7 +182,6 @@ class Budget:
 
     @property
     def cools(self) -> bool:
-        """The learning rate cools down at the end: there is a budget and a cooldown share of it."""
         return self.cooldown > 0 and math.isfinite(self.seconds)
 
     def rate_left(self, elapsed: float) -> float:

@@ -38,8 +38,7 @@ class FitJob:
 
     `model` gives the decoder's sizes (vocab_size from the data; ignored on resume and with `init`, a checkpoint whose
     weights start the run with a fresh optimizer); `boxes` object boxes of the training images (COCO instances) that
-    teach attention; `command` the command line as typed.
-    """
+    teach attention; `command` the command line as typed."""
 
     data: str
     out: str
@@ -55,11 +54,8 @@ class FitJob:
 
 def fit(job: FitJob, stop: GracefulStop | None = None) -> Progress:
     """Train a decoder on a prepared data directory into a run directory: last.pt, best.pt, metrics.jsonl. Once
-    `stop` is requested, each process ends its step, rank 0 saves last.pt, and fit returns.
-
-    Raises:
-        CaptionerError: the final save of last.pt or best.pt failed (a full disk), naming the last good one.
-    """
+    `stop` is requested, each process ends its step, rank 0 saves last.pt, and fit returns. Raises CaptionerError,
+    naming the last good checkpoint, where the final save of last.pt or best.pt failed (a full disk)."""
     return Trainer(job, stop).fit()
 
 
@@ -214,18 +210,14 @@ class Trainer:
                 self.step(batch.to(device, non_blocking=pin))
                 progress.step, progress.batch_in_epoch = progress.step + 1, progress.batch_in_epoch + 1
                 self.bar.update(1)
-                # The host waits for the device here, every `log_every` steps (and at saves, and at every step of
-                # a DDP run's cooldown); under DDP the processes also agree here on a save by the clock, a stop,
-                # or time.
+                # The host waits for the device here, every `log_every` steps (and at saves, and at each step of a
+                # DDP run's cooldown); under DDP the processes also agree here on a save by the clock, a stop, or time.
                 agree = progress.step % saves.log_every == 0
                 if agree:
                     self._log_terms()
                 if self._save_due(agree) or (saves.checkpoint_every and progress.step % saves.checkpoint_every == 0):
                     saver.save(saver.last_path, progress, self.metrics)  # rank 0 alone writes
-                for why, asked in (
-                    ("stopped", stop_requested(self.stop)),
-                    ("out of time", self.budget.out()),
-                ):
+                for why, asked in (("stopped", stop_requested(self.stop)), ("out of time", self.budget.out())):
                     if (agree or not d.active) and distributed.any_true(d, asked, device):
                         self._log_terms()
                         return why
