@@ -32,11 +32,8 @@ def _images_in(directory: str, recursive: bool) -> list[str]:
 
 def expand_inputs(specs: Sequence[str], recursive: bool = False) -> list[str]:
     """Files, directories and glob patterns → image paths (normalised), each once, in order. A file named
-    on its own is taken as it is (if it is not an image, captioning says so).
-
-    Raises:
-        CaptionerError: a directory without images, or a pattern that matches none.
-    """
+    on its own is taken as it is (if it is not an image, captioning says so). Raises CaptionerError for a
+    directory without images, or a pattern that matches none."""
     paths: list[str] = []
     for spec in specs:
         if os.path.isdir(spec):
@@ -74,11 +71,8 @@ def image_ids(paths: Sequence[str]) -> dict[str, int | str]:
 
 class ResultLog:
     """Results as JSON lines, one per image, appended as they are made; with `resume`, the results
-    already in it are kept (their images are skipped).
-
-    Raises:
-        CaptionerError: the log holds results and `resume` is off, or a line is not a result.
-    """
+    already in it are kept (their images are skipped). Raises CaptionerError when the log holds results and
+    `resume` is off, or a line is not a result."""
 
     def __init__(self, path: str, resume: bool):
         self.path, self.done = path, {}

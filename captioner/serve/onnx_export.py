@@ -63,12 +63,8 @@ class Step(nn.Module):
 
 
 def export_onnx(source: str, out_dir: str) -> str:
-    """Write the ONNX folder of a model (a checkpoint, an exported folder, a pinned URL or hf://ORG/NAME);
-    returns the folder.
-
-    Raises:
-        CaptionerError: the model cannot be read, or onnxscript (the exporter's) is missing.
-    """
+    """Write the ONNX folder of a model (a checkpoint, an exported folder, a pinned URL or hf://ORG/NAME),
+    and return it. Raises CaptionerError when the model cannot be read, or onnxscript is missing."""
     try:
         import onnxscript  # noqa: F401 - torch.onnx's dynamo exporter needs it
     except ImportError:
