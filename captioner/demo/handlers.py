@@ -1,8 +1,7 @@
 """The web demo's logic: read an upload, caption it through a shared batcher, draw its views.
 
-Nothing here knows the page's layout. Each browser tab has a `Session` with a ticket counter, so
-that a caption request overtaken by a newer one never shows its results. The caption event sets
-every output of the page at once, so nothing stale stays on the page.
+Nothing here knows the page's layout. The caption event sets every output of the page at once, so
+nothing stale stays on the page.
 """
 
 from __future__ import annotations
@@ -55,13 +54,11 @@ class Session:
         self._lock = threading.Lock()
 
     def ticket(self) -> int:
-        """A number for a caption request starting now; later requests get larger ones."""
         with self._lock:
             self.newest += 1
             return self.newest
 
     def draw(self) -> int:
-        """The seed of a new sample: each click of "Another caption" draws another."""
         with self._lock:
             self.draws += 1
             return self.draws
