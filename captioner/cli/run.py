@@ -1,7 +1,4 @@
-"""What every command line shares: logging set up for a program, and errors as one line.
-
-A mistake in the user's input ends with one `error:` line naming the file or flag, never a traceback.
-"""
+"""What every command line shares: logging set up for a program, and a user's mistake as one `error:` line."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Run it first on a new GPU machine: a mode that fails here would fail on COCO after hours of preparation.
 Each mode trains briefly on synthetic scenes, each command in its own process as a user runs it, and
-fails where a compiled function fell back to eager work (a failed compile, a graph break, recompiles
-past the limit, or on a GPU no CUDA graphs), naming the function and why.
+fails where a compiled function fell back to eager work (`captioner.compiled`), naming the function and why.
 """
 
 from __future__ import annotations
@@ -116,7 +115,7 @@ def steps_per_second(run: str) -> float | None:
 
 
 def data_dir(work: str, encoder: str) -> str:
-    """Where the scenes are prepared with an encoder (VGG16's where earlier versions kept them)."""
+    """Where the scenes are prepared with an encoder."""
     return os.path.join(work, "data" if encoder == "vgg16" else f"data-{encoder}")
 
 
