@@ -28,10 +28,8 @@ __all__ = ["Caption", "CaptionModel", "Captioner"]
 
 
 class Captioner(CaptionModel):
-    """A trained captioning model with its encoder on PyTorch, ready for images.
-
-    Shapes: B images, S the encoder's input side, L locations, D feature size.
-    """
+    """A trained captioning model with its encoder on PyTorch. Shapes: B images, S the encoder's input side,
+    L locations, D feature size."""
 
     def __init__(
         self,
@@ -159,14 +157,12 @@ class Captioner(CaptionModel):
         decoding: Decoding | None = None,
         **settings,
     ) -> list[Caption]:
-        """Caption several images (paths, bytes, PIL images or HxWxC uint8 arrays), a chunk at a time.
-        `settings` are any of `Decoding`'s fields, which change `decoding`: max_len, length_norm, mode, seed,
-        sharpness; method="sampling" with temperature, top_k, top_p and n (beam size 1 is greedy; default 3).
-
-        One caption per image: the best beam, or the first of its n samples, all of them in `samples`; the
-        same images, settings and seed give the same captions. Raises ImageError for an image that cannot be
-        read (the message says which and why), OptionError for a setting that does not exist or is out of range.
-        """
+        """Caption several images (paths, bytes, PIL images or HxWxC uint8 arrays), a chunk at a time: one
+        caption each, the best beam, or the first of its n samples with all of them in `samples`. `settings` are
+        any of `Decoding`'s fields, which change `decoding`: max_len, length_norm, mode, seed, sharpness;
+        method="sampling" with temperature, top_k, top_p and n. The same images, settings and seed give the
+        same captions. Raises ImageError for an image that cannot be read (the message says which and why),
+        OptionError for a setting that does not exist or is out of range."""
         settings = (decoding or Decoding()).with_settings(beam_size=beam_size, **settings)
         if earns_back(-(-len(images) // batch_size)):
             self.compile_search()

@@ -140,8 +140,6 @@ def decoded(paths: Sequence[str], workers: int, ahead: int) -> Iterator[tuple[st
 
 @dataclass
 class Outcome:
-    """What a run did: the records of captioned images, and the images that failed."""
-
     records: list[dict] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
 
@@ -182,10 +180,8 @@ def caption_files(
     **caption_kwargs,
 ) -> Outcome:
     """Caption image files in batches, decoding ahead in `workers` threads (0: in this thread).
-
     `on_result(path, image, caption, record)` is called after each batch is logged, `on_error(path,
-    ImageError)` for an image that cannot be read; `caption_kwargs` go to `caption_batch`.
-    """
+    ImageError)` for an image that cannot be read; `caption_kwargs` go to `caption_batch`."""
     outcome = Outcome()
     batch: list[tuple[str, object]] = []
 

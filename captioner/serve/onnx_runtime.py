@@ -1,7 +1,5 @@
-"""Captioning on onnxruntime, without PyTorch: the folder `captioner export --onnx` writes.
-
-    cap = OnnxCaptioner.load("model-onnx/")     # or Captioner.load, or `captioner caption --runtime onnx`
-    out = cap.caption("photo.jpg", beam_size=3)  # out.text, out.words, out.attention (n, grid, grid)
+"""Captioning on onnxruntime, without PyTorch: the folder `captioner export --onnx` writes, loaded by
+`Captioner.load` or `captioner caption --runtime onnx` as by `OnnxCaptioner.load`.
 
 Nothing here imports torch: Pillow reads and resizes the images, NumPy normalises them. The beam search
 with the expected context is what runs here; sampling and hard attention's chosen locations need PyTorch.
