@@ -69,8 +69,7 @@ def _frame(thumb: Image.Image, selected: bool) -> Image.Image:
 
 
 class Demo:
-    """The demo's event handlers around one loaded model; `figures_dir` holds the downloadable attention
-    PNGs (default: a fresh temporary directory, removed on exit)."""
+    """The demo's event handlers around one loaded model; `figures_dir` holds the downloadable attention PNGs."""
 
     def __init__(
         self,
@@ -226,8 +225,7 @@ class Demo:
     def _caption(
         self, picture: Image.Image, chosen: dict, max_len: float | None = None, seed: int | None = None
     ) -> Caption:
-        """The caption of the page's method with the settings `chosen` that it reads, or with a `seed` a
-        sampled one."""
+        """The caption of the page's method with the settings it reads from `chosen`, or sampled with `seed`."""
         try:
             reads = METHODS[self.method].reads
             given = {name: _number(name, value) for name, value in chosen.items() if name in reads}
