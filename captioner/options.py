@@ -107,11 +107,9 @@ def add_options(
     prefix: str = "",
     derived: dict[str, str] | None = None,
 ) -> None:
-    """Add an option for every field of dataclass `cls` (nested dataclasses flattened).
-
-    `prefix`: where in the namespace a nested dataclass's values go ("fine_tune."); `derived`: for fields
-    whose default the program derives (None in the dataclass), the default the help states.
-    """
+    """Add an option for every field of dataclass `cls` (nested dataclasses flattened). `prefix`: where in
+    the namespace a nested dataclass's values go ("fine_tune."); `derived`: for fields whose default the
+    program derives (None in the dataclass), the default the help states."""
     target = parser.add_argument_group(group) if group else parser
     for f, tp, flags, text in _fields(cls):
         tp, optional = _optional(tp)
@@ -202,7 +200,6 @@ def from_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = (), pref
 
 
 def _given(cls, args: argparse.Namespace, prefix: str) -> list[str]:
-    """Flags of `cls`'s fields given on the command line."""
     out = []
     for f, _, flags, _ in _fields(cls):
         if getattr(args, prefix + f.name, NOT_GIVEN) is not NOT_GIVEN:

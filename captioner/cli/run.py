@@ -26,8 +26,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 class _Lines(logging.Handler):
-    """The library's messages on stderr, one line each ("warning: ..." for warnings), written
-    through tqdm so that a progress bar stays whole."""
+    """The library's messages on stderr, one line each, through tqdm so that a progress bar stays whole."""
 
     def emit(self, record: logging.LogRecord) -> None:
         prefix = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
