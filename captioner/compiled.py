@@ -4,11 +4,8 @@ graphs; elsewhere the default mode fuses their kernels.
 
 `Compiled` runs a function through the compiler, whole, with the guards every caller would otherwise repeat:
 - an error of the compiler's own (a compile that fails, a graph break, more recompiles than its limit):
-  one warning naming the function and the reason, and the function runs eagerly from then on. The
-  compiler raises these before the compiled code runs (a backward compiles with its forward), so the
-  function runs once either way. Any other error (out of memory, a bad input) is the caller's, raised as
-  it is, and the function stays compiled, also where the compiler meets it first: an input whose shapes
-  do not fit fails while traced, and Inductor runs kernels on real tensors to choose among them;
+  one warning naming the function and the reason, and the function runs eagerly from then on. Any other
+  error (out of memory, a bad input) is the caller's, raised as it is, and the function stays compiled;
 - on a GPU, a function that compiled but runs without CUDA graphs is said in the same way;
 - each call that compiled is logged with its time, and the threads that compiled are kept: CUDA graph
   trees are per thread, so a server compiles on the thread that serves.
@@ -31,8 +28,7 @@ log = logging.getLogger(__name__)
 
 FELL_BACK = "a compiled function fell back"  # how every fallback's warning begins (`captioner selfcheck` looks for it)
 GRAPHS = "reduce-overhead"  # the mode whose code a GPU replays as CUDA graphs
-# Searches from which compiling the search's block saves a GPU more than the compile costs (an estimate:
-# docs/training.md). A server (the demo) compiles before it says it is ready.
+# Searches from which compiling the search's block saves a GPU more than the compile costs (docs/training.md).
 EARNS_BACK = 3000
 
 
@@ -49,8 +45,7 @@ def earns_back(searches: int) -> bool:
 
 
 def search_compiles(device: torch.device, graphs: bool) -> bool:
-    """Whether a model on `device` compiles its search when asked to (`Captioner.compile_search`): on a GPU,
-    with `graphs`."""
+    """Whether a model on `device` compiles its search when asked to (`Captioner.compile_search`)."""
     return graphs and device.type == "cuda"
 
 

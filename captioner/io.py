@@ -1,9 +1,6 @@
-"""Files read and written safely: reads whose errors name the file, one atomic write, and failed writes
-described in words that name the place.
-
-Every file the package writes whole goes through `atomic_path`, so a reader sees the old file or the
-complete new one, never half of one.
-"""
+"""Files read and written safely: reads whose errors name the file, failed writes described in words that
+name the place, and `atomic_path`, through which every file the package writes whole goes, so that a reader
+sees the old file or the complete new one, never half of one."""
 
 from __future__ import annotations
 
@@ -64,11 +61,8 @@ def read_folder_config(folder: str, files: tuple[str, ...], *, kind: str, fmt: s
 
 def read_torch(path: str, *, name: str, kind: str, hint: str = "", map_location="cpu"):
     """`torch.load` with weights_only: a file that needs the full unpickler is refused, its code never run.
-    Messages name the file `name` (its path, or the option that gave it).
-
-    Raises:
-        CaptionerError: the file holds pickled objects, or is truncated, corrupt or not torch's format.
-    """
+    Raises CaptionerError naming the file `name` (its path, or the option that gave it) when it holds
+    pickled objects, or is truncated, corrupt or not torch's format."""
     import torch  # here: reading JSON needs no torch
 
     try:
@@ -133,7 +127,6 @@ def _alive(pid: int) -> bool:
 
 
 def write_json_atomic(path: str, obj) -> None:
-    """Write JSON so that the file is either the old one or the complete new one."""
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f)
 

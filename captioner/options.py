@@ -107,11 +107,9 @@ def add_options(
     prefix: str = "",
     derived: dict[str, str] | None = None,
 ) -> None:
-    """Add an option for every field of dataclass `cls` (nested dataclasses flattened).
-
-    `prefix`: where in the namespace a nested dataclass's values go ("fine_tune."); `derived`: for fields
-    whose default the program derives (None in the dataclass), the default the help states.
-    """
+    """Add an option for every field of dataclass `cls` (nested dataclasses flattened). `prefix`: where in
+    the namespace a nested dataclass's values go ("fine_tune."); `derived`: for fields whose default the
+    program derives (None in the dataclass), the default the help states."""
     target = parser.add_argument_group(group) if group else parser
     for f, tp, flags, text in _fields(cls):
         tp, optional = _optional(tp)
@@ -127,10 +125,8 @@ def add_options(
 
 def _add_nested(parser, target, name: str, tp, optional: bool, flag: str, text: str, *, prefix: str, derived) -> None:
     """The options of a nested dataclass field, in a help section of their own."""
-    nested, title = (
-        f"{prefix}{name}.",
-        (tp.__doc__ or name).strip().splitlines()[0].split(";")[0].rstrip("."),
-    )
+    nested = f"{prefix}{name}."
+    title = (tp.__doc__ or name).strip().splitlines()[0].split(";")[0].rstrip(".")
     if optional:  # switched on by its own flag; its fields follow
         target.add_argument(flag, dest=prefix + name, action="store_true", help=text)
         add_options(parser, tp, group=title, required_by=flag, prefix=nested, derived=derived)
@@ -154,11 +150,9 @@ def _argument(
         kwargs.pop("metavar")
         shown = shown if f.name in (derived or {}) else ""
     elif tp is bool:
-        if default is True:
-            flags = [f"--no-{f.name.replace('_', '-')}"] if not flags[0].startswith("--no-") else flags
-            kwargs.update(action="store_const", const=False)
-        else:
-            kwargs.update(action="store_const", const=True)
+        if default is True and not flags[0].startswith("--no-"):
+            flags = [f"--no-{f.name.replace('_', '-')}"]
+        kwargs.update(action="store_const", const=default is not True)
         kwargs.pop("metavar")
         shown = ""
     elif typing.get_origin(tp) is list:
@@ -179,12 +173,8 @@ def _shown(value) -> str:
 
 
 def from_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = (), prefix: str = "", **fixed):
-    """The dataclass `cls` from parsed options: given values, else the dataclass's defaults.
-
-    Raises:
-        ValueError: an option of an optional nested dataclass was given without its switch, or a --device
-            that names no device.
-    """
+    """The dataclass `cls` from parsed options: given values, else the dataclass's defaults. Raises
+    OptionError for an option of an optional nested dataclass given without its switch, or a bad --device."""
     values = dict(fixed)
     hints = typing.get_type_hints(cls, include_extras=True)
     for f, tp, flags, text in _fields(cls):
@@ -210,7 +200,6 @@ def from_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = (), pref
 
 
 def _given(cls, args: argparse.Namespace, prefix: str) -> list[str]:
-    """Flags of `cls`'s fields given on the command line."""
     out = []
     for f, _, flags, _ in _fields(cls):
         if getattr(args, prefix + f.name, NOT_GIVEN) is not NOT_GIVEN:

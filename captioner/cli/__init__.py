@@ -1,2 +1,1 @@
-"""The command lines: `captioner` (caption, demo, export) and `train.py` / `captioner-train`
-(prepare, fit, evaluate)."""
+"""The command lines: `captioner` (caption, demo, export, selfcheck) and `train.py` (prepare, fit, evaluate, coco)."""

@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
         stages[stage] = {
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "seconds": round(time.monotonic() - start, 1),
+            **outcome,
         }
-        stages[stage].update(outcome)
         write_json_atomic(paths.record, record)
     if not todo:
         print(f"nothing to do: {opts.stage or 'every stage'} had finished ({paths.record})")

@@ -188,8 +188,7 @@ def _caption(args: argparse.Namespace) -> int:
 
 
 def _load(source: str, opts: CaptionOptions):
-    """The model on the runtime `--runtime` names: a `Captioner` (PyTorch) or an `OnnxCaptioner`, which needs
-    no torch."""
+    """The model on the runtime `--runtime` names; an `OnnxCaptioner` needs no torch."""
     remote = "://" in source  # a URL or hf://, which `Captioner.load` fetches, then checks
     if not remote and on_onnx(source, opts.runtime):
         return OnnxCaptioner.load(source)

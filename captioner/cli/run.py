@@ -1,7 +1,4 @@
-"""What every command line shares: logging set up for a program, and errors as one line.
-
-A mistake in the user's input ends with one `error:` line naming the file or flag, never a traceback.
-"""
+"""What every command line shares: logging set up for a program, and a user's mistake as one `error:` line."""
 
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 class _Lines(logging.Handler):
-    """The library's messages on stderr, one line each ("warning: ..." for warnings), written
-    through tqdm so that a progress bar stays whole."""
+    """The library's messages on stderr, one line each, through tqdm so that a progress bar stays whole."""
 
     def emit(self, record: logging.LogRecord) -> None:
         prefix = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""

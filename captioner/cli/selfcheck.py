@@ -2,8 +2,7 @@
 
 Run it first on a new GPU machine: a mode that fails here would fail on COCO after hours of preparation.
 Each mode trains briefly on synthetic scenes, each command in its own process as a user runs it, and
-fails where a compiled function fell back to eager work (a failed compile, a graph break, recompiles
-past the limit, or on a GPU no CUDA graphs), naming the function and why.
+fails where a compiled function fell back to eager work (`captioner.compiled`), naming the function and why.
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ TIES = {"BLEU-4": 0.05, "CIDEr": 0.25}
 
 @dataclass(frozen=True)
 class SelfCheckOptions:
-    """`captioner selfcheck`'s options."""
-
     device: Device = "cuda"
     scenes: Annotated[int, "synthetic scenes to make"] = 240
     seconds: Annotated[float, "how long each mode trains"] = 12.0
@@ -116,7 +113,6 @@ def steps_per_second(run: str) -> float | None:
 
 
 def data_dir(work: str, encoder: str) -> str:
-    """Where the scenes are prepared with an encoder (VGG16's where earlier versions kept them)."""
     return os.path.join(work, "data" if encoder == "vgg16" else f"data-{encoder}")
 
 
@@ -172,8 +168,7 @@ def _same_validation(run: str, data: str, device: str, log) -> None:
     val = [x for x in lines if x.get("event") == "val"]
     best = next(x for x in reversed(val) if x["step"] == x["best_step"])
     out = os.path.join(run, "val", "metrics.json")
-    checkpoint = os.path.join(run, "best.pt")
-    where = ["--checkpoint", checkpoint, "--data", data, "--out", out, "--split", "val"]
+    where = ["--checkpoint", os.path.join(run, "best.pt"), "--data", data, "--out", out, "--split", "val"]
     _run([*TRAIN, "evaluate", *where, "--beam-size", "2", "--device", device, "--cuda-graphs", "off"], log)
     with open(results_path(out), encoding="utf-8") as f:
         texts = {r["image_id"]: r["caption"] for r in json.load(f)}

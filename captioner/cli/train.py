@@ -118,11 +118,9 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _fit(args: argparse.Namespace) -> int:
-    where, model, cfg = (
-        from_args(FitOptions, args),
-        from_args(DecoderConfig, args, vocab_size=0),
-        from_args(TrainConfig, args),
-    )
+    where = from_args(FitOptions, args)
+    model = from_args(DecoderConfig, args, vocab_size=0)
+    cfg = from_args(TrainConfig, args)
     main = int(os.environ.get("RANK", "0")) == 0
     with GracefulStop(announce=main) as stop:
         command = shlex.join(["python", "train.py", *args.typed])

@@ -1,10 +1,7 @@
 """The web demo's page: upload an image, read its caption, see where the model looked for each word.
 
-    captioner demo [--checkpoint PATH_OR_URL#sha256=HEX] [--host 127.0.0.1] [--port 7860]
-    python app.py [...]     # the same, from a checkout
-
-With no --checkpoint it serves the bundled demo model. API: `/caption` takes (image, beam_size)
-and returns the caption, then its words, score, attention, alternatives and familiarity as JSON.
+captioner demo [--checkpoint PATH_OR_URL#sha256=HEX] [--host 127.0.0.1] [--port 7860]
+python app.py [...]     # the same, from a checkout
 """
 
 from __future__ import annotations
@@ -205,7 +202,6 @@ def _outputs() -> dict:
 
 
 def _wire(demo: Demo, examples: list[str], p: dict) -> None:
-    """The page's events and the /caption API."""
     # preprocess=False: uploads reach `load_image` undecoded (see demo.uploads.upload_source).
     model_events = dict(concurrency_id="model", concurrency_limit=demo.batcher.max_batch_size, preprocess=False)
     draw_events = dict(concurrency_id="draw", concurrency_limit=2, api_visibility="private")
@@ -216,12 +212,9 @@ def _wire(demo: Demo, examples: list[str], p: dict) -> None:
     # "always_last" runs a request made while one is pending after it, with the newest input.
 
     def caption_event(evt: gr.EventData, picture, example, length, alpha, state, *values):
-        chosen = dict(zip(names, values))
-        if isinstance(evt.target, gr.Dataset):  # an example: show it in the input, then caption it
-            shown = examples[int(example)]
-            pages = demo.caption_view(shown, chosen, length, alpha, state, show=shown)
-        else:
-            pages = demo.caption_view(picture, chosen, length, alpha, state)
+        # An example is shown in the input, then captioned.
+        shown = examples[int(example)] if isinstance(evt.target, gr.Dataset) else None
+        pages = demo.caption_view(shown or picture, dict(zip(names, values)), length, alpha, state, show=shown)
         yield from (page.flat() for page in pages)
 
     def another_event(picture, length, alpha, state, *values):

@@ -40,16 +40,10 @@ def trained_on(captioner: Captioner) -> str:
     return f"the data prepared in `{data['dir']}`" if data.get("dir") else "unknown (the checkpoint does not say)"
 
 
-def knows_only_scenes(captioner: Captioner) -> bool:
-    """Whether the model knows only the synthetic scenes (the seeded random encoder, or its card says so)."""
-    return captioner.encoder_spec.weights == "none" or "synthetic scenes" in trained_on(captioner)
-
-
 def model_notice(captioner: Captioner) -> str:
-    """The plain paragraph above the page: what this model can describe, and what it cannot, and
-    whether its heatmaps can be trusted."""
-    if knows_only_scenes(captioner):
-        # Its encoder, random or pretrained on the scenes, separates only what they vary: colours, shapes, places.
+    """The paragraph above the page: what this model can and cannot describe, and if its heatmaps are trusted."""
+    # Its encoder, random or pretrained on the scenes, separates only what they vary: colours, shapes, places.
+    if captioner.encoder_spec.weights == "none" or "synthetic scenes" in trained_on(captioner):
         notice = (
             "**This demo model knows only pictures of coloured shapes, like the examples below.** "
             "It describes every picture as if it were one of them, so a photograph gets a caption "
@@ -162,8 +156,7 @@ def examples_note(captioner: Captioner, examples: Sequence[str]) -> str:
 
 
 def example_outputs(captioner: Captioner, paths: Sequence[str]) -> list[dict]:
-    """What a model writes for each image as the page captions it: the caption, its score and each word's map.
-    A card records them for its examples, and tests/test_saved_outputs.py checks a model still writes them."""
+    """What a model writes for each image as the page captions it: the caption, its score and each word's map."""
     outs = captioner.caption_batch(list(paths), beam_size=PAGE_BEAM)
     return [
         {

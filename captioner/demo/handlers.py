@@ -1,8 +1,7 @@
 """The web demo's logic: read an upload, caption it through a shared batcher, draw its views.
 
-Nothing here knows the page's layout. Each browser tab has a `Session` with a ticket counter, so
-that a caption request overtaken by a newer one never shows its results. The caption event sets
-every output of the page at once, so nothing stale stays on the page.
+Nothing here knows the page's layout. The caption event sets every output of the page at once, so
+nothing stale stays on the page.
 """
 
 from __future__ import annotations
@@ -55,13 +54,11 @@ class Session:
         self._lock = threading.Lock()
 
     def ticket(self) -> int:
-        """A number for a caption request starting now; later requests get larger ones."""
         with self._lock:
             self.newest += 1
             return self.newest
 
     def draw(self) -> int:
-        """The seed of a new sample: each click of "Another caption" draws another."""
         with self._lock:
             self.draws += 1
             return self.draws
@@ -72,8 +69,7 @@ def _frame(thumb: Image.Image, selected: bool) -> Image.Image:
 
 
 class Demo:
-    """The demo's event handlers around one loaded model; `figures_dir` holds the downloadable attention
-    PNGs (default: a fresh temporary directory, removed on exit)."""
+    """The demo's event handlers around one loaded model; `figures_dir` holds the downloadable attention PNGs."""
 
     def __init__(
         self,
@@ -229,8 +225,7 @@ class Demo:
     def _caption(
         self, picture: Image.Image, chosen: dict, max_len: float | None = None, seed: int | None = None
     ) -> Caption:
-        """The caption of the page's method with the settings `chosen` that it reads, or with a `seed` a
-        sampled one."""
+        """The caption of the page's method with the settings it reads from `chosen`, or sampled with `seed`."""
         try:
             reads = METHODS[self.method].reads
             given = {name: _number(name, value) for name, value in chosen.items() if name in reads}

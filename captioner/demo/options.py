@@ -14,8 +14,6 @@ PAGE_TOP_P = 0.9  # "Another caption" samples from the likeliest words holding 9
 
 @dataclass(frozen=True)
 class DemoOptions:
-    """The web demo's options (`captioner demo`, `python app.py`)."""
-
     checkpoint: Annotated[
         str | None,
         "the model: a checkpoint, an exported folder, URL#sha256=HEX (downloaded once into torch's hub cache) or "
@@ -28,9 +26,7 @@ class DemoOptions:
     max_pixels: Annotated[int, "largest image in pixels, against decompression bombs"] = DEFAULT_MAX_PIXELS
     max_batch_size: Annotated[int, "most concurrent images captioned in one forward pass"] = 8
     queue_size: Annotated[int, "requests waiting beyond this are told the server is busy"] = 64
-    decoding: Annotated[str, "--decoding", "the method the page's captions and /caption use (beam: a beam search)"] = (
-        "beam"
-    )
+    decoding: Annotated[str, "the method the page's captions and /caption use (beam: a beam search)"] = "beam"
     device: Device = "auto"
     graphs: Annotated[
         bool, "on a GPU, compile the search before serving and replay it as CUDA graphs (--no-graphs: never)"

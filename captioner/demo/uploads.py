@@ -15,12 +15,9 @@ from captioner.errors import ImageError
 
 
 def upload_source(payload: dict | str | None) -> str | bytes | None:
-    """The uploaded file from gr.Image's raw payload: its path, or bytes for a data URL.
-
-    gr.Image's own preprocessing opens each upload with Pillow and re-encodes non-RGB ones: odd
-    files fail with Pillow's bare exception before our handler runs, and 16-bit images are
-    clipped. So the caption events skip it and hand the file to `load_image` untouched.
-    """
+    """The uploaded file from gr.Image's raw payload: its path, or bytes for a data URL. The caption events
+    skip gr.Image's own preprocessing, which opens each upload with Pillow and re-encodes non-RGB ones: odd
+    files would fail with Pillow's bare exception before our handler runs, and 16-bit images be clipped."""
     if payload is None or isinstance(payload, str):  # a path: direct calls
         return payload
     if (payload.get("url") or "").startswith("data:"):  # webcam/clipboard sent inline

@@ -49,7 +49,6 @@ def fit_view(image: Image.Image) -> Image.Image:
 
 
 def caption_data(out: Caption, decimals: int = 6) -> dict:
-    """A caption as plain JSON for programs."""
     return {
         "caption": out.text,
         "words": out.words,

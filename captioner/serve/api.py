@@ -28,10 +28,8 @@ __all__ = ["Caption", "CaptionModel", "Captioner"]
 
 
 class Captioner(CaptionModel):
-    """A trained captioning model with its encoder on PyTorch, ready for images.
-
-    Shapes: B images, S the encoder's input side, L locations, D feature size.
-    """
+    """A trained captioning model with its encoder on PyTorch. Shapes: B images, S the encoder's input side,
+    L locations, D feature size."""
 
     def __init__(
         self,
@@ -81,18 +79,10 @@ class Captioner(CaptionModel):
         runtime: str = "auto",
     ) -> CaptionModel:
         """Load a model: a checkpoint written by `fit`, an exported folder, a pinned URL of either, or
-        hf://ORG/NAME[@REVISION]. Nothing is unpickled. A folder of ONNX graphs loads onto onnxruntime as an
-        `OnnxCaptioner`, the other `CaptionModel`, and the other arguments do not apply.
-
-        Args:
-            build_encoder: also rebuild the image encoder (not needed on cached features).
-            fast: run the encoder through `optimize_encoder` (same features, faster).
-            graphs: on a GPU, let the search compile where it earns back its compile (`compile_search`).
-            runtime: "auto", "onnx", or "torch": PyTorch, unchecked (a caller that has checked the source).
-
-        Raises:
-            CaptionerError: the model cannot be found, fetched or read.
-        """
+        hf://ORG/NAME[@REVISION]; nothing is unpickled. A folder of ONNX graphs loads onto onnxruntime as an
+        `OnnxCaptioner`, and the other arguments do not apply; runtime "torch" skips that check (a caller that
+        has checked the source). Without `build_encoder` the encoder is built when first needed (cached
+        features need none). Raises CaptionerError when the model cannot be found, fetched or read."""
         path = resolve(source)
         if runtime != "torch" and on_onnx(path, runtime):
             return OnnxCaptioner.load(path)
@@ -167,21 +157,12 @@ class Captioner(CaptionModel):
         decoding: Decoding | None = None,
         **settings,
     ) -> list[Caption]:
-        """Caption several images (paths, bytes, PIL images or HxWxC uint8 arrays), a chunk at a time.
-
-        Args:
-            beam_size: K (1 is greedy; default 3).
-            **settings: any of `Decoding`'s fields, which change `decoding`: max_len, length_norm, mode,
-                seed, sharpness; method="sampling" with temperature, top_k, top_p and n.
-
-        Returns:
-            One caption per image: the best beam, or the first of its n samples, all of them in
-            `samples`. The same images, settings and seed give the same captions.
-
-        Raises:
-            ImageError: an image cannot be read (the message says which and why).
-            OptionError: a setting that does not exist or is out of range.
-        """
+        """Caption several images (paths, bytes, PIL images or HxWxC uint8 arrays), a chunk at a time: one
+        caption each, the best beam, or the first of its n samples with all of them in `samples`. `settings` are
+        any of `Decoding`'s fields, which change `decoding`: max_len, length_norm, mode, seed, sharpness;
+        method="sampling" with temperature, top_k, top_p and n. The same images, settings and seed give the
+        same captions. Raises ImageError for an image that cannot be read (the message says which and why),
+        OptionError for a setting that does not exist or is out of range."""
         settings = (decoding or Decoding()).with_settings(beam_size=beam_size, **settings)
         if earns_back(-(-len(images) // batch_size)):
             self.compile_search()

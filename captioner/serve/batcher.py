@@ -1,5 +1,4 @@
-"""Concurrent caption requests batched into shared forward passes, each failure kept its own, on one thread
-that also compiles the search before it serves (PyTorch keeps CUDA graphs per thread)."""
+"""Concurrent caption requests batched into shared forward passes, on one thread that owns the model."""
 
 from __future__ import annotations
 
@@ -16,13 +15,10 @@ from captioner.serve.api import Caption, Captioner
 
 
 class Batcher:
-    """Runs concurrent caption requests through the model together, one thread owning it.
-
-    Requests that wait while a batch runs form the next batch (up to `max_batch_size`,
-    grouped by their decoding settings). If a batch fails, its images are retried one at a
-    time, so an error reaches only the request that caused it. On a GPU the thread first compiles
-    the searches of the `warm` settings for every batch size; `ready` says when it serves.
-    """
+    """Requests that wait while a batch runs form the next batch (up to `max_batch_size`, grouped by their
+    decoding settings). If a batch fails, its images are retried one at a time, so an error reaches only the
+    request that caused it. On a GPU the thread first compiles the searches of the `warm` settings for every
+    batch size (PyTorch keeps CUDA graphs per thread); `ready` says when it serves."""
 
     def __init__(self, captioner: Captioner, *, max_batch_size: int = 8, warm: Sequence[Decoding] = ()):
         self.captioner, self.max_batch_size = captioner, max_batch_size

@@ -32,11 +32,8 @@ def _images_in(directory: str, recursive: bool) -> list[str]:
 
 def expand_inputs(specs: Sequence[str], recursive: bool = False) -> list[str]:
     """Files, directories and glob patterns → image paths (normalised), each once, in order. A file named
-    on its own is taken as it is (if it is not an image, captioning says so).
-
-    Raises:
-        CaptionerError: a directory without images, or a pattern that matches none.
-    """
+    on its own is taken as it is (if it is not an image, captioning says so). Raises CaptionerError for a
+    directory without images, or a pattern that matches none."""
     paths: list[str] = []
     for spec in specs:
         if os.path.isdir(spec):
@@ -74,11 +71,8 @@ def image_ids(paths: Sequence[str]) -> dict[str, int | str]:
 
 class ResultLog:
     """Results as JSON lines, one per image, appended as they are made; with `resume`, the results
-    already in it are kept (their images are skipped).
-
-    Raises:
-        CaptionerError: the log holds results and `resume` is off, or a line is not a result.
-    """
+    already in it are kept (their images are skipped). Raises CaptionerError when the log holds results and
+    `resume` is off, or a line is not a result."""
 
     def __init__(self, path: str, resume: bool):
         self.path, self.done = path, {}
@@ -146,8 +140,6 @@ def decoded(paths: Sequence[str], workers: int, ahead: int) -> Iterator[tuple[st
 
 @dataclass
 class Outcome:
-    """What a run did: the records of captioned images, and the images that failed."""
-
     records: list[dict] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
 
@@ -188,10 +180,8 @@ def caption_files(
     **caption_kwargs,
 ) -> Outcome:
     """Caption image files in batches, decoding ahead in `workers` threads (0: in this thread).
-
     `on_result(path, image, caption, record)` is called after each batch is logged, `on_error(path,
-    ImageError)` for an image that cannot be read; `caption_kwargs` go to `caption_batch`.
-    """
+    ImageError)` for an image that cannot be read; `caption_kwargs` go to `caption_batch`."""
     outcome = Outcome()
     batch: list[tuple[str, object]] = []
 

@@ -31,8 +31,7 @@ class Caption:
 
 
 class CaptionModel:
-    """A trained model that captions images, on either runtime: `serve.api.Captioner` (PyTorch) or
-    `serve.onnx_runtime.OnnxCaptioner` (onnxruntime); `Captioner.load` gives the one a source holds."""
+    """A trained model that captions images: a `Captioner` on PyTorch or an `OnnxCaptioner` on onnxruntime."""
 
     info: dict  # the model's record: metrics, the attention health check's verdict, its card
 

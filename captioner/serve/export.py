@@ -18,8 +18,7 @@ SCORES = ("BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr", "pointing")
 
 
 def export(checkpoint: str, out_dir: str) -> str:
-    """Write the exported folder and its model card for a training checkpoint (a path or pinned URL);
-    return the folder."""
+    """Write the exported folder and its model card for a training checkpoint (a path or pinned URL)."""
     ck = load_checkpoint(resolve(checkpoint))
     write_exported(ck, out_dir)
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
@@ -97,8 +96,9 @@ def _scores(ck: dict) -> list[str]:
         else (metrics, f"validation split ({metrics.get('images', '?')} images), at the checkpoint's last validation")
     )
     shown = [f"| {k} | {scores[k]:.3f} |" for k in SCORES if isinstance(scores.get(k), (int, float))]
-    lines = (
-        [
+    lines = []
+    if shown:
+        lines += [
             "## Scores",
             "",
             f"On the {where}, beam search of width 3 (coco-caption's metrics as fractions; "
@@ -109,9 +109,6 @@ def _scores(ck: dict) -> list[str]:
             *shown,
             "",
         ]
-        if shown
-        else []
-    )
     health = card.get("attention_health") or metrics.get("attention_health")
     if health:
         lines += [f"A{summary(health)[1:]}.", ""]

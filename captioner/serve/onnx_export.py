@@ -12,9 +12,8 @@ Writes:
                        the model's record (metrics, attention verdict, card)
     DIR/vocab.json     {"words": [...]}, in id order
 
-The graphs are made by torch.onnx's dynamo exporter, with the batch (B, N) dynamic; the step's weights
-are joined as the PyTorch search joins them (`AttentionDecoder.joined`). The training-feature statistics
-(`familiarity`) are not exported: the ONNX runtime does not say whether an image is like the training images.
+The batch (B, N) is dynamic. The training-feature statistics (`familiarity`) are not exported: the ONNX
+runtime does not say whether an image is like the training images.
 """
 
 from __future__ import annotations
@@ -63,12 +62,8 @@ class Step(nn.Module):
 
 
 def export_onnx(source: str, out_dir: str) -> str:
-    """Write the ONNX folder of a model (a checkpoint, an exported folder, a pinned URL or hf://ORG/NAME);
-    returns the folder.
-
-    Raises:
-        CaptionerError: the model cannot be read, or onnxscript (the exporter's) is missing.
-    """
+    """Write the ONNX folder of a model (a checkpoint, an exported folder, a pinned URL or hf://ORG/NAME),
+    and return it. Raises CaptionerError when the model cannot be read, or onnxscript is missing."""
     try:
         import onnxscript  # noqa: F401 - torch.onnx's dynamo exporter needs it
     except ImportError:
@@ -114,8 +109,7 @@ def export_onnx(source: str, out_dir: str) -> str:
 
 
 def _write(module: nn.Module, args: tuple, out_dir: str, name: str, dims: tuple) -> None:
-    """One graph, its inputs and outputs named as `serve.onnx_runtime.GRAPHS` says, exported by the dynamo
-    exporter and written atomically."""
+    """One graph, its inputs and outputs named as `GRAPHS` says, written atomically."""
     inputs, outputs = GRAPHS[name]
     program = torch.onnx.export(
         module.eval(),

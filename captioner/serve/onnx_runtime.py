@@ -1,7 +1,5 @@
-"""Captioning on onnxruntime, without PyTorch: the folder `captioner export --onnx` writes.
-
-    cap = OnnxCaptioner.load("model-onnx/")     # or Captioner.load, or `captioner caption --runtime onnx`
-    out = cap.caption("photo.jpg", beam_size=3)  # out.text, out.words, out.attention (n, grid, grid)
+"""Captioning on onnxruntime, without PyTorch: the folder `captioner export --onnx` writes, loaded by
+`Captioner.load` or `captioner caption --runtime onnx` as by `OnnxCaptioner.load`.
 
 Nothing here imports torch: Pillow reads and resizes the images, NumPy normalises them. The beam search
 with the expected context is what runs here; sampling and hard attention's chosen locations need PyTorch.
@@ -37,10 +35,7 @@ FILES = (*GRAPHS, "config.json", "vocab.json")
 def on_onnx(path: str, runtime: str = "auto") -> bool:
     """Whether the model at `path` captions on onnxruntime, as `runtime` asks ("auto": where `captioner export
     --onnx` wrote the folder, judged by its config): the one check, for the API and the command line alike.
-
-    Raises:
-        CaptionerError: onnxruntime asked of another model, or PyTorch of ONNX graphs.
-    """
+    Raises CaptionerError when onnxruntime is asked of another model, or PyTorch of ONNX graphs."""
     config = os.path.join(path, "config.json")
     config = read_json(config, "model config") if os.path.isdir(path) and os.path.isfile(config) else None
     onnx = isinstance(config, dict) and config.get("format") == FORMAT
@@ -84,12 +79,9 @@ class OnnxCaptioner(CaptionModel):
 
     @classmethod
     def load(cls, folder: str) -> OnnxCaptioner:
-        """The folder's graphs in onnxruntime sessions, with its settings and vocabulary.
-
-        Raises:
-            CaptionerError: a missing file, a config of another format or a newer version, a damaged graph,
-                or graphs that do not fit each other or the vocabulary (the message names the file).
-        """
+        """The folder's graphs in onnxruntime sessions, with its settings and vocabulary. Raises CaptionerError
+        naming the file: a missing file, a config of another format or a newer version, a damaged graph, or
+        graphs that do not fit each other or the vocabulary."""
         try:
             import onnxruntime
         except ImportError:
@@ -119,12 +111,8 @@ class OnnxCaptioner(CaptionModel):
     def caption_batch(
         self, images: Sequence, beam_size: int | None = None, *, batch_size: int = 16, decoding=None, **settings
     ) -> list[Caption]:
-        """Caption several images (paths, bytes, PIL images or HxWxC uint8 arrays), a chunk at a time.
-
-        Raises:
-            ImageError: an image cannot be read (the message says which and why).
-            OptionError: a setting this runtime does not run (sampling, a hard-attention location).
-        """
+        """`Captioner.caption_batch` on onnxruntime, which raises OptionError for what it does not run
+        (sampling, a hard-attention location)."""
         settings = (decoding or Decoding()).with_settings(beam_size=beam_size, **settings)
         if settings.method != "beam" or settings.context != EXPECTED:
             raise OptionError(

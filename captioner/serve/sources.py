@@ -1,8 +1,7 @@
 """The bundled demo model and its example scenes, and the model a program serves by default.
 
-The bundled model is trained on the synthetic scenes with the seeded random VGG16 encoder (no
-ImageNet weights), so the demo runs offline on a fresh machine; it knows coloured shapes only.
-`python -m tools.build_demo`, run from a source checkout, rebuilds it with the example scenes beside it.
+The bundled model knows the synthetic scenes of coloured shapes only: its VGG16 encoder has seeded random
+weights (no ImageNet download), so the demo runs offline on a fresh machine.
 """
 
 from __future__ import annotations
