@@ -12,7 +12,6 @@ threshold wherever it runs. Symbols: L locations, D annotation size, N images sa
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable, Sequence
 
@@ -114,26 +113,19 @@ def save_photo_features(data_dir: str, encoder: torch.nn.Module, spec: EncoderSp
         np.savez(tmp, names=np.asarray(names), features=feats.numpy())
 
 
-@functools.lru_cache(maxsize=4)
-def _photo_features(spec: EncoderSpec, photos: tuple[str, ...]) -> tuple[tuple[str, ...], torch.Tensor]:
-    """The views' vectors by the spec's own encoder, for a data directory prepared before `PHOTOS`; cached per
-    process."""
-    return _encode_views(optimize_encoder(build_encoder(spec)[0], image_size=spec.image_size), spec, photos)
-
-
 def photo_scores(data, score: Callable[[torch.Tensor], torch.Tensor], encoder: torch.nn.Module | None = None):
     """Scores of the calibration photographs' views (name → score) by `encoder` (a fine-tuned one) or as `prepare`
     stored them; empty when neither they nor the data's encoder are here (weights not cached): the threshold then
     rests on the scenes alone."""
-    stored = os.path.join(data.dir, PHOTOS)
+    stored, spec = os.path.join(data.dir, PHOTOS), data.encoder
     try:
-        if encoder is not None:
-            names, feats = _encode_views(encoder, data.encoder, tuple(calibration_photos()))
-        elif os.path.exists(stored):
+        if encoder is None and os.path.exists(stored):
             with np.load(stored) as f:
                 names, feats = f["names"].tolist(), torch.from_numpy(f["features"])
-        else:
-            names, feats = _photo_features(data.encoder, tuple(calibration_photos()))
+        else:  # a fine-tuned encoder's, or a directory prepared before `PHOTOS`: its encoder as the captioner runs it
+            if encoder is None:
+                encoder = optimize_encoder(build_encoder(spec)[0], image_size=spec.image_size)
+            names, feats = _encode_views(encoder, spec, tuple(calibration_photos()))
     except CaptionerError:
         return {}
     return dict(zip(names, score(feats).tolist()))
