@@ -38,10 +38,12 @@ ON_A_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU
 
 @pytest.fixture
 def fresh_search():
-    """The process's compiled search, made anew for this test and after it."""
+    """The process's compiled search, made anew for this test and after it (and what the compiler keeps of it)."""
     compiled_block.cache_clear()
+    torch._dynamo.reset()
     yield
     compiled_block.cache_clear()
+    torch._dynamo.reset()
 
 
 def graphs_compiled() -> int:
@@ -209,10 +211,9 @@ def test_running_out_of_memory_while_compiling_is_the_callers_error_and_it_stays
         raise torch.OutOfMemoryError("planted: out of memory while benchmarking")
 
     monkeypatch.setattr(GraphLowering, "compile_to_module", out_of_memory)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # compiled, not read from the cache
     double = Compiled(lambda x: x * 2, "a doubling", mode="default")
-    with pytest.raises(torch.OutOfMemoryError, match="planted"):
-        double(torch.ones(2))
+    with torch._inductor.config.patch(fx_graph_cache=False), pytest.raises(torch.OutOfMemoryError, match="planted"):
+        double(torch.ones(2))  # compiled, not read from the cache
     assert double.failed is None
 
 
