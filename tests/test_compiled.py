@@ -260,24 +260,36 @@ def test_a_step_the_compiler_refuses_trains_eagerly_and_says_so_once(data_dir, t
         selfcheck._compile_failures(str(tmp_path / "refused"))
 
 
-@pytest.mark.slow
-def test_the_compiled_step_trains_as_the_eager_one_whole(data_dir):
-    """Inductor's step (forward and backward) on one length bucket: one graph, no break, no fallback, and
-    the eager step's losses (nothing is drawn: no dropout, no views)."""
-    from conftest import train_step
-
+def fixed_batch(data_dir):
+    """The first fixed-shape batch of 8 captions of the prepared scenes."""
     from captioner.data.batches import CaptionBatches, FixedShapes
     from captioner.data.dataset import CaptionData
 
     data = CaptionData(str(data_dir))
     fixed = FixedShapes.for_data(8, int(data.lengths.max()))
-    batch = next(iter(CaptionBatches(data, 8, fixed=fixed).batches(seed=0, epoch=0)))
-    losses = {}
+    return next(iter(CaptionBatches(data, 8, fixed=fixed).batches(seed=0, epoch=0)))
+
+
+def seeded_step(data_dir, compiled: str | None, *, dropout: float):
+    """A small decoder drawn from seed 0 and the fixed-shape step `fit` would train it with (compiled or not)."""
+    from conftest import train_step
+
+    from captioner.data.dataset import CaptionData
+
+    data = CaptionData(str(data_dir))
+    torch.manual_seed(0)
+    dec = AttentionDecoder(vocab_size=len(data.vocab), embed_dim=16, hidden_dim=24, attention_dim=12, dropout=dropout)
+    dec.set_feature_stats(*data.feature_stats())
+    return dec, train_step(dec, TrainConfig.of(shapes="fixed", consistency=0), compiled=compiled)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_trains_as_the_eager_one_whole(data_dir):
+    """Inductor's step (forward and backward) on one length bucket: one graph, no break, no fallback, and
+    the eager step's losses (nothing is drawn: no dropout, no views)."""
+    batch, losses = fixed_batch(data_dir), {}
     for compiled in (None, "default"):
-        torch.manual_seed(0)
-        dec = AttentionDecoder(vocab_size=len(data.vocab), embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.0)
-        dec.set_feature_stats(*data.feature_stats())
-        step = train_step(dec, TrainConfig.of(shapes="fixed", consistency=0), compiled=compiled)
+        _, step = seeded_step(data_dir, compiled, dropout=0.0)
         graphs, breaks = graphs_compiled(), sum(counters["graph_break"].values())
         losses[compiled] = []
         for _ in range(3):
@@ -294,20 +306,10 @@ def test_a_backward_the_compiler_refuses_falls_back_before_the_step_runs(data_di
     default) comes before anything ran: the forward runs once, eagerly, so the step leaves the random state
     and the weights where the eager step leaves them."""
     import torch._inductor.compile_fx as compile_fx
-    from conftest import train_step
 
-    from captioner.data.batches import CaptionBatches, FixedShapes
-    from captioner.data.dataset import CaptionData
-
-    data = CaptionData(str(data_dir))
-    fixed = FixedShapes.for_data(8, int(data.lengths.max()))
-    batch = next(iter(CaptionBatches(data, 8, fixed=fixed).batches(seed=0, epoch=0)))
-    after = {}
+    batch, after = fixed_batch(data_dir), {}
     for compiled in (None, "default"):
-        torch.manual_seed(0)
-        dec = AttentionDecoder(vocab_size=len(data.vocab), embed_dim=16, hidden_dim=24, attention_dim=12, dropout=0.3)
-        dec.set_feature_stats(*data.feature_stats())
-        step = train_step(dec, TrainConfig.of(shapes="fixed", consistency=0), compiled=compiled)
+        dec, step = seeded_step(data_dir, compiled, dropout=0.3)
         if compiled:
             torch._dynamo.reset()
 

@@ -166,11 +166,12 @@ def input_cache(
         cache.mark_bad(unreadable)
     distributed.barrier(d)
     cache = FeatureCache(data.dir, n, L, D, mode="r+", name=INPUT_CACHE)
-    if len(cache.todo(d.rank, d.world)):
+    todo = cache.todo(d.rank, d.world)
+    if len(todo):
         frozen = optimize_encoder(Encoder(base.features[:start]), device)  # same outputs, faster (prepare's)
         extract_features(
             cache,
-            ImageFiles(data.meta["paths"], cache.todo(d.rank, d.world), data.encoder.preprocess),
+            ImageFiles(data.meta["paths"], todo, data.encoder.preprocess),
             frozen,
             batch_size=64 if device.type == "cuda" else 8,
             workers=workers,
