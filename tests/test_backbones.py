@@ -26,8 +26,7 @@ from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import Encoder, EncoderSpec, apply_encoder_state, build_encoder, layer_input_shape
 from captioner.models.encoder import fingerprint as encoder_fingerprint
 from captioner.models.tuned import STARTS, TunedEncoder, layers_of, start_index
-from captioner.objectives.objective import Objective, objective_terms
-from captioner.objectives.reinforce import HardAttentionConfig
+from captioner.objectives.objective import HardAttentionConfig, Objective, objective_terms
 from captioner.objectives.terms import TermsConfig, TermState
 from captioner.options import from_args
 from captioner.scenes.synthetic import generate

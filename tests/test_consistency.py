@@ -17,8 +17,8 @@ from captioner.models.checkpoint import migrate
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.models.views import back_from_view, max_shift, random_shifts, shifts, view
-from captioner.objectives.consistency import consistency, disagreement, real_steps
 from captioner.objectives.objective import teacher_forced
+from captioner.objectives.terms import consistency, disagreement, real_steps
 from captioner.train.config import TrainConfig
 from captioner.train.trainer import FitJob, fit
 

@@ -15,7 +15,7 @@ from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import DecoderConfig
-from captioner.objectives.correctness import attention_correctness
+from captioner.objectives.terms import attention_correctness
 from captioner.train.config import TrainConfig
 from captioner.train.trainer import FitJob, fit
 

@@ -24,8 +24,7 @@ from captioner.data.dataset import CaptionData
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.models.tuned import TunedEncoder, start_index
-from captioner.objectives.objective import Objective, objective_terms
-from captioner.objectives.reinforce import HardAttentionConfig
+from captioner.objectives.objective import HardAttentionConfig, Objective, objective_terms
 from captioner.objectives.terms import TermsConfig, TermState
 from captioner.train.checkpoints import Live
 from captioner.train.config import OptimConfig

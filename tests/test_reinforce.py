@@ -9,8 +9,7 @@ import torch
 
 from captioner.data.batches import Batch
 from captioner.models.decoder import AttentionDecoder
-from captioner.objectives.objective import Objective, objective_terms
-from captioner.objectives.reinforce import HardAttentionConfig, Reinforce
+from captioner.objectives.objective import HardAttentionConfig, Objective, Reinforce, objective_terms
 from captioner.objectives.terms import TermsConfig, TermState
 
 L, V = 3, 6  # 3 locations, 2 steps: 9 location sequences to enumerate

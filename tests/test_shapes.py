@@ -23,9 +23,8 @@ from captioner.decoding.decode import beam_search
 from captioner.models import decoder
 from captioner.models import decoder as f_att
 from captioner.models.decoder import AttentionDecoder
-from captioner.objectives import consistency
-from captioner.objectives.objective import Objective, objective_terms
-from captioner.objectives.reinforce import HardAttentionConfig
+from captioner.objectives import terms as term_module
+from captioner.objectives.objective import HardAttentionConfig, Objective, objective_terms
 from captioner.objectives.terms import TermsConfig, TermState
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA graphs)")
@@ -45,7 +44,7 @@ def likeliest(p, generator=None):
 def test_the_fixed_step_equals_the_packed_one(data_dir, scenes, attention, monkeypatch):
     """float64, a padded batch in length order that is not the packed pass's order, the default
     objective's terms with the consistency and --boxes: the same loss, terms and gradients."""
-    monkeypatch.setattr(consistency, "real_steps", last_real_step)
+    monkeypatch.setattr(term_module, "real_steps", last_real_step)
     monkeypatch.setattr(decoder, "sample_from", likeliest)
     monkeypatch.setattr(f_att, "sample_from", likeliest)
     data = CaptionData(str(data_dir))

@@ -27,7 +27,7 @@ from captioner.errors import OptionError
 from captioner.models.decoder import EXPECTED, SAMPLE, AttentionDecoder, sample_from
 from captioner.models.vocab import END_ID, PAD_ID, START_ID
 from captioner.objectives.cider import NgramScorer, References, cached_document_frequency
-from captioner.objectives.reinforce import LOG_EPS
+from captioner.objectives.objective import LOG_EPS
 from captioner.objectives.terms import Context, Term
 
 BASELINES = ("mean", "greedy")

@@ -11,7 +11,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Annotated, Literal
 
 from captioner.errors import OptionError
-from captioner.objectives.reinforce import HardAttentionConfig
+from captioner.objectives.objective import HardAttentionConfig
 from captioner.objectives.scst import ScstConfig
 from captioner.objectives.terms import TermsConfig
 from captioner.options import check_positive
