@@ -13,10 +13,18 @@ import torch
 from captioner import Captioner
 from captioner.data.dataset import CaptionData
 from captioner.demo.views import caption_data
+from captioner.evaluation import familiarity as familiarity_module
+from captioner.evaluation.familiarity import (
+    METHOD,
+    FamiliarityStats,
+    calibration_photos,
+    familiarity,
+    fit_stats,
+    gaussian,
+    mahalanobis,
+    threshold,
+)
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
-from captioner.models.familiarity import METHOD, FamiliarityStats, familiarity, mahalanobis
-from captioner.train import familiarity as train_familiarity
-from captioner.train.familiarity import calibration_photos, fit_stats, gaussian, threshold
 
 # A real photograph the threshold was not set with (calibration uses matplotlib's).
 PHOTO = os.path.join(os.path.dirname(gradio.__file__), "media_assets", "images", "lion.jpg")
@@ -47,12 +55,12 @@ def test_fit_reads_the_photographs_as_prepare_encoded_them_with_no_encoder_of_it
     def no_encoder(*args, **kwargs):
         raise AssertionError("fit built an encoder")
 
-    monkeypatch.setattr(train_familiarity, "build_encoder", no_encoder)
+    monkeypatch.setattr(familiarity_module, "build_encoder", no_encoder)
     stored = fit_stats(data).photo_scores
     assert len(stored) == 6 * len(calibration_photos())
     monkeypatch.undo()
     # A directory prepared before prepare stored them: fit encodes them itself, as prepare did.
-    monkeypatch.setattr(train_familiarity, "PHOTOS", "absent.npz")
+    monkeypatch.setattr(familiarity_module, "PHOTOS", "absent.npz")
     assert fit_stats(data).photo_scores == pytest.approx(stored, rel=1e-5)
 
 

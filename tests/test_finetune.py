@@ -19,15 +19,14 @@ from captioner.data.dataset import CaptionData, FeatureCache
 from captioner.data.encoder_inputs import encoded_features
 from captioner.data.images import load_image
 from captioner.demo.card import model_card
+from captioner.evaluation.familiarity import FamiliarityStats, calibration_photos, pool
 from captioner.evaluation.metrics import checkpoint_features
 from captioner.models.checkpoint import current_train, load_checkpoint
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.encoder import EncoderSpec, build_encoder
-from captioner.models.familiarity import FamiliarityStats, pool
 from captioner.models.tuned import TunedEncoder, start_index
 from captioner.train import distributed
 from captioner.train.config import TrainConfig
-from captioner.train.familiarity import calibration_photos
 from captioner.train.finetune import DECODER_FIRST, FineTuneConfig, FineTuning, image_batches
 from captioner.train.resume import Start, settle
 from captioner.train.trainer import FitJob, fit

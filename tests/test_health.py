@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from captioner.evaluation.health import attention_health, problems, summary
+from captioner.evaluation.metrics import attention_health, health_summary, problems
 
 G = 14
 
@@ -33,7 +33,7 @@ def test_maps_that_follow_objects_are_healthy():
     health = attention_health(_object_following())
     assert problems(health) == []
     assert health["border"] < 1.0 and health["top5"] < 0.2
-    assert summary(health).endswith("- ok")
+    assert health_summary(health).endswith("- ok")
 
 
 def test_parked_on_a_corner_is_flagged():
@@ -45,7 +45,7 @@ def test_parked_on_a_corner_is_flagged():
     health = attention_health(captions)
     found = problems(health)
     assert any("border" in p for p in found) and any("five cells" in p for p in found)
-    assert "NOT MEANINGFUL" in summary(health)
+    assert "NOT MEANINGFUL" in health_summary(health)
 
 
 def test_even_maps_are_flagged_and_no_words_is_not_judged():
@@ -131,7 +131,7 @@ def test_a_model_whose_maps_were_flagged_says_so_wherever_it_shows_them(small_ru
 
 
 def test_the_advice_suggests_boxes_only_to_runs_without_them():
-    from captioner.evaluation.health import advice
+    from captioner.evaluation.metrics import advice
 
     assert "`fit --boxes`" in advice(boxes=False)
     assert "`fit --boxes`" not in advice(boxes=True) and "--alpha-c" in advice(boxes=True)

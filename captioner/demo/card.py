@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 
 from captioner.demo.options import PAGE_BEAM
-from captioner.evaluation.health import summary as health_summary
+from captioner.evaluation.metrics import health_summary
 from captioner.models.backbones import backbone
 from captioner.serve.api import Captioner
 

@@ -14,8 +14,14 @@ from captioner.data.dataset import CaptionData
 from captioner.decoding.settings import Decoding
 from captioner.errors import CaptionerError
 from captioner.evaluation.grounding import pointing_accuracy
-from captioner.evaluation.health import attention_health
-from captioner.evaluation.metrics import ALL_METRICS, SEARCH_BATCH, caption_split, checkpoint_features, score_captions
+from captioner.evaluation.metrics import (
+    ALL_METRICS,
+    SEARCH_BATCH,
+    attention_health,
+    caption_split,
+    checkpoint_features,
+    score_captions,
+)
 from captioner.io import write_json_atomic
 from captioner.models.encoder import build_encoder
 from captioner.models.hub import load_trained

@@ -39,7 +39,7 @@ class Checkpoint:
     step: int  # optimizer steps so far
     encoder_state: dict | None = None  # the encoder layers `fit --fine-tune-encoder` trained
     encoder_weights: dict | None = None  # the trunk of an --encoder-weights file, carried (`carry_encoder_weights`)
-    familiarity: dict | None = None  # statistics of the training features (`models.familiarity`)
+    familiarity: dict | None = None  # statistics of the training features (`evaluation.familiarity`)
     metrics: dict | None = None  # the last validation's figures, attention health included
     attention: dict | None = None  # whether its heatmaps are meaningful: {"meaningful", "problems", "health"}
     card: dict | None = None  # what a model card says (data, limits, test scores)

@@ -15,9 +15,9 @@ from captioner.compiled import earns_back, search_compiles
 from captioner.data.images import load_image
 from captioner.decoding.decode import decode, generator_for
 from captioner.decoding.settings import Decoding
+from captioner.evaluation.familiarity import FamiliarityStats, familiarity
 from captioner.models.checkpoint import Trained
 from captioner.models.encoder import rebuild_encoder
-from captioner.models.familiarity import FamiliarityStats, familiarity
 from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.hub import load_trained, resolve
 from captioner.models.preprocess import Preprocess

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from captioner.evaluation.health import summary
+from captioner.evaluation.metrics import health_summary
 from captioner.models.backbones import backbone
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.encoder import EncoderSpec
@@ -111,7 +111,7 @@ def _scores(ck: dict) -> list[str]:
         ]
     health = card.get("attention_health") or metrics.get("attention_health")
     if health:
-        lines += [f"A{summary(health)[1:]}.", ""]
+        lines += [f"A{health_summary(health)[1:]}.", ""]
     verdict = ck.get("attention") or {}
     if verdict.get("meaningful") is False:
         lines += [

@@ -1,7 +1,7 @@
 """A run's checkpoints on disk, last.pt and best.pt (`models.checkpoint`'s schema), and the validation that chooses.
 
 best.pt is the best-scoring checkpoint among those whose attention the health check finds meaningful
-(`evaluation.health`), when any is; otherwise the best-scoring one, recorded as not meaningful, and `fit` says so
+(`evaluation.metrics`), when any is; otherwise the best-scoring one, recorded as not meaningful, and `fit` says so
 when it ends (`chosen`).
 
 Rank 0 alone writes them; each other rank keeps its own random streams beside last.pt, since a resumed rank goes on
@@ -24,9 +24,15 @@ from captioner.data.dataset import CaptionData
 from captioner.decoding.beams import Hypothesis
 from captioner.decoding.settings import Decoding
 from captioner.errors import CaptionerError
-from captioner.evaluation.health import advice, attention_health, problems, verdict
-from captioner.evaluation.health import summary as health_summary
-from captioner.evaluation.metrics import caption_split, score_validation
+from captioner.evaluation.metrics import (
+    advice,
+    attention_health,
+    caption_split,
+    health_summary,
+    problems,
+    score_validation,
+    verdict,
+)
 from captioner.io import atomic_path, describe_os_error
 from captioner.models.checkpoint import Checkpoint, save_checkpoint
 from captioner.objectives.terms import TermState

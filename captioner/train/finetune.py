@@ -28,6 +28,7 @@ from captioner.data.dataset import BAD, TODO, CaptionData, FeatureCache
 from captioner.data.encoder_inputs import INPUT_CACHE, encoded_features, image_groups, input_cache_info
 from captioner.data.extraction import ImageFiles, extract_features
 from captioner.errors import CaptionerError, OptionError
+from captioner.evaluation.familiarity import fit_stats
 from captioner.evaluation.metrics import checkpoint_features
 from captioner.io import write_json_atomic
 from captioner.models.checkpoint import load_checkpoint
@@ -35,7 +36,6 @@ from captioner.models.encoder import Encoder, apply_encoder_state, build_encoder
 from captioner.models.fast_encoder import optimize_encoder
 from captioner.models.tuned import CACHED, TunedEncoder, start_index
 from captioner.train import distributed
-from captioner.train.familiarity import fit_stats
 
 DECODER_FIRST = 2  # epochs of a run from scratch before the encoder trains (FineTuneConfig.after)
 

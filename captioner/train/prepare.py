@@ -19,6 +19,7 @@ from captioner.data.dataset import DONE, FORMAT, TODO, VIEWS, FeatureCache
 from captioner.data.extraction import ImageFiles, extract_features
 from captioner.data.karpathy import load_karpathy
 from captioner.errors import CaptionerError
+from captioner.evaluation.familiarity import PHOTOS, save_photo_features
 from captioner.io import check_free_space, describe_os_error, read_json, write_json_atomic
 from captioner.models.encoder import EncoderSpec, build_encoder
 from captioner.models.fast_encoder import optimize_encoder
@@ -26,7 +27,6 @@ from captioner.models.views import max_shift, shifts, view
 from captioner.options import Device, check_device, check_positive, choose_device
 from captioner.train.dataset_files import write_dataset
 from captioner.train.distributed import Dist, barrier
-from captioner.train.familiarity import PHOTOS, save_photo_features
 from captioner.train.log import GracefulStop, stop_requested
 
 

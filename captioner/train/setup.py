@@ -18,6 +18,7 @@ from captioner.data.batches import CaptionBatches, FixedShapes, TrainingImages
 from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
 from captioner.errors import CaptionerError
+from captioner.evaluation.familiarity import fit_stats
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.objectives.objective import Objective, objective_terms
 from captioner.objectives.scst import SelfCritical, training_scorer
@@ -25,7 +26,6 @@ from captioner.objectives.terms import TermState
 from captioner.train import distributed
 from captioner.train.checkpoints import Live
 from captioner.train.config import OptimConfig, ProcessConfig, TrainConfig
-from captioner.train.familiarity import fit_stats
 from captioner.train.finetune import FineTuneConfig, FineTuning
 from captioner.train.step import TrainStep
 

@@ -17,7 +17,7 @@ from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from captioner.data.images import load_image
-from captioner.evaluation.health import attention_health, summary
+from captioner.evaluation.metrics import attention_health, health_summary
 from captioner.serve.api import Caption
 from tools.lab.analysis import TrainingLog, attention_entropy, attention_stats, length_histogram
 from tools.lab.recipes import SplitCaption
@@ -278,6 +278,6 @@ def peak_figure(captions: Sequence[Caption | SplitCaption], title: str | None = 
     fig.colorbar(im, ax=ax, fraction=0.046, label="share of all words' peaks")
     ax.set(xticks=[], yticks=[])
     health = attention_health(maps)
-    ax.set_title("\n".join(textwrap.wrap(title or summary(health), 60)), fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title or health_summary(health), 60)), fontsize=9)
     fig.tight_layout()
     return fig
