@@ -3,14 +3,17 @@ the baseline, a resumed run equals an uninterrupted one, and bad flags get a cle
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as torch_dist
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
+from torch.nn.parallel import DistributedDataParallel
 
 from captioner.cli.train import main as train_main
 from captioner.data.batches import TrainingImages
@@ -18,10 +21,14 @@ from captioner.data.dataset import CaptionData
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.decoder import AttentionDecoder, DecoderConfig
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
+from captioner.objectives import scst
 from captioner.objectives.cider import DocumentFrequency, NgramScorer, References, cached_document_frequency
 from captioner.objectives.objective import Objective
 from captioner.objectives.scst import ScstConfig, SelfCritical, sample_captions
-from captioner.train.config import TrainConfig
+from captioner.train.checkpoints import Live
+from captioner.train.config import OptimConfig, TrainConfig
+from captioner.train.distributed import Dist, Process
+from captioner.train.step import TrainStep, make_optimizer
 from captioner.train.trainer import FitJob, fit
 
 # helpers
@@ -368,8 +375,6 @@ def test_the_loss_and_its_gradient_are_the_self_critical_formula(baseline, monke
     caption's reward or the mean of the image's other samples' rewards (Luo 2020)."""
     from types import SimpleNamespace
 
-    import captioner.objectives.scst as scst
-
     B, n = 2, 3
     sampled = torch.tensor([[1.0, 0.5, 0.0], [0.2, 0.2, 0.8]], dtype=torch.float64)  # r(wˢ), (B, n)
     greedy = torch.tensor([0.4, 0.3], dtype=torch.float64)  # r(ŵ), (B,)
@@ -395,3 +400,33 @@ def test_the_loss_and_its_gradient_are_the_self_critical_formula(baseline, monke
     advantage = (sampled - b).view(-1).float()
     assert loss.item() == pytest.approx(-(advantage * logp.detach()).sum().item() / (B * n))
     torch.testing.assert_close(logp.grad, -advantage / (B * n))
+
+
+def test_the_greedy_baseline_is_searched_outside_ddps_forward(tmp_path, monkeypatch):
+    """Under torchrun the step's objective runs inside DistributedDataParallel's forward, where the compiler's
+    DDPOptimizer cuts a compiled graph at the gradient buckets: the greedy baseline's search, which needs no
+    gradient, runs before that forward, and the step's baseline is the same as without DDP."""
+    searched_inside = []
+    search = scst.greedy_tokens
+
+    def recorded(*args):
+        frames = inspect.stack()
+        searched_inside.append(any(f.function == "forward" and "parallel/distributed" in f.filename for f in frames))
+        return search(*args)
+
+    monkeypatch.setattr(scst, "greedy_tokens", recorded)
+    baselines = []
+    torch_dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for wrap in (DistributedDataParallel, lambda objective: objective):
+            dec, scorer, feats = toy()
+            objective = Objective(dec, [SelfCritical(ScstConfig(samples=4, baseline="greedy"), scorer, max_len=6)])
+            optimizer = make_optimizer([{"params": list(dec.parameters())}], 1e-3)
+            live = Live(dec, None, None, optimizer, None, torch.Generator().manual_seed(1), None)
+            step = TrainStep(wrap(objective), live, OptimConfig(), Process(Dist(), torch.device("cpu")))
+            step(_batch(feats))
+            baselines.append(step.read()[0]["baseline"])
+    finally:
+        torch_dist.destroy_process_group()
+    assert searched_inside == [False, False]
+    assert baselines[0] == pytest.approx(baselines[1])

@@ -158,11 +158,18 @@ class SelfCritical(Term):
         super().__init__(1.0)
         self.cfg, self.scorer, self.max_len, self.compiled = cfg, scorer, max_len, compiled
         self._report: dict[str, torch.Tensor] = {}
+        self.greedy: tuple | None = None  # (features, the greedy captions' tokens and words), from `before_pass`
 
     def reward(self, tokens: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """r(w) (N,) float64 on the CPU: CIDEr-D (+ bleu_weight · BLEU-4)."""
         cider, bleu = self.scorer.score(tokens, words + int(self.cfg.end_token), rows, bleu=self.cfg.bleu_weight > 0)
         return cider if bleu is None else cider + self.cfg.bleu_weight * bleu
+
+    def before_pass(self, decoder, batch) -> None:
+        """The greedy baseline's search, outside DDP's forward, where the compiler's DDPOptimizer would cut the
+        compiled search into a graph per gradient bucket."""
+        if self.cfg.baseline == "greedy":
+            self.greedy = (batch.features, greedy_tokens(decoder, batch.features, self.max_len, self.compiled))
 
     def __call__(self, ctx: Context) -> torch.Tensor:
         """The loss per image of the mean over its samples; `ctx.words` counts the images (under DDP,
@@ -173,7 +180,9 @@ class SelfCritical(Term):
         rows = ctx.batch.rows.cpu()  # the rewards are computed on the host
         reward = self.reward(s.tokens, s.words, rows.repeat_interleave(n)).view(-1, n)  # (B, n)
         if self.cfg.baseline == "greedy":
-            tokens, words = greedy_tokens(decoder, ctx.features, self.max_len, self.compiled)
+            searched, self.greedy = self.greedy, None
+            fresh = searched is None or searched[0] is not ctx.features
+            tokens, words = greedy_tokens(decoder, ctx.features, self.max_len, self.compiled) if fresh else searched[1]
             base = self.reward(tokens, words, rows).unsqueeze(1).expand(-1, n)  # (B, n)
         else:
             base = (reward.sum(1, keepdim=True) - reward) / (n - 1)  # (B, n), the others' mean

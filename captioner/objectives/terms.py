@@ -113,6 +113,9 @@ class Term:
     def __call__(self, ctx: Context) -> torch.Tensor:
         raise NotImplementedError
 
+    def before_pass(self, decoder, batch) -> None:
+        """Work on `batch` that needs no gradient, done before the pass: under DDP, outside its forward."""
+
     def after_step(self, applied: torch.Tensor) -> None:
         """Update the term's own state once the step is done; `applied` (a bool tensor) says whether the
         optimizer applied it (a non-finite step is not)."""

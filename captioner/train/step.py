@@ -85,6 +85,8 @@ class TrainStep:
 
     def _pass(self, batch, count: torch.Tensor) -> dict[str, torch.Tensor]:
         """Forward and backward (gradients start from None, so the backward writes them): loss and terms' values."""
+        for term in self.module.terms:
+            term.before_pass(self.module.decoder, batch)
         generator = None if self.passes is not None and self.passes.failed is None else self.generator
         dtype = AMP_DTYPES[self.cfg.amp]
         with torch.autocast(self.device.type, dtype=dtype) if dtype else contextlib.nullcontext():
