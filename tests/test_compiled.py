@@ -65,12 +65,11 @@ def same_search(a, b) -> None:
             np.testing.assert_allclose(h.attention, g.attention, atol=1e-5)
 
 
-def _fit(data_dir, out, **settings):
+def _fit(data_dir, out, device="cpu", **settings):
     base = dict(epochs=1, batch_size=8, lr=3e-3, val_beam_size=1, val_images=4, log_every=1, seed=3, consistency=0)
     cfg = TrainConfig.of(**base | settings)
-    fit(
-        FitJob(str(data_dir), str(out), SMALL, cfg, device="cpu", progress_bar=False, resume=(out / "last.pt").exists())
-    )
+    resume = (out / "last.pt").exists()
+    fit(FitJob(str(data_dir), str(out), SMALL, cfg, device=device, progress_bar=False, resume=resume))
     return [json.loads(x) for x in open(out / "metrics.jsonl", encoding="utf-8")]
 
 
@@ -298,6 +297,31 @@ def test_the_compiled_step_trains_as_the_eager_one_whole(data_dir):
     assert step.passes.failed is None and step.passes.seconds > 0
     assert graphs_compiled() - graphs == 1 and sum(counters["graph_break"].values()) == breaks
     assert losses["default"] == pytest.approx(losses[None], rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
+def test_five_compiled_fits_in_one_process_share_one_compiled_forward(device, data_dir, tmp_path, monkeypatch):
+    """Notebooks, the demo's build and test sessions fit several times in one process: every fit's steps call the
+    one compiled forward (a compile of its own each would spend the compiler's recompile budget anew), later fits
+    reuse the first fit's graphs, one per length bucket, and no fit falls back: on the CPU in the default mode, on a
+    GPU in reduce-overhead."""
+    steps, made = [], train_setup.train_step
+
+    def recorded(*args):
+        steps.append(made(*args))
+        return steps[-1]
+
+    monkeypatch.setattr(train_setup, "train_step", recorded)
+    torch._dynamo.reset()
+    graphs = []
+    for i in range(5):
+        before = graphs_compiled()
+        lines = _fit(data_dir, tmp_path / f"fit{i}", device, compile=True)
+        assert not [x for x in lines if x["event"] == "compiled_failed"], i
+        graphs.append(graphs_compiled() - before)
+    assert len({id(getattr(s.module.forward, "func", s.module.forward)) for s in steps}) == 1 and len(steps) == 5
+    assert graphs[0] >= 2 and graphs[1:] == [0, 0, 0, 0], graphs
 
 
 @pytest.mark.slow

@@ -90,20 +90,42 @@ def one_length_bucket(scenes, tmp_path_factory) -> Path:
     return out / "data"
 
 
+COUNTS = """
+import atexit, json, os
+if os.environ.get("RANK") is not None:
+    def counts():
+        from torch._dynamo.utils import counters
+
+        seen = {"graphs": counters["stats"]["unique_graphs"], "compiled": counters["aot_autograd"]["total"]}
+        with open(os.path.join(os.environ["COUNTS_DIR"], os.environ["RANK"]), "w") as f:
+            json.dump(seen, f)
+
+    atexit.register(counts)
+"""
+
+
 def test_two_processes_compile_their_steps_as_pytorch_documents(one_length_bucket, tmp_path):
-    """`torchrun ... fit --compile`: each process's objective compiles inside DDP with nothing fallen back,
-    and trains as the eager processes do (nothing is drawn: no dropout, no views)."""
+    """`torchrun ... fit --compile`: each process's objective compiles inside DDP with nothing fallen back, as one
+    graph that the compiler's DDPOptimizer splits at DDP's gradient buckets (a decoder of about 10 MB: more than
+    DDP's first bucket of 1 MB), and trains as the eager processes do (nothing is drawn: no dropout, no views)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(COUNTS)
     runs = {}
     data = str(one_length_bucket)
     for how in ("eager", "compiled"):
         runs[how] = tmp_path / how
         tiny = [*TINY, "--consistency", "0", "--shapes", "fixed", *(["--compile"] if how == "compiled" else [])]
-        p = torchrun("train.py", "fit", "--data", data, "--out", str(runs[how]), "--batch-size", "4", *tiny)
+        wide = ["--embed-dim", "128", "--hidden-dim", "512", "--attention-dim", "256"]
+        env = {"PYTHONPATH": str(tmp_path / "site"), "COUNTS_DIR": str(tmp_path)}
+        fit = ["train.py", "fit", "--data", data, "--out", str(runs[how]), "--batch-size", "4", *tiny, *wide]
+        p = torchrun(*fit, env=env)
         assert p.returncode == 0, p.stderr[-3000:]
         assert FELL_BACK not in p.stderr  # every rank's warnings: the log below is rank 0's
     lines = [json.loads(x) for x in (runs["compiled"] / "metrics.jsonl").read_text().splitlines()]
     assert len([x for x in lines if x["event"] == "compiled"]) == 1  # rank 0's record: one graph, one bucket
     assert not [x for x in lines if x["event"] == "compiled_failed"]
+    counts = [json.loads((tmp_path / rank).read_text()) for rank in ("0", "1")]
+    assert counts[0] == counts[1] and counts[0]["graphs"] == 1 and counts[0]["compiled"] >= 2, counts
     assert train_losses(runs["compiled"]) == pytest.approx(train_losses(runs["eager"]), rel=1e-4)
 
 

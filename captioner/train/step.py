@@ -4,7 +4,9 @@ weights' average (`--ema`) and the learning rate's cooldown at the end of the ti
 Nothing is read back to the host: a step whose loss, a term or the gradient norm is not finite is skipped on the
 device (fused Adam's `found_inf`), and the terms are summed there until a log line reads them (`read`). Compiled,
 the objective's forward compiles in place, whole, once per length bucket, so that under DDP the DDP module calls it
-(PyTorch's documented way; there in the default mode, which splits the graph at DDP's buckets). The compiled forward
+(PyTorch's documented way; there in the default mode, which splits the graph at DDP's buckets). It is compiled once a
+process (`compiled_forward`): every fit's steps call the same compiled function, so later fits reuse what the first
+compiled instead of spending the compiler's recompile budget anew. The compiled forward
 draws from the device's default generator, not `generator`. The update runs eagerly: fused Adam is one kernel per
 group, which the compiler does not trace.
 Shapes: B captions (images for SCST), T tokens.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import time
 
@@ -27,6 +30,12 @@ from captioner.train.config import OptimConfig, Progress, TrainConfig
 
 AMP_DTYPES = {"none": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 RECOMPILES = 16  # most compiles of a step's forward: a few length buckets, in two stages
+
+
+@functools.cache
+def compiled_forward(forward, mode: str):
+    """An objective class's `forward` (unbound) compiled in `mode`, once per process; a step passes its objective."""
+    return torch.compile(forward, mode=mode, fullgraph=True, dynamic=False)
 
 
 def make_optimizer(groups: list[dict], lr: float) -> torch.optim.Adam:
@@ -53,8 +62,9 @@ class TrainStep:
         self.skipped = torch.zeros((), device=device)
         self.passes = None
         if process.compiling is not None and self.module.capturable:
-            mode, eager = "default" if d.active else process.compiling, type(self.module).forward.__get__(self.module)
-            compiled = self.module.forward = torch.compile(eager, mode=mode, fullgraph=True, dynamic=False)
+            mode, forward = "default" if d.active else process.compiling, type(self.module).forward
+            eager = forward.__get__(self.module)
+            compiled = self.module.forward = functools.partial(compiled_forward(forward, mode), self.module)
 
             def eager_pass(*args):
                 self.module.forward = eager
