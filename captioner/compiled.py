@@ -4,8 +4,10 @@ graphs; elsewhere the default mode fuses their kernels.
 
 `Compiled` runs a function through the compiler, whole, with the guards every caller would otherwise repeat:
 - an error of the compiler's own (a compile that fails, a graph break, more recompiles than its limit):
-  one warning naming the function and the reason, and the function runs eagerly from then on. Any other
-  error (out of memory, a bad input) is the caller's, raised as it is, and the function stays compiled;
+  one warning naming the function and the reason, and the function runs eagerly from then on. The backward
+  compiles with its forward, so every compile is over before anything of a call runs. Any other error (out of
+  memory, also while Inductor benchmarks; a bad input; a kernel or a CUDA graph's capture failing at a first
+  run) is the caller's, raised as it is, never retried eagerly on top of what ran, and the function stays compiled;
 - on a GPU, a function that compiled but runs without CUDA graphs is said in the same way;
 - each call that compiled is logged with its time, and the threads that compiled are kept: CUDA graph
   trees are per thread, so a server compiles on the thread that serves.
