@@ -74,6 +74,7 @@ pids+=($!)
     tests/test_sampling.py::test_sampling_on_a_gpu_writes_the_greedy_caption_at_temperature_zero_and_repeats_with_its_seed \
     tests/test_compiled.py::test_a_compiled_search_on_a_gpu_copies_its_large_inputs_once_not_at_every_replay \
     "tests/test_compiled.py::test_five_compiled_fits_in_one_process_share_one_compiled_forward[cuda]" \
+    tests/test_distributed.py::test_scsts_greedy_baseline_compiles_under_ddp_as_in_one_process \
     "tests/test_compiled.py::test_a_server_compiles_on_the_thread_that_serves_and_serves_other_settings_compiled[cuda]"} \
     > "$OUT/gpu_tests.txt" 2>&1 &
 pids+=($!)

@@ -271,3 +271,35 @@ def test_each_rank_draws_its_own_dropout_masks_compiled_or_not(one_scene, tmp_pa
         sums[how] = [json.loads((seen / rank).read_text())["nll"] for rank in ("0", "1")]
     assert sums["eager"][0] != pytest.approx(sums["eager"][1], rel=1e-3)
     assert sums["compiled"] == pytest.approx(sums["eager"], rel=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the searches compile there")
+def test_scsts_greedy_baseline_compiles_under_ddp_as_in_one_process(data_dir, small_run, tmp_path):
+    """SCST's greedy baseline is searched outside DDP's forward, so DDPOptimizer does not cut the compiled search:
+    a rank of two compiles what one process alone compiles, at the same batch per process."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(COUNTS)
+    counts = {}
+    for processes, batch in (("1", "4"), ("2", "8")):
+        out = tmp_path / processes
+        out.mkdir()
+        fit = ["train.py", "fit", "--data", str(data_dir), "--out", str(out / "run"), "--val-beam-size", "1"]
+        scst = ["--init", str(small_run / "best.pt"), "--objective", "scst", "--scst-baseline", "greedy"]
+        p = run_cli(
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            processes,
+            *fit,
+            *scst,
+            "--epochs",
+            "1",
+            "--batch-size",
+            batch,
+            env={**os.environ, "PYTHONPATH": str(tmp_path / "site"), "COUNTS_DIR": str(out)},
+        )
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert FELL_BACK not in p.stderr
+        counts[processes] = json.loads((out / "0").read_text())
+    assert counts["2"] == counts["1"], counts
