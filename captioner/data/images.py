@@ -24,10 +24,6 @@ def set_max_pixels(limit: int | None) -> None:
 set_max_pixels(None)
 
 
-def _describe(src) -> str:
-    return str(src) if isinstance(src, (str, os.PathLike)) else "the image"
-
-
 def _to_rgb(img: Image.Image) -> Image.Image:
     """Convert any Pillow mode to 8-bit RGB, keeping what the picture shows."""
     if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
@@ -50,7 +46,7 @@ def load_image(src, *, max_pixels: int | None = None) -> Image.Image:
     """Open an image from a path, bytes or a PIL image; return it upright (EXIF orientation) in RGB, the
     first frame of an animation. Raises `ImageError` for a file that is missing, empty, truncated, not an
     image, or over the pixel limit."""
-    name = _describe(src)
+    name = str(src) if isinstance(src, (str, os.PathLike)) else "the image"
     limit = max_pixels or Image.MAX_IMAGE_PIXELS
     try:
         with warnings.catch_warnings():

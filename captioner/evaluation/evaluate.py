@@ -55,7 +55,9 @@ def evaluate(
     Raises `CaptionerError` when `decoding.n` is not 1, the data's encoder is not the checkpoint's, or `split`
     is unknown.
     """
-    decoding = _one_each(decoding or Decoding())
+    decoding = decoding or Decoding()
+    if decoding.n != 1:
+        raise CaptionerError(f"evaluate scores one caption per image: --n must be 1, got {decoding.n}")
     model = load_trained(checkpoint)
     data = _data_for(model, data_dir, checkpoint, split)
     compiled = cuda_graphs == "auto" and earns_back(-(-len(data.split_images(split)[0]) // SEARCH_BATCH))
@@ -85,12 +87,6 @@ def evaluate(
     write_json_atomic(results_path(out), [{"image_id": i, "caption": texts[i]} for i in sorted(texts)])
     write_json_atomic(out, metrics)
     return metrics
-
-
-def _one_each(decoding: Decoding) -> Decoding:
-    if decoding.n != 1:
-        raise CaptionerError(f"evaluate scores one caption per image: --n must be 1, got {decoding.n}")
-    return decoding
 
 
 def _grounding(model, texts: dict, hyps: dict, boxes: str) -> dict:

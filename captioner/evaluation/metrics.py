@@ -225,18 +225,14 @@ def checkpoint_features(
 LIMITS = {"top5": 0.25, "border": 1.2, "entropy_high": 0.88}
 
 
-def _maps(attention: np.ndarray) -> np.ndarray:
-    a = np.asarray(attention, dtype=np.float64)
-    return a.reshape(a.shape[0], -1) if a.size else np.zeros((0, 1))  # (n, L)
-
-
 def attention_health(captions: Iterable[np.ndarray]) -> dict:
     """Health figures of many captions' maps, one (n, g, g) or (n, L) array per caption; None without
     words."""
     entropies, stays, peaks = [], [], []
     L = None
     for attention in captions:
-        a = _maps(attention)
+        a = np.asarray(attention, dtype=np.float64)
+        a = a.reshape(a.shape[0], -1) if a.size else np.zeros((0, 1))  # (n, L)
         if len(a) == 0:
             continue
         L = a.shape[1]
