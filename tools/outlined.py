@@ -81,8 +81,8 @@ def _noise(rng: np.random.Generator, w: int, h: int, cell: float) -> np.ndarray:
 def _background(rng: np.random.Generator, w: int, h: int) -> tuple[np.ndarray, str]:
     """(h, w, 3) float pixels of a textured background, and the word for its kind."""
     kind = str(rng.choice(BACKGROUNDS))
-    base = rng.uniform(60, 200) + rng.normal(0, 18, size=3)  # muted: colour words stay the objects'
-    other = base + rng.normal(0, 35, size=3)
+    base = rng.uniform(60, 200) + rng.normal(0, 12, size=3)  # muted: colour words stay the objects'
+    other = base + rng.uniform(-60, 60) + rng.normal(0, 12, size=3)  # lighter or darker, tinted a little
     yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
     angle = rng.uniform(0, np.pi)
     along = np.cos(angle) * xx + np.sin(angle) * yy  # (h, w) distance along a random direction
