@@ -75,6 +75,7 @@ def test_the_seed_decides_the_files(tmp_path):
         assert (a / name).read_bytes() != (c / name).read_bytes()
 
 
+@pytest.mark.slow  # prepare encodes the images: about 13 s here
 def test_prepare_accepts_the_set_and_its_boxes(scenes, tmp_path):
     prepare_scenes(scenes, tmp_path, min_count=1)
     data = CaptionData(str(tmp_path))
