@@ -7,7 +7,7 @@ functions with NumPy (supersampled for anti-aliasing), on flat, gradient, noisy,
 striped backgrounds; images are small to large and often far from square; files are RGB, RGBA
 (partly transparent backgrounds) or grayscale; objects take 15-35% of the short side and may
 touch the image's edges; the captions use their own wording. The drawing is in `heldout_drawing`,
-the wording in `heldout_wording`; this module writes the files.
+the wording in `heldout_wording`; this module writes the files (through `tools.scene_files`).
 
 ``python -m tools.heldout OUT --n N --seed S`` writes the same layout as `synthetic`::
 
@@ -19,8 +19,6 @@ the wording in `heldout_wording`; this module writes the files.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,8 +27,10 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from tools import scene_files
 from tools.heldout_drawing import SHAPES, render
 from tools.heldout_wording import captions_for
+from tools.scene_files import instance, split_entry, write_set
 
 
 def _size(rng: np.random.Generator) -> tuple[int, int]:
@@ -54,13 +54,6 @@ def _save(pixels: np.ndarray, path: Path, kind: str, rng: np.random.Generator) -
         Image.fromarray(pixels).save(path, **options)
 
 
-def _write(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-
-
 def generate(out_dir: str | os.PathLike[str], n: int, seed: int = 0) -> dict[str, Any]:
     """Write n scenes with captions, a Karpathy split and object boxes into out_dir."""
     if n < 1:
@@ -78,55 +71,21 @@ def generate(out_dir: str | os.PathLike[str], n: int, seed: int = 0) -> dict[str
         _save(pixels, out / "images" / name, kind, rng)
         images.append({"id": image_id, "file_name": name, "width": w, "height": h})
         for o in objects:
-            boxes.append(
-                {
-                    "id": len(boxes) + 1,
-                    "image_id": image_id,
-                    "category_id": SHAPES.index(o["shape"]) + 1,
-                    "bbox": [o["x"], o["y"], o["side"], o["side"]],
-                    "area": o["area"],
-                    "iscrowd": 0,
-                    "color": o["color"],
-                }
-            )
+            bbox = [o["x"], o["y"], o["side"], o["side"]]
+            instance(boxes, image_id, SHAPES.index(o["shape"]) + 1, bbox, o["area"], o["color"])
         texts = captions_for(rng, objects, bg_word, w, h, colour=kind != "gray")
-        sentences = []
         for text in texts:
             captions.append({"id": int(rng.integers(1, 2**31 - 1)), "image_id": image_id, "caption": text})
-            sentences.append({"raw": text, "tokens": text.lower().replace(",", " ").replace(".", " ").split()})
         fraction = idx / n
         split = "test" if fraction < 0.1 else "val" if fraction < 0.2 else "train"
-        karpathy.append(
-            {
-                "filepath": "images",
-                "filename": name,
-                "cocoid": image_id,
-                "imgid": idx,
-                "split": split,
-                "sentences": sentences,
-            }
-        )
+        karpathy.append(split_entry(name, image_id, idx, split, texts))
     info = {"description": "captioner.heldout scenes", "seed": seed}
-    _write(out / "captions.json", {"info": info, "images": images, "annotations": captions})
-    _write(out / "splits.json", {"dataset": "coco", "images": karpathy})
-    categories = [{"id": i + 1, "name": s, "supercategory": "shape"} for i, s in enumerate(SHAPES)]
-    _write(out / "boxes.json", {"info": info, "images": images, "categories": categories, "annotations": boxes})
-    return {"out_dir": str(out), "images": n, "captions": len(captions), "objects": len(boxes)}
+    return write_set(out, info, SHAPES, images, captions, karpathy, boxes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m tools.heldout", description="Write independent held-out scenes in COCO format."
-    )
-    p.add_argument("out", help="output directory")
-    p.add_argument("--n", type=int, default=500, help="number of images (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    args = p.parse_args(argv)
-    if args.n < 1:
-        p.error(f"--n must be positive, got {args.n}")
-    s = generate(args.out, args.n, args.seed)
-    print(f"wrote {s['images']} images, {s['captions']} captions, {s['objects']} boxes to {s['out_dir']}")
-    return 0
+    description = "Write independent held-out scenes in COCO format."
+    return scene_files.main(generate, argv, prog="python -m tools.heldout", description=description, n=500)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """Outlined shapes on textured backgrounds: a third scene generator, for checking defaults honestly.
 
-Settings tuned on one generator's scenes can point well there and worse elsewhere, so their pointing
-is measured also on scenes made apart from the tuning. This module shares no drawing, layout or
-wording code with `captioner.scenes.synthetic` or `tools.heldout`. It draws circles, squares,
-triangles, pentagons, arrows and hearts, rotated, about two in three as thick hollow outlines and the
-rest filled with a darker rim, one to three to a scene, often touching a border; on wooden,
-checked, mottled, shaded or grainy backgrounds; in RGB images 160 to 640 px a side, from 1:2.5 to
-2.5:1. Each image has five captions in its own wording, naming every object's colour and shape and,
-with two or more, how they stand to each other.
+Settings tuned on one generator's scenes can point well there and worse elsewhere, so their pointing is
+measured also on scenes made apart from the tuning. This module shares no drawing, layout or wording code with
+`captioner.scenes.synthetic` or `tools.heldout` (it writes its files, as `tools.heldout` does, through
+`tools.scene_files`). It draws circles, squares, triangles, pentagons, arrows and hearts, rotated, about two
+in three as thick hollow outlines and the rest filled with a darker rim, one to three to a scene, often
+touching a border; on wooden, checked, mottled, shaded or grainy backgrounds; in RGB images 160 to 640 px a
+side, from 1:2.5 to 2.5:1. Each image has five captions in its own wording, naming every object's colour and
+shape and, with two or more, how they stand to each other.
 
 ``python -m tools.outlined OUT --n N --seed S`` writes the layout the project reads::
 
@@ -20,8 +20,6 @@ with two or more, how they stand to each other.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +27,9 @@ from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
+
+from tools import scene_files
+from tools.scene_files import instance, split_entry, write_set
 
 PALETTE: dict[str, tuple[int, int, int]] = {
     "red": (215, 35, 40),
@@ -254,15 +255,6 @@ def captions(rng: np.random.Generator, objects: list[dict], bg: str, size: tuple
     return list(texts.values())
 
 
-# files
-
-
-def _write(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj), encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def generate(out_dir: str | os.PathLike[str], n: int = 1200, seed: int = 0, scale: float = 1.0) -> dict[str, Any]:
     """Write n scenes, their captions, a Karpathy split and object boxes into out_dir. `scale` shrinks
     every image (tests use it to stay quick); the sets measured keep 1."""
@@ -282,52 +274,18 @@ def generate(out_dir: str | os.PathLike[str], n: int = 1200, seed: int = 0, scal
         img.save(out / "images" / name, **({"quality": int(rng.integers(80, 96))} if name.endswith("jpg") else {}))
         images.append({"id": image_id, "file_name": name, "width": w, "height": h})
         for o in objects:
-            boxes.append(
-                {
-                    "id": len(boxes) + 1,
-                    "image_id": image_id,
-                    "category_id": SHAPES.index(o["shape"]) + 1,
-                    "bbox": o["bbox"],
-                    "area": o["area"],
-                    "iscrowd": 0,
-                    "color": o["color"],
-                }
-            )
-        sentences = []
-        for text in captions(rng, objects, bg, (w, h)):
+            instance(boxes, image_id, SHAPES.index(o["shape"]) + 1, o["bbox"], o["area"], o["color"])
+        texts = captions(rng, objects, bg, (w, h))
+        for text in texts:
             anns.append({"id": len(anns) + 1, "image_id": image_id, "caption": text})
-            sentences.append({"raw": text, "tokens": text.lower().replace(",", " ").replace(".", " ").split()})
-        karpathy.append(
-            {
-                "filepath": "images",
-                "filename": name,
-                "cocoid": image_id,
-                "imgid": idx,
-                "split": split_of[idx],
-                "sentences": sentences,
-            }
-        )
+        karpathy.append(split_entry(name, image_id, idx, split_of[idx], texts))
     info = {"description": "tools.outlined scenes", "seed": seed}
-    _write(out / "captions.json", {"info": info, "images": images, "annotations": anns})
-    _write(out / "splits.json", {"dataset": "coco", "images": karpathy})
-    categories = [{"id": i + 1, "name": s, "supercategory": "shape"} for i, s in enumerate(SHAPES)]
-    _write(out / "boxes.json", {"info": info, "images": images, "categories": categories, "annotations": boxes})
-    return {"out_dir": str(out), "images": n, "captions": len(anns), "objects": len(boxes)}
+    return write_set(out, info, SHAPES, images, anns, karpathy, boxes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m tools.outlined", description="Write outlined-shape scenes, COCO format."
-    )
-    p.add_argument("out", help="output directory")
-    p.add_argument("--n", type=int, default=1200, help="number of images (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    args = p.parse_args(argv)
-    if args.n < 1:
-        p.error(f"--n must be positive, got {args.n}")
-    s = generate(args.out, args.n, args.seed)
-    print(f"wrote {s['images']} images, {s['captions']} captions, {s['objects']} boxes to {s['out_dir']}")
-    return 0
+    description = "Write outlined-shape scenes, COCO format."
+    return scene_files.main(generate, argv, prog="python -m tools.outlined", description=description, n=1200)
 
 
 if __name__ == "__main__":
