@@ -87,6 +87,8 @@ class TrainStep:
             torch_dist.all_reduce(count)
             count = count / self.d.world
         self.optimizer.zero_grad(set_to_none=True)
+        for term in self.module.terms:  # once, before the pass and outside a fallback's eager retry of it
+            term.before_pass(self.module.decoder, batch)
         values = (self.passes or self._pass)(batch, count)
         for name in [*values, "grad_norm"]:
             if name not in self.sums:
@@ -95,8 +97,6 @@ class TrainStep:
 
     def _pass(self, batch, count: torch.Tensor) -> dict[str, torch.Tensor]:
         """Forward and backward (gradients start from None, so the backward writes them): loss and terms' values."""
-        for term in self.module.terms:
-            term.before_pass(self.module.decoder, batch)
         generator = None if self.passes is not None and self.passes.failed is None else self.generator
         dtype = AMP_DTYPES[self.cfg.amp]
         with torch.autocast(self.device.type, dtype=dtype) if dtype else contextlib.nullcontext():
