@@ -137,6 +137,8 @@ def test_onnx_refuses_what_it_does_not_run_by_name(small_onnx):
         small_onnx.caption(SCENES[0], method="sampling")
     with pytest.raises(OptionError, match="ONNX runtime"):
         small_onnx.caption(SCENES[0], mode="argmax")
+    with pytest.raises(OptionError, match="--maps posterior need PyTorch"):
+        small_onnx.caption(SCENES[0], maps="posterior")
 
 
 def test_the_command_line_captions_a_small_model_on_onnx_where_torch_cannot_be_imported(small, small_torch, tmp_path):

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from captioner.decoding.beams import Hypothesis, best_first, hypotheses, search, trace
+from captioner.decoding.posterior import posterior_maps
 from captioner.decoding.sampling import sample_captions
 from captioner.decoding.search_state import Search, fixed_length, fixed_search
 from captioner.decoding.settings import Decoding
@@ -126,10 +127,19 @@ def decode(
     compiled: bool = False,
 ) -> list[list[Hypothesis]]:
     """For each image its hypotheses, as `settings` say: the beams best first or the samples in the order
-    drawn. `max_len` applies where `settings.max_len` is None; pass `generator` to go on drawing across batches.
+    drawn, the maps of those a caller shows as `settings.maps` says. `max_len` applies where `settings.max_len`
+    is None; pass `generator` to go on drawing across batches.
     """
     generator = generator or generator_for(settings, features.device)
-    return ROUTINES[settings.method](decoder, features, settings, settings.max_len or max_len, generator, compiled)
+    found = ROUTINES[settings.method](decoder, features, settings, settings.max_len or max_len, generator, compiled)
+    if settings.maps == "posterior":
+        # The maps a caller shows: every sample, or each image's best beam.
+        shown = [(b, j) for b, hyps in enumerate(found) for j in range(len(hyps) if settings.how.draws else 1)]
+        rows = torch.tensor([b for b, _ in shown], dtype=torch.long, device=features.device)
+        drawn = posterior_maps(decoder, features[rows], [found[b][j] for b, j in shown], settings.sharpness)
+        for (b, j), hyp in zip(shown, drawn):
+            found[b][j] = hyp
+    return found
 
 
 def generator_for(settings: Decoding, device: torch.device) -> torch.Generator | None:

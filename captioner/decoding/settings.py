@@ -15,6 +15,7 @@ from captioner.models.contexts import CONTEXT_MODES, EXPECTED, SAMPLE
 
 MAX_BEAMS = 50  # most beams, and most samples, per image
 WHOLE = ("beam_size", "max_len", "top_k", "n", "seed")  # settings that count
+MAPS = ("attention", "posterior")  # what a word's map shows (`Decoding.maps`)
 RANGES = (("beam_size", 1, MAX_BEAMS), ("n", 1, MAX_BEAMS), ("max_len", 1, None), ("top_k", 0, None))  # least, most
 
 
@@ -57,6 +58,11 @@ class Decoding:
         "context for hard-attention models: expected (default), argmax or a sampled location",
     ] = None
     seed: Annotated[int, "random seed of sampling and of --mode sample (the same seed, the same captions)"] = 0
+    maps: Annotated[
+        Literal["attention", "posterior"],
+        "each word's map: attention, α_t as the decoder attended (the paper's); posterior, where the word written "
+        "was read from (α_t times each location's own likelihood of that word; decoding.posterior)",
+    ] = "attention"
 
     def __post_init__(self):
         for name in WHOLE:  # the page's sliders send floats
@@ -67,6 +73,8 @@ class Decoding:
             raise OptionError(f"--decoding must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.mode not in (None, *CONTEXT_MODES):
             raise OptionError(f"--mode must be one of {CONTEXT_MODES}, got {self.mode!r}")
+        if self.maps not in MAPS:
+            raise OptionError(f"--maps must be one of {MAPS}, got {self.maps!r}")
         for name, low, high in RANGES:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < low or (high and value > high)):

@@ -114,10 +114,11 @@ class OnnxCaptioner(CaptionModel):
         """`Captioner.caption_batch` on onnxruntime, which raises OptionError for what it does not run
         (sampling, a hard-attention location)."""
         settings = (decoding or Decoding()).with_settings(beam_size=beam_size, **settings)
-        if settings.method != "beam" or settings.context != EXPECTED:
+        if settings.method != "beam" or settings.context != EXPECTED or settings.maps != "attention":
             raise OptionError(
-                "the ONNX runtime runs the beam search with the expected context; sampling and --mode argmax or "
-                "sample need PyTorch (the model's checkpoint or exported folder)"
+                "the ONNX runtime runs the beam search with the expected context and draws the attention's maps; "
+                "sampling, --mode argmax or sample and --maps posterior need PyTorch (the model's checkpoint or "
+                "exported folder)"
             )
         out = []
         for i in range(0, len(images), batch_size):
