@@ -493,6 +493,22 @@ def test_a_demo_refuses_a_wider_beam_than_it_readied_its_search_for(checkpoint, 
         demo.batcher.close()
 
 
+def test_a_demo_of_posterior_maps_shows_them_and_says_what_they_are(checkpoint, api, images):
+    """`captioner demo --maps posterior`: the page's maps are the API's posterior maps, the same caption's, and its
+    label says they show where the word was read, not where the model looked."""
+    demo = Demo(Captioner.load(str(checkpoint)), maps="posterior")
+    try:
+        page = shown(demo, str(images["rgb.jpg"]))
+        want = api.caption(str(images["rgb.jpg"]), beam_size=2, max_len=8, maps="posterior")
+        looked = api.caption(str(images["rgb.jpg"]), beam_size=2, max_len=8)
+        assert_same_caption(page.caption, page.data, want)
+        assert want.text == looked.text
+        assert not np.allclose(want.attention, looked.attention, atol=1e-3)
+        assert "Where the model read" in page.view.large_label and "looked for" not in page.view.large_label
+    finally:
+        demo.batcher.close()
+
+
 @pytest.mark.slow
 def test_api_takes_image_and_beam_size(server):
     api = Client(server, verbose=False).view_api(return_format="dict", print_info=False)
@@ -506,18 +522,21 @@ def test_api_captions_every_kind_of_image(server, api, images):
     client = Client(server, verbose=False)
     for name in VALID:
         text, data = client.predict(handle_file(str(images[name])), 2, api_name="/caption")
-        assert_same_caption(text, data, api.caption(str(images[name]), beam_size=2), atol=1e-4, score_atol=1e-3)
+        want = api.caption(str(images[name]), beam_size=2, maps="posterior")  # the page's maps by default
+        assert_same_caption(text, data, want, atol=1e-4, score_atol=1e-3)
 
 
 @pytest.mark.slow
 def test_api_through_the_server_answers_what_the_python_api_answers(server, api, awkward):
     """Uploaded by gradio_client to `python app.py` (Gradio's upload and its cache in between), another
-    process: the same captions, and maps and scores to the encoder's rounding."""
+    process: the same captions, and maps (the demo's default, the posterior maps) and scores to the encoder's
+    rounding."""
     client = Client(server, verbose=False)
     for path in awkward.values():
         for k in (1, 3):
             text, data = client.predict(handle_file(str(path)), k, api_name="/caption")
-            assert_same_caption(text, data, api.caption(str(path), beam_size=k), atol=1e-4, score_atol=1e-3)
+            want = api.caption(str(path), beam_size=k, maps="posterior")
+            assert_same_caption(text, data, want, atol=1e-4, score_atol=1e-3)
 
 
 @pytest.mark.slow

@@ -257,13 +257,14 @@ def main(args: argparse.Namespace | DemoOptions) -> None:
     try:  # a bad option or model is one line naming it, before anything loads or serves
         if isinstance(args, argparse.Namespace):
             args = from_args(DemoOptions, args)
-        Decoding(method=args.decoding)
+        Decoding(method=args.decoding, maps=args.maps)
         set_max_pixels(args.max_pixels)
         cap = Captioner.load(model_source(args.checkpoint), device=str(choose_device(args.device)), graphs=args.graphs)
     except CaptionerError as e:
         sys.exit(f"error: {e}")
     examples = example_images() if args.examples is None else args.examples
-    demo = Demo(cap, max_batch_size=args.max_batch_size, method=args.decoding, warm=page_settings(args.decoding))
+    warm = page_settings(args.decoding)
+    demo = Demo(cap, max_batch_size=args.max_batch_size, method=args.decoding, maps=args.maps, warm=warm)
     try:
         seconds = demo.batcher.ready.result()  # on a GPU the batcher compiles the page's searches first
     except CaptionerError as e:

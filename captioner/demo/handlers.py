@@ -78,9 +78,10 @@ class Demo:
         max_batch_size=8,
         figures_dir: str | None = None,
         method="beam",
+        maps="attention",
         warm: Sequence[Decoding] = (),
     ):
-        self.captioner, self.method = captioner, method
+        self.captioner, self.method, self.maps = captioner, method, maps
         self.batcher = Batcher(captioner, max_batch_size=max_batch_size, warm=warm)
         self.beams = max((settings.beam_size for settings in warm), default=None)  # the widest search readied
         self.figures_dir = figures_dir or tempfile.mkdtemp(prefix="captioner-demo-")
@@ -144,7 +145,9 @@ class Demo:
             familiarity=familiarity_html(out.familiarity),
             view=WordView(
                 highlighted(view),
-                large_label(view, self.captioner.attention_warning) if view.words else "The model wrote no words",
+                large_label(view, self.maps, self.captioner.attention_warning)
+                if view.words
+                else "The model wrote no words",
                 large,
                 gallery,
             ),
@@ -168,7 +171,9 @@ class Demo:
             return WordView(gr.skip(), gr.skip(), gr.skip(), gr.skip())
         view.selected = min(int(evt.index if not isinstance(evt.index, list) else evt.index[0]), len(view.words) - 1)
         return WordView(
-            highlighted(view), large_label(view, self.captioner.attention_warning), *self.heatmaps(view, opacity)
+            highlighted(view),
+            large_label(view, self.maps, self.captioner.attention_warning),
+            *self.heatmaps(view, opacity),
         )
 
     def redraw(self, session: Session | None, opacity: float):
@@ -231,9 +236,9 @@ class Demo:
             given = {name: _number(name, value) for name, value in chosen.items() if name in reads}
             length = _number("max_len", max_len) if max_len else None
             if seed is None:
-                decoding = Decoding(method=self.method, max_len=length, **given)
+                decoding = Decoding(method=self.method, max_len=length, maps=self.maps, **given)
             else:
-                decoding = Decoding(method="sampling", top_p=PAGE_TOP_P, max_len=length, seed=seed)
+                decoding = Decoding(method="sampling", top_p=PAGE_TOP_P, max_len=length, seed=seed, maps=self.maps)
             if self.beams and decoding.beam_size > self.beams:
                 raise OptionError(f"beam size at most {self.beams} here: the sizes this server readied its search for")
             return self.batcher.caption(picture, decoding)

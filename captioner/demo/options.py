@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from captioner.data.images import DEFAULT_MAX_PIXELS
 from captioner.options import Device
@@ -27,6 +27,11 @@ class DemoOptions:
     max_batch_size: Annotated[int, "most concurrent images captioned in one forward pass"] = 8
     queue_size: Annotated[int, "requests waiting beyond this are told the server is busy"] = 64
     decoding: Annotated[str, "the method the page's captions and /caption use (beam: a beam search)"] = "beam"
+    maps: Annotated[
+        Literal["attention", "posterior"],
+        "the heatmap of each word: posterior, where the word it wrote was read from (decoding.posterior); "
+        "attention, where the model looked before it wrote the word (the paper's maps)",
+    ] = "posterior"
     device: Device = "auto"
     graphs: Annotated[
         bool, "on a GPU, compile the search before serving and replay it as CUDA graphs (--no-graphs: never)"

@@ -79,11 +79,13 @@ def error_html(message: str) -> str:
     return f'<p class="image-error" role="alert">⚠ {html.escape(message)}</p>'
 
 
-def large_label(view: View, warning: str | None = None) -> str:
+def large_label(view: View, maps: str = "attention", warning: str | None = None) -> str:
     k = view.selected
+    where = "looked for" if maps == "attention" else "read"
     return (
-        f'Where the model looked for **"{view.words[k]}"** (word {k + 1} of {len(view.words)}); '
-        "brighter means more attention" + (f" (⚠ {warning})" if warning else "")
+        f'Where the model {where} **"{view.words[k]}"** (word {k + 1} of {len(view.words)}); '
+        + ("brighter means more attention" if maps == "attention" else "brighter means more of the word's evidence")
+        + (f" (⚠ {warning})" if warning else "")
     )
 
 
