@@ -70,4 +70,4 @@ def _posterior(decoder: AttentionDecoder, features: torch.Tensor, hyps: list[Hyp
         maps.append((alpha.float().clamp_min(FLOOR).log() + read).softmax(dim=1))  # (N, L) q_t, sums to 1
         h, c, _ = decoder.advance(a, alpha, e, h, c, locations[:, t])
     maps = torch.stack(maps, dim=1).cpu().numpy()  # (N, T, L)
-    return [replace(h, attention=q[: len(h.tokens)]) if h.tokens else h for h, q in zip(hyps, maps)]
+    return [replace(h, attention=q[: len(h.tokens)]) for h, q in zip(hyps, maps)]

@@ -79,13 +79,16 @@ def error_html(message: str) -> str:
     return f'<p class="image-error" role="alert">⚠ {html.escape(message)}</p>'
 
 
+# What a word's map shows, as the large view's label says it (`Decoding.maps`): where, and what brighter means.
+SHOWN = {"attention": ("looked for", "more attention"), "posterior": ("read", "more of the word's evidence")}
+
+
 def large_label(view: View, maps: str = "attention", warning: str | None = None) -> str:
     k = view.selected
-    where = "looked for" if maps == "attention" else "read"
+    where, brighter = SHOWN[maps]
     return (
         f'Where the model {where} **"{view.words[k]}"** (word {k + 1} of {len(view.words)}); '
-        + ("brighter means more attention" if maps == "attention" else "brighter means more of the word's evidence")
-        + (f" (⚠ {warning})" if warning else "")
+        f"brighter means {brighter}" + (f" (⚠ {warning})" if warning else "")
     )
 
 
