@@ -163,3 +163,23 @@ def test_a_colour_word_naming_both_objects_does_not_count_as_moving(tmp_path):
     out = pointing_accuracy({1: (words, np.stack([on_square] * len(words)))}, GroundingBoxes(str(path)))
     assert out["pointing"] == 0.75  # both "yellow"s and "square" hit
     assert out["two_objects"] == 0.0 and out["two_object_captions"] == 1
+
+
+def test_pointing_on_right_phrases_leaves_out_the_words_of_an_object_the_caption_got_wrong(tmp_path):
+    path = tmp_path / "boxes.json"
+    scene = {  # a red circle on the left, a blue square on the right
+        "images": [{"id": 1, "width": 280, "height": 140}],
+        "categories": [{"id": 1, "name": "circle"}, {"id": 2, "name": "square"}],
+        "annotations": [
+            {"image_id": 1, "category_id": 1, "bbox": [0, 0, 100, 140], "color": "red"},
+            {"image_id": 1, "category_id": 2, "bbox": [180, 40, 100, 100], "color": "blue"},
+        ],
+    }
+    path.write_text(json.dumps(scene))
+    # "red square" names no object: its maps, read from the red circle, miss the square and hit the red.
+    words = ["a", "red", "square", "and", "a", "blue", "square"]
+    on_circle, on_square = peak_at(7, 2), peak_at(10, 12)
+    maps = np.stack([on_circle, on_circle, on_circle, on_square, on_square, on_square, on_square])
+    out = pointing_accuracy({1: (words, maps)}, GroundingBoxes(str(path)))
+    assert out["pointing"] == 0.75 and out["words"] == 4
+    assert out["pointing_right_phrases"] == 1.0 and out["right_phrase_words"] == 2

@@ -111,6 +111,11 @@ class GroundingBoxes:
     def names_object(self, word: str) -> bool:
         return bool(self.names(word))
 
+    def describe_one(self, image_id: int, words: list[str]) -> bool:
+        """Whether one object of the image is named by each of `words`."""
+        anns = self.coco.imgToAnns.get(image_id, [])
+        return any(all(self.names(w).intersection(self.described_by(a)) for w in words) for a in anns)
+
     def all_boxes(self, image_id: int) -> list[list[float]]:
         """Boxes [x, y, w, h] of every object in an image."""
         return [a["bbox"] for a in self.coco.imgToAnns.get(image_id, [])]

@@ -63,6 +63,7 @@ class _Tally:
     """What `pointing_accuracy` counts, caption by caption."""
 
     hits: list[bool] = field(default_factory=list)  # per scored word: its peak on its object
+    right: list[bool] = field(default_factory=list)  # per scored word: its phrase describes an object of the image
     chances: list[float] = field(default_factory=list)  # per scored word: its objects' share of the view
     unmatched: int = 0  # object words with no such object in the image
     on_another: int = 0  # scored words whose peak missed their object but lies on another
@@ -84,6 +85,7 @@ def _score_caption(
         return any(x <= px <= x + w and y <= py <= y + h for x, y, w, h in found)
 
     named = [boxes.boxes_for(image_id, w) if boxes.names_object(w) else None for w in words]
+    right = _right_phrases(image_id, words, boxes)
     objects, reached = [], []  # the box sets the caption names, and those a word's map peaked on
     for k, (word, found) in enumerate(zip(words, named)):
         nxt = next((f for f in named[k + 1 :] if f), None)  # the next object word present in the image
@@ -101,6 +103,7 @@ def _score_caption(
         elif on(k, boxes.all_boxes(image_id)):
             tally.on_another += 1
         tally.hits.append(hit)
+        tally.right.append(right[k])
         tally.chances.append(_covered_share(found, (l, t, r, b), size))
         tally.by_word[word][0] += int(hit)
         tally.by_word[word][1] += 1
@@ -109,6 +112,17 @@ def _score_caption(
         kind[1] += 1
     if _two_apart(objects):
         tally.both.append(_two_apart(reached))
+
+
+def _right_phrases(image_id: int, words: list[str], boxes: GroundingBoxes) -> list[bool]:
+    """Per word: whether its phrase (the run of object words it is in) describes one object of the image, as "red
+    square" does a red square; "red" and "square" of a red circle and a blue square are both in a wrong phrase."""
+    right, start = [False] * len(words), 0
+    for k in range(len(words) + 1):
+        if k == len(words) or not boxes.names_object(words[k]):
+            right[start:k] = [boxes.describe_one(image_id, words[start:k])] * (k - start)
+            start = k + 1
+    return right
 
 
 def _peaks_in_pixels(attention: np.ndarray, grid_box) -> list[tuple[float, float]]:
@@ -120,8 +134,12 @@ def _peaks_in_pixels(attention: np.ndarray, grid_box) -> list[tuple[float, float
 def _summary(tally: _Tally) -> dict:
     hits, on_another, ahead, both = tally.hits, tally.on_another, tally.ahead, tally.both
     missed = len(hits) - sum(hits)
+    on_right = [hit for hit, right in zip(hits, tally.right) if right]
     return {
         "pointing": float(np.mean(hits)) if hits else None,
+        # The words the caption got right: a map can only be as right as the word it is drawn for.
+        "pointing_right_phrases": float(np.mean(on_right)) if on_right else None,
+        "right_phrase_words": len(on_right),
         "chance": float(np.mean(tally.chances)) if tally.chances else None,
         "words": len(hits),
         "unmatched": tally.unmatched,
