@@ -147,39 +147,37 @@ def test_two_objects_asks_whether_the_maps_move_to_the_second_object(boxes):
     assert one["two_objects"] is None and one["two_object_captions"] == 0
 
 
-def test_a_colour_word_naming_both_objects_does_not_count_as_moving(tmp_path):
+def two_shapes(tmp_path, left: tuple[str, str], right: tuple[str, str]) -> GroundingBoxes:
+    """Image 1, 280×140: a (shape, colour) on the left, where `peak_at(7, 2)` lies, and one on the right, where
+    `peak_at(10, 12)` lies."""
     path = tmp_path / "boxes.json"
-    two = {
+    scene = {
         "images": [{"id": 1, "width": 280, "height": 140}],
-        "categories": [{"id": 1, "name": "triangle"}, {"id": 2, "name": "square"}],
+        "categories": [{"id": 1, "name": left[0]}, {"id": 2, "name": right[0]}],
         "annotations": [
-            {"image_id": 1, "category_id": 1, "bbox": [0, 0, 100, 140], "color": "yellow"},
-            {"image_id": 1, "category_id": 2, "bbox": [180, 40, 100, 100], "color": "yellow"},
+            {"image_id": 1, "category_id": 1, "bbox": [0, 0, 100, 140], "color": left[1]},
+            {"image_id": 1, "category_id": 2, "bbox": [180, 40, 100, 100], "color": right[1]},
         ],
     }
-    path.write_text(json.dumps(two))
+    path.write_text(json.dumps(scene))
+    return GroundingBoxes(str(path))
+
+
+def test_a_colour_word_naming_both_objects_does_not_count_as_moving(tmp_path):
+    boxes = two_shapes(tmp_path, ("triangle", "yellow"), ("square", "yellow"))
     words = ["a", "yellow", "triangle", "and", "a", "yellow", "square"]
     on_square = peak_at(10, 12)
-    out = pointing_accuracy({1: (words, np.stack([on_square] * len(words)))}, GroundingBoxes(str(path)))
+    out = pointing_accuracy({1: (words, np.stack([on_square] * len(words)))}, boxes)
     assert out["pointing"] == 0.75  # both "yellow"s and "square" hit
     assert out["two_objects"] == 0.0 and out["two_object_captions"] == 1
 
 
 def test_pointing_on_right_phrases_leaves_out_the_words_of_an_object_the_caption_got_wrong(tmp_path):
-    path = tmp_path / "boxes.json"
-    scene = {  # a red circle on the left, a blue square on the right
-        "images": [{"id": 1, "width": 280, "height": 140}],
-        "categories": [{"id": 1, "name": "circle"}, {"id": 2, "name": "square"}],
-        "annotations": [
-            {"image_id": 1, "category_id": 1, "bbox": [0, 0, 100, 140], "color": "red"},
-            {"image_id": 1, "category_id": 2, "bbox": [180, 40, 100, 100], "color": "blue"},
-        ],
-    }
-    path.write_text(json.dumps(scene))
+    boxes = two_shapes(tmp_path, ("circle", "red"), ("square", "blue"))
     # "red square" names no object: its maps, read from the red circle, miss the square and hit the red.
     words = ["a", "red", "square", "and", "a", "blue", "square"]
     on_circle, on_square = peak_at(7, 2), peak_at(10, 12)
     maps = np.stack([on_circle, on_circle, on_circle, on_square, on_square, on_square, on_square])
-    out = pointing_accuracy({1: (words, maps)}, GroundingBoxes(str(path)))
+    out = pointing_accuracy({1: (words, maps)}, boxes)
     assert out["pointing"] == 0.75 and out["words"] == 4
     assert out["pointing_right_phrases"] == 1.0 and out["right_phrase_words"] == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import groupby
 
 import numpy as np
 
@@ -85,7 +86,7 @@ def _score_caption(
         return any(x <= px <= x + w and y <= py <= y + h for x, y, w, h in found)
 
     named = [boxes.boxes_for(image_id, w) if boxes.names_object(w) else None for w in words]
-    right = _right_phrases(image_id, words, boxes)
+    right = _right_phrases(image_id, words, named, boxes)
     objects, reached = [], []  # the box sets the caption names, and those a word's map peaked on
     for k, (word, found) in enumerate(zip(words, named)):
         nxt = next((f for f in named[k + 1 :] if f), None)  # the next object word present in the image
@@ -114,14 +115,15 @@ def _score_caption(
         tally.both.append(_two_apart(reached))
 
 
-def _right_phrases(image_id: int, words: list[str], boxes: GroundingBoxes) -> list[bool]:
-    """Per word: whether its phrase (the run of object words it is in) describes one object of the image, as "red
-    square" does a red square; "red" and "square" of a red circle and a blue square are both in a wrong phrase."""
-    right, start = [False] * len(words), 0
-    for k in range(len(words) + 1):
-        if k == len(words) or not boxes.names_object(words[k]):
-            right[start:k] = [boxes.describe_one(image_id, words[start:k])] * (k - start)
-            start = k + 1
+def _right_phrases(image_id: int, words: list[str], named: list, boxes: GroundingBoxes) -> list[bool]:
+    """Per word: whether its phrase (the run of object words it is in; `named[k]` is None for a word that names no
+    object) describes one object of the image, as "red square" does a red square; "red" and "square" of a red circle
+    and a blue square are both in a wrong phrase."""
+    right = [False] * len(words)
+    for names_object, run in groupby(range(len(words)), key=lambda k: named[k] is not None):
+        run = list(run)
+        if names_object:
+            right[run[0] : run[-1] + 1] = [boxes.describe_one(image_id, [words[k] for k in run])] * len(run)
     return right
 
 
