@@ -12,6 +12,7 @@ import pytest
 from matplotlib.figure import Figure
 from pycocotools.coco import COCO
 
+from captioner.data.boxes import GroundingBoxes
 from captioner.data.dataset import CaptionData
 from captioner.decoding.settings import Decoding
 from captioner.errors import CaptionerError
@@ -20,7 +21,7 @@ from captioner.models.decoder import DecoderConfig
 from captioner.models.vocab import Vocabulary
 from captioner.serve.api import Caption, Captioner
 from captioner.train.config import TrainConfig
-from tools.lab import analysis, plots, recipes
+from tools.lab import analysis, detectors, plots, recipes
 
 
 def _caption(words: list[str], attention: np.ndarray) -> Caption:
@@ -314,3 +315,20 @@ def test_dataset_figure_histogram_matches_the_lengths():
     heights = {int(round(p.get_x() + p.get_width() / 2)): p.get_height() for p in hist.patches if p.get_height()}
     assert heights == {3: 2, 4: 1, 7: 3, 25: 1}
     assert "14.3% left out" in hist.get_legend().get_texts()[0].get_text()
+
+
+# word detectors over the cells
+
+
+def test_detectors_taught_by_the_boxes_find_the_objects_and_caption_labels_follow_the_captions(data_dir, scenes):
+    data, boxes = CaptionData(str(data_dir)), GroundingBoxes(str(scenes / "boxes.json"))
+    words = detectors.object_words(data, boxes)
+    names = {data.vocab.words[w] for w in words}
+    assert {"red", "circle"} <= names
+    _, rows = data.split_images("train")
+    labels = detectors.caption_labels(data, rows[:3], words)
+    for n, row in enumerate(rows[:3]):
+        said = {data.vocab.words[int(t)] for r, tokens in zip(data.rows, data.tokens) if r == row for t in tokens}
+        assert {data.vocab.words[w] for w, y in zip(words, labels[n]) if y} == said & names
+    found = detectors.measure(str(data_dir), str(scenes / "boxes.json"), "boxes", epochs=40)
+    assert found["scored"] > 0 and found["pointing"] >= 0.6, found

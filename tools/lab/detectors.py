@@ -1,0 +1,193 @@
+"""Where do a data directory's features hold each object word? Word detectors over the cells, scored by pointing.
+
+One linear detector per object word scores every cell, p_iw = σ(u_w · a_i + c_w), on the standardised
+features. It learns either from the captions alone (multiple-instance, after Fang et al., CVPR 2015:
+an image holds w with the noisy-OR 1 − Π_i (1 − p_iw), trained on whether its captions say w) or from
+the boxes (each cell's own label: whether it lies in an object that w names). A detector's map p_w
+then points, as attention does in `evaluate --grounding`: a hit is its smoothed peak inside a box of
+an object w names, for each object word of each test image. With boxes, the score is what the cells
+alone can tell; from the captions, what a term teaching attention from the captions could reach.
+
+    python -m tools.lab.detectors --data DATA_DIR --boxes INSTANCES_JSON [--supervision captions|boxes]
+        [--targets OUT_JSON]
+
+`--targets` writes where the caption-taught detectors put each training image's said object words, as
+COCO instances that `fit --boxes` reads: one box per grid cell whose p_iw is at least half the map's peak,
+a category per shape word, a "color" per colour word. The true boxes say only which words name a shape or
+a colour, not where anything lies.
+
+Symbols: N images, L cells, D feature channels, W object words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+
+from captioner.data.boxes import GroundingBoxes, grid_cells
+from captioner.data.dataset import CaptionData
+from captioner.evaluation.grounding import peak
+
+
+def object_words(data: CaptionData, boxes: GroundingBoxes) -> list[int]:
+    """The vocabulary ids of the words that name a category or a colour of the boxes."""
+    return [i for i, w in enumerate(data.vocab.words) if boxes.names_object(w)]
+
+
+def caption_labels(data: CaptionData, rows: np.ndarray, words: list[int]) -> np.ndarray:
+    """(N, W) float: whether some caption of each image (feature row) holds each word."""
+    column = {w: k for k, w in enumerate(words)}
+    at = {int(r): n for n, r in enumerate(rows)}
+    labels = np.zeros((len(rows), len(words)), dtype=np.float32)
+    for row, tokens, length in zip(data.rows, data.tokens, data.lengths):
+        if int(row) in at:
+            for t in tokens[1 : int(length) - 1]:
+                if int(t) in column:
+                    labels[at[int(row)], column[int(t)]] = 1
+    return labels
+
+
+def cell_labels(data: CaptionData, boxes: GroundingBoxes, rows: np.ndarray, words: list[int]) -> np.ndarray:
+    """(N, L, W) float: whether each cell lies in an object each word names."""
+    preprocess, grid = data.encoder.preprocess, data.encoder.grid
+    ids = data.meta["image_ids"]
+    labels = np.zeros((len(rows), grid * grid, len(words)), dtype=np.float32)
+    for n, row in enumerate(rows):
+        image_id = int(ids[row])
+        for k, w in enumerate(words):
+            found = boxes.boxes_for(image_id, data.vocab.words[w]) if image_id in boxes else []
+            if found:
+                labels[n, :, k] = grid_cells(found, preprocess.grid_box(*boxes.size(image_id)), grid)
+    return labels
+
+
+def train_detectors(
+    features: torch.Tensor, labels: np.ndarray, supervision: str, *, epochs: int, seed: int
+) -> torch.nn.Linear:
+    """Detectors (D → W) fitted with Adam, in batches of 64 images, on features (N, L, D)."""
+    torch.manual_seed(seed)
+    detectors = torch.nn.Linear(features.shape[-1], labels.shape[-1])
+    optimizer = torch.optim.Adam(detectors.parameters(), lr=1e-3)
+    target = torch.from_numpy(labels)
+    for _ in range(epochs):
+        for batch in torch.randperm(len(features)).split(64):
+            logits = detectors(features[batch])  # (B, L, W)
+            if supervision == "boxes":
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target[batch])
+            else:  # log(1 − P_w) = Σ_i log(1 − p_iw) = Σ_i log σ(−z_iw)
+                log_absent = torch.nn.functional.logsigmoid(-logits).sum(1)  # (B, W)
+                log_present = torch.log(-torch.expm1(log_absent.clamp(max=-1e-6)))
+                y = target[batch]
+                loss = -(y * log_present + (1 - y) * log_absent).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return detectors
+
+
+def pointing(data: CaptionData, boxes: GroundingBoxes, rows: np.ndarray, maps: np.ndarray, words: list[int]) -> dict:
+    """The share of (test image, object word present in it) whose detector map (N, L, W) peaks inside a box
+    the word names; by kind (colour or category) and by word."""
+    preprocess, grid = data.encoder.preprocess, data.encoder.grid
+    ids = data.meta["image_ids"]
+    hits: dict[str, list[int]] = {}
+    for n, row in enumerate(rows):
+        image_id = int(ids[row])
+        if image_id not in boxes:
+            continue
+        l, t, r, b = preprocess.grid_box(*boxes.size(image_id))
+        for k, w in enumerate(words):
+            word = data.vocab.words[w]
+            found = boxes.boxes_for(image_id, word)
+            if not found:
+                continue
+            fx, fy = peak(maps[n, :, k].reshape(grid, grid))
+            px, py = l + fx * (r - l), t + fy * (b - t)
+            hits.setdefault(word, []).append(any(x <= px <= x + w_ and y <= py <= y + h for x, y, w_, h in found))
+    by_kind = {"colour": [], "category": []}
+    for word, h in hits.items():
+        by_kind["colour" if word in boxes.colors else "category"] += h
+    every = [x for h in hits.values() for x in h]
+    return {
+        "pointing": float(np.mean(every)) if every else None,
+        "scored": len(every),
+        "by_kind": {k: float(np.mean(v)) for k, v in by_kind.items() if v},
+        "by_word": {w: round(float(np.mean(h)), 3) for w, h in sorted(hits.items())},
+    }
+
+
+def word_map_instances(data: CaptionData, boxes: GroundingBoxes, rows, maps: np.ndarray, words, said) -> dict:
+    """COCO instances of the detector maps (N, L, W) of images `rows` for the words each says (N, W): each cell
+    with at least half its map's peak, as a box over that cell of the image."""
+    from PIL import Image
+
+    preprocess, grid = data.encoder.preprocess, data.encoder.grid
+    colours = {w for w in words if data.vocab.words[w] in boxes.colors}
+    categories = [{"id": 1, "name": "thing"}] + [
+        {"id": k + 2, "name": data.vocab.words[w]} for k, w in enumerate(words) if w not in colours
+    ]
+    category_of = {c["name"]: c["id"] for c in categories}
+    images, annotations = [], []
+    for n, row in enumerate(rows):
+        image_id = int(data.meta["image_ids"][row])
+        with Image.open(data.path_of(int(row))) as im:
+            width, height = im.size
+        images.append({"id": image_id, "width": width, "height": height})
+        l, t, r, b = preprocess.grid_box(width, height)
+        cw, ch = (r - l) / grid, (b - t) / grid
+        for k, w in enumerate(words):
+            if not said[n, k]:
+                continue
+            word, m = data.vocab.words[w], maps[n, :, k]
+            extra = {"category_id": 1, "color": word} if w in colours else {"category_id": category_of[word]}
+            for cell in np.flatnonzero(m >= 0.5 * m.max()):
+                y, x = divmod(int(cell), grid)
+                box = [l + x * cw, t + y * ch, cw, ch]
+                annotations.append({"id": len(annotations) + 1, "image_id": image_id, "bbox": box, **extra})
+    return {"images": images, "annotations": annotations, "categories": categories}
+
+
+def measure(
+    data_dir: str, boxes_path: str, supervision: str, *, epochs: int = 30, seed: int = 0, targets: str | None = None
+) -> dict:
+    """Fit the detectors on the train split and score their maps on the test split (and write `targets`)."""
+    data, boxes = CaptionData(data_dir), GroundingBoxes(boxes_path)
+    words = object_words(data, boxes)
+    mean, std = data.feature_stats()
+    std = std.clamp_min(1e-3)  # as the decoder standardises: dead channels stay zero
+    _, train_rows = data.split_images("train")
+    _, test_rows = data.split_images("test")
+    train = (data.features(train_rows) - mean) / std  # (N, L, D)
+    if supervision == "boxes":
+        labels = cell_labels(data, boxes, train_rows, words)
+    else:
+        labels = caption_labels(data, train_rows, words)
+    detectors = train_detectors(train, labels, supervision, epochs=epochs, seed=seed)
+    with torch.no_grad():
+        maps = torch.sigmoid(detectors((data.features(test_rows) - mean) / std)).numpy()  # (N, L, W)
+        if targets:
+            train_maps = torch.sigmoid(detectors(train)).numpy()
+            said = caption_labels(data, train_rows, words)
+            with open(targets, "w") as f:
+                json.dump(word_map_instances(data, boxes, train_rows, train_maps, words, said), f)
+    return {"supervision": supervision, "words": len(words), **pointing(data, boxes, test_rows, maps, words)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", required=True, help="a prepared data directory")
+    parser.add_argument("--boxes", required=True, help="COCO instances: its train and test images' boxes")
+    parser.add_argument("--supervision", choices=("captions", "boxes"), default="captions")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--targets", help="write the training images' detector maps here, as COCO instances")
+    args = parser.parse_args(argv)
+    found = measure(args.data, args.boxes, args.supervision, epochs=args.epochs, seed=args.seed, targets=args.targets)
+    print(json.dumps(found, indent=1))
+
+
+if __name__ == "__main__":
+    main()
