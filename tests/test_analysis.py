@@ -332,3 +332,18 @@ def test_detectors_taught_by_the_boxes_find_the_objects_and_caption_labels_follo
         assert {data.vocab.words[w] for w, y in zip(words, labels[n]) if y} == said & names
     found = detectors.measure(str(data_dir), str(scenes / "boxes.json"), "boxes", epochs=40)
     assert found["scored"] > 0 and found["pointing"] >= 0.6, found
+
+
+def test_word_map_targets_are_one_cell_at_the_peak_of_each_said_words_map(data_dir, scenes):
+    data, boxes = CaptionData(str(data_dir)), GroundingBoxes(str(scenes / "boxes.json"))
+    words = detectors.object_words(data, boxes)
+    _, rows = data.split_images("train")
+    maps = detectors.cell_labels(data, boxes, rows[:4], words)  # maps that are the objects' own cells
+    said = detectors.caption_labels(data, rows[:4], words) * maps.any(1)
+    found = detectors.word_map_instances(data, boxes, rows[:4], maps, words, said)
+    category = {c["id"]: c["name"] for c in found["categories"]}
+    assert len(found["annotations"]) == said.sum() > 0
+    for a in found["annotations"]:
+        x, y, w, h = a["bbox"]
+        named = boxes.boxes_for(a["image_id"], a.get("color") or category[a["category_id"]])
+        assert any(bx <= x + w / 2 <= bx + bw and by <= y + h / 2 <= by + bh for bx, by, bw, bh in named), a

@@ -12,8 +12,9 @@ alone can tell; from the captions, what a term teaching attention from the capti
         [--targets OUT_JSON]
 
 `--targets` writes where the caption-taught detectors put each training image's said object words, as
-COCO instances that `fit --boxes` reads: one box per grid cell whose p_iw is at least half the map's peak,
-a category per shape word, a "color" per colour word. The true boxes say only which words name a shape or
+COCO instances that `fit --boxes` reads: one box per said word, over the grid cell at the map's smoothed
+peak (the maps saturate: cells at half the peak or more are 11-25% inside the object), a category per shape
+word, a "color" per colour word. The true boxes say only which words name a shape or
 a colour, not where anything lies.
 
 Symbols: N images, L cells, D feature channels, W object words.
@@ -120,8 +121,8 @@ def pointing(data: CaptionData, boxes: GroundingBoxes, rows: np.ndarray, maps: n
 
 
 def word_map_instances(data: CaptionData, boxes: GroundingBoxes, rows, maps: np.ndarray, words, said) -> dict:
-    """COCO instances of the detector maps (N, L, W) of images `rows` for the words each says (N, W): each cell
-    with at least half its map's peak, as a box over that cell of the image."""
+    """COCO instances of the detector maps (N, L, W) of images `rows` for the words each says (N, W): a box over
+    the cell of the image at each map's smoothed peak."""
     from PIL import Image
 
     preprocess, grid = data.encoder.preprocess, data.encoder.grid
@@ -141,12 +142,12 @@ def word_map_instances(data: CaptionData, boxes: GroundingBoxes, rows, maps: np.
         for k, w in enumerate(words):
             if not said[n, k]:
                 continue
-            word, m = data.vocab.words[w], maps[n, :, k]
+            word = data.vocab.words[w]
             extra = {"category_id": 1, "color": word} if w in colours else {"category_id": category_of[word]}
-            for cell in np.flatnonzero(m >= 0.5 * m.max()):
-                y, x = divmod(int(cell), grid)
-                box = [l + x * cw, t + y * ch, cw, ch]
-                annotations.append({"id": len(annotations) + 1, "image_id": image_id, "bbox": box, **extra})
+            fx, fy = peak(maps[n, :, k].reshape(grid, grid))
+            x, y = min(int(fx * grid), grid - 1), min(int(fy * grid), grid - 1)
+            box = [l + x * cw, t + y * ch, cw, ch]
+            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "bbox": box, **extra})
     return {"images": images, "annotations": annotations, "categories": categories}
 
 
