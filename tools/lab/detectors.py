@@ -27,10 +27,11 @@ import json
 
 import numpy as np
 import torch
+from PIL import Image
 
-from captioner.data.boxes import GroundingBoxes, grid_cells
+from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
-from captioner.evaluation.grounding import peak
+from captioner.evaluation.grounding import peak, pointing_accuracy
 
 
 def object_words(data: CaptionData, boxes: GroundingBoxes) -> list[int]:
@@ -52,16 +53,14 @@ def caption_labels(data: CaptionData, rows: np.ndarray, words: list[int]) -> np.
 
 
 def cell_labels(data: CaptionData, boxes: GroundingBoxes, rows: np.ndarray, words: list[int]) -> np.ndarray:
-    """(N, L, W) float: whether each cell lies in an object each word names."""
-    preprocess, grid = data.encoder.preprocess, data.encoder.grid
-    ids = data.meta["image_ids"]
-    labels = np.zeros((len(rows), grid * grid, len(words)), dtype=np.float32)
+    """(N, L, W) float: whether each cell of training images `rows` lies in an object each word names."""
+    targets = BoxTargets(data, boxes, data.encoder.preprocess, data.encoder.grid)
+    labels = np.zeros((len(rows), targets.masks.shape[1], len(words)), dtype=np.float32)
     for n, row in enumerate(rows):
-        image_id = int(ids[row])
         for k, w in enumerate(words):
-            found = boxes.boxes_for(image_id, data.vocab.words[w]) if image_id in boxes else []
-            if found:
-                labels[n, :, k] = grid_cells(found, preprocess.grid_box(*boxes.size(image_id)), grid)
+            mask = targets.mask_of(int(row), w)
+            if mask is not None:
+                labels[n, :, k] = mask
     return labels
 
 
@@ -91,40 +90,29 @@ def train_detectors(
 
 def pointing(data: CaptionData, boxes: GroundingBoxes, rows: np.ndarray, maps: np.ndarray, words: list[int]) -> dict:
     """The share of (test image, object word present in it) whose detector map (N, L, W) peaks inside a box
-    the word names; by kind (colour or category) and by word."""
-    preprocess, grid = data.encoder.preprocess, data.encoder.grid
-    ids = data.meta["image_ids"]
-    hits: dict[str, list[int]] = {}
+    the word names, as `evaluate --grounding` scores attention; by kind (colour or category) and by word."""
+    grid, ids = data.encoder.grid, data.meta["image_ids"]
+    captions = {}
     for n, row in enumerate(rows):
         image_id = int(ids[row])
-        if image_id not in boxes:
-            continue
-        l, t, r, b = preprocess.grid_box(*boxes.size(image_id))
-        for k, w in enumerate(words):
-            word = data.vocab.words[w]
-            found = boxes.boxes_for(image_id, word)
-            if not found:
-                continue
-            fx, fy = peak(maps[n, :, k].reshape(grid, grid))
-            px, py = l + fx * (r - l), t + fy * (b - t)
-            hits.setdefault(word, []).append(any(x <= px <= x + w_ and y <= py <= y + h for x, y, w_, h in found))
-    by_kind = {"colour": [], "category": []}
-    for word, h in hits.items():
-        by_kind["colour" if word in boxes.colors else "category"] += h
-    every = [x for h in hits.values() for x in h]
+        if image_id in boxes:
+            present = [k for k, w in enumerate(words) if boxes.boxes_for(image_id, data.vocab.words[w])]
+            captions[image_id] = (
+                [data.vocab.words[words[k]] for k in present],
+                maps[n][:, present].T.reshape(-1, grid, grid),
+            )
+    found = pointing_accuracy(captions, boxes, data.encoder.preprocess)
     return {
-        "pointing": float(np.mean(every)) if every else None,
-        "scored": len(every),
-        "by_kind": {k: float(np.mean(v)) for k, v in by_kind.items() if v},
-        "by_word": {w: round(float(np.mean(h)), 3) for w, h in sorted(hits.items())},
+        "pointing": found["pointing"],
+        "scored": found["words"],
+        "by_kind": found["by_kind"],
+        "by_word": {w: round(h / n, 3) for w, (h, n) in sorted(found["by_word"].items())},
     }
 
 
 def word_map_instances(data: CaptionData, boxes: GroundingBoxes, rows, maps: np.ndarray, words, said) -> dict:
     """COCO instances of the detector maps (N, L, W) of images `rows` for the words each says (N, W): a box over
     the cell of the image at each map's smoothed peak."""
-    from PIL import Image
-
     preprocess, grid = data.encoder.preprocess, data.encoder.grid
     colours = {w for w in words if data.vocab.words[w] in boxes.colors}
     categories = [{"id": 1, "name": "thing"}] + [
@@ -162,16 +150,13 @@ def measure(
     _, train_rows = data.split_images("train")
     _, test_rows = data.split_images("test")
     train = (data.features(train_rows) - mean) / std  # (N, L, D)
-    if supervision == "boxes":
-        labels = cell_labels(data, boxes, train_rows, words)
-    else:
-        labels = caption_labels(data, train_rows, words)
+    said = caption_labels(data, train_rows, words)
+    labels = cell_labels(data, boxes, train_rows, words) if supervision == "boxes" else said
     detectors = train_detectors(train, labels, supervision, epochs=epochs, seed=seed)
     with torch.no_grad():
         maps = torch.sigmoid(detectors((data.features(test_rows) - mean) / std)).numpy()  # (N, L, W)
         if targets:
             train_maps = torch.sigmoid(detectors(train)).numpy()
-            said = caption_labels(data, train_rows, words)
             with open(targets, "w") as f:
                 json.dump(word_map_instances(data, boxes, train_rows, train_maps, words, said), f)
     return {"supervision": supervision, "words": len(words), **pointing(data, boxes, test_rows, maps, words)}
