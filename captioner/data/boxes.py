@@ -171,6 +171,24 @@ class BoxTargets:
                     masks.append(grid_cells([anns[k]["bbox"] for k in named], preprocess.grid_box(*size), grid))
                 self.index[row, word] = made[tuple(named)]
         self.masks = np.stack(masks) if masks else np.zeros((0, grid * grid), dtype=bool)  # (M, L)
+        self.names_object = np.zeros(len(data.vocab), dtype=bool)  # (V,) words that name some category or colour
+        self.names_object[[w for words in naming.values() for w in words]] = True
+        self._list_steps(data)
+
+    @classmethod
+    def of_cells(cls, data, cells: dict[tuple[int, int], np.ndarray]) -> BoxTargets:
+        """Targets given as the cells (L,) bool each (training feature row, word id) should look at."""
+        targets = cls.__new__(cls)
+        targets.index = {key: m for m, key in enumerate(cells)}
+        grid_cells = data.encoder.grid**2
+        targets.masks = np.stack(list(cells.values())) if cells else np.zeros((0, grid_cells), dtype=bool)
+        targets.names_object = np.zeros(len(data.vocab), dtype=bool)
+        targets.names_object[[word for _, word in cells]] = True
+        targets._list_steps(data)
+        return targets
+
+    def _list_steps(self, data) -> None:
+        """The (caption, step, mask) of each dataset caption's word with a target, in caption order."""
         caption, steps, which = [], [], []
         for c, (row, tokens, length) in enumerate(zip(data.rows, data.tokens, data.lengths)):
             for p in range(1, int(length) - 1):  # the words; α at step p-1 produced word p
@@ -180,8 +198,6 @@ class BoxTargets:
         self.caption, self.steps, self.which = (np.asarray(x, dtype=np.int64) for x in (caption, steps, which))
         self.words = len(self.caption)
         self.rows = data.rows  # (C,) each dataset caption's feature row
-        self.names_object = np.zeros(len(data.vocab), dtype=bool)  # (V,) words that name some category or colour
-        self.names_object[[w for words in naming.values() for w in words]] = True
 
     def mask_of(self, row: int, word: int) -> np.ndarray | None:
         """The cells (L,) bool of the objects `word` names in the image of feature row `row`; None when

@@ -54,6 +54,11 @@ class TermsConfig:
         "weight of the same term at the word the model itself would write at each step (its most likely word), "
         "where that word names an object of the image (--boxes, soft attention; 0: off)",
     ] = 0.0
+    word_maps: Annotated[
+        bool,
+        "teach attention where each word lies without boxes: word detectors fitted on the captions when fit starts "
+        "mark each trusted word's peak cell, which attention correctness teaches as --boxes does (--boxes-weight)",
+    ] = False
     paper: Annotated[
         bool,
         "--paper-objective",

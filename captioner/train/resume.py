@@ -195,10 +195,11 @@ DERIVED = {  # each derived default's rule, as `fit --help` shows it
     "lr": f"{XE_LR:g} for xe, {SCST_LR:g} for scst",
     "dropout": f"{DROPOUT['soft']:g} for soft attention, {DROPOUT['hard']:g} for hard",
     "alpha_c": f"{OURS['alpha_c']:g}; {PAPER['alpha_c']:g}, the paper's, with --paper-objective",
-    "consistency": f"{OURS['consistency']:g}; {PAPER['consistency']:g}, off, with --paper-objective or where the "
-    "data has no views' features and no fine-tuned encoder makes them",
-    "word_query": "on with --boxes, unless --paper-objective",
-    "decode_sharpness": f"{BOXES_SHARPNESS:g} for soft attention with --boxes (unless --paper-objective), else 1; "
+    "consistency": f"{OURS['consistency']:g}; {PAPER['consistency']:g}, off, with --paper-objective or --word-maps or "
+    "where the data has no views' features and no fine-tuned encoder makes them",
+    "word_query": "on with --boxes or --word-maps, unless --paper-objective",
+    "decode_sharpness": f"{BOXES_SHARPNESS:g} for soft attention with --boxes or --word-maps (unless "
+    "--paper-objective), else 1; "
     "with --init, the checkpoint's",
     "after": f"{DECODER_FIRST} from scratch, 0 with --init",
 }
@@ -208,7 +209,8 @@ DERIVED = {  # each derived default's rule, as `fit --help` shows it
 class Start:
     """What a run starts from: `encoder_dim` is the data's feature size D (None keeps the config's); without `views`
     (the views' features) and without a fine-tuned encoder to make its own, the consistency is settled as 0; `boxes`
-    (`fit --boxes`) sets the word query's and the decoding sharpness's defaults; `init` and `saved` are migrated."""
+    (`fit --boxes` or `--word-maps`) sets the word query's and the decoding sharpness's defaults; `init` and `saved`
+    are migrated."""
 
     vocab_size: int
     encoder_dim: int | None = None
@@ -298,7 +300,9 @@ def _terms(t: TermsConfig, views: bool) -> TermsConfig:
                 f"--paper-objective trains with --alpha-c 1 and --consistency 0: leave out {', '.join(contradicted)} "
                 "or --paper-objective"
             )
-    values = PAPER if t.paper else OURS
+    if t.paper and t.word_maps:
+        raise CaptionerError("--paper-objective trains no attention term of ours: leave out --word-maps")
+    values = PAPER if t.paper else {**OURS, "consistency": 0.0} if t.word_maps else OURS
     t = replace(t, **{k: _given(getattr(t, k), values[k]) for k in values})
     if t.consistency > 0 and not views:
         logger.warning(

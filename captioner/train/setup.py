@@ -28,6 +28,7 @@ from captioner.train.checkpoints import Live
 from captioner.train.config import OptimConfig, ProcessConfig, TrainConfig
 from captioner.train.finetune import FineTuneConfig, FineTuning
 from captioner.train.step import TrainStep
+from captioner.train.word_maps import word_map_targets
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,13 @@ def box_targets(data: CaptionData, path: str, d: distributed.Dist) -> BoxTargets
             f"--boxes: {targets.words} words of the training captions name a boxed object; they also learn where it is"
         )
     return targets
+
+
+def attention_targets(data: CaptionData, boxes: str | None, cfg: TrainConfig, d: distributed.Dist) -> BoxTargets | None:
+    """Where the training captions' words should look: the objects `--boxes` boxes, or the word maps' peaks."""
+    if cfg.terms.word_maps:
+        return word_map_targets(data, seed=cfg.optim.seed, main=d.main)
+    return box_targets(data, boxes, d) if boxes else None
 
 
 def familiarity(data: CaptionData, tuning, saved: dict | None, seed: int, main: bool) -> dict | None:

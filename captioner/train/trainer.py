@@ -72,14 +72,17 @@ class Trainer:
         d, device = distributed.setup(job.device)
         data = self.data = CaptionData(job.data)
         init, saved, began = self.init, self.saved, self.began = start_from(job, data, device)
-        start = Start(len(data.vocab), data.cache.shape[-1], data.views is not None, job.boxes is not None, init, saved)
+        if job.boxes is not None and job.train.terms.word_maps:
+            raise CaptionerError("--boxes and --word-maps both say where words lie: pass one of them")
+        targeted = job.boxes is not None or job.train.terms.word_maps
+        start = Start(len(data.vocab), data.cache.shape[-1], data.views is not None, targeted, init, saved)
         model_cfg, cfg = self.model_cfg, self.cfg = settle(job.model, job.train, start, device)
         torch.manual_seed(cfg.optim.seed)  # the process's own settings, for this run:
         if cfg.optim.amp == "tf32":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         self.process = distributed.Process(d, device, setup.step_compiling(cfg.process, device))
         board = open_board(cfg.process.tensorboard, main=d.main, saved=saved)  # before any slow preparation
-        self.targets = setup.box_targets(data, began["boxes"], d) if began["boxes"] else None
+        self.targets = setup.attention_targets(data, began["boxes"], cfg, d)
         live = self.live = self._live()
         self.stages = [setup.stage(data, live.decoder, cfg, state=live.terms, targets=self.targets)]
         if live.tuning is not None:

@@ -32,6 +32,7 @@ from PIL import Image
 from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
 from captioner.evaluation.grounding import peak, pointing_accuracy
+from captioner.train.word_maps import noisy_or_loss, said, training_captions
 
 
 def object_words(data: CaptionData, boxes: GroundingBoxes) -> list[int]:
@@ -41,15 +42,7 @@ def object_words(data: CaptionData, boxes: GroundingBoxes) -> list[int]:
 
 def caption_labels(data: CaptionData, rows: np.ndarray, words: list[int]) -> np.ndarray:
     """(N, W) float: whether some caption of each image (feature row) holds each word."""
-    column = {w: k for k, w in enumerate(words)}
-    at = {int(r): n for n, r in enumerate(rows)}
-    labels = np.zeros((len(rows), len(words)), dtype=np.float32)
-    for row, tokens, length in zip(data.rows, data.tokens, data.lengths):
-        if int(row) in at:
-            for t in tokens[1 : int(length) - 1]:
-                if int(t) in column:
-                    labels[at[int(row)], column[int(t)]] = 1
-    return labels
+    return said(rows, training_captions(data), words)
 
 
 def cell_labels(data: CaptionData, boxes: GroundingBoxes, rows: np.ndarray, words: list[int]) -> np.ndarray:
@@ -77,11 +70,8 @@ def train_detectors(
             logits = detectors(features[batch])  # (B, L, W)
             if supervision == "boxes":
                 loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target[batch])
-            else:  # log(1 − P_w) = Σ_i log(1 − p_iw) = Σ_i log σ(−z_iw)
-                log_absent = torch.nn.functional.logsigmoid(-logits).sum(1)  # (B, W)
-                log_present = torch.log(-torch.expm1(log_absent.clamp(max=-1e-6)))
-                y = target[batch]
-                loss = -(y * log_present + (1 - y) * log_absent).mean()
+            else:
+                loss = noisy_or_loss(logits, target[batch])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

@@ -1,0 +1,82 @@
+"""`fit --word-maps`: word detectors learnt from the captions, and their peak cells as attention targets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from captioner.data.batches import CaptionBatches
+from captioner.data.boxes import BoxTargets, GroundingBoxes
+from captioner.data.dataset import CaptionData
+from captioner.errors import CaptionerError
+from captioner.models.decoder import DecoderConfig
+from captioner.train import word_maps
+from captioner.train.config import TrainConfig
+from captioner.train.trainer import FitJob, fit
+
+
+def test_auc_ranks_with_ties_and_is_nan_without_both_labels():
+    assert word_maps.auc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])) == pytest.approx(0.75)
+    assert word_maps.auc(np.array([1.0, 1.0, 2.0]), np.array([0, 1, 1])) == pytest.approx(0.75)
+    assert np.isnan(word_maps.auc(np.array([0.2, 0.3]), np.array([1, 1])))
+
+
+def test_the_noisy_or_is_the_chance_some_cell_holds_the_word():
+    logits = torch.tensor([[[0.0], [0.0]]])  # two cells at p = 1/2: the image holds the word with 3/4
+    present = word_maps.noisy_or_loss(logits, torch.ones(1, 1))
+    absent = word_maps.noisy_or_loss(logits, torch.zeros(1, 1))
+    assert float(present) == pytest.approx(-np.log(0.75), rel=1e-5)
+    assert float(absent) == pytest.approx(-np.log(0.25), rel=1e-5)
+
+
+def test_targets_given_as_cells_reach_the_batches_at_their_words_steps(data_dir):
+    data = CaptionData(str(data_dir))
+    c = 0
+    row, word = int(data.rows[c]), int(data.tokens[c, 2])  # the caption's second word
+    cell = np.zeros(196, dtype=bool)
+    cell[37] = True
+    targets = BoxTargets.of_cells(data, {(row, word): cell})
+    assert targets.names_object[word] and targets.names_object.sum() == 1
+    assert np.array_equal(targets.mask_of(row, word), cell)
+    masks, rows = targets.for_captions(np.array([c, -1]), data.tokens.shape[1] - 1)
+    steps = {t for t in range(masks.shape[1]) if masks[0, t].any()}
+    assert 1 in steps and all(int(data.tokens[c, t + 1]) == word for t in steps)
+    assert not masks[1].any() and rows[0] == row
+    batch = next(iter(CaptionBatches(data, 8, targets=targets).batches(seed=0, epoch=0)))
+    assert batch.boxes.masks.sum(-1).max() <= 1
+
+
+def test_word_map_targets_are_one_cell_for_each_trusted_word_a_training_image_says(data_dir, scenes):
+    data = CaptionData(str(data_dir))
+    targets = word_maps.word_map_targets(data, seed=0)
+    _, rows = data.split_images("train")
+    words = word_maps.content_words(data, rows)
+    assert targets.words > 0 and targets.masks.sum(1).tolist() == [1] * len(targets.masks)
+    labels = word_maps.said(rows, word_maps.training_captions(data), words)
+    at = {int(r): n for n, r in enumerate(rows)}
+    for row, word in targets.index:
+        assert word in words and labels[at[row], words.index(word)]
+    # The random encoder's cells are local: targets land on the named object well above a random cell's chance.
+    boxes = GroundingBoxes(str(scenes / "boxes.json"))
+    truth = BoxTargets(data, boxes, data.encoder.preprocess, data.encoder.grid)
+    named = [(key, m) for key, m in targets.index.items() if truth.mask_of(*key) is not None]
+    on = np.mean([(targets.masks[m] & truth.mask_of(*key)).any() for key, m in named])
+    chance = np.mean([truth.mask_of(*key).mean() for key, _ in named])
+    assert len(named) >= 10 and on >= 2 * chance, (len(named), on, chance)
+
+
+def test_fit_with_word_maps_trains_the_attention_term_and_refuses_boxes_beside_them(data_dir, scenes, tmp_path):
+    model = DecoderConfig(0, embed_dim=32, hidden_dim=48, attention_dim=24)
+    cfg = TrainConfig.of(epochs=1, batch_size=8, val_beam_size=1, word_maps=True)
+    fit(FitJob(str(data_dir), str(tmp_path / "run"), model, cfg, device="cpu", progress_bar=False))
+    saved = torch.load(tmp_path / "run" / "last.pt", weights_only=False)
+    assert saved["train"]["terms"]["word_maps"] and saved["train"]["terms"]["consistency"] == 0
+    assert saved["decoder"]["word_query"]
+    log = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert '"boxes"' in log
+    with pytest.raises(CaptionerError, match="--word-maps"):
+        fit(FitJob(str(data_dir), str(tmp_path / "two"), model, cfg, boxes=str(scenes / "boxes.json"), device="cpu"))
+    paper = TrainConfig.of(epochs=1, word_maps=True, paper=True)
+    with pytest.raises(CaptionerError, match="--word-maps"):
+        fit(FitJob(str(data_dir), str(tmp_path / "three"), model, paper, device="cpu"))
