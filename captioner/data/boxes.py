@@ -180,8 +180,8 @@ class BoxTargets:
         """Targets given as the cells (L,) bool each (training feature row, word id) should look at."""
         targets = cls.__new__(cls)
         targets.index = {key: m for m, key in enumerate(cells)}
-        grid_cells = data.encoder.grid**2
-        targets.masks = np.stack(list(cells.values())) if cells else np.zeros((0, grid_cells), dtype=bool)
+        empty = np.zeros((0, data.encoder.grid**2), dtype=bool)
+        targets.masks = np.stack(list(cells.values())) if cells else empty
         targets.names_object = np.zeros(len(data.vocab), dtype=bool)
         targets.names_object[[word for _, word in cells]] = True
         targets._list_steps(data)

@@ -19,6 +19,8 @@ from captioner.errors import OptionError
 from captioner.models.contexts import ARGMAX, CONTEXT_MODES, EXPECTED, SAMPLE
 from captioner.options import check_positive
 
+FEATURE_STD_FLOOR = 1e-3  # under the features' std: channels dead in the training images stay zero
+
 
 class Attention(nn.Module):
     """f_att, the MLP of eq. (4): e_ti = v·tanh(W_a a_i + W_h h_{t-1}); α_t = softmax(e_t), eq. (5).
@@ -170,7 +172,7 @@ class AttentionDecoder(nn.Module):
 
     def set_feature_stats(self, mean: torch.Tensor, std: torch.Tensor) -> None:
         self.feature_mean.copy_(mean)
-        self.feature_std.copy_(std.clamp_min(1e-3))
+        self.feature_std.copy_(std.clamp_min(FEATURE_STD_FLOOR))
 
     def normalize(self, features: torch.Tensor) -> torch.Tensor:
         """Raw encoder output (B, L, D) → standardised annotation vectors a_i."""

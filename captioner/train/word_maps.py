@@ -22,6 +22,7 @@ import torch
 from captioner.data.boxes import BoxTargets
 from captioner.data.dataset import CaptionData
 from captioner.evaluation.grounding import peak
+from captioner.models.decoder import FEATURE_STD_FLOOR
 from captioner.models.vocab import tokenize
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class Standardised:
     def __init__(self, data: CaptionData):
         self.data = data
         self.mean, std = data.feature_stats()
-        self.std = std.clamp_min(1e-3)  # dead channels stay zero
+        self.std = std.clamp_min(FEATURE_STD_FLOOR)
 
     def __call__(self, rows: np.ndarray) -> torch.Tensor:
         return (self.data.features(rows) - self.mean) / self.std  # (n, L, D)
@@ -116,12 +117,23 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float((ranks[positive].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
 
 
+def peak_cell(p: np.ndarray, grid: int) -> int:
+    """The index of the cell that holds a map's (L,) smoothed peak."""
+    fx, fy = peak(p.reshape(grid, grid))
+    return min(int(fy * grid), grid - 1) * grid + min(int(fx * grid), grid - 1)
+
+
 def content_words(data: CaptionData, rows: np.ndarray) -> list[int]:
     """Vocabulary ids of the words said in `CONTENT_SHARE` of the training images `rows`."""
-    candidates = [i for i, w in enumerate(data.vocab.words) if not w.startswith("<")]
-    share = said(rows, training_captions(data), candidates).mean(0)
+    keep = np.isin(data.rows, rows)
+    tokens, lengths = data.tokens[keep].astype(np.int64), data.lengths[keep]
+    steps = np.arange(tokens.shape[1])
+    words = (steps >= 1) & (steps < lengths[:, None] - 1)  # (C, T) without the start and end tokens
+    vocabulary = len(data.vocab)
+    image_word = np.unique((data.rows[keep].astype(np.int64)[:, None] * vocabulary + tokens)[words])
+    share = np.bincount(image_word % vocabulary, minlength=vocabulary) / len(rows)  # (V,)
     low, high = CONTENT_SHARE
-    return [w for w, s in zip(candidates, share) if low <= s <= high]
+    return [i for i, w in enumerate(data.vocab.words) if not w.startswith("<") and low <= share[i] <= high]
 
 
 def word_map_targets(data: CaptionData, *, seed: int = 0, main: bool = True) -> BoxTargets:
@@ -143,9 +155,8 @@ def word_map_targets(data: CaptionData, *, seed: int = 0, main: bool = True) -> 
         for n, p in enumerate(maps(detectors, features, batch)):
             for k in trusted:
                 if labels[a + n, k]:
-                    fx, fy = peak(p[:, k].reshape(grid, grid))
                     cell = np.zeros(grid * grid, dtype=bool)
-                    cell[min(int(fy * grid), grid - 1) * grid + min(int(fx * grid), grid - 1)] = True
+                    cell[peak_cell(p[:, k], grid)] = True
                     cells[int(batch[n]), words[k]] = cell
     if main:
         named = ", ".join(f"{data.vocab.words[words[k]]} {scores[k]:.2f}" for k in trusted) or "none"

@@ -31,8 +31,8 @@ from PIL import Image
 
 from captioner.data.boxes import BoxTargets, GroundingBoxes
 from captioner.data.dataset import CaptionData
-from captioner.evaluation.grounding import peak, pointing_accuracy
-from captioner.train.word_maps import noisy_or_loss, said, training_captions
+from captioner.evaluation.grounding import pointing_accuracy
+from captioner.train.word_maps import Standardised, noisy_or_loss, peak_cell, said, training_captions
 
 
 def object_words(data: CaptionData, boxes: GroundingBoxes) -> list[int]:
@@ -122,8 +122,7 @@ def word_map_instances(data: CaptionData, boxes: GroundingBoxes, rows, maps: np.
                 continue
             word = data.vocab.words[w]
             extra = {"category_id": 1, "color": word} if w in colours else {"category_id": category_of[word]}
-            fx, fy = peak(maps[n, :, k].reshape(grid, grid))
-            x, y = min(int(fx * grid), grid - 1), min(int(fy * grid), grid - 1)
+            y, x = divmod(peak_cell(maps[n, :, k], grid), grid)
             box = [l + x * cw, t + y * ch, cw, ch]
             annotations.append({"id": len(annotations) + 1, "image_id": image_id, "bbox": box, **extra})
     return {"images": images, "annotations": annotations, "categories": categories}
@@ -135,16 +134,15 @@ def measure(
     """Fit the detectors on the train split and score their maps on the test split (and write `targets`)."""
     data, boxes = CaptionData(data_dir), GroundingBoxes(boxes_path)
     words = object_words(data, boxes)
-    mean, std = data.feature_stats()
-    std = std.clamp_min(1e-3)  # as the decoder standardises: dead channels stay zero
+    standardised = Standardised(data)
     _, train_rows = data.split_images("train")
     _, test_rows = data.split_images("test")
-    train = (data.features(train_rows) - mean) / std  # (N, L, D)
+    train = standardised(train_rows)  # (N, L, D)
     said = caption_labels(data, train_rows, words)
     labels = cell_labels(data, boxes, train_rows, words) if supervision == "boxes" else said
     detectors = train_detectors(train, labels, supervision, epochs=epochs, seed=seed)
     with torch.no_grad():
-        maps = torch.sigmoid(detectors((data.features(test_rows) - mean) / std)).numpy()  # (N, L, W)
+        maps = torch.sigmoid(detectors(standardised(test_rows))).numpy()  # (N, L, W)
         if targets:
             train_maps = torch.sigmoid(detectors(train)).numpy()
             with open(targets, "w") as f:
