@@ -6,7 +6,9 @@ An image holds w with the noisy-OR 1 − Π_i (1 − p_iw), trained on whether i
 learning, after Fang et al., CVPR 2015). A word teaches only where its detector is trusted: its best cell's score
 ranks the validation images whose references say w above those that do not, with an AUC of `TRUSTED_AUC` or more.
 In each training image whose captions say a trusted word, its target is one cell: the map's smoothed peak (the
-maps saturate; cells at half the peak or more lie mostly off the object). Why: docs/attention.md#word-maps.
+maps saturate; cells at half the peak or more lie mostly off the object). An untrusted word next to a trusted one
+in a caption borrows that word's target (the outlined scenes' hollow shapes, whose colours are found and whose
+shapes are not). Why: docs/attention.md#word-maps.
 
 Symbols: N images, L cells, D feature channels, W words.
 """
@@ -158,7 +160,26 @@ def word_map_targets(data: CaptionData, *, seed: int = 0, main: bool = True) -> 
                     cell = np.zeros(grid * grid, dtype=bool)
                     cell[peak_cell(p[:, k], grid)] = True
                     cells[int(batch[n]), words[k]] = cell
+    borrowed = borrowed_cells(data, cells, {words[k] for k in range(len(words)) if k not in trusted})
+    cells.update(borrowed)
     if main:
         named = ", ".join(f"{data.vocab.words[words[k]]} {scores[k]:.2f}" for k in trusted) or "none"
         log.info(f"--word-maps: {len(trusted)} of {len(words)} content words teach where they lie (val AUC): {named}")
+        log.info(f"--word-maps: {len({w for _, w in borrowed})} untrusted words look where a trusted neighbour does")
     return BoxTargets.of_cells(data, cells)
+
+
+def borrowed_cells(data: CaptionData, cells: dict, untrusted: set[int]) -> dict[tuple[int, int], np.ndarray]:
+    """Targets for the untrusted words: in a training caption, an untrusted word next to a trusted word that has a
+    target in that image looks where the trusted word does ("a hollow red square": hollow and square look where
+    red does), the union over the image's captions."""
+    borrowed: dict[tuple[int, int], np.ndarray] = {}
+    for row, ids in training_captions(data):
+        for p, word in enumerate(int(w) for w in ids):
+            if word in untrusted:
+                for q in (p - 1, p + 1):
+                    cell = cells.get((int(row), int(ids[q]))) if 0 <= q < len(ids) else None
+                    if cell is not None:
+                        key = (int(row), word)
+                        borrowed[key] = cell | borrowed.get(key, False)
+    return borrowed
