@@ -69,9 +69,11 @@ def test_an_untrusted_word_looks_where_its_trusted_neighbours_look_in_that_image
     assert np.array_equal(borrowed[7, square], cell[0] | cell[3])
 
 
-def test_word_map_targets_are_cells_for_the_content_words_a_training_image_says(data_dir, scenes):
+def test_word_map_targets_are_cells_for_the_content_words_a_training_image_says(data_dir, scenes, caplog):
     data = CaptionData(str(data_dir))
-    targets = word_maps.word_map_targets(data, seed=0)
+    with caplog.at_level("WARNING", logger=word_maps.log.name):
+        targets = word_maps.word_map_targets(data, seed=0)
+    assert "--encoder-weights none" in caplog.text  # the random encoder's maps seldom say where: warned
     _, rows = data.split_images("train")
     words = word_maps.content_words(data, rows)
     assert targets.words > 0 and targets.masks.sum(1).min() == 1
