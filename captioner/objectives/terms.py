@@ -57,8 +57,8 @@ class TermsConfig:
     word_maps: Annotated[
         bool,
         "teach attention where each word lies without boxes: word detectors fitted on the captions when fit starts "
-        "mark each trusted word's peak cell, borrowed by an untrusted word next to it in a caption, which "
-        "attention correctness teaches as --boxes does (--boxes-weight)",
+        "mark the 3×3 cells around each trusted word's peak, borrowed by an untrusted word next to it in a caption, "
+        "which attention correctness teaches as --boxes does (--boxes-weight)",
     ] = False
     paper: Annotated[
         bool,

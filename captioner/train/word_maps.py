@@ -5,8 +5,9 @@ One linear detector per content word scores every cell, p_iw = σ(u_w · a_i + c
 An image holds w with the noisy-OR 1 − Π_i (1 − p_iw), trained on whether its captions say w (multiple-instance
 learning, after Fang et al., CVPR 2015). A word teaches only where its detector is trusted: its best cell's score
 ranks the validation images whose references say w above those that do not, with an AUC of `TRUSTED_AUC` or more.
-In each training image whose captions say a trusted word, its target is one cell: the map's smoothed peak (the
-maps saturate; cells at half the peak or more lie mostly off the object). An untrusted word next to a trusted one
+In each training image whose captions say a trusted word, its target is the 3×3 cells around the map's smoothed
+peak (the maps saturate, so a threshold would take cells mostly off the object; one cell alone leaves the decoder
+too little of a hollow shape to read it). An untrusted word next to a trusted one
 in a caption borrows that word's target (the outlined scenes' hollow shapes, whose colours are found and whose
 shapes are not). Why: docs/attention.md#word-maps.
 
@@ -125,6 +126,14 @@ def peak_cell(p: np.ndarray, grid: int) -> int:
     return min(int(fy * grid), grid - 1) * grid + min(int(fx * grid), grid - 1)
 
 
+def around(cell: int, grid: int) -> np.ndarray:
+    """The cells (L,) bool within one row and column of `cell`: 9, or fewer at the grid's edges."""
+    row, col = divmod(cell, grid)
+    near = np.zeros((grid, grid), dtype=bool)
+    near[max(row - 1, 0) : row + 2, max(col - 1, 0) : col + 2] = True
+    return near.reshape(-1)
+
+
 def content_words(data: CaptionData, rows: np.ndarray) -> list[int]:
     """Vocabulary ids of the words said in `CONTENT_SHARE` of the training images `rows`."""
     keep = np.isin(data.rows, rows)
@@ -139,7 +148,7 @@ def content_words(data: CaptionData, rows: np.ndarray) -> list[int]:
 
 
 def word_map_targets(data: CaptionData, *, seed: int = 0, main: bool = True) -> BoxTargets:
-    """`fit --word-maps`: the trusted words' peak cells in the training images whose captions say them."""
+    """`fit --word-maps`: the cells around the trusted words' peaks in the training images whose captions say them."""
     _, rows = data.split_images("train")
     words = content_words(data, rows)
     features = Standardised(data)
@@ -157,9 +166,7 @@ def word_map_targets(data: CaptionData, *, seed: int = 0, main: bool = True) -> 
         for n, p in enumerate(maps(detectors, features, batch)):
             for k in trusted:
                 if labels[a + n, k]:
-                    cell = np.zeros(grid * grid, dtype=bool)
-                    cell[peak_cell(p[:, k], grid)] = True
-                    cells[int(batch[n]), words[k]] = cell
+                    cells[int(batch[n]), words[k]] = around(peak_cell(p[:, k], grid), grid)
     borrowed = borrowed_cells(data, cells, {words[k] for k in range(len(words)) if k not in trusted})
     cells.update(borrowed)
     if main:
