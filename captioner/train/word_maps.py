@@ -149,6 +149,12 @@ def content_words(data: CaptionData, rows: np.ndarray) -> list[int]:
 
 def word_map_targets(data: CaptionData, *, seed: int = 0, main: bool = True) -> BoxTargets:
     """`fit --word-maps`: the cells around the trusted words' peaks in the training images whose captions say them."""
+    if main and data.encoder.weights == "none":
+        log.warning(
+            "--word-maps on features of a random encoder (--encoder-weights none): its detectors tell whether an "
+            "image holds a word far better than where, so the targets seldom lie on the object; prepare with a "
+            "pretrained encoder (docs/attention.md#word-maps)"
+        )
     _, rows = data.split_images("train")
     words = content_words(data, rows)
     features = Standardised(data)
@@ -170,12 +176,6 @@ def word_map_targets(data: CaptionData, *, seed: int = 0, main: bool = True) -> 
     borrowed = borrowed_cells(data, cells, {words[k] for k in range(len(words)) if k not in trusted})
     cells.update(borrowed)
     if main:
-        if data.encoder.weights == "none":
-            log.warning(
-                "--word-maps on features of a random encoder (--encoder-weights none): its detectors tell whether an "
-                "image holds a word far better than where, so the targets seldom lie on the object; prepare with a "
-                "pretrained encoder (docs/attention.md#word-maps)"
-            )
         named = ", ".join(f"{data.vocab.words[words[k]]} {scores[k]:.2f}" for k in trusted) or "none"
         log.info(f"--word-maps: {len(trusted)} of {len(words)} content words teach where they lie (val AUC): {named}")
         log.info(f"--word-maps: {len({w for _, w in borrowed})} untrusted words look where a trusted neighbour does")
