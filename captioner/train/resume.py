@@ -195,8 +195,8 @@ DERIVED = {  # each derived default's rule, as `fit --help` shows it
     "lr": f"{XE_LR:g} for xe, {SCST_LR:g} for scst",
     "dropout": f"{DROPOUT['soft']:g} for soft attention, {DROPOUT['hard']:g} for hard",
     "alpha_c": f"{OURS['alpha_c']:g}; {PAPER['alpha_c']:g}, the paper's, with --paper-objective",
-    "consistency": f"{OURS['consistency']:g}; {PAPER['consistency']:g}, off, with --paper-objective or --word-maps or "
-    "where the data has no views' features and no fine-tuned encoder makes them",
+    "consistency": f"{OURS['consistency']:g}; {PAPER['consistency']:g}, off, with --paper-objective or where the data "
+    "has no views' features and no fine-tuned encoder makes them",
     "word_query": "on with --boxes or --word-maps, unless --paper-objective",
     "decode_sharpness": f"{BOXES_SHARPNESS:g} for soft attention with --boxes or --word-maps (unless "
     "--paper-objective), else 1; "
@@ -302,7 +302,7 @@ def _terms(t: TermsConfig, views: bool) -> TermsConfig:
             )
     if t.paper and t.word_maps:
         raise CaptionerError("--paper-objective trains no attention term of ours: leave out --word-maps")
-    values = PAPER if t.paper else {**OURS, "consistency": 0.0} if t.word_maps else OURS
+    values = PAPER if t.paper else OURS
     t = replace(t, **{k: _given(getattr(t, k), values[k]) for k in values})
     if t.consistency > 0 and not views:
         logger.warning(
