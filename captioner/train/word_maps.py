@@ -7,9 +7,9 @@ learning, after Fang et al., CVPR 2015). A word teaches only where its detector 
 ranks the validation images whose references say w above those that do not, with an AUC of `TRUSTED_AUC` or more.
 In each training image whose captions say a trusted word, its target is the 3×3 cells around the map's smoothed
 peak (the maps saturate, so a threshold would take cells mostly off the object; one cell alone leaves the decoder
-too little of a hollow shape to read it). An untrusted word next to a trusted one
-in a caption borrows that word's target (the outlined scenes' hollow shapes, whose colours are found and whose
-shapes are not). Why: docs/attention.md#word-maps.
+too little of a hollow shape to read it). An untrusted word next to a trusted one in a caption borrows that word's
+target (the outlined scenes' hollow shapes, whose colours are found and whose shapes are not). Why:
+docs/attention.md#word-maps.
 
 Symbols: N images, L cells, D feature channels, W words.
 """
