@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -84,9 +85,13 @@ def test_word_map_targets_are_cells_for_the_content_words_a_training_image_says(
     words = word_maps.content_words(data, rows)
     assert targets.words > 0 and targets.masks.sum(1).min() >= 4  # 3×3 cells around a peak, fewer at the edges
     labels = word_maps.said(rows, word_maps.training_captions(data), words)
-    at = {int(r): n for n, r in enumerate(rows)}
-    for row, word in targets.index:
-        assert word in words and labels[at[row], words.index(word)]
+    _, val_rows = data.split_images("val")
+    val_labels = word_maps.said(val_rows, word_maps.reference_captions(data, "val"), words)
+    at = {int(r): (labels, n) for n, r in enumerate(rows)} | {int(r): (val_labels, n) for n, r in enumerate(val_rows)}
+    for row, word in targets.index:  # the training images' and the validation images' (map agreement)
+        said, n = at[row]
+        assert word in words and said[n, words.index(word)]
+    assert {row for row, _ in targets.index} & {int(r) for r in val_rows}
     # The random encoder's cells are local: targets land on the named object well above a random cell's chance.
     boxes = GroundingBoxes(str(scenes / "boxes.json"))
     truth = BoxTargets(data, boxes, data.encoder.preprocess, data.encoder.grid)
@@ -94,6 +99,20 @@ def test_word_map_targets_are_cells_for_the_content_words_a_training_image_says(
     on = np.mean([(targets.masks[m] & truth.mask_of(*key)).any() for key, m in named])
     chance = np.mean([truth.mask_of(*key).mean() for key, _ in named])
     assert len(named) >= 10 and on >= 2 * chance, (len(named), on, chance)
+
+
+def test_map_agreement_counts_the_words_with_a_target_whose_map_peaks_on_it(data_dir):
+    data = CaptionData(str(data_dir))
+    cells = np.zeros((2, 196), dtype=bool)
+    cells[0, 37] = cells[1, 100] = True
+    targets = BoxTargets.of_cells(data, {(3, 7): cells[0], (4, 7): cells[1]})
+    on, off = np.eye(196)[37], np.eye(196)[150]
+    hyps = {
+        30: SimpleNamespace(tokens=[5, 7, 9], attention=np.stack([off, on, off])),  # 7 peaks on its cell: a hit
+        40: SimpleNamespace(tokens=[7, 7], attention=np.stack([on, np.eye(196)[100]])),  # a miss, then a hit
+        50: SimpleNamespace(tokens=[7], attention=on[None]),  # no target in this image
+    }
+    assert word_maps.agreement(targets, {30: 3, 40: 4, 50: 5}, hyps, grid=14) == (2, 3)
 
 
 def test_fit_with_word_maps_trains_the_attention_term_and_refuses_boxes_beside_them(data_dir, scenes, tmp_path):
@@ -105,6 +124,8 @@ def test_fit_with_word_maps_trains_the_attention_term_and_refuses_boxes_beside_t
     assert saved["decoder"]["word_query"]
     log = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert '"boxes"' in log
+    validations = [json.loads(line) for line in log.splitlines() if '"val"' in line]
+    assert validations and all(v["map_agreement"] is None or 0 <= v["map_agreement"] <= 1 for v in validations)
     with pytest.raises(CaptionerError, match="--word-maps"):
         fit(FitJob(str(data_dir), str(tmp_path / "two"), model, cfg, boxes=str(scenes / "boxes.json"), device="cpu"))
     paper = TrainConfig.of(epochs=1, word_maps=True, paper=True)

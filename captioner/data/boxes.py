@@ -201,7 +201,8 @@ class BoxTargets:
 
     def mask_of(self, row: int, word: int) -> np.ndarray | None:
         """The cells (L,) bool of the objects `word` names in the image of feature row `row`; None when
-        it names none there (or the image is not a training image with boxes)."""
+        it names none there (or the image has no targets: --boxes marks the training images, --word-maps the
+        training and validation ones)."""
         m = self.index.get((row, word))
         return None if m is None else self.masks[m]
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from captioner.data.boxes import BoxTargets
 from captioner.data.dataset import CaptionData
 from captioner.decoding.beams import Hypothesis
 from captioner.decoding.settings import Decoding
@@ -39,6 +40,7 @@ from captioner.objectives.terms import TermState
 from captioner.train import distributed
 from captioner.train.config import Progress, ScheduleConfig
 from captioner.train.log import FaultLog, RunLog, first_nonfinite
+from captioner.train.word_maps import agreement
 
 
 def streams(generator: torch.Generator) -> dict:
@@ -173,10 +175,11 @@ logger = logging.getLogger(__name__)
 
 
 def validate(
-    live: Live, data: CaptionData, schedule: ScheduleConfig, process: distributed.Process
+    live: Live, data: CaptionData, schedule: ScheduleConfig, process: distributed.Process, targets: BoxTargets | None
 ) -> tuple[dict, dict[int, Hypothesis]]:
     """Generation-based validation of the weights' average (or the weights), split over processes and scored on the
-    gathered captions. Returns the metrics (every process's the same) and this process's captions by image id."""
+    gathered captions, with the map agreement on the word maps' validation `targets` (`fit --word-maps`). Returns the
+    metrics (every process's the same) and this process's captions by image id."""
     t0, d = time.monotonic(), process.dist
     texts, hyps = caption_split(
         live.average.model if live.average else live.decoder,
@@ -192,10 +195,16 @@ def validate(
     )
     texts = distributed.gather_dicts(d, texts)
     maps = distributed.gather_dicts(d, {i: h.attention.astype("float16") for i, h in hyps.items()})
+    rows = {int(i): int(r) for i, r in data.images["val"]}
+    counted = agreement(targets, rows, hyps, data.encoder.grid) if targets else (0, 0)
+    counted = distributed.gather_dicts(d, {d.rank: counted})
     metrics = None
     if d.main:
         metrics = score_validation(texts, data.references["val"])
         metrics["attention_health"] = attention_health(maps.values())
+        if targets is not None:
+            hits, words = map(sum, zip(*counted.values()))
+            metrics["map_agreement"] = hits / words if words else None  # None: no word the maps know was written
     return {**distributed.broadcast(d, metrics), "seconds": round(time.monotonic() - t0, 2)}, hyps
 
 

@@ -257,7 +257,8 @@ class Trainer:
         save last.pt. Returns whether a stop was asked and whether this is the run's last epoch."""
         schedule, progress, saver, d = self.cfg.schedule, self.progress, self.saver, self.process.dist
         try:
-            metrics, hyps = validate(self.live, self.data, schedule, self.process)
+            word_maps = self.targets if self.cfg.terms.word_maps else None
+            metrics, hyps = validate(self.live, self.data, schedule, self.process, word_maps)
         except Exception:  # the epoch's steps are kept, and counted once scored: a resume validates them first
             saver.save(saver.last_path, progress, {}, final=True)
             raise

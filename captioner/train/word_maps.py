@@ -148,7 +148,8 @@ def content_words(data: CaptionData, rows: np.ndarray) -> list[int]:
 
 
 def word_map_targets(data: CaptionData, *, seed: int = 0, main: bool = True) -> BoxTargets:
-    """`fit --word-maps`: the cells around the trusted words' peaks in the training images whose captions say them."""
+    """`fit --word-maps`: the cells around the trusted words' peaks in the training images whose captions say them,
+    and in the validation images whose references say them (`agreement`)."""
     if main and data.encoder.weights == "none":
         log.warning(
             "--word-maps on features of a random encoder (--encoder-weights none): its detectors tell whether an "
@@ -162,11 +163,16 @@ def word_map_targets(data: CaptionData, *, seed: int = 0, main: bool = True) -> 
     detectors = fit_detectors(features, rows, labels, seed=seed)
     _, val_rows = data.split_images("val")
     val_labels = said(val_rows, reference_captions(data, "val"), words)
-    val_best = maps(detectors, features, val_rows).max(1)  # (N, W) each image's best cell
+    val_maps = maps(detectors, features, val_rows)
+    val_best = val_maps.max(1)  # (N, W) each image's best cell
     scores = [auc(val_best[:, k], val_labels[:, k]) for k in range(len(words))]
     trusted = [k for k, s in enumerate(scores) if s >= TRUSTED_AUC]
     grid = data.encoder.grid
     cells: dict[tuple[int, int], np.ndarray] = {}
+    for n, p in enumerate(val_maps):
+        for k in trusted:
+            if val_labels[n, k]:
+                cells[int(val_rows[n]), words[k]] = around(peak_cell(p[:, k], grid), grid)
     for a in range(0, len(rows), BATCH):
         batch = rows[a : a + BATCH]
         for n, p in enumerate(maps(detectors, features, batch)):
@@ -196,3 +202,16 @@ def borrowed_cells(data: CaptionData, cells: dict, untrusted: set[int]) -> dict[
                         key = (int(row), word)
                         borrowed[key] = cell | borrowed.get(key, False)
     return borrowed
+
+
+def agreement(targets: BoxTargets, rows: dict[int, int], hyps: dict, grid: int) -> tuple[int, int]:
+    """How many of the generated words that have a target in their image (`targets`, by feature row) peak there, and
+    how many have one: validation's map agreement. `rows`: image id → feature row; `hyps`: image id → Hypothesis."""
+    hits = words = 0
+    for image_id, hyp in hyps.items():
+        for step, word in enumerate(hyp.tokens):
+            cells = targets.mask_of(rows[image_id], word)
+            if cells is not None:
+                words += 1
+                hits += bool(cells[peak_cell(hyp.attention[step], grid)])
+    return hits, words
