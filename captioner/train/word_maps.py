@@ -103,10 +103,11 @@ def fit_detectors(
 
 
 @torch.no_grad()
-def maps(detectors: torch.nn.Linear, features: Standardised, rows: np.ndarray) -> np.ndarray:
-    """The detectors' maps p (N, L, W) on images `rows`."""
-    batches = (rows[a : a + BATCH] for a in range(0, len(rows), BATCH))
-    return np.concatenate([torch.sigmoid(detectors(features(batch))).numpy() for batch in batches])
+def maps(detectors: torch.nn.Linear, features: Standardised, rows: np.ndarray):
+    """The detectors' maps p (n, L, W) on images `rows`, a batch at a time (COCO's maps of all its images
+    would not fit in memory), each with its first image's index in `rows`."""
+    for a in range(0, len(rows), BATCH):
+        yield a, torch.sigmoid(detectors(features(rows[a : a + BATCH]))).numpy()
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -163,22 +164,17 @@ def word_map_targets(data: CaptionData, *, seed: int = 0, main: bool = True) -> 
     detectors = fit_detectors(features, rows, labels, seed=seed)
     _, val_rows = data.split_images("val")
     val_labels = said(val_rows, reference_captions(data, "val"), words)
-    val_maps = maps(detectors, features, val_rows)
-    val_best = val_maps.max(1)  # (N, W) each image's best cell
+    val_best = np.concatenate([p.max(1) for _, p in maps(detectors, features, val_rows)])  # (N, W) best cells
     scores = [auc(val_best[:, k], val_labels[:, k]) for k in range(len(words))]
     trusted = [k for k, s in enumerate(scores) if s >= TRUSTED_AUC]
     grid = data.encoder.grid
     cells: dict[tuple[int, int], np.ndarray] = {}
-    for n, p in enumerate(val_maps):
-        for k in trusted:
-            if val_labels[n, k]:
-                cells[int(val_rows[n]), words[k]] = around(peak_cell(p[:, k], grid), grid)
-    for a in range(0, len(rows), BATCH):
-        batch = rows[a : a + BATCH]
-        for n, p in enumerate(maps(detectors, features, batch)):
-            for k in trusted:
-                if labels[a + n, k]:
-                    cells[int(batch[n]), words[k]] = around(peak_cell(p[:, k], grid), grid)
+    for images, says in ((rows, labels), (val_rows, val_labels)):
+        for a, batch in maps(detectors, features, images):
+            for n, p in enumerate(batch, start=a):
+                for k in trusted:
+                    if says[n, k]:
+                        cells[int(images[n]), words[k]] = around(peak_cell(p[:, k], grid), grid)
     borrowed = borrowed_cells(data, cells, {words[k] for k in range(len(words)) if k not in trusted})
     cells.update(borrowed)
     if main:
