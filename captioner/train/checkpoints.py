@@ -195,9 +195,9 @@ def validate(
     )
     texts = distributed.gather_dicts(d, texts)
     maps = distributed.gather_dicts(d, {i: h.attention.astype("float16") for i, h in hyps.items()})
-    rows = {int(i): int(r) for i, r in data.images["val"]}
-    counted = agreement(targets, rows, hyps, data.encoder.grid) if targets else (0, 0)
-    counted = distributed.gather_dicts(d, {d.rank: counted})
+    if targets is not None:  # every rank has them or none does
+        rows = {int(i): int(r) for i, r in data.images["val"]}
+        counted = distributed.gather_dicts(d, {d.rank: agreement(targets, rows, hyps, data.encoder.grid)})
     metrics = None
     if d.main:
         metrics = score_validation(texts, data.references["val"])
