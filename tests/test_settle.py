@@ -62,6 +62,8 @@ def test_each_derived_default():
     assert boxed.word_query and boxed.decode_sharpness == 3.0
     hard_boxed, _ = settled(DecoderConfig(0, attention="hard"), boxes=True)
     assert hard_boxed.word_query and hard_boxed.decode_sharpness == 1.0
+    hard_mapped, _ = settled(DecoderConfig(0, attention="hard"), boxes=True, word_maps=True)
+    assert hard_mapped.word_query and hard_mapped.decode_sharpness == 3.0
     paper, paper_cfg = settled(boxes=True, paper=True)
     assert (paper.word_query, paper.decode_sharpness) == (False, 1.0)
     assert (paper_cfg.terms.alpha_c, paper_cfg.terms.consistency) == (1.0, 0.0)

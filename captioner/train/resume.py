@@ -187,7 +187,7 @@ def start_from(job, data: CaptionData, device) -> tuple[dict | None, dict | None
     return None, saved, {**began, "init": saved["data"].get("init"), "command": saved.get("command")}
 
 
-BOXES_SHARPNESS = 3.0  # decoding's map sharpness for soft models trained with --boxes
+BOXES_SHARPNESS = 3.0  # decoding's map sharpness for soft models trained with --boxes, and any with --word-maps
 PAPER = {"alpha_c": 1.0, "consistency": 0.0}  # --paper-objective: eq. (14) with λ = 1, no term of ours
 OURS = {"alpha_c": 0.3, "consistency": 1.0}
 DROPOUT = {"soft": 0.2, "hard": 0.5}
@@ -198,9 +198,8 @@ DERIVED = {  # each derived default's rule, as `fit --help` shows it
     "consistency": f"{OURS['consistency']:g}; {PAPER['consistency']:g}, off, with --paper-objective or where the data "
     "has no views' features and no fine-tuned encoder makes them",
     "word_query": "on with --boxes or --word-maps, unless --paper-objective",
-    "decode_sharpness": f"{BOXES_SHARPNESS:g} for soft attention with --boxes or --word-maps (unless "
-    "--paper-objective), else 1; "
-    "with --init, the checkpoint's",
+    "decode_sharpness": f"{BOXES_SHARPNESS:g} for soft attention with --boxes and for either with --word-maps "
+    "(unless --paper-objective), else 1; with --init, the checkpoint's",
     "after": f"{DECODER_FIRST} from scratch, 0 with --init",
 }
 
@@ -246,18 +245,18 @@ def _derived(
 ) -> tuple[DecoderConfig, TrainConfig]:
     """The configs with every derived default settled (`DERIVED`); values already set are kept."""
     terms = _terms(cfg.terms, views or cfg.fine_tune is not None)
-    soft_boxes = boxes and not terms.paper
-    hard = model.attention == "hard"
+    taught = boxes and not terms.paper  # attention taught where words lie
+    sharpened = taught and (model.attention == "soft" or terms.word_maps)
     model = replace(
         model,
         dropout=_given(model.dropout, DROPOUT[model.attention]),
-        word_query=_given(model.word_query, soft_boxes),
+        word_query=_given(model.word_query, taught),
         decode_sharpness=_given(
             model.decode_sharpness,
             DecoderConfig(**init["decoder"]).decode_sharpness
             if init is not None
             else BOXES_SHARPNESS
-            if soft_boxes and not hard
+            if sharpened
             else 1.0,
         ),
     )
