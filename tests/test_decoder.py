@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import caption_loss
@@ -174,13 +176,14 @@ def test_beam_search_terminates_and_ranks():
     """An untrained model rarely says <end>: the search must still stop at max_len."""
     dec = tiny().eval()
     feats = torch.rand(4, L, D, generator=torch.Generator().manual_seed(5))
-    for K in (1, 3, 7):
-        beams = beam_search(dec, feats, beam_size=K, max_len=6)
+    for K, length_norm in itertools.product((1, 3, 7), (True, False)):
+        beams = beam_search(dec, feats, beam_size=K, max_len=6, length_norm=length_norm)
         assert len(beams) == 4
         for hyps in beams:
             assert 1 <= len(hyps) <= K
             assert all(len(h.tokens) <= 6 for h in hyps)
-            assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+            ranked = [h.normalized_score if length_norm else h.score for h in hyps]
+            assert ranked == sorted(ranked, reverse=True)
             assert all(h.attention.shape == (len(h.tokens), L) for h in hyps)
             assert len({tuple(h.tokens) for h in hyps}) == len(hyps)  # no duplicate beams
 
@@ -198,8 +201,8 @@ def test_every_caption_has_a_word_even_when_end_is_likeliest():
 def test_wider_beam_never_scores_worse_than_greedy():
     dec = tiny().eval()
     feats = torch.rand(6, L, D, generator=torch.Generator().manual_seed(8))
-    greedy = beam_search(dec, feats, beam_size=1, max_len=8)
-    wide = beam_search(dec, feats, beam_size=5, max_len=8)
+    greedy = beam_search(dec, feats, beam_size=1, max_len=8, length_norm=False)
+    wide = beam_search(dec, feats, beam_size=5, max_len=8, length_norm=False)
     for g, w in zip(greedy, wide):
         assert w[0].score >= g[0].score - 1e-5
 

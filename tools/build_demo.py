@@ -115,6 +115,7 @@ def build(opts: BuildOptions, work: str, *, model_dir: str = DEMO_MODEL, example
         "built_on": f"{device}: {_machine(device)}, torch {torch.__version__}, {time.monotonic() - t0:.0f} s"
         + (" (the scenes, features and training reused from an earlier run's --work directory)" if reused else ""),
         "decoding": decoding,
+        "scored_with": _scored_with(metrics["decoding"]),
         **({"encoder_pretraining": pretrain.card_record(pretrained)} if pretrained else {}),
         "stages": _stage_steps(work, opts.tune_minutes),
         "test_metrics": {k: metrics[k] for k in SCORES if k in metrics},
@@ -188,6 +189,12 @@ def choose_sharpness(best: str, data: str, boxes: str, objects: dict, device: st
         f"it decodes with {maps}: of the sharpness k of softmax(k e) tried on the {val['images']} validation "
         f"scenes ({tried}), the k naming the most scenes right with pointing at least {MIN_POINTING:g}"
     )
+
+
+def _scored_with(decoding: dict) -> str:
+    """How the card's scores were decoded, in words."""
+    ranked = "log-probability per word" if decoding["length_norm"] else "total log-probability"
+    return f"beam search of width {decoding['beam_size']}, beams ranked by {ranked}"
 
 
 def _words(metrics_path: str) -> dict[int, list[str]]:

@@ -5,7 +5,7 @@ caption the saved model writes for it, as the page shows it.
 The card records what the saved model wrote for each example (`demo.card.example_outputs`: words, score
 and every word's map), so that a change to the code that moves a saved model's outputs is seen
 (tests/test_saved_outputs.py). `python -m tools.demo_examples`, run from the repo root, records them
-again for the bundled model, keeping the rest of its card.
+again for the bundled model and judges them anew, keeping the rest of its card.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
 
 from captioner.demo.card import example_outputs
 from captioner.io import read_json, write_json_atomic
@@ -45,18 +44,21 @@ def draw_examples(k: int, examples_dir: str) -> tuple[dict[int, str], dict[int, 
         return paths, scenes.read_objects(os.path.join(tmp, "boxes.json"))
 
 
-def record_outputs(model_dir: str = DEMO_MODEL, paths: Sequence[str] | None = None) -> list[dict]:
-    """Record in an exported model's card what it writes for the examples today, keeping each example's
-    judgement; returns the card's examples."""
+def record_outputs(model_dir: str = DEMO_MODEL) -> list[dict]:
+    """Caption the bundled examples with an exported model as the page does today, judge each caption against
+    the objects drawn in it, and record both in the model's card; returns the card's examples."""
     config_path = os.path.join(model_dir, "config.json")
     config = read_json(config_path, "exported model config")
-    outputs = example_outputs(Captioner.load(model_dir), paths or example_images())
-    judged = {e["file"]: e for e in config["card"].get("examples") or []}
-    config["card"]["examples"] = [{**judged.get(out["file"], {}), **out} for out in outputs]
+    bundled = {os.path.basename(path): path for path in example_images()}
+    with tempfile.TemporaryDirectory() as tmp:
+        drawn, objects = draw_examples(len(bundled), os.path.join(tmp, "examples"))
+    paths = {i: bundled[os.path.basename(path)] for i, path in drawn.items()}
+    config["card"]["examples"] = judge_examples(model_dir, paths, objects)
     write_json_atomic(config_path, config)
     return config["card"]["examples"]
 
 
 if __name__ == "__main__":
     for example in record_outputs():
-        print(f"{example['file']}: {example['caption']} ({example['score']:.4f})")
+        judged = "right" if example["correct"] else "wrong"
+        print(f"{example['file']}: {example['caption']} ({example['score']:.4f}, {judged})")

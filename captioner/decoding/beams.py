@@ -72,7 +72,7 @@ def topk(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.take_along_axis(x, order, axis=1), order
 
 
-def search(step, max_len: int, length_norm: bool = False) -> list[list[Hypothesis]]:
+def search(step, max_len: int, length_norm: bool = True) -> list[list[Hypothesis]]:
     """The captions of a batch of images: for each, its K hypotheses, best first. `max_len` counts the words
     before <end>; `length_norm` ranks them by score per token.
 

@@ -40,12 +40,14 @@ class Decoding:
     method: Annotated[
         str,
         "--decoding",
-        "beam: the likeliest caption a beam search finds (--beam-size, --length-norm); sampling: captions drawn "
+        "beam: the likeliest caption a beam search finds (--beam-size, --no-length-norm); sampling: captions drawn "
         "word by word (--temperature, --top-k, --top-p, --n)",
     ] = "beam"
     beam_size: Annotated[int, "beams per image (1: greedy)"] = 3
     max_len: Annotated[int | None, "most words per caption (default: the model's training maximum)"] = None
-    length_norm: Annotated[bool, "rank beams by log-probability per word, not in total"] = False
+    length_norm: Annotated[
+        bool, "rank beams by log-probability per word (off: by their total, which favours short captions)"
+    ] = True
     sharpness: Annotated[
         float | None, "k of the maps softmax(k e_t) that decoding draws (default: the model's own)"
     ] = None

@@ -101,8 +101,8 @@ def _scores(ck: dict) -> list[str]:
         lines += [
             "## Scores",
             "",
-            f"On the {where}, beam search of width 3 (coco-caption's metrics as fractions; "
-            "pointing: the share of object words whose attention peak lies on the object):",
+            f"On the {where}, {card.get('scored_with', 'beam search of width 3')} (coco-caption's metrics as "
+            "fractions; pointing: the share of object words whose attention peak lies on the object):",
             "",
             "| metric | value |",
             "| --- | --- |",
