@@ -46,7 +46,9 @@ class Decoding:
     beam_size: Annotated[int, "beams per image (1: greedy)"] = 3
     max_len: Annotated[int | None, "most words per caption (default: the model's training maximum)"] = None
     length_norm: Annotated[
-        bool, "rank beams by log-probability per word (off: by their total, which favours short captions)"
+        bool,
+        "beams ranked by log-probability per word; off (--no-length-norm), by their total, which favours short "
+        "captions",
     ] = True
     sharpness: Annotated[
         float | None, "k of the maps softmax(k e_t) that decoding draws (default: the model's own)"
