@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from captioner.decoding.settings import Decoding
 from captioner.models.vocab import END_ID, PAD_ID, START_ID, UNK_ID
 
 
@@ -72,7 +73,7 @@ def topk(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.take_along_axis(x, order, axis=1), order
 
 
-def search(step, max_len: int, length_norm: bool = True) -> list[list[Hypothesis]]:
+def search(step, max_len: int, length_norm: bool = Decoding.length_norm) -> list[list[Hypothesis]]:
     """The captions of a batch of images: for each, its K hypotheses, best first. `max_len` counts the words
     before <end>; `length_norm` ranks them by score per token.
 

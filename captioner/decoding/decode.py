@@ -29,7 +29,7 @@ def beam_search(
     *,
     beam_size: int = 3,
     max_len: int = 20,
-    length_norm: bool = True,
+    length_norm: bool = Decoding.length_norm,
     mode: str = EXPECTED,
     generator: torch.Generator | None = None,
     shapes: str | None = None,
